@@ -235,7 +235,7 @@ def greedy(runner, prompts: list[list[int]], steps: int) -> tuple[list[list[int]
     (engine/pipeline/runner.py; off with TRITONLLM_PP_SAMPLE_ON_LAST_STAGE=0); the prompt step's
     logits come back for the first-step comparison. Returns (tokens, first logits, whether the
     decode steps were sampled on the last stage)."""
-    on_last_stage = bool(getattr(runner, "greedy_on_last_stage", False))
+    on_last_stage = bool(getattr(runner, "samples_on_last_stage", False))
     blocks = SequenceBlocks(runner.tokens_per_block, max(map(len, prompts)) + steps)
     runner.allocate_kv_cache(runner.num_kv_blocks_for(max_tokens=blocks.blocks_needed(len(prompts)) * blocks.page))
     half = runner.sampled_ring_slots // 2  # (draft slots past the two halves are not the ring's)
@@ -394,7 +394,7 @@ def run_perf_phase(args) -> dict:
     always = pipelined is not None and pipelined.always
     progress(f"executor ready (weights, KV pool, graphs; steps in flight: {steps_in_flight}"
              + (" always" if always else " where they pay" if pipelined is not None else "")
-             + ("; greedy steps sampled on the last stage" if executor._last_stage_greedy else "") + ")")
+             + ("; steps sampled on the last stage where they only draw" if executor._last_stage_sampling else "") + ")")
 
     def launched() -> int:  # steps launched in flight so far (the rest went one at a time)
         return pipelined._launched if pipelined is not None else 0

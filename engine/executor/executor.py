@@ -55,7 +55,8 @@ from engine.executor.request import (
     now_ns, prompt_keys_error,
 )
 from engine.executor.runner import ForwardBatch, ModelRunner
-from engine.executor.sampler import build_sampling_metadata, plain_argmax, sample
+from engine.executor.packed_draws import pack_draws
+from engine.executor.sampler import build_sampling_metadata, draws_alone, sample
 from engine.executor.scheduler import Scheduler, SchedulerOutput
 from engine.executor.speculative import Verified, verify_batch
 from engine.executor.speculative.executor_drafts import propose_drafts, resolve_device_drafts
@@ -197,8 +198,8 @@ class Executor(Admission, Finishing):
                                      self._pool_stats())  # (executor_stats.py)
         self.disagg = Disaggregation(self)  # context_only / generation_only requests (disaggregated.py)
         self.pipelined = make_pipelined_steps(self)  # pipeline stages: several steps in flight, or None
-        # pipeline stages: plain greedy steps are sampled on the last stage (engine/pipeline/runner.py)
-        self._last_stage_greedy = bool(getattr(self.runner, "greedy_on_last_stage", False))
+        # pipeline stages: steps that only draw are sampled on the last stage (engine/pipeline/runner.py)
+        self._last_stage_sampling = bool(getattr(self.runner, "samples_on_last_stage", False))
 
     def _init_guided_decoding(self, engine_dir: str) -> None:
         self.grammars: GrammarCache | None = None
@@ -414,7 +415,7 @@ class Executor(Admission, Finishing):
         num_active = len(self._active)  # in flight this step, those that finish in it included
         try:
             batch, rows, sampling, drafted = self._forward_batch(plan)
-            batch.sample_on_last_stage = self._greedy_on_last_stage(sampling, drafted)
+            self._mark_last_stage_sampling(batch, sampling, drafted)
             if self.encoder_stage is not None:
                 self.encoder_stage.fill_cross_rows(batch, plan)
             prompt_embeds = prompt_embeds_of(plan, self.limits.vocab_size) if self._table_request_ids else None
@@ -427,7 +428,7 @@ class Executor(Admission, Finishing):
             # A constrained row samples after the previous step's tokens reach its matcher (_sample_guided).
             guided = self.token_masks is not None and any(seq.grammar is not None for seq, _ in sampling)
             if batch.sample_on_last_stage:  # (``logits``: the token ids the last stage sampled)
-                transfer = self._store_last_stage_tokens(logits, sampling, batch)
+                transfer = self._store_last_stage_tokens(logits, batch)
             else:
                 transfer = self._sample(logits, sampling, batch) if sampling and not guided else None
             verified = self._verify(logits, drafted) if drafted else None
@@ -520,20 +521,24 @@ class Executor(Admission, Finishing):
                           sampled_tokens_slot=self._parity * self.runner.sampled_ring_slots // 2,
                           state_slots=self.state_slots)
 
-    def _greedy_on_last_stage(self, sampling: list[tuple[Sequence, int]], drafted: list) -> bool:
-        """Whether this step is sampled on a pipeline's last stage (ForwardBatch.sample_on_last_stage):
-        the runner offers it, no request needs the step's logits on the host or a proposer, and every
-        row samples by plain argmax (sampler.plain_argmax), so the last stage's ids are the ones
-        ``_sample`` would draw."""
-        return (self._last_stage_greedy and bool(sampling) and not drafted and not self._sync_request_ids
-                and self.proposer is None and all(plain_argmax(seq) for seq, _ in sampling))
+    def _mark_last_stage_sampling(self, batch: ForwardBatch, sampling: list[tuple[Sequence, int]],
+                                  drafted: list) -> None:
+        """Have a pipeline's last stage sample this step (ForwardBatch.sample_on_last_stage) where the
+        runner offers it, no request needs the step's logits on the host or a proposer, each logits
+        row samples and every row only draws (sampler.draws_alone): the last stage's ids are then the
+        ones ``_sample`` would draw (greedy rows alone: its argmax; else from the packed draws)."""
+        seqs = [seq for seq, _ in sampling]
+        if not (self._last_stage_sampling and seqs and not drafted and not self._sync_request_ids
+                and self.proposer is None and [row for _, row in sampling] == list(range(len(batch.logits_indices)))
+                and all(map(draws_alone, seqs))):
+            return
+        batch.sample_on_last_stage = True
+        if not all(seq.state.request.sampling.is_greedy for seq in seqs):
+            batch.last_stage_draws = pack_draws(seqs, self.runner.vocab_size)
 
-    def _store_last_stage_tokens(self, token_ids: torch.Tensor, sampling: list[tuple[Sequence, int]],
-                                 batch: ForwardBatch) -> TokenTransfer:
-        """A step sampled on the last stage: its (logits rows,) int64 ids go where ``_sample``'s would."""
-        sample_rows = [row for _, row in sampling]
-        if sample_rows != list(range(len(token_ids))):  # (every logits row samples in such a step)
-            token_ids = token_ids[torch.tensor(sample_rows, device=token_ids.device)]
+    def _store_last_stage_tokens(self, token_ids: torch.Tensor, batch: ForwardBatch) -> TokenTransfer:
+        """A step sampled on the last stage: its int64 ids (one per logits row, each a sampling row's)
+        go where ``_sample``'s would."""
         self.runner.store_sampled_tokens(token_ids, batch)
         return TokenTransfer(token_ids, None, self._pinned[self._parity])
 

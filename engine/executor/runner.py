@@ -95,10 +95,12 @@ class ForwardBatch:
     # Pipeline stages (engine/pipeline/runner.py): the step's micro-batch count, the same on every
     # rank; 0: each stage's cost model chooses it.
     micro_batches: int = 0
-    # Pipeline stages: the step's rows all sample by plain argmax and the last stage samples them,
-    # sending rank 0 the token ids instead of the logits (engine/pipeline/runner.py); decided on rank 0
-    # from the requests (Executor._greedy_on_last_stage), so every rank agrees. Other runners ignore it.
+    # Pipeline stages: the last stage samples the step's rows, which only draw (sampler.draws_alone),
+    # and sends rank 0 the token ids instead of the logits (engine/pipeline/runner.py); decided on rank 0
+    # from the requests (Executor._mark_last_stage_sampling), so every rank agrees. Other runners ignore it.
     sample_on_last_stage: bool = False
+    # ... and where some row is not greedy, the step's draw settings (engine/executor/packed_draws.py); else None.
+    last_stage_draws: list[int] | None = None
 
 
 class ModelRunner:

@@ -139,21 +139,27 @@ def sampling_law(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.T
     return scores.softmax(dim=-1)
 
 
-def plain_argmax(seq: Sequence) -> bool:
-    """Whether ``sample`` gives this sequence's row exactly ``greedy_tokens`` of its raw logits and
-    nothing else: greedy (temperature 0 or top-k 1, no beams), no log-probs or top log-probs, no
+def draws_alone(seq: Sequence) -> bool:
+    """Whether ``sample`` does nothing for this sequence's row but draw its token from the raw logits
+    (greedy, or temperature / top-k / top-p with its seed): no beams, log-probs or top log-probs, no
     returned logits, no penalties, bans, embedding bias, Whisper timestamps or grammar. A step whose
-    rows all are can be sampled wherever its logits are (engine/pipeline/runner.py: on the last
-    stage, which sends rank 0 the ids instead of the logits). Mirrors build_sampling_metadata: a
-    batch of such rows gets all_greedy and no processing or log-probs (tests/engine/test_sampler.py)."""
+    rows all do can be sampled wherever its logits are (engine/pipeline/runner.py: on the last stage,
+    which sends rank 0 the ids instead of the logits; engine/executor/packed_draws.py)."""
     request = seq.state.request
     config, output = request.sampling, request.output
-    return (config.is_greedy and config.beam_width <= 1 and seq.grammar is None
+    return (config.beam_width <= 1 and seq.grammar is None
             and not (output.return_log_probs or output.num_top_log_probs or output.return_context_logits
                      or output.return_generation_logits)
             and (config.repetition_penalty is None or config.repetition_penalty == 1.0)
             and not config.presence_penalty and not config.frequency_penalty
             and not _may_ban(request) and request.embedding_bias is None and request.whisper_timestamps is None)
+
+
+def plain_argmax(seq: Sequence) -> bool:
+    """``draws_alone`` and greedy: ``sample`` gives this row exactly ``greedy_tokens`` of its raw
+    logits in a batch of such rows (build_sampling_metadata: all_greedy, nothing processed, no
+    log-probs; tests/executor/test_sampler.py)."""
+    return seq.state.request.sampling.is_greedy and draws_alone(seq)
 
 
 def build_sampling_metadata(seqs: list[Sequence], vocab_size: int, device, return_log_probs: bool) -> SamplingMetadata:

@@ -43,9 +43,10 @@ tokens on the host between steps keep the one-step path (penalties, bad words, b
 context/generation logits: the executor's ``_must_sync``; speculative decoding; guided decoding,
 whose masks follow the previous token; disaggregated context_only / generation_only requests).
 While one is active the launched steps are drained first; nothing is refused. Log-probs and top
-log-probs ride with the sampled tokens and work either way. A launched step whose rows are all
-plain greedy is sampled on the last stage (ForwardBatch.sample_on_last_stage, engine/pipeline/
-runner.py): ``finish`` then gives its token ids, which go to the ring as the sampler's would.
+log-probs ride with the sampled tokens and work either way. A launched step whose rows only draw
+(greedy or seeded draws, nothing else asked) is sampled on the last stage
+(ForwardBatch.sample_on_last_stage, engine/pipeline/runner.py): ``finish`` then gives its token
+ids, which go to the ring as the sampler's would.
 
 And only while they pay (``in_flight_gain``, engine/pipeline/step_cost.py): a sequence's next step
 needs its sampled token, so the steps in flight carry different sequences and a batch of b becomes
@@ -202,7 +203,7 @@ class PipelinedSteps:
         num_active = len(ex._active)
         try:
             batch, rows, sampling, _ = ex._forward_batch(plan)
-            batch.sample_on_last_stage = ex._greedy_on_last_stage(sampling, [])
+            ex._mark_last_stage_sampling(batch, sampling, [])
             work = ex.runner.step_cost.work(len(batch.token_ids), batch.context_lens)
             batch.micro_batches = self._micro_batches(work)
             launched = ex.runner.launch(batch)
@@ -233,7 +234,7 @@ class PipelinedSteps:
             logits = ex.runner.finish(item.launched)  # (or the token ids the last stage sampled)
             self._note("finish", item.number)
             if item.batch.sample_on_last_stage:
-                transfer = ex._store_last_stage_tokens(logits, item.sampling, item.batch)
+                transfer = ex._store_last_stage_tokens(logits, item.batch)
             else:
                 transfer = ex._sample(logits, item.sampling, item.batch) if item.sampling else None
         except Exception as err:

@@ -19,10 +19,11 @@ idles (pp - 1) / (M + pp - 1) of a step (the fill and drain), rather than (pp - 
 step runs whole. Each tensor-parallel rank of a stage sends to the same tp rank of the next (the
 stream is replicated within a stage); the last stage's tp rank 0 sends the logits (float32, the full
 vocabulary) to rank 0, which samples, so sampling, penalties, guided decoding and log-probs work
-as on one rank. A step whose rows all sample by plain argmax (greedy, nothing else asked:
-engine/executor/sampler.py plain_argmax) is sampled on the last stage instead where rank 0 marks it
-so in the plan (ForwardBatch.sample_on_last_stage, ``StageRunner.greedy_on_last_stage``): the last
-stage sends the int64 ids, 8 bytes a row, and rank 0 stores them where its sampler's would go.
+as on one rank. A step whose rows only draw (greedy or seeded draws with temperature, top-k and
+top-p, nothing else asked: engine/executor/sampler.py draws_alone) is sampled on the last stage
+instead where rank 0 marks it so in the plan (ForwardBatch.sample_on_last_stage and, for draws,
+last_stage_draws; ``StageRunner.samples_on_last_stage``): the last stage sends the int64 ids, 8
+bytes a row, and rank 0 stores them where its sampler's would go.
 Sends are asynchronous; a step's sends are waited on at the rank's next step, after that step's
 work is queued (``StageRunner.forward`` says why), and every receive before its
 step returns. Plans, heartbeats and CALLs go over the step protocol's own channel and groups, so they
@@ -65,7 +66,9 @@ import torch.distributed as dist
 
 from engine.config import EngineConfig
 from engine.executor.overlap import resolve_placeholders
+from engine.executor.packed_draws import draw_metadata
 from engine.executor.runner import ForwardBatch, ModelRunner
+from engine.executor.sampler import sample
 from engine.pipeline.layout import Stage, stage_of_rank
 from engine.pipeline.step_cost import AUTO_MOST_PER_STAGE, StepCost, choose_micro_batches
 from engine.pipeline.stage import StageStep, check_pipeline_supported, stage_forward, trim_to_stage
@@ -77,8 +80,8 @@ MICRO_BATCHES_ENV = "TRITONLLM_PP_MICRO_BATCHES"
 # "0": each ``forward`` waits on its own sends before it returns (the behaviour before they were
 # deferred to the next step; kept for measurements, StageRunner.forward says why not by default).
 DEFER_SEND_WAITS_ENV = "TRITONLLM_PP_DEFER_SEND_WAITS"
-# "0": every step's logits go to rank 0, which samples (the behaviour before greedy steps were sampled
-# on the last stage; kept for A/B measurements: StageRunner.greedy_on_last_stage).
+# "0": every step's logits go to rank 0, which samples (the behaviour before steps were sampled on the
+# last stage; kept for A/B measurements: StageRunner.samples_on_last_stage).
 SAMPLE_ON_LAST_STAGE_ENV = "TRITONLLM_PP_SAMPLE_ON_LAST_STAGE"
 
 
@@ -227,13 +230,13 @@ class StageRunner(ModelRunner):
         """The warm-up batch runs a whole model; a stage's kernels compile on its first step."""
 
     @property
-    def greedy_on_last_stage(self) -> bool:
-        """Whether rank 0 may mark a step whose rows all sample by plain argmax for sampling on the
-        last stage (ForwardBatch.sample_on_last_stage): the last stage's tp rank 0 then runs
-        ``greedy_tokens`` on the logits it computed and sends rank 0 the (rows,) int64 ids, 8 bytes
-        a row instead of the vocabulary's float32 logits (131 MB a step at 256 rows of
-        Llama-3.1-8B, ~0.5 ms of a 6.0 ms PP 2 decode step on two H200s). Exact: the same function
-        on the same float32 logits that rank 0 would have received. Off with SAMPLE_ON_LAST_STAGE_ENV=0."""
+    def samples_on_last_stage(self) -> bool:
+        """Whether rank 0 may mark a step whose rows only draw for sampling on the last stage
+        (ForwardBatch.sample_on_last_stage): the last stage's tp rank 0 then samples the logits it
+        computed (``_last_stage_tokens``) and sends rank 0 the (rows,) int64 ids, 8 bytes a row
+        instead of the vocabulary's float32 logits (131 MB a step at 256 rows of Llama-3.1-8B, ~0.5 ms
+        of a 6.0 ms PP 2 decode step on two H200s). Exact: the functions rank 0's sampler would run,
+        on the same float32 logits with the same settings. Off with SAMPLE_ON_LAST_STAGE_ENV=0."""
         return self._sample_on_last_stage and self.place.stage.pp_size > 1
 
     # -- the step
@@ -306,7 +309,7 @@ class StageRunner(ModelRunner):
             logits = self.model.compute_logits(out)  # a collective within the stage's tp group
             if place.sends_logits and logits.shape[0]:
                 # sampled here: rank 0 gets the ids its own sampler would have drawn from these logits
-                logits = greedy_tokens(logits) if ids_only else logits.contiguous()
+                logits = self._last_stage_tokens(logits, batch, part) if ids_only else logits.contiguous()
                 launched.sends.append((dist.isend(logits, dst=0, group=self.logits_group), logits))
         return launched
 
@@ -321,6 +324,15 @@ class StageRunner(ModelRunner):
         for work, _ in launched.sends:
             work.wait()
         return launched.received
+
+    def _last_stage_tokens(self, logits: torch.Tensor, batch: ForwardBatch, part: MicroBatch) -> torch.Tensor:
+        """A micro-batch's tokens as rank 0's sampler would draw them (Executor._sample): greedy rows
+        alone, ``greedy_tokens`` (sample's all-greedy path); else ``sample`` with the rows' settings
+        from the plan (engine/executor/packed_draws.py: as rank 0 would build them for the step)."""
+        if batch.last_stage_draws is None:
+            return greedy_tokens(logits)
+        return sample(logits, draw_metadata(batch.last_stage_draws, part.logits_rows, self.vocab_size,
+                                            self.device)).token_ids
 
     def micro_batch_count(self, batch: ForwardBatch) -> int:
         if self.micro_batches is not None:

@@ -43,28 +43,48 @@ def pp_rank_logits(rank: int, engine_dirs: dict, micro_batches: int) -> dict:
         os.environ.pop(MICRO_BATCHES_ENV, None)
 
 
-class _SampledOnLastStage(_LogitsOnEveryRank):
-    """A StageRunner whose every step is marked for sampling on the last stage: rank 0's forward
-    returns the token ids the last stage sent, kept in ``ids``; zeros stand for the logits."""
+def step_draws(rows: int, vocab_size: int) -> list[int]:
+    """Packed draws (engine/executor/packed_draws.py) for a step of ``rows`` rows: every third row
+    greedy, the others at temperature 0.7 with a top-k of 5 on odd rows and a top-p of 0.9 on every
+    fourth, each with its own seed (one past 2**31: both halves used) and offset."""
+    from types import SimpleNamespace
 
-    def __init__(self, runner):
+    from engine.executor.packed_draws import pack_draws
+    from engine.executor.request import SamplingConfig
+
+    def seq(row):
+        sampling = SamplingConfig(temperature=0.0 if row % 3 == 0 else 0.7, top_k=5 if row % 2 else 0,
+                                  top_p=0.9 if row % 4 == 1 else None)
+        return SimpleNamespace(state=SimpleNamespace(request=SimpleNamespace(sampling=sampling)),
+                               seed=(1 << 31) + 17 * row, num_generated_tokens=row)
+    return pack_draws([seq(row) for row in range(rows)], vocab_size)
+
+
+class _SampledOnLastStage(_LogitsOnEveryRank):
+    """A StageRunner whose every step is marked for sampling on the last stage (``draws``: with
+    step_draws' settings, else greedy): rank 0's forward returns the token ids the last stage sent,
+    kept in ``ids``; zeros stand for the logits."""
+
+    def __init__(self, runner, draws: bool = False):
         super().__init__(runner)
         self.ids = []
+        self.draws = draws
 
     def forward(self, batch, **kwargs):
         from dataclasses import replace
 
-        ids = self.runner.forward(replace(batch, sample_on_last_stage=True), **kwargs)
+        draws = step_draws(len(batch.logits_indices), self.runner.vocab_size) if self.draws else None
+        ids = self.runner.forward(replace(batch, sample_on_last_stage=True, last_stage_draws=draws), **kwargs)
         if ids is not None:
             self.ids.append(ids)
         return torch.zeros(len(batch.logits_indices), self.runner.vocab_size)
 
 
-def pp_rank_last_stage_ids(rank: int, engine_dir: str, micro_batches: int) -> tuple:
+def pp_rank_last_stage_ids(rank: int, engine_dir: str, micro_batches: int, draws: bool = False) -> tuple:
     """tp_reference_steps twice on fresh stage runners: first as today (rank 0 receives the logits),
-    then with every step sampled on the last stage. Returns (rank 0's logits of the first pass or
-    None, rank 0's ids of the second or None, (dtype, shape) of each tensor this rank sent rank 0
-    in the second pass)."""
+    then with every step sampled on the last stage (``draws``: step_draws' settings, else greedy).
+    Returns (rank 0's logits of the first pass or None, rank 0's ids of the second or None, (dtype,
+    shape) of each tensor this rank sent rank 0 in the second pass)."""
     import pytest
     import torch.distributed as dist
 
@@ -85,7 +105,7 @@ def pp_rank_last_stage_ids(rank: int, engine_dir: str, micro_batches: int) -> tu
                 return isend(tensor, dst, *args, **kwargs)
 
             patch.setattr(dist, "isend", recorded_isend)
-            sampled = _SampledOnLastStage(StageRunner(engine_dir, rank=rank, device="cpu"))
+            sampled = _SampledOnLastStage(StageRunner(engine_dir, rank=rank, device="cpu"), draws)
             tp_reference_steps(sampled)
             sampled.runner.wait_sends()
         return (logits, torch.cat(sampled.ids), sent) if rank == 0 else (None, None, sent)
@@ -174,7 +194,7 @@ def pipelined_executor_run(rank: int, pp2_dir: str, requests: list, cancel_after
     from 3 sequences on (the tiny model's own figures never would), and every launched step cut in
     two micro-batches. ``sample_on_last_stage`` False: SAMPLE_ON_LAST_STAGE_ENV=0. ``out["sampled_on_last_stage"]``
     (``out["then_sampled_on_last_stage"]``): each launched or one-step batch's ("launch" | "forward",
-    its sample_on_last_stage), of ``requests`` (``then``)."""
+    its sample_on_last_stage, whether it carried draws), of ``requests`` (``then``)."""
     import torch.distributed as dist
 
     from engine.executor import Executor, ExecutorConfig
@@ -210,7 +230,7 @@ def pipelined_executor_run(rank: int, pp2_dir: str, requests: list, cancel_after
     def recording_launch(batch):
         launches.append([table[0] for table in batch.block_tables])
         micro_batches.append(batch.micro_batches)
-        last_stage.append(("launch", batch.sample_on_last_stage))
+        last_stage.append(("launch", batch.sample_on_last_stage, batch.last_stage_draws is not None))
         return launch(batch)
 
     leader.launch = recording_launch
@@ -219,7 +239,7 @@ def pipelined_executor_run(rank: int, pp2_dir: str, requests: list, cancel_after
 
     def counting_forward(batch, **kwargs):
         forwards.append(len(batch.seq_lens_q))
-        last_stage.append(("forward", batch.sample_on_last_stage))
+        last_stage.append(("forward", batch.sample_on_last_stage, batch.last_stage_draws is not None))
         return forward(batch, **kwargs)
 
     leader.forward = counting_forward

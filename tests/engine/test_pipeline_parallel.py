@@ -370,12 +370,34 @@ def test_last_stage_sends_rank0_the_greedy_ids_of_the_logits_it_would_have_sent(
         assert sum(shape[0] for _, shape in sent) == len(ids) and len(sent) == 2 * micro_batches  # (2 steps)
 
 
-def test_pp2_executor_samples_greedy_steps_on_the_last_stage_and_falls_back_for_the_rest(engines):
-    """Greedy requests beside a seeded sampled one and one asking for log-probs (a batch holds 4 of
-    the 6): the same tokens as pp 1 whether two steps are in flight or one at a time. Steps whose
-    rows are all plain greedy were sampled on the last stage, those with the sampled or log-prob
-    request's row on rank 0 (both kinds occur on both paths); a penalty request (host tokens every
-    step) keeps every step on rank 0; with TRITONLLM_PP_SAMPLE_ON_LAST_STAGE=0 no step is, same tokens."""
+def test_last_stage_draws_rank0s_seeded_tokens_from_the_packed_settings(engines):
+    """Steps of greedy rows beside rows drawn at temperature 0.7 with top-k and top-p, each seeded
+    (pipeline_ranks.step_draws), sampled on the last stage, per micro-batch: rank 0 receives exactly
+    what its own sampler draws from the logits it receives today (the whole step at once, with the
+    settings build_sampling_metadata would give it: packed_draws.draw_metadata of the step)."""
+    from gloo_ranks import shared_pair
+    from pipeline_ranks import pp_rank_last_stage_ids, step_draws
+
+    from engine.executor.packed_draws import draw_metadata
+    from engine.executor.sampler import sample
+
+    _, pp2 = engines["llama"]
+    for micro_batches in (1, 2):
+        (logits, ids, _), (_, _, sent) = shared_pair().run(pp_rank_last_stage_ids, pp2, micro_batches, True)
+        steps = logits.split([19, 4])  # (tp_reference_steps: a prompt step of 6 + 13 rows, then 3 + 1)
+        expected = torch.cat([sample(step, draw_metadata(step_draws(len(step), VOCAB), list(range(len(step))), VOCAB,
+                                                         "cpu")).token_ids for step in steps])
+        assert torch.equal(ids, expected) and not torch.equal(ids, logits.argmax(dim=-1))  # (drawn, not the argmax)
+        assert {dtype for dtype, _ in sent} == {torch.int64} and len(sent) == 2 * micro_batches
+
+
+def test_pp2_executor_samples_on_the_last_stage_and_falls_back_for_the_rest(engines):
+    """Greedy requests beside two seeded sampled ones (top-k; top-p) and one asking for log-probs:
+    the same tokens as pp 1 whether two steps are in flight or one at a time. Steps whose rows only
+    draw (greedy or seeded) were sampled on the last stage, with the draws packed where a sampled
+    row is among them; those with the log-prob request's row on rank 0 (both kinds occur on both
+    paths); a penalty request (host tokens every step) keeps every step on rank 0; with
+    TRITONLLM_PP_SAMPLE_ON_LAST_STAGE=0 no step is, same tokens."""
     from gloo_ranks import shared_pair
     from pipeline_ranks import _run_streaming, pipelined_executor_run
 
@@ -389,6 +411,7 @@ def test_pp2_executor_samples_greedy_steps_on_the_last_stage_and_falls_back_for_
 
     requests = [request(60 + i, 6 + i) for i in range(4)]
     requests.append(request(70, 7, temperature=0.8, top_k=5, seed=5))
+    requests.append(request(74, 6, temperature=1.3, top_k=None, top_p=0.9, seed=2**40 + 3))
     log_probs = request(71, 5)
     log_probs.output = OutputConfig(return_log_probs=True)
     requests.append(log_probs)
@@ -399,18 +422,23 @@ def test_pp2_executor_samples_greedy_steps_on_the_last_stage_and_falls_back_for_
         expected_then = _run_streaming(executor, then, None)
 
     def flags(result, kind, of="sampled_on_last_stage"):
-        return [flag for step, flag in result[of] if step == kind]
+        return [flag for step, flag, _ in result[of] if step == kind]
+
+    def with_draws(result):
+        return [step for step, flag, draws in result["sampled_on_last_stage"] if flag and draws]
 
     in_flight, _ = shared_pair().run(pipelined_executor_run, pp2, requests, None, then)
     assert in_flight["tokens"] == expected and in_flight["then"] == expected_then
     assert True in flags(in_flight, "launch") and False in flags(in_flight, "launch"), in_flight["sampled_on_last_stage"]
+    assert "launch" in with_draws(in_flight)  # (the seeded requests' steps)
     then_steps = flags(in_flight, "forward", "then_sampled_on_last_stage")
     assert then_steps and not any(then_steps)  # (the penalty request's steps, one at a time)
 
     one_step, _ = shared_pair().run(pipelined_executor_run, pp2, requests, None, None, "1")
     assert one_step["tokens"] == expected and not flags(one_step, "launch")
     assert True in flags(one_step, "forward") and False in flags(one_step, "forward"), one_step["sampled_on_last_stage"]
+    assert "forward" in with_draws(one_step)
 
     off, _ = shared_pair().run(pipelined_executor_run, pp2, requests, None, None, "2", False)
     assert off["tokens"] == expected
-    assert off["sampled_on_last_stage"] and not any(flag for _, flag in off["sampled_on_last_stage"])
+    assert off["sampled_on_last_stage"] and not any(flag for _, flag, _ in off["sampled_on_last_stage"])

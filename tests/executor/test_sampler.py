@@ -5,7 +5,10 @@ import torch
 from executor_testing import make_seq
 
 from engine.executor.request import OutputConfig
-from engine.executor.sampler import apply_top_k_top_p, build_sampling_metadata, plain_argmax, process_logits, sample
+from engine.executor.packed_draws import draw_metadata, pack_draws
+from engine.executor.sampler import (
+    apply_top_k_top_p, build_sampling_metadata, draws_alone, plain_argmax, process_logits, sample,
+)
 from kernels.sampling import greedy_tokens
 
 VOCAB = 8
@@ -207,11 +210,39 @@ def test_plain_argmax_rows_are_sampled_by_greedy_tokens_alone():
         "context logits": (dict(top_k=1), output(return_context_logits=True)),
         "generation logits": (dict(top_k=1), output(return_generation_logits=True)),
     }
+    draws = ("sampled", "top-k 2", "top-p")  # (not greedy, but nothing beside the draw: draws_alone)
     for name, (sampling, change) in not_plain.items():
         seq = make_seq([0, 1], **sampling)
         if change is not None:
             change(seq)
         assert not plain_argmax(seq), name
+        assert draws_alone(seq) == (name in draws), name
     guided = make_seq([0], top_k=1)
     guided.grammar = object()  # (a GrammarMatcher: its mask is applied before the argmax)
-    assert not plain_argmax(guided)
+    assert not plain_argmax(guided) and not draws_alone(guided)
+
+
+def test_packed_draws_rebuild_the_metadata_rank0_builds():
+    """A pipeline's last stage samples from draw_metadata(pack_draws(seqs)) (engine/executor/packed_draws.py):
+    field for field build_sampling_metadata's (float settings through their float32 bits, seeds up
+    to 2**62 in two halves), so sample() draws the same tokens; a micro-batch's rows keep the step's
+    top-k / top-p pass."""
+    seqs = [make_seq([0], top_k=1), make_seq([1], temperature=0.7, top_k=3), make_seq([2], top_p=0.85),
+            make_seq([3], temperature=1.3, top_k=4, top_p=0.6), make_seq([4]), make_seq([5], temperature=0.1, top_k=5)]
+    for i, seq in enumerate(seqs):
+        seq.seed = (1 << 62) - 1 - 7 * i
+        seq.token_ids += [1] * i  # offsets 0..5
+    expected, packed = metadata(seqs), pack_draws(seqs, VOCAB)
+    assert all(-2**31 <= value < 2**31 for value in packed)  # (int32, as every plan field)
+    rebuilt = draw_metadata(packed, list(range(len(seqs))), VOCAB, "cpu")
+    for name in ("is_greedy", "temperature", "top_k", "top_p", "draw_temperature", "seeds", "offsets"):
+        assert torch.equal(getattr(rebuilt, name), getattr(expected, name)), name
+    for name in ("all_greedy", "needs_top_k_top_p", "return_log_probs", "repetition_penalty", "banned",
+                 "embedding_bias", "token_bitmask", "timestamps", "top_log_prob_rows"):
+        assert getattr(rebuilt, name) == getattr(expected, name), name
+    logits = torch.randn(len(seqs), VOCAB)
+    tokens = sample(logits, expected).token_ids
+    assert torch.equal(sample(logits, rebuilt).token_ids, tokens)
+    part = draw_metadata(packed, [4, 5], VOCAB, "cpu")  # a micro-batch's rows
+    assert part.needs_top_k_top_p and torch.equal(part.seeds, expected.seeds[4:])
+    assert torch.equal(sample(logits[4:], part).token_ids, tokens[4:])
