@@ -4,7 +4,7 @@
 # its KV transfer, the checks that need two GPUs, and the one-GPU runs still waiting, two at a time
 # (CUDA_VISIBLE_DEVICES=0 and =1) after the two-GPU work of the same call, never beside it.
 #
-#   bash benchmarks/engine/x2_gpu_run.sh CALL [OUT]        CALL 1 to 18; OUT default $OUT
+#   bash benchmarks/engine/x2_gpu_run.sh CALL [OUT]        CALL 1 to 19; OUT default $OUT
 #   SMOKE=1 bash benchmarks/engine/x2_gpu_run.sh CALL DIR  the same flow on the CPU with the tiny model
 #                                                         (the one-GPU jobs are only printed)
 #
@@ -19,7 +19,7 @@
 # 5, 6 session 16's retries (run). 7 (~250 s on two GPUs, ~450 s with LANES=1) session 17's one-GPU jobs in two lanes (LANES=1 on one GPU);
 #    8 (~270 s) the KV pull and NIXL GPU tests, PP 2 with stage graphs and with two steps in flight;
 #    9 (~430 s) disagg_bench at 6 and 10 req/s, then with the context executor in its own process.
-# 10-12 session 17's later calls, 13-16 session 18's, 17 session 19's first, 18 session 20's first (each case's comment says what it runs and
+# 10-12 session 17's later calls, 13-16 session 18's, 17 session 19's first, 18 session 20's first, 19 its plan for the next session (each case's comment says what it runs and
 # how long).
 #
 # Everything goes to /tmp/x2_call$CALL; at the end OUT gets call$CALL.tgz (all logs and JSON), summary.txt (what
@@ -27,7 +27,7 @@
 # each job's exit status and its result lines, so the call's output_tail alone is enough to read.
 set -u
 script=$(realpath "$0")
-call=${1:?usage: x2_gpu_run.sh 1-18 [OUT]}
+call=${1:?usage: x2_gpu_run.sh 1-19 [OUT]}
 out=$(realpath -m "${2:-${OUT:-/tmp/x2_gpu_run}}")
 mkdir -p "$out"
 if [ -z "${X2_UNDER_TEE:-}" ]; then  # the console also in $out/summary.txt, complete when the call returns
@@ -441,7 +441,29 @@ case $call in
   wait
   echo "== int4"; tail -6 $w/int4_bf16.log; tail -6 $w/int4_eng.log
   ;;
-*) echo "x2_gpu_run.sh: CALL must be 1 to 18, got '$call'"; exit 2 ;;
+19)
+  # Session 20's planned call for the next session (~300 s): issue 50's sampling on the last stage (pplast20, CPU-tested
+  # only): the greedy check over NCCL (tiny, PP 2 == TP 1 with the new path) and PP 2 with it off then on (the first
+  # run pays the cold compile); then GPU 0: the 64-node tree verify step with PDL off (the share of its product chain,
+  # benchmarks/results/speculative.md session 20), GPU 1: the executor tests of session 20's changes.
+  P=(benchmarks/engine/tp_bench.py --max_batch_size 256 --offline 128x128x1024 --perf_sections offline --phases perf_pp2)
+  job greedy_last 70 "$PYTHON" benchmarks/engine/tp_bench.py --model tiny --device cuda --phases greedy_tp1,greedy_pp2 \
+    --greedy_steps 16 --phase_timeout 30 --out "$w/greedy_last.json" "${tiny_tp[@]}"
+  TRITONLLM_PP_SAMPLE_ON_LAST_STAGE=0 job pp_off 60 "$PYTHON" "${P[@]}" --phase_timeout 55 --out "$w/pp_off.json" \
+    "${tiny_tp[@]}"
+  job pp_on 40 "$PYTHON" "${P[@]}" --phase_timeout 35 --out "$w/pp_on.json" "${tiny_tp[@]}"
+  echo "== sampling on the last stage"; grep -hE "passed|sampled_on_last_stage|offline \(|Error|Traceback" \
+    $w/greedy_last.log $w/pp_off.log $w/pp_on.log | cut -c1-400
+  TRITONLLM_PDL=0 on_gpu 0 tree64_pdl0 90 "$PYTHON" benchmarks/speculative/tree_bench.py --dtypes bf16 --batches 1 \
+    --nodes 64,16 --sections verify --kernels 12 --out "$w/tree64_pdl0.json" --markdown "$w/tree64_pdl0.md" &
+  CUDA_VISIBLE_DEVICES=1 TRITONLLM_GPU_MEMORY_FRACTION=0.05 job tests_20 150 "$PYTHON" -m pytest -q -rfEs \
+    -p no:cacheprovider tests/executor/test_executor_release.py tests/executor/test_memory_profile.py \
+    tests/executor/test_disaggregated.py tests/executor/test_sampler.py &
+  wait
+  for md in "$w"/tree64_pdl0.md; do [ -f "$md" ] && cat "$md"; done
+  echo "== tests_20"; grep -E "passed|failed|FAILED|Error" $w/tests_20.log | tail -8
+  ;;
+*) echo "x2_gpu_run.sh: CALL must be 1 to 19, got '$call'"; exit 2 ;;
 esac
 tar czf "$out/call$call.tgz" -C /tmp "x2_call$call"
 for md in "$w"/*.md; do [ -f "$md" ] && cp "$md" "$out/"; done
