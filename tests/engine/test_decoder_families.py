@@ -72,6 +72,25 @@ def test_greedy_ids_equal_transformers_generate(family, prompt_len, built):
     assert greedy_ids(engine_dir, prompt, NEW_TOKENS) == expected
 
 
+def test_bloom_checkpoint_directory_builds_the_engine_held_to_transformers(built, tmp_path):
+    """save_pretrained's BLOOM directory (the tied lm_head not stored) through `python -m engine.build`'s
+    `main` with no length flag writes the tensors of the in-memory build the tests above hold to
+    transformers (BLOOM is no longer served by tests/integration/test_model_families_served.py,
+    which built it so; its ALiBi through the in-flight executor: the last test of this file)."""
+    from safetensors.torch import load_file
+
+    from engine.build import main
+
+    hf, engine_dir = built("bloom")
+    hf.save_pretrained(tmp_path / "ckpt")
+    assert main(["--checkpoint", str(tmp_path / "ckpt"), "--output", str(tmp_path / "engine"),
+                 "--dtype", "float32"]) == 0
+    from_disk = load_file(tmp_path / "engine" / "rank0.safetensors")
+    from_memory = load_file(f"{engine_dir}/rank0.safetensors")
+    assert set(from_disk) == set(from_memory)
+    assert all(torch.equal(from_disk[name], from_memory[name]) for name in from_disk)
+
+
 # ---- bad checkpoints ------------------------------------------------------------------------
 
 def _build(hf_config, state_dict, out_dir) -> None:

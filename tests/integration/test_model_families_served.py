@@ -103,7 +103,8 @@ from decoder_testing import tiny_decoder  # noqa: E402
 # its logits through a chunked, packed prefill, at the engine in tests/engine/test_decoder_families.py.
 # BLOOM (ALiBi: positions the served path must not rotate) is no longer served here: the same file
 # runs BLOOM and MPT through the in-flight executor (prefix reuse, chunked context, preemption) and
-# holds every request's greedy ids to transformers' generate, more than one served batch checked.
+# holds every request's greedy ids to transformers' generate, more than one served batch checked, and
+# builds BLOOM's save_pretrained directory with `main` into the engine those tests hold.
 DECODER_FAMILIES = ("gpt_neox_parallel",)
 
 DECODER_PROMPT_LENGTHS = (5, 40, 150)
