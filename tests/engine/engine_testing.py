@@ -133,6 +133,23 @@ def make_engine(hf_model, out_dir, *, tokens_per_block=16, dtype="float32", tp_s
     return str(out_dir)
 
 
+def assert_directory_build_equals(hf_model, memory_engine_dir: str, tmp_path) -> str:
+    """``hf_model.save_pretrained`` then `python -m engine.build --checkpoint --output` (its ``main``, float32):
+    the engine's tensors equal the in-memory build's at ``memory_engine_dir``. Returns the directory-built engine."""
+    from safetensors.torch import load_file
+
+    from engine.build import main
+
+    hf_model.save_pretrained(tmp_path / "ckpt")
+    assert main(["--checkpoint", str(tmp_path / "ckpt"), "--output", str(tmp_path / "engine"),
+                 "--dtype", "float32"]) == 0
+    from_disk = load_file(tmp_path / "engine" / "rank0.safetensors")
+    from_memory = load_file(f"{memory_engine_dir}/rank0.safetensors")
+    assert set(from_disk) == set(from_memory)
+    assert all(torch.equal(from_disk[name], from_memory[name]) for name in from_disk)
+    return str(tmp_path / "engine")
+
+
 @torch.no_grad()
 def hf_logits(hf_model, token_ids: list[int]) -> torch.Tensor:
     """transformers' float32 logits (len(token_ids), vocab) for one sequence."""

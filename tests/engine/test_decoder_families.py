@@ -15,7 +15,7 @@ from engine.config import BuildConfig
 from engine.convert import CheckpointError, getter_from_state_dict
 from engine.executor.runner import ModelRunner
 from engine.models import UnsupportedArchitectureError
-from engine_testing import PagedSession, hf_logits, make_engine, random_tokens
+from engine_testing import PagedSession, assert_directory_build_equals, hf_logits, make_engine, random_tokens
 
 TOLERANCE = 1e-4  # float32 on both sides, the math in another order (observed ~1e-6)
 NEW_TOKENS = 8
@@ -77,18 +77,8 @@ def test_bloom_checkpoint_directory_builds_the_engine_held_to_transformers(built
     `main` with no length flag writes the tensors of the in-memory build the tests above hold to
     transformers (BLOOM is no longer served by tests/integration/test_model_families_served.py,
     which built it so; its ALiBi through the in-flight executor: the last test of this file)."""
-    from safetensors.torch import load_file
-
-    from engine.build import main
-
     hf, engine_dir = built("bloom")
-    hf.save_pretrained(tmp_path / "ckpt")
-    assert main(["--checkpoint", str(tmp_path / "ckpt"), "--output", str(tmp_path / "engine"),
-                 "--dtype", "float32"]) == 0
-    from_disk = load_file(tmp_path / "engine" / "rank0.safetensors")
-    from_memory = load_file(f"{engine_dir}/rank0.safetensors")
-    assert set(from_disk) == set(from_memory)
-    assert all(torch.equal(from_disk[name], from_memory[name]) for name in from_disk)
+    assert_directory_build_equals(hf, engine_dir, tmp_path)
 
 
 # ---- bad checkpoints ------------------------------------------------------------------------

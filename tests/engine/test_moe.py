@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from engine.build import main as build_main
 from engine.config import ConfigError, ModelConfig
 from engine.executor.runner import ModelRunner
-from engine_testing import (EXECUTOR_POOL, PagedSession, assert_cuda_steps_equal_transformers, hf_logits,
-                            make_engine, random_tokens, tiny_hf)
+from engine_testing import (EXECUTOR_POOL, PagedSession, assert_cuda_steps_equal_transformers,
+                            assert_directory_build_equals, hf_logits, make_engine, random_tokens, tiny_hf)
 from kernels.fused_moe import route_tokens_ref
 
 MOE_FAMILIES = ["mixtral", "qwen3_moe"]
@@ -24,15 +22,9 @@ def test_build_from_a_checkpoint_directory(family, tmp_path):
     `python -m engine.build --checkpoint --output` stacks them into the same engine the in-memory
     (stacked) layout gives, and its logits equal transformers'."""
     hf = tiny_hf(family)
-    hf.save_pretrained(tmp_path / "ckpt")
-    assert build_main(["--checkpoint", str(tmp_path / "ckpt"), "--output", str(tmp_path / "engine"),
-                       "--dtype", "float32"]) == 0
-    from_disk = load_file(tmp_path / "engine" / "rank0.safetensors")
-    from_memory = load_file(f"{make_engine(hf, tmp_path / 'memory')}/rank0.safetensors")
-    assert set(from_disk) == set(from_memory)
-    assert all(torch.equal(from_disk[name], from_memory[name]) for name in from_disk)
+    engine_dir = assert_directory_build_equals(hf, make_engine(hf, tmp_path / "memory"), tmp_path)
     prompt = random_tokens(19, seed=3)
-    (logits,) = PagedSession(ModelRunner(str(tmp_path / "engine")), num_blocks=32).step([(0, prompt)])
+    (logits,) = PagedSession(ModelRunner(engine_dir), num_blocks=32).step([(0, prompt)])
     assert (logits - hf_logits(hf, prompt)).abs().max().item() <= 1e-4
 
 
