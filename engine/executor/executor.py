@@ -527,8 +527,10 @@ class Executor(Admission, Finishing):
         runner offers it, no request needs the step's logits on the host or a proposer, each logits
         row samples and every row only draws (sampler.draws_alone): the last stage's ids are then the
         ones ``_sample`` would draw (greedy rows alone: its argmax; else from the packed draws)."""
+        if not self._last_stage_sampling:  # (every step of a runner that is not a pipeline: nothing to build)
+            return
         seqs = [seq for seq, _ in sampling]
-        if not (self._last_stage_sampling and seqs and not drafted and not self._sync_request_ids
+        if not (seqs and not drafted and not self._sync_request_ids
                 and self.proposer is None and [row for _, row in sampling] == list(range(len(batch.logits_indices)))
                 and all(map(draws_alone, seqs))):
             return
