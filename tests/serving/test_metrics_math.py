@@ -4,7 +4,7 @@ import pytest
 
 from collections import Counter
 
-from serving.metrics import (GAUGES, RequestLatency, TOKEN_LEN_BUCKETS, cumulative_counts, gauge_values,
+from serving.metrics import (GAUGES, GaugeChanges, RequestLatency, TOKEN_LEN_BUCKETS, cumulative_counts, gauge_values,
                              generated_token_count, kv_block_counts, lora_counts, timestamp_seconds)
 
 
@@ -23,6 +23,22 @@ def stats(**overrides):
                                                  requests=Counter({"sql": 5, "lora_task_id 3": 6})))
     base.update(overrides)
     return SimpleNamespace(**base)
+
+
+def test_a_gauge_is_set_again_only_when_its_value_changed():
+    """GaugeChanges (the tensorrt_llm model's gauge updates, each a round trip to the server): all gauges
+    the first time, none while the stats stay put (an idle engine), then only those that moved; a gauge
+    whose stat was missing for a while and comes back with the value set last is not set again."""
+    changes = GaugeChanges()
+    first = gauge_values(stats())
+    assert changes.changed(first) == first
+    assert changes.changed(gauge_values(stats())) == {}
+    moved = changes.changed(gauge_values(stats(num_active_requests=6, iter=43)))
+    assert moved == {("nv_trt_llm_request_metrics", "active"): 6.0, ("nv_trt_llm_request_metrics", "waiting"): 3.0,
+                     ("nv_trt_llm_general_metrics", "iteration_counter"): 43.0}
+    assert changes.changed(gauge_values(stats(num_active_requests=6, iter=43, cross_kv_cache_stats=None))) == {}
+    assert changes.changed(gauge_values(stats(num_active_requests=6, iter=43))) == {}
+    assert changes.changed(gauge_values(stats())) == {key: first[key] for key in moved}
 
 
 def test_gauge_values_follow_the_reference_mapping():

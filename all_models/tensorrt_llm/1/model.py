@@ -34,7 +34,7 @@ if os.environ.get("TRITONLLM_ROOT"):  # a source checkout not installed into the
     sys.path.insert(0, os.environ["TRITONLLM_ROOT"])
 from serving.executor_config import executor_settings, to_executor_config  # noqa: E402
 from serving.inflight import InflightRequests  # noqa: E402
-from serving.metrics import (COUNTER_FAMILIES, HISTOGRAMS, gauge_specs,  # noqa: E402
+from serving.metrics import (COUNTER_FAMILIES, HISTOGRAMS, GaugeChanges, gauge_specs,  # noqa: E402
                              gauge_values, cumulative_counts)
 from serving.params import get_parameter, model_parameters  # noqa: E402
 from serving.responses import requested_outputs, wants_errors_as_output  # noqa: E402
@@ -102,6 +102,7 @@ class TritonMetrics:
             self.stream_counters[field] = family.Metric(labels=labels)
         self.published_counts = dict.fromkeys(self.stream_counters, 0)
         self.gauges = {}
+        self.gauge_changes = GaugeChanges()  # a gauge is set again only when its value changed
         for family_name, description, category, getters in gauge_specs(static_batching):
             family = pb_utils.MetricFamily(name=family_name, description=description,
                                            kind=pb_utils.MetricFamily.GAUGE)
@@ -118,7 +119,7 @@ class TritonMetrics:
             self.histograms[family_name] = family.Metric(labels={**labels, **extra}, buckets=buckets)
 
     def update_gauges(self, stats):
-        for key, value in gauge_values(stats, self.static_batching).items():
+        for key, value in self.gauge_changes.changed(gauge_values(stats, self.static_batching)).items():
             self.gauges[key].set(value)
         self._publish_counts(stats)
 
