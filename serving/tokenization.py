@@ -41,7 +41,8 @@ def load_tokenizer(tokenizer_dir: str):
 
 
 def load_text_tokenizer(tokenizer_dir: str):
-    """The tokenizer of the text models (`preprocessing`, `postprocessing`): ``load_tokenizer``'s, or
+    """The tokenizer of the text models (`preprocessing`, `postprocessing`, and the llmapi `tensorrt_llm`
+    model, which encodes prompts and stop words and decodes with ``fast_decoder``): ``load_tokenizer``'s, or
     where that is TokenizersBackend running tokenizer.json unchanged, the same answers to their
     calls from the tokenizers library alone (serving/plain_tokenizer.py), without transformers'
     import: ~1 CPU-s less at each start of each of those stubs."""

@@ -42,7 +42,7 @@ from serving.llmapi_instances import instance_gpu_ids  # noqa: E402
 from serving.llmapi_yaml import (check_triton_config, check_world_size, engine_dir_for,  # noqa: E402
                                  executor_parameters, load_llmapi_config)
 from serving.responses import only_requested, requested_outputs  # noqa: E402
-from serving.tokenization import fast_decoder, first_token_id, load_tokenizer  # noqa: E402
+from serving.tokenization import fast_decoder, first_token_id, load_text_tokenizer  # noqa: E402
 
 # The folder holding the project's packages: a source checkout (all_models/ at its root), or
 # site-packages of an installed wheel (the templates are tritonllm's package data there).
@@ -123,7 +123,7 @@ class TritonPythonModel(base.TritonPythonModel):
         for name, value in executor_parameters(config, engine_dir, _draft_engine_dir(config)).items():
             parameters[name] = {"string_value": value}
         super().initialize({**args, "model_config": json.dumps(model_config)})
-        tokenizer = load_tokenizer(config.tokenizer or engine_dir)
+        tokenizer = load_text_tokenizer(config.tokenizer or engine_dir)  # encodes, decodes, special ids
         self.encode = lambda text: tokenizer.encode(text, add_special_tokens=True)
         self.encode_word = lambda text: tokenizer.encode(text, add_special_tokens=False)
         self.end_id = first_token_id(tokenizer, tokenizer.eos_token)
