@@ -62,8 +62,8 @@ def _plain_fast_tokenizer(tokenizer_dir: str) -> bool:
     tokenizer_config.json's class name alone (see load_tokenizer)."""
     folder = Path(tokenizer_dir)
     try:
-        tokenizer_config = json.loads((folder / "tokenizer_config.json").read_text())
-        config = json.loads((folder / "config.json").read_text()) if (folder / "config.json").exists() else {}
+        tokenizer_config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8")) if (folder / "config.json").exists() else {}
     except (OSError, ValueError):
         return False
     return (tokenizer_config.get("tokenizer_class") == "TokenizersBackend" and "auto_map" not in tokenizer_config
@@ -122,7 +122,7 @@ def holdback_decoder_for(tokenizer_dir: str) -> Callable[[list[int]], str]:
         from tokenizers import Tokenizer
 
         backend = Tokenizer.from_file(str(Path(tokenizer_dir) / "tokenizer.json"))
-        added = json.loads((Path(tokenizer_dir) / "tokenizer_config.json").read_text()).get("added_tokens_decoder", {})
+        added = json.loads((Path(tokenizer_dir) / "tokenizer_config.json").read_text(encoding="utf-8")).get("added_tokens_decoder", {})
         known = backend.get_added_tokens_decoder()
         if all(int(i) in known and known[int(i)].content == token.get("content") for i, token in added.items()):
             return lambda ids: backend.decode(ids, skip_special_tokens=False)

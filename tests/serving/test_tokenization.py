@@ -187,8 +187,8 @@ def _eligible_copy(smollm2_tokenizer_dir, folder, **settings):
     from pathlib import Path
 
     folder = Path(shutil.copytree(smollm2_tokenizer_dir, folder))
-    config = json.loads((folder / "tokenizer_config.json").read_text())
-    (folder / "tokenizer_config.json").write_text(json.dumps({**config, **settings}))
+    config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, **settings}, ensure_ascii=False), encoding="utf-8")
     return str(folder)
 
 
@@ -255,9 +255,12 @@ def test_the_text_models_tokenizer_answers_as_load_tokenizers_without_transforme
         assert type(load_text_tokenizer(folder)) is type(load_tokenizer(folder)), name
 
     root = Path(__file__).resolve().parents[2]
+    # tokenizer_config.json is UTF-8 too: a chat template in it with a non-ASCII character (Qwen's have some)
+    accented = _eligible_copy(smollm2_tokenizer_dir, tmp_path / "accented", chat_template="¿{{ messages }}?")
     check = ("import sys; import serving.params, serving.text, serving.stub_watchdog, serving.multimodal, serving.videos, "
              "serving.cancellation; from serving.tokenization import load_text_tokenizer; "
              f"assert type(load_text_tokenizer({smollm2_tokenizer_dir!r})).__name__ == 'PlainTokenizer'; "
+             f"assert type(load_text_tokenizer({accented!r})).__name__ == 'PlainTokenizer'; "
              "assert 'transformers' not in sys.modules, 'transformers'")
     # In the C locale, as a stub may run (tokenizer.json is UTF-8 whatever the locale's encoding)
     c_locale = {"LC_ALL": "C", "LANG": "C", "PYTHONCOERCECLOCALE": "0", "PYTHONUTF8": "0"}
