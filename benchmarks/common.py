@@ -359,7 +359,7 @@ def process_name(pid: int) -> str:
             return known
     if line.startswith("sleep"):
         return "sleep"
-    return "sh" if line.startswith("/bin/sh") else line[:40]
+    return "sh" if line.startswith(("/bin/sh", "/bin/bash")) else line[:40]  # a stub's watchdog shell
 
 
 def process_tree(root: int) -> list[tuple[int, str]]:
