@@ -1,6 +1,6 @@
 """Speculative decoding in the executor: greedy ids identical to plain decoding, KV rolled back, bad drafts refused.
 
-Real weights (the embedded SmolLM2) on 10 prompts of benchmarks/speculative/speculative_acceptance.py
+Real weights (the embedded SmolLM2) on 8 prompts of benchmarks/speculative/speculative_acceptance.py
 (each article summarised, each function renamed: their answers copy the prompt, so n-gram drafts hit); one plain
 executor gives the reference ids and verifies the client drafts, one n-gram executor runs every n-gram request at
 once. The KV and refusal tests use the tiny random engine (4-token blocks: drafts fill whole blocks).
@@ -20,13 +20,18 @@ from engine.executor.request import (
     ExternalDraftTokens, FinishReason, OutputConfig, Request, SamplingConfig,
 )
 
-# 16 tokens: the n-gram drafts of the 10 prompts still number ~180 with ~40% kept (40 tokens until
+# 16 tokens: the n-gram drafts of the 8 prompts still number well over 100 with ~40% kept (40 tokens until
 # 2026-11-30: every SmolLM2 token costs ~0.05-0.1 CPU-s, and no check needs the answers' later tokens).
 MAX_TOKENS = 16
-# Each of the acceptance benchmark's 5 articles and 5 functions once (its 20 prompts until 2026-11-29: the
-# reference run and the two 20-request tests were ~50 s of make test, and the second prompt of each text
-# added no case the first lacks).
-PROMPTS = PROMPT_SETS["summarisation"][:5] + PROMPT_SETS["code_edit"][:5]
+# Four of the acceptance benchmark's 5 articles and four of its 5 functions: 8 prompts, the engine's
+# max_batch_size, so the reference and the client-draft requests run as one batch (its 20 prompts until
+# 2026-11-29, then 10 until 2026-11-30: the last two ran a second 16-step batch of two rows on their own,
+# and a fifth text of each kind added no case the first four lack).
+PROMPTS = PROMPT_SETS["summarisation"][:4] + PROMPT_SETS["code_edit"][:4]
+# Each prompt once more cut short by the n-gram executor: cut by max_tokens (at 7 tokens) or ended by a
+# stop word, two summaries and two code edits each (6 and 6 of the first ones until 2026-11-30).
+SHORT = [0, 1, 4, 5]
+STOPPED = [2, 3, 6, 7]
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +43,7 @@ def tokenizer(smollm2_engine_dir):
 
 @pytest.fixture(scope="module")
 def prompts(tokenizer) -> list[list[int]]:
-    assert len(PROMPTS) == 10
+    assert len(PROMPTS) == 8
     return [chat_prompt(tokenizer, text) for text in PROMPTS]
 
 
@@ -79,20 +84,22 @@ def ngram_executor(smollm2_engine_dir):
 
 
 def stop_words_of(reference) -> list[list[int]]:
-    """A stop word (two tokens) 12 tokens into each of the first 6 answers (drafts may run past it)."""
-    return [ref[12:14] for ref in reference[:6]]
+    """A stop word (two tokens) 12 tokens into each STOPPED answer (drafts may run past it)."""
+    return [reference[i][12:14] for i in STOPPED]
 
 
 @pytest.fixture(scope="module")
 def ngram_responses(ngram_executor, prompts, reference) -> dict[str, list[list]]:
-    """The n-gram tests' requests, sent at once (the batch stays full): the 10 prompts to MAX_TOKENS,
-    every other one streamed, all with perf metrics; then 6 cut at 7 tokens; then 6 ended by a stop word."""
+    """The n-gram tests' requests, sent at once (the batch stays full): the 8 prompts to MAX_TOKENS,
+    every other one streamed, all with perf metrics; then the SHORT ones cut at 7 tokens and the STOPPED
+    ones ended by a stop word."""
     perf = OutputConfig(return_perf_metrics=True)
     full = [Request(p, MAX_TOKENS, streaming=i % 2 == 1, output=perf) for i, p in enumerate(prompts)]
-    short = [Request(p, 7) for p in prompts[:6]]
-    stopped = [Request(p, MAX_TOKENS, stop_words=[s]) for p, s in zip(prompts, stop_words_of(reference))]
+    short = [Request(prompts[i], 7) for i in SHORT]
+    stopped = [Request(prompts[i], MAX_TOKENS, stop_words=[s]) for i, s in zip(STOPPED, stop_words_of(reference))]
     responses = run(ngram_executor, full + short + stopped)
-    return {"full": responses[:10], "short": responses[10:16], "stopped": responses[16:]}
+    n = len(full)
+    return {"full": responses[:n], "short": responses[n:n + len(SHORT)], "stopped": responses[n + len(SHORT):]}
 
 
 def test_ngram_drafts_give_the_plain_greedy_ids_and_are_often_accepted(ngram_executor, ngram_responses, reference):
@@ -109,30 +116,34 @@ def test_ngram_drafts_give_the_plain_greedy_ids_and_are_often_accepted(ngram_exe
 
 
 def test_ngram_streams_carry_every_token_accepted_in_a_step(ngram_responses, reference):
-    """The streamed half of the full-length requests (2 summaries, 3 code edits)."""
+    """The streamed half of the full-length requests (2 summaries, 2 code edits)."""
     streamed = ngram_responses["full"][1::2]
     assert [final_tokens(r) for r in streamed] == reference[1::2]
     assert max(len(r.result.output_token_ids[0]) for rs in streamed for r in rs) > 1
 
 
 def test_ngram_respects_max_tokens_and_stop_words(ngram_executor, ngram_responses, reference):
-    for ref, r in zip(reference[:6], ngram_responses["short"]):
-        assert final_tokens(r) == ref[:7] and r[-1].result.finish_reasons == [FinishReason.LENGTH]
-    for ref, s, r in zip(reference, stop_words_of(reference), ngram_responses["stopped"]):
+    for i, r in zip(SHORT, ngram_responses["short"], strict=True):
+        assert final_tokens(r) == reference[i][:7] and r[-1].result.finish_reasons == [FinishReason.LENGTH]
+    for index, s, r in zip(STOPPED, stop_words_of(reference), ngram_responses["stopped"], strict=True):
+        ref = reference[index]
         end = next(i + 2 for i in range(len(ref)) if ref[i:i + 2] == s)
         assert final_tokens(r) == ref[:end] and r[-1].result.finish_reasons == [FinishReason.STOP_WORDS]
     assert_no_blocks_held(ngram_executor)
 
 
 def test_external_drafts_right_wrong_or_partly_right_give_the_plain_greedy_ids(plain_executor, prompts, reference):
-    """Mixed in one batch with requests without drafts; streaming and non-streaming."""
+    """Mixed in one batch with requests without drafts: each kind of draft once streamed and once not
+    (the first four and the last four prompts stream the other way round); the fifth request's right
+    drafts are the longest allowed (8). (Until 2026-11-30 ten requests, whose second four repeated the
+    first four's kinds and streaming, and two more for the longest drafts: a second batch.)"""
     requests, expected = [], []
-    for i, (prompt, ref) in enumerate(zip(prompts, reference)):
+    for i, (prompt, ref) in enumerate(zip(prompts, reference, strict=True)):
         wrong = [(t + 1) % 49152 for t in ref[:5]]
-        variants = {"right": ref[:6], "wrong": wrong, "partly": ref[:3] + wrong[3:], "none": None}
-        kind = list(variants)[i % 4]
-        drafts = variants[kind] if i < 8 else ref[:8]  # (the last two: the longest drafts allowed)
-        requests.append(Request(prompt, MAX_TOKENS, streaming=i % 2 == 1, output=OutputConfig(return_perf_metrics=True),
+        variants = {"right": ref[:6] if i < 4 else ref[:8], "wrong": wrong, "partly": ref[:3] + wrong[3:], "none": None}
+        drafts = variants[list(variants)[i % 4]]
+        requests.append(Request(prompt, MAX_TOKENS, streaming=(i % 2 == 1) != (i >= 4),
+                                output=OutputConfig(return_perf_metrics=True),
                                 external_draft=None if drafts is None else ExternalDraftTokens(drafts)))
         expected.append(ref)
     responses = run(plain_executor, requests)
@@ -143,6 +154,7 @@ def test_external_drafts_right_wrong_or_partly_right_give_the_plain_greedy_ids(p
     assert (perf[1].total_draft_tokens, perf[1].total_accepted_draft_tokens) == (5, 0)
     assert (perf[2].total_draft_tokens, perf[2].total_accepted_draft_tokens) == (5, 3)
     assert perf[3].total_draft_tokens == 0
+    assert (perf[4].total_draft_tokens, perf[4].total_accepted_draft_tokens) == (8, 8)
 
 
 def test_external_drafts_past_max_tokens_or_a_stop_word_are_trimmed(plain_executor, prompts, reference):
