@@ -98,12 +98,18 @@ def generate(server, prompt_ids, new_tokens, model="tensorrt_llm", **extra):
     return ids, perf
 
 
+# 16 tokens of plain greedy decoding for the sea prompt: the draft_target request after it runs its
+# prefill's token and three full steps of 4 drafts and the target's own token (12 drafts; 24 tokens,
+# ~five steps, until 2026-11-30: the same path, longer).
+SEA_TOKENS = 16
+
+
 @pytest.fixture(scope="module")
 def sea(server, tokenizer):
-    """A chat prompt's ids and plain greedy decoding's 24 tokens after it (prompt included), with the
-    perf outputs of that request; the two tests that compare with them ask for it once."""
+    """A chat prompt's ids and plain greedy decoding's SEA_TOKENS tokens after it (prompt included), with
+    the perf outputs of that request; the two tests that compare with them ask for it once."""
     prompt = tokenizer.encode(chat("Write two sentences about the sea."))
-    plain, perf = generate(server, prompt, 24)
+    plain, perf = generate(server, prompt, SEA_TOKENS)
     return prompt, plain, perf
 
 
@@ -116,7 +122,7 @@ def test_drafts_sent_to_the_target_keep_plain_decodings_ids(server, sea):
     prompt, plain, perf = sea
     assert perf == {"total_draft_tokens": 0, "total_accepted_draft_tokens": 0, "acceptance_rate": 0.0}
     completion = plain[len(prompt):]
-    assert len(completion) == 24
+    assert len(completion) == SEA_TOKENS
     plain = plain[:len(prompt) + DRAFTED_TOKENS]
     right = np.array([completion[:4]], np.int32)
     wrong = np.array([[(t + 1) % 49152 for t in completion[:4]]], np.int32)
@@ -164,12 +170,17 @@ def value(outputs, name):
     return np.asarray(outputs[name]).reshape(-1)[0]
 
 
+BLS_TOKENS = 20
+
+
 def test_bls_with_a_draft_model_answers_the_ensembles_greedy_text(server):
     """The ensemble's greedy text and the BLS's with and without the draft's logits, the three at once.
-    24 tokens (32 until 2026-11-30): four full rounds of 4 drafts and a round of 3."""
+    20 tokens: four full rounds of 4 drafts and the target's own token (32 until 2026-11-30, then 24: a
+    fifth round of 3 drafts; a round cut short by max_tokens is tests/serving/test_speculative_serving.py's
+    max_tokens 10, k 3 loop)."""
     question = "Name three colours and say why the sky is blue."
-    bodies = [("ensemble", bls_body(question))] + [
-        ("tensorrt_llm_bls", bls_body(question, num_draft_tokens=4, return_perf_metrics=True,
+    bodies = [("ensemble", bls_body(question, BLS_TOKENS))] + [
+        ("tensorrt_llm_bls", bls_body(question, BLS_TOKENS, num_draft_tokens=4, return_perf_metrics=True,
                                       use_draft_logits=use_draft_logits)) for use_draft_logits in (False, True)]
     with ThreadPoolExecutor(len(bodies)) as pool:
         reference, *responses = pool.map(lambda job: server.generate(*job), bodies)
@@ -195,12 +206,17 @@ def test_bls_speculative_refusals(server):
     assert response.status_code != 200 and "context logits are not supported with speculative decoding" in response.text
 
 
+# The answer repeats the prompt's sentence from its first tokens on, so n-gram drafts are kept within
+# 20 tokens (40 until 2026-11-30: the second half only repeated what the first had shown).
+NGRAM_TOKENS = 20
+
+
 def test_ngram_decoding_mode_keeps_the_greedy_ids(server, tokenizer):
     prompt = tokenizer.encode(chat("Repeat this sentence twice: the quick brown fox jumps over the lazy dog."))
     families = ("tritonllm_speculative_draft_tokens_total", "tritonllm_speculative_accepted_draft_tokens_total")
     before = [counter(server, family, NGRAM) for family in families]  # (the BLS tests drafted through it too)
     with ThreadPoolExecutor(2) as pool:  # plain and n-gram decoding at once (two engine processes)
-        (plain, _), (ids, perf) = pool.map(lambda model: generate(server, prompt, 40, model=model),
+        (plain, _), (ids, perf) = pool.map(lambda model: generate(server, prompt, NGRAM_TOKENS, model=model),
                                            ["tensorrt_llm", NGRAM])
     assert ids == plain
     assert perf["total_draft_tokens"] > 0 and perf["total_accepted_draft_tokens"] > 0, perf
@@ -229,7 +245,7 @@ def test_draft_target_decoding_mode_keeps_the_greedy_ids(server, sea):
     """decoding_mode draft_target with draft_model_path: the executor's own draft model (here the
     target's engine, so it drafts the target's tokens) gives the plain ids, most drafts accepted."""
     prompt, plain, _ = sea
-    ids, perf = generate(server, prompt, 24, model=DRAFT_TARGET)
+    ids, perf = generate(server, prompt, SEA_TOKENS, model=DRAFT_TARGET)
     assert ids == plain
     assert perf["total_draft_tokens"] >= 12 and perf["total_accepted_draft_tokens"] >= perf["total_draft_tokens"] - 4, perf
 
