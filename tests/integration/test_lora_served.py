@@ -153,8 +153,10 @@ CYCLE_RANK, CYCLE_TOKENS = 16, 6
 
 
 def test_more_lora_adapters_than_slots_cycle(triton_server, smollm2_engine_dir, tmp_path):
-    """Eight lora_adapters through the four device slots, twice around, all at once: none fails, and an
-    adapter's two requests agree (an evicted adapter comes back intact)."""
+    """Eight lora_adapters through the four device slots, two requests each, all at once: none fails, and an
+    adapter's two requests agree. (Sent together, an adapter's two requests are served from the same slot; an
+    adapter evicted and loaded again answering as before is tests/engine/test_lora_executor.py's
+    test_twice_as_many_adapters_as_slots_cycle_without_errors.)"""
     dirs = [write_peft_adapter(smollm2_engine_dir, tmp_path / f"a{i}", CYCLE_RANK, seed=100 + i) for i in range(8)]
     tokens = {"request_output_len": np.array([[CYCLE_TOKENS]], np.int32)}
     with ThreadPoolExecutor(16) as pool:
