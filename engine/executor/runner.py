@@ -279,10 +279,10 @@ class ModelRunner:
             fraction = 0.9 if free_mem_fraction is None else free_mem_fraction
             if not 0 < fraction <= 1:
                 raise ValueError(f"free_mem_fraction must be in (0, 1], got {fraction}")
-            # A dropped executor's pool is freed only with the executor, and the executor sits in reference
-            # cycles (its disaggregation and KV import/export parts point back at it): until the collector runs,
-            # its pool still counts as allocated and this pool would get what little is left (one block, seen
-            # on the H200 when a test process made an executor after one that had taken all its memory).
+            # A dropped executor's pool is freed only with the executor: held in any reference cycle, it still
+            # counts as allocated until the collector runs, and this pool would get what little is left (one
+            # block, seen on the H200 when a test process made an executor after one that had taken all its
+            # memory, when its disaggregation part still pointed back at it; that part's reference is weak now).
             gc.collect()
             free_bytes = free_device_bytes(self.device)
             blocks = min(int(free_bytes * fraction), free_bytes - reserve_bytes) // per_block

@@ -155,13 +155,6 @@ def draws_alone(seq: Sequence) -> bool:
             and not _may_ban(request) and request.embedding_bias is None and request.whisper_timestamps is None)
 
 
-def plain_argmax(seq: Sequence) -> bool:
-    """``draws_alone`` and greedy: ``sample`` gives this row exactly ``greedy_tokens`` of its raw
-    logits in a batch of such rows (build_sampling_metadata: all_greedy, nothing processed, no
-    log-probs; tests/executor/test_sampler.py)."""
-    return seq.state.request.sampling.is_greedy and draws_alone(seq)
-
-
 def build_sampling_metadata(seqs: list[Sequence], vocab_size: int, device, return_log_probs: bool) -> SamplingMetadata:
     """Gather per-sequence settings into batch tensors (one sequence per logits row). Runs once per
     step over the whole batch: each per-row pass costs ~0.1 ms at 256 rows on the host."""

@@ -103,9 +103,9 @@ def test_a_capped_process_sizes_its_pool_under_its_cap(tiny_engine, monkeypatch)
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="device memory: GPU only")
 def test_a_dropped_executors_pool_is_free_for_the_next_one(tiny_engine):
-    """An executor sits in reference cycles, so dropping it frees its pool only when the collector runs.
-    The next executor's sizing collects first: with the collector off, a second pool of all the free memory
-    is as large as the first (it got one block on the H200 before, 2026-11-30's GPU suite)."""
+    """A dropped executor's pool is free for the next one at once: with the collector off, a second pool of
+    all the free memory is as large as the first (it got one block on the H200 while the executor sat in a
+    reference cycle, 2026-11-30's GPU suite; the next executor's sizing also collects first)."""
     import gc
 
     config = ExecutorConfig(kv_cache_free_gpu_mem_fraction=1.0)

@@ -7,7 +7,7 @@ from executor_testing import make_seq
 from engine.executor.request import OutputConfig
 from engine.executor.packed_draws import draw_metadata, pack_draws
 from engine.executor.sampler import (
-    apply_top_k_top_p, build_sampling_metadata, draws_alone, plain_argmax, process_logits, sample,
+    apply_top_k_top_p, build_sampling_metadata, draws_alone, process_logits, sample,
 )
 from kernels.sampling import greedy_tokens
 
@@ -168,6 +168,12 @@ def test_sampled_rows_draw_only_inside_their_top_k_and_top_p():
     assert drawn[0] == {0, 1}
     assert drawn[1] == set(range(int((nucleus < 0.5).sum()) + 1))
     assert len(drawn[2]) > 4
+
+
+def plain_argmax(seq) -> bool:
+    """A greedy row that only draws: of a step of such rows, Executor._mark_last_stage_sampling has a
+    pipeline's last stage send ``greedy_tokens`` of the logits (engine/pipeline/runner.py)."""
+    return seq.state.request.sampling.is_greedy and draws_alone(seq)
 
 
 def test_plain_argmax_rows_are_sampled_by_greedy_tokens_alone():
