@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +40,11 @@ ACTIVATIONS = ("gelu", "gelu_tanh", "relu")  # the skinny kernel's epilogue acti
 _SKINNY_ATTR = "_use_skinny_gemm"  # on a weight: its chosen variant (see SKINNY_VARIANTS), or False
 _GATED_ATTR = "_use_gated_skinny_gemm"  # the same, for gate_up weights run fused with SiLU-and-mul
 _ACTIVATED_ATTR = "_use_activated_skinny_gemm"  # the same, for up weights run fused with their bias and activation
+# Each of the three above + ONE_ROW_SUFFIX: the variant for exactly one row (batch-1 decode), chosen at 1 row alone.
+# A shape whose tiling wins at 1 row but loses to cuBLAS at 8 (Qwen3-30B-A3B's 2048-wide attention products on an
+# H200, 2026-11-30: 5.77 against 6.11 us at 1 row, 5.77 against 5.35 at 8) keeps cuBLAS from 2 rows on and the
+# Triton kernel, inside the programmatic-launch chain, at batch 1.
+ONE_ROW_SUFFIX = "_one_row"
 # Tile shapes tried at load, (block_n, block_k, num_warps, num_stages[, split_k[, swap_ab]]): on an H100
 # (2026-11-22) the best for Llama-8B's projections were (32, 256, 4, 4) for qkv/o_proj,
 # (16, 256, 4, 6) for down_proj and (16, 512, 4, 4) for the lm_head. split_k > 1 splits the
@@ -329,7 +335,9 @@ def _skinny_variant(x: torch.Tensor, weight: torch.Tensor, attr: str = _SKINNY_A
     the decode tiling up to MAX_SKINNY_ROWS rows, past them the wide-row one (plain and gated products)."""
     if x.shape[0] > MAX_SKINNY_ROWS:
         return wide_variant(x, weight) if attr in (_SKINNY_ATTR, _GATED_ATTR) and x.is_contiguous() else None
-    variant = getattr(weight, attr, False)
+    variant = getattr(weight, attr + ONE_ROW_SUFFIX, None) if x.shape[0] == 1 else None
+    if variant is None:  # (a weight marked before the one-row choice existed, or more rows)
+        variant = getattr(weight, attr, False)
     return variant if variant and x.is_contiguous() else None
 
 
@@ -518,6 +526,8 @@ def _choose_weights(weights: list[torch.Tensor], rows: tuple[int, ...], attr: st
             report[shape] = _cached_time_shape(shape, weight.dtype, weight.device, rows, gated=gated,
                                                activation=activation)
         setattr(weight, attr, report[shape]["variant"])
+        one_row = report[shape].get("variant_one_row", report[shape]["variant"])
+        setattr(weight, attr + ONE_ROW_SUFFIX, report[shape]["variant"] if one_row_choice_off() else one_row)
     return report
 
 
@@ -533,7 +543,7 @@ def _cached_time_shape(shape: tuple[int, int], dtype: torch.dtype, device, rows:
         family, (shape, str(dtype), tuple(rows), activation), device,
         lambda: _time_shape(shape, dtype, device, rows, gated=gated, activation=activation),
         sources=(__file__, _triton_module_file(), activation_module.__file__), candidates=candidates,
-        valid=lambda r: r["variant"] is False or r["variant"] in candidates)
+        valid=lambda r: all(r.get(key, False) is False or r[key] in candidates for key in ("variant", "variant_one_row")))
 
 
 def _triton_module_file() -> str:
@@ -582,7 +592,19 @@ def _time_shape(shape: tuple[int, int], dtype: torch.dtype, device, rows: tuple[
                 lambda: torch._addmm_activation(bias, x, next_weight().t(), use_gelu=True)) * 1e3
     best = min(variants, key=lambda v: sum(variants[v].values()))
     wins = all(variants[best][m] < 0.99 * cublas[m] for m in rows)
-    return {"cublas_us": cublas, "best_variant": best, "best_us": variants[best], "variant": best if wins else False}
+    report = {"cublas_us": cublas, "best_variant": best, "best_us": variants[best], "variant": best if wins else False}
+    if 1 in rows and len(rows) > 1:  # batch 1 alone (ONE_ROW_SUFFIX)
+        one = min(variants, key=lambda v: variants[v][1])
+        report["variant_one_row"] = one if variants[one][1] < 0.99 * cublas[1] else False
+    return report
+
+
+ONE_ROW_ENV = "TRITONLLM_ONE_ROW_CHOICE"  # "0": batch 1 takes the choice of every row count (before 2026-11-30)
+
+
+def one_row_choice_off() -> bool:
+    """Whether ONE_ROW_ENV turns the batch-1 choice off (read at marking time, so a cached report serves both)."""
+    return os.environ.get(ONE_ROW_ENV, "1") == "0"
 
 
 try:

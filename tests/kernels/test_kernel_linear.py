@@ -160,6 +160,52 @@ def test_linear_without_a_marked_weight_is_f_linear():
     assert torch.equal(linear(x, w), F.linear(x, w))
 
 
+@pytest.mark.parametrize("one_row_env", ["1", "0"])
+def test_batch_one_takes_the_tiling_that_wins_at_one_row(monkeypatch, one_row_env):
+    """The real load-time choice (_time_shape, choose_skinny_weights) with the device timings replaced by a
+    table: a tiling faster than cuBLAS at 1 row but not at 8 marks the weight for batch 1 only, 2-16 rows keep
+    cuBLAS, and TRITONLLM_ONE_ROW_CHOICE=0 restores the one choice for every row count."""
+    import types
+
+    import kernels.linear as linear
+
+    fast_at_one, fast_at_both = linear.SKINNY_VARIANTS[0], linear.SKINNY_VARIANTS[1]
+    cublas_us = {1: 6.0, 8: 10.0}
+    table = {(48, 32): {fast_at_one: {1: 5.0, 8: 12.0}, fast_at_both: {1: 5.5, 8: 9.0}},
+             (32, 48): {fast_at_one: {1: 7.0, 8: 12.0}, fast_at_both: {1: 8.0, 8: 11.0}}}  # cuBLAS beats both
+    timed = {}
+
+    def product(kind):
+        def run(x, weight, *args, **options):
+            timed["last"] = (kind, tuple(weight.shape), x.shape[0], options)
+        return run
+
+    def device_time_ms(fn, repeat=20):
+        fn()
+        kind, shape, rows, options = timed.pop("last")
+        if kind == "cublas":
+            return cublas_us[rows] / 1e3
+        tiling = next((v for v in table[shape] if linear.variant_options(v).items() <= options.items()), None)
+        return (table[shape][tiling][rows] if tiling else 50.0) / 1e3  # the other tilings: slow
+
+    monkeypatch.setattr(linear, "use_triton", lambda t: True)
+    monkeypatch.setattr(linear, "skinny_linear_triton", product("skinny"))
+    monkeypatch.setattr(linear, "F", types.SimpleNamespace(linear=product("cublas")))
+    monkeypatch.setattr(linear, "graph_time_ms", device_time_ms)
+    monkeypatch.setenv("TRITONLLM_KERNEL_CHOICE_CACHE", "off")
+    monkeypatch.setenv(linear.ONE_ROW_ENV, one_row_env)
+    both, neither = torch.zeros(48, 32, dtype=torch.bfloat16), torch.zeros(32, 48, dtype=torch.bfloat16)
+    linear.choose_skinny_weights([both, neither])
+    assert linear._skinny_variant(torch.zeros(1, 32), both) == (fast_at_one if one_row_env == "1" else fast_at_both)
+    assert linear._skinny_variant(torch.zeros(8, 32), both) == fast_at_both
+    assert linear._skinny_variant(torch.zeros(1, 48), neither) is None  # cuBLAS at every row count
+    assert linear._skinny_variant(torch.zeros(8, 48), neither) is None
+    table[(32, 48)][fast_at_one][1] = 4.0  # now faster at 1 row only: batch 1 takes it, 8 rows keep cuBLAS
+    linear.choose_skinny_weights([neither])
+    assert linear._skinny_variant(torch.zeros(1, 48), neither) == (fast_at_one if one_row_env == "1" else None)
+    assert linear._skinny_variant(torch.zeros(8, 48), neither) is None
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="times kernels on a CUDA device")
 def test_choose_skinny_weights_marks_by_measurement():
     from kernels.linear import choose_skinny_weights, linear
