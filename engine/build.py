@@ -271,7 +271,8 @@ def load_gguf_tokenizer(path: str):
 
     folder, name = os.path.split(os.path.abspath(path))
     try:
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        with parsed_once():  # (inside load_gguf's already; alone, the file parsed without memmap's per-index cost)
+            tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     except (OSError, ValueError, KeyError) as err:
         raise CheckpointError(f"cannot load GGUF file {path}: {err}") from None
     _set_gguf_special_tokens(path, tokenizer)
