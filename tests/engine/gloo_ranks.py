@@ -28,7 +28,11 @@ WORLD_SIZE = 2
 JOB_TIMEOUT_S = 300.0  # a job's compute on a loaded 2-core machine is seconds; this only bounds a hang
 START_TIMEOUT_S = 120.0
 GRACE_S = 10.0  # once a rank failed, how long the other may still take to say why (it may sit in a collective)
-FORKSERVER_PRELOAD = ["torch", "torch.distributed"]  # what every rank imports first (see GlooPair)
+# What every rank imports first, imported once in the fork server (see GlooPair): torch, and engine_testing, whose
+# transformers and engine imports (~6 CPU-s, beyond torch's ~3) every job module needs (pipeline_ranks imports it,
+# hybrid_tp_ranks and lora_tp_worker's jobs its engine modules); each rank imported them itself until 2026-11-30.
+FORKSERVER_PRELOAD = ["torch", "torch.distributed", "engine_testing"]
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 class RankFailure(AssertionError):
@@ -82,6 +86,7 @@ class GlooPair:
         # (this process's sys.path and working directory, its main module).
         context = multiprocessing.get_context("forkserver")
         context.set_forkserver_preload(FORKSERVER_PRELOAD)
+        _start_fork_server()
         self._dir = tempfile.mkdtemp(prefix="gloo_pair_")
         self.conns, self.procs = [], []
         for rank in range(WORLD_SIZE):
@@ -163,6 +168,24 @@ class GlooPair:
         global _shared
         if _shared is self:
             _shared = None
+
+
+def _start_fork_server() -> None:
+    """multiprocessing's fork server, started (once a process) with this directory and the repository's
+    root on its path: Python 3.11's fork server imports its preload before it takes the parent's
+    sys.path (it is told it, and does not use it), so without them engine_testing would not import
+    there (an ImportError the server ignores: each rank imported it after the fork, as before)."""
+    from multiprocessing import forkserver
+
+    saved = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join([HERE, os.path.dirname(os.path.dirname(HERE)), *filter(None, [saved])])
+    try:
+        forkserver.ensure_running()
+    finally:
+        if saved is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = saved
 
 
 _shared: GlooPair | None = None
