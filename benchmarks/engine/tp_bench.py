@@ -23,6 +23,8 @@ starts every rank itself, with the variables mpirun would set). Four phases, eac
    With CUDA graphs, each perf phase first checks them against its own eager steps
    (``graphs_vs_eager``: the same prompt step and decode steps replayed, then run eagerly, at batch
    1, 3 and 8). ``--perf_sections offline`` keeps only the offline runs (each with its steps' periods).
+   ``--trace_steps N`` (PP phases): a torch.profiler window on every rank over N decode-only steps at the widest
+   batch, summarised per rank and step and as the pipeline's loop across the ranks (benchmarks/engine/step_trace.py).
 
 The model has Llama-3.1-8B's shape (32 layers, 32/8 heads, hidden 4096, vocab 128256) and
 random weights made on the GPUs: every rank generates the same full tensors from a fixed seed
@@ -54,6 +56,7 @@ from benchmarks.common import (MODELS, add_model_arguments, command_line, cuda_t
                                print_table, utc_now)
 from benchmarks.engine.engine_bench import bench_executor_decode, drain_offline  # noqa: E402
 from benchmarks.engine.step_timeline import describe, reset, summarize, timed  # noqa: E402
+from benchmarks.engine import step_trace  # noqa: E402
 from engine.config import BuildConfig, EngineConfig, ModelConfig  # noqa: E402
 from engine.convert import CheckpointError, iter_rank_weights  # noqa: E402
 from engine.executor.overlap import placeholder  # noqa: E402
@@ -445,6 +448,9 @@ def run_perf_phase(args) -> dict:
             progress("timeline: " + describe(result["timeline_rank0"]))
         with open(args.out, "w") as f:  # kept even if the teardown below hangs
             json.dump(result, f)
+        if TRACER is not None:  # (after: the run's figures are kept whatever the trace's analysis does)
+            TRACER.depth = steps_in_flight
+            finish_trace()
     finally:
         executor.shutdown()
         if hasattr(executor.runner, "shutdown"):
@@ -460,6 +466,31 @@ def progress(message: str) -> None:
 
 
 STARTED = time.monotonic()
+TRACER: step_trace.StepTracer | None = None  # --trace_steps: this rank's profiler window (PP phases)
+
+
+def install_tracer(args) -> None:
+    """--trace_steps: this rank's stage runner records a profiler window of decode-only steps (step_trace.py)."""
+    global TRACER
+    import engine.pipeline.runner as pipeline_runner
+
+    batch = args.trace_batch or EngineConfig.load(args.engine_dir).build.max_batch_size
+    rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", "0"))
+    raw = os.path.join(args.trace_dir, f"trace_rank{rank}.json.gz") if args.trace_dir else None
+    if raw:
+        os.makedirs(args.trace_dir, exist_ok=True)
+    TRACER = step_trace.StepTracer(steps=args.trace_steps, skip=args.trace_skip, warm=args.trace_warm, batch=batch,
+                                   out=f"{args.out}.trace.json", raw_out=raw, rank=rank)
+    pipeline_runner.StageRunner = step_trace.traced(pipeline_runner.StageRunner, TRACER)
+    step_trace.init_profiler_here()
+    step_trace.label_point_to_point(pipeline_runner)
+
+
+def finish_trace() -> None:
+    started = time.monotonic()
+    summary = TRACER.finish()
+    progress(f"trace: {len(summary.get('steps', []))} steps analysed in {time.monotonic() - started:.1f} s"
+             + (f" ({summary['error']})" if summary.get("error") else ""))
 
 
 # ---- the orchestrator: one process per rank, the environment mpirun would give ----------------------
@@ -484,6 +515,11 @@ def run_phase(args, phase: str, engine_dir: str, workdir: str) -> dict:
     common = [sys.executable, os.path.abspath(__file__), "--engine_dir", engine_dir, "--device", args.device,
               "--phase_timeout", str(args.phase_timeout)]
     flags = (["--no_graphs"] if args.no_graphs else []) + (["--timing"] if args.timing else [])
+    if args.trace_steps and pp_size > 1:
+        flags += ["--trace_steps", str(args.trace_steps), "--trace_skip", str(args.trace_skip), "--trace_warm",
+                  str(args.trace_warm), "--trace_batch", str(args.trace_batch)]
+        if args.trace_dir:
+            flags += ["--trace_dir", os.path.abspath(args.trace_dir)]
     leader_cmd = common + ["--role", "greedy" if phase.startswith("greedy") else "perf", "--out", out,
                            "--greedy_steps", str(args.greedy_steps), "--offline", args.offline,
                            "--perf_sections", ",".join(args.perf_sections), *flags]
@@ -516,7 +552,30 @@ def run_phase(args, phase: str, engine_dir: str, workdir: str) -> dict:
         if os.path.exists(f"{out}.rank{r}"):
             with open(f"{out}.rank{r}") as f:
                 result[f"timeline_rank{r}"] = json.load(f)
+    if args.trace_steps and pp_size > 1:
+        result["trace"] = merge_traces(args, phase, [f"{out}.trace.json"] + [f"{out}.rank{r}.trace.json"
+                                                                              for r in range(1, tp)])
     return result
+
+
+def merge_traces(args, phase: str, paths: list[str]) -> dict:
+    """The ranks' --trace_steps summaries, the pipeline's loop (two ranks) and their text, printed."""
+    ranks = []
+    for rank, path in enumerate(paths):
+        if os.path.exists(path):
+            with open(path) as f:
+                ranks.append(json.load(f))
+        else:
+            ranks.append({"rank": rank, "error": "no trace summary written"})
+    loop = (step_trace.pipeline_loop(ranks[0], ranks[1], depth=ranks[0].get("depth") or 2)
+            if len(ranks) == 2 else None)
+    text = step_trace.describe(ranks, loop)
+    print(f"[tp_bench] {phase} trace (the phase's own speed is perturbed by the profiler):\n{text}", flush=True)
+    if args.trace_dir:
+        os.makedirs(args.trace_dir, exist_ok=True)
+        with open(os.path.join(args.trace_dir, f"{phase}_trace.txt"), "w") as f:
+            f.write(text + "\n")
+    return {"ranks": ranks, "loop": loop, "text": text}
 
 
 def compare_greedy(workdir: str, tp1: dict, tp2: dict, phase: str = "greedy_tp2") -> dict:
@@ -642,6 +701,18 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help=f"what the perf phases measure after their warm-up, comma list of {','.join(PERF_SECTIONS)} "
                              "(graphs: graphs against eager steps; decode: the runner alone; executor_decode: "
                              "through the executor; offline: the --offline shapes)")
+    parser.add_argument("--trace_steps", type=int, default=0,
+                        help="PP perf phases: a torch.profiler window on every rank over this many decode-only steps "
+                             "of --trace_batch sequences, summarised per rank and step (benchmarks/engine/"
+                             "step_trace.py: host waits, the compute stream's busy and idle time and what ended each "
+                             "gap, the NCCL kernels; with two stages the loop from rank 0's graph of a step to that "
+                             "of the step launched depth steps later). The phase's own speed is then perturbed")
+    parser.add_argument("--trace_skip", type=int, default=60, help="matching steps launched before the window")
+    parser.add_argument("--trace_warm", type=int, default=5, help="steps recorded but not analysed (the profiler's start)")
+    parser.add_argument("--trace_batch", type=int, default=0,
+                        help="steps of at least this many sequences are counted (default: the engine's max_batch_size)")
+    parser.add_argument("--trace_dir", default=None,
+                        help="also write each rank's raw chrome trace (trace_rank<r>.json.gz) and the text summary here")
     parser.add_argument("--out", default="tp_bench.json")
     parser.add_argument("--results-md", dest="results_md", default=None, help="append the markdown table here")
     # internal: one rank of one phase
@@ -680,6 +751,8 @@ def main(argv=None) -> None:
                                            {"capture_cuda_graphs": EagerRunner.capture_cuda_graphs})
     if args.timing:
         pipeline_runner.StageRunner = timed(pipeline_runner.StageRunner)
+    if args.trace_steps and args.role in ("perf", "worker") and EngineConfig.load(args.engine_dir).build.pp_size > 1:
+        install_tracer(args)
     if args.role == "worker":
         cls = runner_class(args)
         if args.timing:  # keep the worker's runner to report its timeline after the job
@@ -692,6 +765,8 @@ def main(argv=None) -> None:
 
             cls = Recorded
         run_worker(args.engine_dir, device=args.device, runner_class=cls)
+        if TRACER is not None:
+            finish_trace()
         if args.timing and built:
             timeline = summarize(built[0])
             progress("timeline: " + describe(timeline))
@@ -703,6 +778,10 @@ def main(argv=None) -> None:
     result = run_greedy_phase(args) if args.role == "greedy" else run_perf_phase(args)
     with open(args.out, "w") as f:
         json.dump(result, f)
+    if TRACER is not None:  # no interpreter teardown after a profiler window (step_trace.StepTracer.finish)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":
