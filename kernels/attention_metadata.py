@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterator
 
+import numpy as np
 import torch
 
 if TYPE_CHECKING:
@@ -53,6 +54,11 @@ class AttentionMetadata:
     # (a new token of sequence i) says which of sequence i's new tokens it sees (its tree ancestors
     # and itself); every cached key stays visible. None: plain causal attention.
     tree_mask: torch.Tensor | None = None
+    # tree_mask as bits (pack_tree_mask), what the Triton kernel reads where it is set: (num_tokens, words)
+    # int32, words >= ceil(max_seqlen_q / 32), bit k of word w of row t = tree_mask[t, 32 w + k]. Whoever
+    # sets tree_mask packs it once a forward (a tree CUDA graph's is a buffer its host fills), and again if
+    # it changes the mask; None: the kernel reads tree_mask's bytes (slower: kernels/triton_attention.py).
+    tree_bits: torch.Tensor | None = None
     # Image spans (Gemma 3, engine/executor/image_spans.py): (num_tokens,) int32, how many of its own
     # sequence's later new tokens each new token also sees (the rest of its image's run in this step;
     # 0 outside images, never past its chunk): the row at position p sees keys up to p + span_ahead.
@@ -82,3 +88,29 @@ class AttentionMetadata:
         for i, context_len in enumerate(ctx):
             if cu[i + 1] > cu[i]:
                 yield i, cu[i], cu[i + 1], context_len
+
+
+def pack_tree_mask(mask: torch.Tensor) -> torch.Tensor:
+    """AttentionMetadata.tree_bits of a (num_tokens, width) bool / int8 ``mask``, on its device:
+    (num_tokens, ceil(width / 32)) int32, bit k of word w of row t set where mask[t, 32 w + k] is nonzero.
+
+    Why bits: the attention kernel's masked key tiles read each (row, key) of a byte mask with its own
+    load; a row's bits are one word per 32 keys, a few row-vector loads a tile."""
+    tokens, width = mask.shape
+    words = -(-width // 32)
+    if mask.device.type == "cpu":  # (a host-built mask: numpy's bit packing, little-endian words)
+        packed = np.zeros((tokens, words * 4), dtype=np.uint8)
+        packed[:, :-(-width // 8)] = np.packbits(mask.numpy() != 0, axis=1, bitorder="little")
+        return torch.from_numpy(packed.view("<i4").astype(np.int32))
+    return pack_tree_mask_torch(mask)
+
+
+def pack_tree_mask_torch(mask: torch.Tensor) -> torch.Tensor:
+    """pack_tree_mask by torch operations on ``mask``'s device (a device-side mask: no host sync)."""
+    tokens, width = mask.shape
+    words = -(-width // 32)
+    padded = torch.zeros(tokens, words * 32, dtype=torch.int64, device=mask.device)
+    padded[:, :width] = mask != 0
+    shifts = torch.arange(32, dtype=torch.int64, device=mask.device)
+    packed = (padded.view(tokens, words, 32) << shifts).sum(-1)  # 0 .. 2**32 - 1
+    return (packed - ((packed >> 31) << 32)).to(torch.int32)  # the same 32 bits as a signed int32

@@ -191,6 +191,7 @@ def _attend_keys(
     PRECISION: tl.constexpr, FP16_MATH: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     MASKED: tl.constexpr, TMA: tl.constexpr, HAS_ALIBI: tl.constexpr,
     tree_ptr, tree_rows, prefix_len, stride_tm, HAS_TREE: tl.constexpr, q_last,
+    tree_words, TREE_AS_BITS: tl.constexpr,
 ):
     """The online softmax over keys [lo, hi) in tiles of BLOCK_N -> (m_i, l_i, acc). MASKED: some key
     of a tile may lie at or past kv_hi, or be hidden from some row (causality, window); unmasked
@@ -248,9 +249,23 @@ def _attend_keys(
                 visible = visible & (k_pos[None, :] > q_pos[:, None] - window)
             if HAS_TREE:  # new keys: only the row's tree ancestors (and itself; with spans, its span's too)
                 new_key = k_pos - prefix_len
-                tree_bits = tl.load(tree_ptr + tree_rows[:, None] * stride_tm + new_key[None, :],
-                                    mask=((new_key >= 0) & k_valid)[None, :], other=1)
-                visible = visible & (tree_bits != 0)
+                if TREE_AS_BITS:
+                    # The mask as bits (tree_bits): each row's few 32-key words that cover this tile, loaded
+                    # as row vectors and spread over the tile's columns, instead of a byte gather a score.
+                    seen = tl.maximum(new_key, 0)  # (negative new keys are cached keys: visible below)
+                    first_word = tl.maximum(start - prefix_len, 0) // 32
+                    word_of_key = seen // 32 - first_word  # 0 .. BLOCK_N // 32
+                    words = tl.zeros(scores.shape, dtype=tl.int32)
+                    for j in tl.static_range((BLOCK_N + 31) // 32 + 1):
+                        word = tl.load(tree_ptr + tree_rows * stride_tm + first_word + j,
+                                       mask=tree_rows * 0 + first_word + j < tree_words, other=0)
+                        words = tl.where((word_of_key == j)[None, :], word[:, None], words)
+                    ancestor = ((words >> (seen % 32)[None, :]) & 1) != 0
+                    visible = visible & (ancestor | (new_key < 0)[None, :])
+                else:
+                    tree_bits = tl.load(tree_ptr + tree_rows[:, None] * stride_tm + new_key[None, :],
+                                        mask=((new_key >= 0) & k_valid)[None, :], other=1)
+                    visible = visible & (tree_bits != 0)
             scores = tl.where(visible, scores, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(scores, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet
@@ -274,8 +289,9 @@ def _paged_attention_kernel(
     sinks_ptr,  # (num_heads,) sink logits, natural base (read when HAS_SINKS)
     alibi_ptr,  # (num_heads,) float32 ALiBi slopes, natural base (read when HAS_ALIBI)
     active_splits_ptr,  # (1,) int32 (read when DYNAMIC_SPLITS)
-    tree_ptr,  # (num_tokens, max q_len) int8 token tree mask (read when HAS_TREE)
+    tree_ptr,  # (num_tokens, max q_len) int8 token tree mask, or its bits (TREE_AS_BITS) (read when HAS_TREE)
     stride_tm,
+    tree_words,  # TREE_AS_BITS: 32-key words a row of tree_ptr holds
     span_ptr,  # (num_tokens,) int32 AttentionMetadata.span_ahead (read when HAS_SPANS)
     qk_scale,  # softmax scale * log2(e): scores live in base 2
     window,  # sliding window W (read when HAS_WINDOW): row at position p sees keys p - W < k <= p
@@ -295,6 +311,7 @@ def _paged_attention_kernel(
     DYNAMIC_SPLITS: tl.constexpr,  # the splits in use are min(active_splits_ptr[0], NUM_SPLITS) (a decode graph's)
     PDL: tl.constexpr,
     HAS_TREE: tl.constexpr = False,  # token trees (tree verification): meta.tree_mask hides non-ancestors
+    TREE_AS_BITS: tl.constexpr = False,  # tree_ptr holds the mask as int32 words of 32 keys (tree_bits)
     HAS_SPANS: tl.constexpr = False,  # image spans: a row also sees span_ptr[token] later new keys
     APPEND_ROWS: tl.constexpr = False,  # ROTARY_APPEND's work for a short step whose sequences are one tile each
 ):
@@ -470,12 +487,12 @@ def _paged_attention_kernel(
         q, q_pos, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, k_desc, v_desc, block_row, kv_head, kv_lo, unmasked_end,
         kv_hi, qk_scale, window, softcap_log2, alibi_log2, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
         stride_vh, HEAD_DIM, DIM_PAD, PAGE_SIZE, BLOCK_N, PRECISION, FP16_MATH, HAS_WINDOW, HAS_SOFTCAP, False, TMA,
-        HAS_ALIBI, tree_ptr, tree_rows, prefix_len, stride_tm, False, q_last)
+        HAS_ALIBI, tree_ptr, tree_rows, prefix_len, stride_tm, False, q_last, tree_words, TREE_AS_BITS)
     m_i, l_i, acc = _attend_keys(
         q, q_pos, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, k_desc, v_desc, block_row, kv_head, unmasked_end, kv_hi,
         kv_hi, qk_scale, window, softcap_log2, alibi_log2, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
         stride_vh, HEAD_DIM, DIM_PAD, PAGE_SIZE, BLOCK_N, PRECISION, FP16_MATH, HAS_WINDOW, HAS_SOFTCAP, True, False,
-        HAS_ALIBI, tree_ptr, tree_rows, prefix_len, stride_tm, HAS_TREE, q_last)
+        HAS_ALIBI, tree_ptr, tree_rows, prefix_len, stride_tm, HAS_TREE, q_last, tree_words, TREE_AS_BITS)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
@@ -769,6 +786,12 @@ def _short_step_config(group: int, dim_pad: int, kv_itemsize: int) -> tuple[int,
 
 
 SHORT_STEP_TILING_ENV = "TRITONLLM_SHORT_STEP_TILING"
+# "0": the attention kernel reads a token tree's mask as bytes (meta.tree_mask), one load a (row, key) of
+# its masked tiles, even where the step's producer packed its bits (AttentionMetadata.tree_bits); else it
+# reads the bits: a few row-vector loads a tile. An A/B switch, read at every call. H200, Llama-8B shape,
+# the 65-token tree step's launch alone (keys split 8 ways, its K/V write and merge included): 29.0 us a
+# layer as bytes (255 registers and 70 spilled a thread), 18.0 as bits (255, 14); 17 tokens 16.8 -> 10.2.
+TREE_BITS_ENV = "TRITONLLM_TREE_BITS"
 
 
 # "0": decode tiles never read the pool through TMA descriptors; "all": every decode tiling that fits
@@ -858,9 +881,15 @@ def paged_attention_triton(
         rotate = False
     kv_itemsize = k_cache.element_size()
     append_rows = new_kv is not None and not meta.is_decode_only  # a short step's (short_step_appends)
-    # Token trees (tree verification): the mask as bytes; the decode launch's rows are one token each
-    # (a root alone sees all its keys), so only the prefill launch reads it.
-    tree = None if meta.tree_mask is None else meta.tree_mask.to(torch.int8)
+    # Token trees (tree verification): the mask as bits where the step's producer packed them
+    # (meta.tree_bits) and $TRITONLLM_TREE_BITS is not 0, else as bytes; the decode launch's rows are
+    # one token each (a root alone sees all its keys), so only the prefill launch reads it.
+    tree_as_bits = (meta.tree_mask is not None and meta.tree_bits is not None
+                    and os.environ.get(TREE_BITS_ENV, "1") != "0")
+    if tree_as_bits:
+        tree = meta.tree_bits
+    else:
+        tree = None if meta.tree_mask is None else meta.tree_mask.to(torch.int8)
     # Image spans: a row of a sequence with one new token sees nothing ahead, so likewise prefill only.
     spans = meta.span_ahead
     assert spans is None or (spans.dtype == torch.int32 and spans.shape == (num_tokens,))
@@ -897,6 +926,7 @@ def paged_attention_triton(
             q if alibi_slopes is None else alibi_slopes,
             active_splits if dynamic else lens,
             lens if tree is None else tree, 0 if tree is None else tree.stride(0),
+            tree.shape[1] if tree_as_bits else 0,
             lens if spans is None else spans,
             scale * _LOG2E, sliding_window or 0, (logit_softcap or 1.0) * _LOG2E,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -911,7 +941,7 @@ def paged_attention_triton(
             ROTATE=rotate,
             HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=logit_softcap is not None, HAS_TILE_MAP=tile_map,
             HAS_SINKS=sinks is not None, HAS_ALIBI=alibi_slopes is not None, SEQ_KIND=seq_kind, TMA=descs is not None, DYNAMIC_SPLITS=dynamic,
-            HAS_TREE=tree is not None and not decode_tiles,
+            HAS_TREE=tree is not None and not decode_tiles, TREE_AS_BITS=tree_as_bits,
             HAS_SPANS=spans is not None and not decode_tiles,
             num_warps=num_warps,
             num_stages=num_stages,
@@ -983,8 +1013,9 @@ def _short_step_plan(meta: AttentionMetadata, num_tokens: int, group: int, num_k
         return grid, 1, False
     keys = meta.max_context_len if sliding_window is None else min(meta.max_context_len, sliding_window)
     block_n = _prefill_config(group, attention_dim_pad(head_dim), kv_itemsize)[1]
-    splits = num_splits or _short_step_splits(tiles * num_kv_heads, grid[0] * grid[1] * grid[2], num_tokens, keys,
-                                              block_n, num_sms(device))
+    forced = int(os.environ.get(SHORT_STEP_SPLITS_ENV, "0") or 0)
+    splits = num_splits or forced or _short_step_splits(tiles * num_kv_heads, grid[0] * grid[1] * grid[2],
+                                                        num_tokens, keys, block_n, num_sms(device))
     return grid, splits, splits > 1 and most_tiles * num_kv_heads <= SHORT_STEP_ONE_LAUNCH
 
 
@@ -1005,6 +1036,13 @@ def short_step_appends(q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMe
     return one_launch
 
 
+# A power of two: every short step (a mixed step of fewer than SHORT_STEP_PROGRAMS prefill programs) splits
+# its keys this many ways instead of _short_step_splits' count (8 is the 65-token tree step's count before
+# that rule took SHORT_STEP_RESIDENT). An A/B switch for benchmarks, read at every call.
+SHORT_STEP_SPLITS_ENV = "TRITONLLM_SHORT_STEP_SPLITS"
+# A short step's split programs one SM holds: the 64-row tiles with the tree mask take 215-255 registers a
+# thread over 4 warps (Triton 3.9, sm_90), two programs an SM.
+SHORT_STEP_RESIDENT = 2
 # A mixed step whose prefill tiles number fewer programs than this (tiles x KV heads) splits its keys
 # (_short_step_splits); 132 SMs of an H200 hold a few programs each.
 SHORT_STEP_PROGRAMS = 128
@@ -1024,17 +1062,21 @@ SHORT_STEP_GRID = 8192
 def _short_step_splits(programs: int, grid_programs: int, num_tokens: int, keys: int, block_n: int,
                        sms: int) -> int:
     """Key splits of a mixed step's prefill-tile launch of ``programs`` (tile, KV head) pairs with work
-    (``grid_programs`` in its grid before the split) over contexts up to ``keys`` keys: enough to cover
-    the GPU twice, as the decode rule (_decode_num_splits) does for a small batch, none shorter than 2
-    tiles of ``block_n`` keys, at most MAX_DECODE_SPLITS, SHORT_STEP_PART_ROWS // num_tokens and
+    (``grid_programs`` in its grid before the split) over contexts up to ``keys`` keys: the most (a power
+    of two) whose programs the GPU holds at once, SHORT_STEP_RESIDENT an SM, none shorter than 2 tiles of
+    ``block_n`` keys, at most MAX_DECODE_SPLITS, SHORT_STEP_PART_ROWS // num_tokens and
     SHORT_STEP_GRID // grid_programs; 1 (no split) for steps of SHORT_STEP_PROGRAMS programs or more.
 
-    Why: a batch-1 tree verify step of 16 tokens (Llama-8B shape: 4 query heads a KV head, so one
+    Why split: a batch-1 tree verify step of 16 tokens (Llama-8B shape: 4 query heads a KV head, so one
     64-row tile a KV head) launched 8 programs, each walking the whole context alone: ~34 us a layer at
-    512 keys on an H200 where the decode step's split launch took a few (benchmarks/results/speculative.md)."""
+    512 keys on an H200 where the decode step's split launch took a few (benchmarks/results/speculative.md).
+    Why no more than one wave: the 65-token step (5 tiles a KV head, 40 programs) took 8 splits under the
+    earlier rule (enough to cover the GPU twice, next power of two: 320 programs, two waves) and ran 18.2 us
+    a layer against 15.2 with 4 (H200, its launch alone with the mask as bits, the K/V write and merge
+    included); 17 tokens (16 programs) 10.6 with 8, 11.4 with 4; 33 tokens 11.6 with 4, 12.4 with 8."""
     if programs >= SHORT_STEP_PROGRAMS:
         return 1
-    wanted = triton.next_power_of_2(triton.cdiv(2 * sms, programs))
+    wanted = power_of_2_floor(SHORT_STEP_RESIDENT * sms // programs)
     by_rows = power_of_2_floor(SHORT_STEP_PART_ROWS // max(num_tokens, 1))
     by_grid = power_of_2_floor(SHORT_STEP_GRID // max(grid_programs, 1))
     return min(wanted, _most_decode_splits(keys, block_n), by_rows, by_grid)

@@ -15,6 +15,9 @@ one-token launch with its rotary and KV write, split as a decode graph captures 
 recorded in a CUDA graph of 20 launches (the kernels are a few microseconds: launched from Python,
 the launch would be what is timed), replayed 20 times between two events: us per launch.
 
+The tree mask goes in as the tree graphs pass it, bytes and bits (AttentionMetadata.tree_bits); the kernel
+reads the bits unless $TRITONLLM_TREE_BITS=0.
+
 ``--tilings``: ``short`` is the short step's own tiling ($TRITONLLM_SHORT_STEP_TILING=short,
 _short_step_config), ``prefill`` the prompt chunk's (the default), the A/B of the two. The issue-56 goal: tree rows'
 attention <= ~1.3x the decode launch's at 15-64 nodes.
@@ -37,7 +40,7 @@ def make_step(tokens: int, context: int, max_seq_len: int, device: torch.device)
     tokens - 1 drafted nodes; 1: a decode step) after ``context``."""
     from engine.executor.prefill_graphs import tile_map
     from engine.executor.tree_batch import tree_mask
-    from kernels.attention_metadata import AttentionMetadata
+    from kernels.attention_metadata import AttentionMetadata, pack_tree_mask
     from kernels.rotary import build_cos_sin_cache
     from kernels.triton_attention import prefill_tokens_per_tile
 
@@ -65,6 +68,7 @@ def make_step(tokens: int, context: int, max_seq_len: int, device: torch.device)
         context_lens=torch.tensor([total], dtype=torch.int32, device=device), max_seqlen_q=tokens,
         max_context_len=max_seq_len, is_decode_only=tokens == 1,
         tree_mask=tree_mask([tokens], [parents]).to(device) if tokens > 1 else None,
+        tree_bits=pack_tree_mask(tree_mask([tokens], [parents])).to(device) if tokens > 1 else None,
         tile_seq=torch.from_numpy(tile_seq).to(device) if tokens > 1 else None,
         tile_m=torch.from_numpy(tile_m).to(device) if tokens > 1 else None)
     cos_sin = build_cos_sin_cache(max_seq_len + 64, HEAD_DIM, 500000.0, device=device)

@@ -46,7 +46,7 @@ import torch
 
 from engine.executor import tree_batch
 from engine.executor.cuda_graphs import capture_forward
-from kernels.attention_metadata import AttentionMetadata
+from kernels.attention_metadata import AttentionMetadata, pack_tree_mask
 from kernels.lora import LoraBatchBuffers
 
 
@@ -154,6 +154,10 @@ class PrefillGraphs:
         self._np_rows = self.host_rows.numpy()
         self.host_tree = torch.zeros(tree_rows, max(self.tree_width, 1), dtype=torch.int8).pin_memory()
         self.dev_tree = torch.zeros(tree_rows, max(self.tree_width, 1), dtype=torch.int8, device=self.device)
+        # The same mask as bits (AttentionMetadata.tree_bits), what the attention kernel reads.
+        tree_words = -(-max(self.tree_width, 1) // 32)
+        self.host_tree_bits = torch.zeros(tree_rows, tree_words, dtype=torch.int32).pin_memory()
+        self.dev_tree_bits = torch.zeros(tree_rows, tree_words, dtype=torch.int32, device=self.device)
         self._copied = torch.cuda.Event()
         self._copied.record()
 
@@ -168,6 +172,7 @@ class PrefillGraphs:
         )
         if tree:  # int8 already, so the kernel wrapper's .to(torch.int8) is this buffer itself
             meta.tree_mask = self.dev_tree[:bucket]
+            meta.tree_bits = self.dev_tree_bits[:bucket]
         return meta
 
     @torch.inference_mode()
@@ -244,6 +249,7 @@ class PrefillGraphs:
         self.dev_tiles[:, :tiles].copy_(self.host_tiles[:, :tiles], non_blocking=True)
         if tree:
             self.dev_tree[:num_tokens].copy_(self.host_tree[:num_tokens], non_blocking=True)
+            self.dev_tree_bits[:num_tokens].copy_(self.host_tree_bits[:num_tokens], non_blocking=True)
         num_rows = len(batch.logits_indices)  # (<= num_tokens: one row per scored token)
         self._np_rows[:num_rows] = batch.logits_indices
         self.dev_rows[:num_rows].copy_(self.host_rows[:num_rows], non_blocking=True)
@@ -279,6 +285,8 @@ class PrefillGraphs:
                                                          batch.tree_parents), dtype=np.int64)
             mask = tree_batch.tree_mask(batch.seq_lens_q, batch.tree_parents)
             self.host_tree[:n, :mask.shape[1]] = mask.to(torch.int8)
+            bits = pack_tree_mask(mask)
+            self.host_tree_bits[:n, :bits.shape[1]] = bits
         i64[0, :n] = batch.token_ids
         i64[1, :n] = positions
         i64[2, :n] = tables[seq_of_token, slots // page].astype(np.int64) * page + slots % page

@@ -35,7 +35,7 @@ from engine.lora.pool import LoraPools
 from engine.models.layers import Linear, enable_one_shot_all_reduce, prepare_weights, wide_row_weights
 from kernels import choice_cache
 from kernels.attention import KV_FP8_DTYPE
-from kernels.attention_metadata import AttentionMetadata
+from kernels.attention_metadata import AttentionMetadata, pack_tree_mask
 from kernels.triton_attention import prefill_tokens_per_tile
 from kernels.fp8 import FP8_DTYPE, choose_fp8_scaling, choose_fp8_skinny_variants
 from kernels.linear import choose_activated_weights, choose_gated_weights, choose_skinny_weights
@@ -495,6 +495,7 @@ class ModelRunner:
             if meta.tree_mask is not None:  # token trees beside image spans: plain rows of the tree mask see ahead too
                 meta.tree_mask |= image_spans.ahead_mask(span_ahead, batch.seq_lens_q, meta.tree_mask.shape[1]).to(
                     self.device)
+                meta.tree_bits = pack_tree_mask(meta.tree_mask)  # (the bits of the mask as it now is)
         table_rows = {}  # only models with supports_prompt_tables take the keyword
         if prompt_embeds is not None:
             input_ids = embeddable_ids(input_ids, self.vocab_size)
@@ -556,7 +557,8 @@ class ModelRunner:
             lora=None if batch.lora_slots is None else lora_batch(batch.lora_slots, batch.seq_lens_q, self.device),
         )
         if batch.tree_parents is not None:
-            meta.tree_mask = tree_batch.tree_mask(batch.seq_lens_q, batch.tree_parents).to(self.device)
+            mask = tree_batch.tree_mask(batch.seq_lens_q, batch.tree_parents)
+            meta.tree_mask, meta.tree_bits = mask.to(self.device), pack_tree_mask(mask).to(self.device)
         if batch.state_slots is not None:
             meta.state_slots = self._to_device(batch.state_slots, torch.int32)
             meta.state_slots_host = batch.state_slots

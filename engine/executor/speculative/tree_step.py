@@ -25,7 +25,7 @@ from engine.executor.kv_cache import BlockManager
 from engine.executor.runner import ForwardBatch, ModelRunner
 from engine.executor.speculative.tree import accept_greedy_tree, ancestor_mask
 from kernels.attention import KV_FP8_DTYPE
-from kernels.attention_metadata import AttentionMetadata
+from kernels.attention_metadata import AttentionMetadata, pack_tree_mask
 
 
 @dataclass
@@ -72,7 +72,8 @@ def tree_forward(runner: ModelRunner, rows: list[TreeRow]) -> tuple[torch.Tensor
         cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device),
         context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
         max_seqlen_q=width, max_context_len=max(context_lens), is_decode_only=False,
-        cu_seqlens_q_host=cu, context_lens_host=context_lens, tree_mask=mask.to(device))
+        cu_seqlens_q_host=cu, context_lens_host=context_lens, tree_mask=mask.to(device),
+        tree_bits=pack_tree_mask(mask).to(device))
     hidden = runner.model(torch.tensor(token_ids, dtype=torch.int64, device=device),
                           torch.tensor(positions, dtype=torch.int64, device=device), runner.kv_cache, meta)
     return hidden, runner.model.compute_logits(hidden)
