@@ -489,7 +489,9 @@ def install_tracer(args) -> None:
 def finish_trace() -> None:
     started = time.monotonic()
     summary = TRACER.finish()
-    progress(f"trace: {len(summary.get('steps', []))} steps analysed in {time.monotonic() - started:.1f} s"
+    analysed = sum(1 for row in summary.get("steps", []) if row.get("analysed"))
+    progress(f"trace: {analysed} steps analysed of {len(summary.get('steps', []))} recorded, in "
+             f"{time.monotonic() - started:.1f} s"
              + (f" ({summary['error']})" if summary.get("error") else ""))
 
 
