@@ -11,6 +11,7 @@ import asyncio
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from functools import partial
 
 import openai
 import pytest
@@ -75,13 +76,75 @@ def rendered_prompt_tokens(tokenizer, messages):
     return len(tokenizer.encode(text, add_special_tokens=True))
 
 
+TEXT_PARTS = [{"role": "system", "content": [{"type": "text", "text": "You answer in one sentence."}]},
+              {"role": "user", "content": [{"type": "text", "text": "What is the capital "},
+                                           {"type": "text", "text": "of France?"}]}]
+COMPLETION_PROMPT = "The capital of France is"
+SAMPLED_N = {"model": MODEL, "messages": CAPITAL, "n": 2, "seed": 7, "temperature": 1.0, "max_tokens": 6}
+BLS_EXTRAS = {"plain": {}, "stop": {"stop": [" Paris"]}, "logprobs": {"logprobs": True, "top_logprobs": 2}}
+MULTIBYTE = {"model": MODEL, "messages": [{"role": "user", "content": "海についての短い詩を日本語で書いてください。"}],
+             "temperature": 0, "max_tokens": 32}
+
+
+def stream_chunks(frontend, **request):
+    """The chunks of one streamed chat completion through the async client."""
+    async def stream(c):
+        return [chunk async for chunk in await c.chat.completions.create(**request, stream=True)]
+    return run(stream, frontend)
+
+
+@pytest.fixture(scope="module")
+def replies(frontend, bls_frontend):
+    """Every request of the tests below whose answers are compared only with each other's tokens or
+    text (not their log-probs to 1e-6: test_completion_logprobs_... sends those alone), sent at once
+    when the first test asks: {test: [each request's answer]}. The engine batches 8 and keeps its slots
+    full from the queue; all are answered before the first test reads its own, so none is still running
+    in the hang-up tests' idle checks. One test after another (each test's own requests at once), these
+    tests took ~37 s of CI's make test (2026-11-30)."""
+    with openai.OpenAI(base_url=f"{frontend}/v1", api_key="unused", max_retries=0, timeout=300) as client, \
+            openai.OpenAI(base_url=f"{bls_frontend}/v1", api_key="unused", max_retries=0, timeout=300) as via_bls:
+        chat, completion, bls_chat = client.chat.completions.create, client.completions.create, via_bls.chat.completions.create
+        sends = {
+            "chat": [partial(chat, model=MODEL, messages=CAPITAL, **GREEDY)],
+            "text_parts": [partial(run, lambda c: c.chat.completions.create(model=MODEL, messages=TEXT_PARTS, **GREEDY),
+                                   frontend)],
+            "length": [partial(chat, model=MODEL, messages=CAPITAL, temperature=0, max_completion_tokens=3)],
+            "streamed_deltas": [partial(chat, model=MODEL, messages=CAPITAL, **GREEDY),
+                                partial(stream_chunks, frontend, model=MODEL, messages=CAPITAL,
+                                        stream_options={"include_usage": True}, **GREEDY)],
+            "completion_stream": [partial(completion, model=MODEL, prompt=COMPLETION_PROMPT, **SHORT),
+                                  lambda: list(completion(model=MODEL, prompt=COMPLETION_PROMPT, stream=True, **SHORT))],
+            "chat_logprobs": [partial(chat, model=MODEL, messages=CAPITAL, logprobs=True, top_logprobs=3, **GREEDY),
+                              partial(chat, model=MODEL, messages=CAPITAL, **GREEDY)],
+            "chat_logprob_entries": [partial(chat, model=MODEL, messages=CAPITAL, logprobs=True, top_logprobs=2, **GREEDY),
+                                     partial(stream_chunks, frontend, model=MODEL, messages=CAPITAL, logprobs=True,
+                                             top_logprobs=2, **GREEDY)],
+            "n": [partial(chat, **SAMPLED_N), partial(chat, **SAMPLED_N), partial(stream_chunks, frontend, **SAMPLED_N)],
+            "usage": [partial(completion, model=MODEL, prompt=["The capital of France is", "One, two, three,"], n=2,
+                              max_tokens=5, temperature=0)],
+            "stop": [partial(chat, model=MODEL, messages=CAPITAL, **GREEDY),
+                     partial(chat, model=MODEL, messages=CAPITAL, stop=["Paris", "Berlin"], **GREEDY),
+                     partial(stream_chunks, frontend, model=MODEL, messages=CAPITAL, stop="Paris", **GREEDY)],
+            **{f"bls_{name}": [partial(chat, model=MODEL, messages=CAPITAL, **GREEDY, **extra),
+                               partial(bls_chat, model=MODEL, messages=CAPITAL, **GREEDY, **extra),
+                               lambda extra=extra: list(bls_chat(model=MODEL, messages=CAPITAL, **GREEDY, **extra,
+                                                                 stream=True))]
+               for name, extra in BLS_EXTRAS.items()},
+            "multibyte": [partial(chat, **MULTIBYTE), lambda: list(chat(**MULTIBYTE, stream=True)),
+                          lambda: list(bls_chat(**MULTIBYTE, stream=True))],
+        }
+        with ThreadPoolExecutor(max_workers=sum(map(len, sends.values()))) as pool:
+            futures = {test: [pool.submit(send) for send in test_sends] for test, test_sends in sends.items()}
+            yield {test: [future.result() for future in test_futures] for test, test_futures in futures.items()}
+
+
 def test_models_lists_the_served_model(client):
     # the base model, then the session frontend's two LoRA adapters (conftest.py --lora_modules)
     assert [model.id for model in client.models.list()] == [MODEL, "sql", "chat16"]
 
 
-def test_chat_answers_the_capital_question(client, tokenizer):
-    reply = client.chat.completions.create(model=MODEL, messages=CAPITAL, **GREEDY)
+def test_chat_answers_the_capital_question(replies, tokenizer):
+    reply, = replies["chat"]
     choice = reply.choices[0]
     assert "Paris" in choice.message.content
     assert choice.message.role == "assistant" and choice.finish_reason in ("stop", "length")
@@ -91,27 +154,19 @@ def test_chat_answers_the_capital_question(client, tokenizer):
     assert reply.usage.total_tokens == reply.usage.prompt_tokens + reply.usage.completion_tokens
 
 
-def test_async_chat_answers_the_capital_question_with_text_parts(frontend):
-    messages = [{"role": "system", "content": [{"type": "text", "text": "You answer in one sentence."}]},
-                {"role": "user", "content": [{"type": "text", "text": "What is the capital "},
-                                             {"type": "text", "text": "of France?"}]}]
-    reply = run(lambda c: c.chat.completions.create(model=MODEL, messages=messages, **GREEDY), frontend)
+def test_async_chat_answers_the_capital_question_with_text_parts(replies):
+    reply, = replies["text_parts"]  # (through the async client: replies)
     assert "Paris" in reply.choices[0].message.content
 
 
-def test_length_finish_counts_exactly_max_tokens(client):
-    reply = client.chat.completions.create(model=MODEL, messages=CAPITAL, temperature=0, max_completion_tokens=3)
+def test_length_finish_counts_exactly_max_tokens(replies):
+    reply, = replies["length"]
     assert reply.choices[0].finish_reason == "length"
     assert reply.usage.completion_tokens == 3
 
 
-def test_streamed_deltas_concatenate_to_the_unary_text(client, frontend):
-    async def stream(c):
-        chunks = [chunk async for chunk in await c.chat.completions.create(
-            model=MODEL, messages=CAPITAL, stream=True, stream_options={"include_usage": True}, **GREEDY)]
-        return chunks
-    unary, chunks = at_once(lambda: client.chat.completions.create(model=MODEL, messages=CAPITAL, **GREEDY),
-                            lambda: run(stream, frontend))
+def test_streamed_deltas_concatenate_to_the_unary_text(replies):
+    unary, chunks = replies["streamed_deltas"]
     text = "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)
     assert text == unary.choices[0].message.content
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -120,20 +175,16 @@ def test_streamed_deltas_concatenate_to_the_unary_text(client, frontend):
     assert chunks[-1].choices == [] and chunks[-1].usage == unary.usage  # usage last, exact
 
 
-def test_sync_stream_of_completions(client):
-    prompt = "The capital of France is"
-    unary, chunks = at_once(lambda: client.completions.create(model=MODEL, prompt=prompt, **SHORT),
-                            lambda: list(client.completions.create(model=MODEL, prompt=prompt, stream=True, **SHORT)))
+def test_sync_stream_of_completions(replies):
+    unary, chunks = replies["completion_stream"]
     assert "".join(chunk.choices[0].text for chunk in chunks) == unary.choices[0].text
     assert unary.object == "text_completion" and unary.id.startswith("cmpl-")
 
 
-def test_chat_logprobs_name_every_generated_token(client):
+def test_chat_logprobs_name_every_generated_token(replies):
     """Greedy: one entry per completion token, the tokens spell the answer, each chosen token is
     its own top-1 alternative with the same log-prob."""
-    reply, plain = at_once(
-        lambda: client.chat.completions.create(model=MODEL, messages=CAPITAL, logprobs=True, top_logprobs=3, **GREEDY),
-        lambda: client.chat.completions.create(model=MODEL, messages=CAPITAL, **GREEDY))
+    reply, plain = replies["chat_logprobs"]
     choice = reply.choices[0]
     content = choice.logprobs.content
     assert "Paris" in choice.message.content and len(content) == reply.usage.completion_tokens
@@ -147,20 +198,14 @@ def test_chat_logprobs_name_every_generated_token(client):
     assert plain.choices[0].logprobs is None and plain.choices[0].message.content == choice.message.content
 
 
-def test_completion_logprobs_and_streamed_entries_concatenate_to_the_unary_ones(client, frontend):
-    prompt = "The capital of France is"
+def test_completion_logprobs_and_streamed_entries_concatenate_to_the_unary_ones(client, replies):
+    prompt = COMPLETION_PROMPT
 
     # One after the other, each alone in the engine's steps: the log-probs are compared to 1e-6, and a
     # step of another batch size sums in another order (5e-6 apart when the two ran at once).
     unary = client.completions.create(model=MODEL, prompt=prompt, logprobs=2, **SHORT)
     chunks = list(client.completions.create(model=MODEL, prompt=prompt, logprobs=2, stream=True, **SHORT))
-
-    async def chat_stream(c):
-        return [chunk async for chunk in await c.chat.completions.create(
-            model=MODEL, messages=CAPITAL, logprobs=True, top_logprobs=2, stream=True, **GREEDY)]
-    chat_unary, chat_chunks = at_once(  # only the tokens compared: at once
-        lambda: client.chat.completions.create(model=MODEL, messages=CAPITAL, logprobs=True, top_logprobs=2, **GREEDY),
-        lambda: run(chat_stream, frontend))
+    chat_unary, chat_chunks = replies["chat_logprob_entries"]  # only the tokens compared: at once
     logprobs = unary.choices[0].logprobs
     assert len(logprobs.tokens) == len(logprobs.token_logprobs) == unary.usage.completion_tokens
     assert "".join(logprobs.tokens) == unary.choices[0].text
@@ -183,13 +228,8 @@ def test_too_many_top_logprobs_gets_a_400_naming_it(client):
     assert raised.value.body["param"] == "top_logprobs" and "top_logprobs must be in [0, 20]" in raised.value.message
 
 
-def test_n_returns_distinct_choices(client, frontend):
-    sampled = {"model": MODEL, "messages": CAPITAL, "n": 2, "seed": 7, "temperature": 1.0, "max_tokens": 6}
-
-    async def stream(c):
-        return [chunk async for chunk in await c.chat.completions.create(**sampled, stream=True)]
-    reply, again, chunks = at_once(lambda: client.chat.completions.create(**sampled),
-                                   lambda: client.chat.completions.create(**sampled), lambda: run(stream, frontend))
+def test_n_returns_distinct_choices(replies):
+    reply, again, chunks = replies["n"]  # the same request twice, and streamed
     assert [choice.index for choice in reply.choices] == [0, 1]
     assert reply.choices[0].message.content != reply.choices[1].message.content  # seeds 7 and 8
     assert [c.message.content for c in again.choices] == [c.message.content for c in reply.choices]
@@ -199,22 +239,17 @@ def test_n_returns_distinct_choices(client, frontend):
     assert texts == [c.message.content for c in reply.choices]
 
 
-def test_usage_of_several_prompts_and_choices(client, tokenizer):
+def test_usage_of_several_prompts_and_choices(replies, tokenizer):
     prompts = ["The capital of France is", "One, two, three,"]
-    reply = client.completions.create(model=MODEL, prompt=prompts, n=2, max_tokens=5, temperature=0)
+    reply, = replies["usage"]
     assert len(reply.choices) == 4
     assert reply.usage.prompt_tokens == sum(len(tokenizer.encode(p)) for p in prompts)
     assert reply.usage.completion_tokens == 4 * 5 and all(c.finish_reason == "length" for c in reply.choices)
 
 
-def test_stop_cuts_the_text_before_the_stop_string(client, frontend):
-    async def stream(c):
-        return [chunk async for chunk in await c.chat.completions.create(
-            model=MODEL, messages=CAPITAL, stop="Paris", stream=True, **GREEDY)]
-    full, cut, chunks = at_once(
-        lambda: client.chat.completions.create(model=MODEL, messages=CAPITAL, **GREEDY).choices[0].message.content,
-        lambda: client.chat.completions.create(model=MODEL, messages=CAPITAL, stop=["Paris", "Berlin"], **GREEDY),
-        lambda: run(stream, frontend))
+def test_stop_cuts_the_text_before_the_stop_string(replies):
+    full, cut, chunks = replies["stop"]
+    full = full.choices[0].message.content
     assert "Paris" in full
     expected = full[:full.index("Paris")]
     assert cut.choices[0].message.content == expected and cut.choices[0].finish_reason == "stop"
@@ -352,15 +387,10 @@ def bls_frontend(triton_server, smollm2_engine_dir):
         yield url
 
 
-@pytest.mark.parametrize("extra", [{}, {"stop": [" Paris"]}, {"logprobs": True, "top_logprobs": 2}],
-                         ids=["plain", "stop", "logprobs"])
-def test_bls_entry_answers_exactly_as_the_direct_entry(client, bls_frontend, extra):
-    with openai.OpenAI(base_url=f"{bls_frontend}/v1", api_key="unused", max_retries=0) as via_bls:
-        direct, bls, streamed = at_once(
-            lambda: client.chat.completions.create(model=MODEL, messages=CAPITAL, **GREEDY, **extra),
-            lambda: via_bls.chat.completions.create(model=MODEL, messages=CAPITAL, **GREEDY, **extra),
-            lambda: list(via_bls.chat.completions.create(model=MODEL, messages=CAPITAL, **GREEDY, **extra,
-                                                         stream=True)))
+@pytest.mark.parametrize("name", list(BLS_EXTRAS))
+def test_bls_entry_answers_exactly_as_the_direct_entry(replies, name):
+    extra = BLS_EXTRAS[name]
+    direct, bls, streamed = replies[f"bls_{name}"]  # direct, through the BLS, and through the BLS streamed
     answers = [direct, bls]
     streamed_text = "".join(chunk.choices[0].delta.content or "" for chunk in streamed if chunk.choices)
     assert direct.choices[0].message.content == bls.choices[0].message.content == streamed_text
@@ -373,18 +403,12 @@ def test_bls_entry_answers_exactly_as_the_direct_entry(client, bls_frontend, ext
         assert tokens[0] == tokens[1] and len(tokens[0]) >= 1
 
 
-def test_multibyte_text_streams_whole_characters_direct_and_through_the_bls(client, bls_frontend):
+def test_multibyte_text_streams_whole_characters_direct_and_through_the_bls(replies):
     """Characters split over tokens come out whole in both entries' streams, and the pieces add up to
     the direct entry's unary answer: the direct entry decodes ids in the frontend
     (openai_frontend/detokenizer.py), the BLS a few ids per chunk (serving.tokenization.DecodeWindow
-    through the postprocessing model). The three requests at once: one 32-token decode for all."""
-    request = {"model": MODEL, "messages": [{"role": "user", "content": "海についての短い詩を日本語で書いてください。"}],
-               "temperature": 0, "max_tokens": 32}
-    with openai.OpenAI(base_url=f"{bls_frontend}/v1", api_key="unused", max_retries=0) as via_bls:
-        unary, direct_chunks, bls_chunks = at_once(
-            lambda: client.chat.completions.create(**request),
-            lambda: list(client.chat.completions.create(**request, stream=True)),
-            lambda: list(via_bls.chat.completions.create(**request, stream=True)))
+    through the postprocessing model). The three requests at once (replies): one 32-token decode for all."""
+    unary, direct_chunks, bls_chunks = replies["multibyte"]
     assert unary.usage.completion_tokens == 32
     for entry, chunks in (("direct", direct_chunks), ("bls", bls_chunks)):
         streamed = [c.choices[0].delta.content or "" for c in chunks if c.choices]
