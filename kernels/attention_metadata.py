@@ -96,13 +96,18 @@ def pack_tree_mask(mask: torch.Tensor) -> torch.Tensor:
 
     Why bits: the attention kernel's masked key tiles read each (row, key) of a byte mask with its own
     load; a row's bits are one word per 32 keys, a few row-vector loads a tile."""
-    tokens, width = mask.shape
-    words = -(-width // 32)
-    if mask.device.type == "cpu":  # (a host-built mask: numpy's bit packing, little-endian words)
-        packed = np.zeros((tokens, words * 4), dtype=np.uint8)
-        packed[:, :-(-width // 8)] = np.packbits(mask.numpy() != 0, axis=1, bitorder="little")
-        return torch.from_numpy(packed.view("<i4").astype(np.int32))
+    if mask.device.type == "cpu":  # a host-built mask
+        return torch.from_numpy(pack_tree_mask_numpy(mask.numpy()))
     return pack_tree_mask_torch(mask)
+
+
+def pack_tree_mask_numpy(mask: np.ndarray) -> np.ndarray:
+    """pack_tree_mask of a host array (numpy's bit packing into little-endian words): what a tree CUDA
+    graph's host writes into its pinned bits buffer, without torch's per-call overhead."""
+    tokens, width = mask.shape
+    packed = np.zeros((tokens, -(-width // 32) * 4), dtype=np.uint8)
+    packed[:, :-(-width // 8)] = np.packbits(mask != 0, axis=1, bitorder="little")
+    return packed.view("<i4").astype(np.int32, copy=False)
 
 
 def pack_tree_mask_torch(mask: torch.Tensor) -> torch.Tensor:

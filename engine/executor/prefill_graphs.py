@@ -46,7 +46,7 @@ import torch
 
 from engine.executor import tree_batch
 from engine.executor.cuda_graphs import capture_forward
-from kernels.attention_metadata import AttentionMetadata, pack_tree_mask
+from kernels.attention_metadata import AttentionMetadata, pack_tree_mask_numpy
 from kernels.lora import LoraBatchBuffers
 
 
@@ -158,6 +158,7 @@ class PrefillGraphs:
         tree_words = -(-max(self.tree_width, 1) // 32)
         self.host_tree_bits = torch.zeros(tree_rows, tree_words, dtype=torch.int32).pin_memory()
         self.dev_tree_bits = torch.zeros(tree_rows, tree_words, dtype=torch.int32, device=self.device)
+        self._np_tree_bits = self.host_tree_bits.numpy()
         self._copied = torch.cuda.Event()
         self._copied.record()
 
@@ -285,8 +286,8 @@ class PrefillGraphs:
                                                          batch.tree_parents), dtype=np.int64)
             mask = tree_batch.tree_mask(batch.seq_lens_q, batch.tree_parents)
             self.host_tree[:n, :mask.shape[1]] = mask.to(torch.int8)
-            bits = pack_tree_mask(mask)
-            self.host_tree_bits[:n, :bits.shape[1]] = bits
+            bits = pack_tree_mask_numpy(mask.numpy())
+            self._np_tree_bits[:n, :bits.shape[1]] = bits
         i64[0, :n] = batch.token_ids
         i64[1, :n] = positions
         i64[2, :n] = tables[seq_of_token, slots // page].astype(np.int64) * page + slots % page
