@@ -1,6 +1,7 @@
 """HTTP generate / generate_stream through the ensemble and the BLS, stop words, bad input."""
 import json
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import pytest
 import requests
@@ -26,18 +27,40 @@ def stream_chunks(response) -> list[dict]:
     return events
 
 
-def unary_and_streamed(server, model, body) -> tuple[requests.Response, list[dict]]:
-    """``body`` sent unary (the response) and streamed (its events), the two requests at once: they
-    are independent, and the engine decodes both in the same steps."""
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        unary = pool.submit(server.generate, model, body)
-        streamed = pool.submit(lambda: stream_chunks(server.generate(model, {**body, "stream": True}, stream=True)))
-        return unary.result(), streamed.result()
+def unary_and_streamed(server, model, body) -> list:
+    """Sends of ``body`` unary (the response) and streamed (its events), for ``replies``."""
+    return [partial(server.generate, model, body),
+            lambda: stream_chunks(server.generate(model, {**body, "stream": True}, stream=True))]
+
+
+@pytest.fixture(scope="module")
+def replies(triton_server):
+    """Every generation request of the tests below but the bad inputs' and the one after them (each
+    waits on no other's), sent at once when the first test asks: {test: [each request's answer]}.
+    The engine batches 8 and keeps its slots full from the queue. One test after another (each test's
+    unary and streamed requests at once), the file's tests took 29 s of CI's make test (2026-11-30)."""
+    server = triton_server
+    sends = {
+        **{f"paris_{model}": unary_and_streamed(server, model, france()) for model in MODELS},
+        "echoed": [partial(server.generate, "ensemble", france(exclude_input_in_output=False))],
+        **{f"stop_words_{model}": unary_and_streamed(server, model, france(stop_words=[" Paris", "never said"]))
+           for model in MODELS},
+        "bls_string_stop": unary_and_streamed(server, "tensorrt_llm_bls", france(stop_words=["is Par"])),
+        "perf": [partial(server.generate, "ensemble", france(return_perf_metrics=True))],
+        **{f"beams_{model}": unary_and_streamed(server, model, france(beam_width=2, max_tokens=12)) for model in MODELS},
+        "return_sequences": [partial(server.generate, "tensorrt_llm_bls", france(
+            num_return_sequences=2, top_k=20, temperature=1.0, seed=3, max_tokens=8))],
+        **{f"top_log_probs_{model}": [partial(server.generate, model, france(temperature=0.0, num_top_log_probs=3)),
+                                      partial(server.generate, model, france())] for model in MODELS},
+    }
+    with ThreadPoolExecutor(max_workers=sum(map(len, sends.values()))) as pool:
+        futures = {test: [pool.submit(send) for send in test_sends] for test, test_sends in sends.items()}
+        yield {test: [future.result() for future in test_futures] for test, test_futures in futures.items()}
 
 
 @pytest.mark.parametrize("model", MODELS)
-def test_unary_generate_answers_paris_and_stream_deltas_concatenate_to_it(triton_server, model):
-    response, chunks = unary_and_streamed(triton_server, model, france())
+def test_unary_generate_answers_paris_and_stream_deltas_concatenate_to_it(replies, model):
+    response, chunks = replies[f"paris_{model}"]
     assert response.status_code == 200, response.text
     unary = response.json()["text_output"]
     texts = [chunk["text_output"] for chunk in chunks]
@@ -45,34 +68,33 @@ def test_unary_generate_answers_paris_and_stream_deltas_concatenate_to_it(triton
     assert "".join(texts) == unary == EXPECTED
 
 
-def test_prompt_is_echoed_unless_excluded(triton_server):
-    text = triton_server.generate("ensemble", france(exclude_input_in_output=False)).json()["text_output"]
+def test_prompt_is_echoed_unless_excluded(replies):
+    text = replies["echoed"][0].json()["text_output"]
     assert "What is the capital of France?" in text and text.endswith(EXPECTED)
 
 
-def unary_and_streamed_texts(server, model, body) -> list[str]:
-    """The text of ``body`` sent unary and streamed (the deltas joined), the two requests at once."""
-    response, chunks = unary_and_streamed(server, model, body)
+def unary_and_streamed_texts(answers) -> list[str]:
+    """The text of a unary_and_streamed pair's answers (the deltas joined)."""
+    response, chunks = answers
     assert response.status_code == 200, response.text
     return [response.json()["text_output"], "".join(c["text_output"] for c in chunks)]
 
 
 @pytest.mark.parametrize("model", MODELS)
-def test_stop_words_end_generation(triton_server, model):
+def test_stop_words_end_generation(replies, model):
     # " Paris" is the generated token (with its space): a token-level stop, kept in the output.
-    texts = unary_and_streamed_texts(triton_server, model, france(stop_words=[" Paris", "never said"]))
+    texts = unary_and_streamed_texts(replies[f"stop_words_{model}"])
     assert texts == ["The capital of France is Paris"] * 2
 
 
-def test_bls_string_stop_words_cut_inside_tokens(triton_server):
+def test_bls_string_stop_words_cut_inside_tokens(replies):
     # "is Par" matches no token sequence; the BLS's string check still cuts right after it.
-    texts = unary_and_streamed_texts(triton_server, "tensorrt_llm_bls", france(stop_words=["is Par"]))
+    texts = unary_and_streamed_texts(replies["bls_string_stop"])
     assert texts == ["The capital of France is Par"] * 2
 
 
-def test_perf_metrics_are_returned_on_request(triton_server):
-    body = france(return_perf_metrics=True)
-    out = triton_server.generate("ensemble", body).json()
+def test_perf_metrics_are_returned_on_request(replies):
+    out = replies["perf"][0].json()
     assert out["arrival_time_ns"] > 0 and out["first_token_time_ns"] >= out["first_scheduled_time_ns"] > 0
     assert out["kv_cache_alloc_total_blocks"] >= 1 and out["acceptance_rate"] == 0.0
 
@@ -124,16 +146,15 @@ def test_server_keeps_serving_after_bad_input(triton_server):
 
 
 @pytest.mark.parametrize("model", MODELS)
-def test_beam_search_unary_and_streamed_agree(triton_server, model):
-    response, chunks = unary_and_streamed(triton_server, model, france(beam_width=2, max_tokens=12))
+def test_beam_search_unary_and_streamed_agree(replies, model):
+    response, chunks = replies[f"beams_{model}"]
     beams = response.json()["text_output"]
     assert len(beams) == 2 and beams[0] == EXPECTED and beams[1] != beams[0]
     assert chunks[-1]["text_output"] == beams  # beam streams carry whole hypotheses
 
 
-def test_two_return_sequences_through_the_bls(triton_server):
-    body = france(num_return_sequences=2, top_k=20, temperature=1.0, seed=3, max_tokens=8)
-    out = triton_server.generate("tensorrt_llm_bls", body).json()
+def test_two_return_sequences_through_the_bls(replies):
+    out = replies["return_sequences"][0].json()
     assert sorted(out["sequence_index"]) == [0, 1] and len(out["text_output"]) == 2
 
 
@@ -143,12 +164,10 @@ def _flat(value) -> list:
 
 
 @pytest.mark.parametrize("model", MODELS)
-def test_top_log_probs_on_request(triton_server, model):
+def test_top_log_probs_on_request(replies, model):
     """Greedy: each token's log-prob is its top-1 alternative's; k entries per token, descending."""
-    with ThreadPoolExecutor(max_workers=2) as pool:  # one batch: no comparison between the two
-        asked = pool.submit(triton_server.generate, model, france(temperature=0.0, num_top_log_probs=3))
-        plain = pool.submit(triton_server.generate, model, france()).result().json()
-    out = asked.result().json()
+    asked, plain = replies[f"top_log_probs_{model}"]  # at once: no comparison between the two
+    out, plain = asked.json(), plain.json()
     chosen, top = _flat(out["output_log_probs"]), _flat(out["top_log_probs"])
     assert out["text_output"] == EXPECTED and len(chosen) >= 5 and len(top) == 3 * len(chosen)
     rows = [top[i:i + 3] for i in range(0, len(top), 3)]
