@@ -203,7 +203,9 @@ def _attend_keys(
     HEAD_DIM + r (the wrapper checks the pool is laid out so: _tma_descriptors).
 
     HAS_TREE (masked walks only): a new key (position >= prefix_len) is seen by a row only where
-    the token tree mask says so: tree_ptr[tree_rows[row], key - prefix_len] (AttentionMetadata.tree_mask).
+    the token tree mask says so: tree_ptr[tree_rows[row], key - prefix_len] (AttentionMetadata.tree_mask),
+    or with TREE_AS_BITS bit (key - prefix_len) % 32 of word tree_ptr[tree_rows[row], (key - prefix_len) // 32]
+    (AttentionMetadata.tree_bits; tree_words words a row).
 
     q_last (BLOCK_M,): each row's last visible key position: q_pos, or past it by the row's
     AttentionMetadata.span_ahead (image spans); a window still counts back from q_pos."""
