@@ -195,8 +195,15 @@ class PipelinedSteps:
         ex._finish_in_flight()
 
     def drop(self) -> None:
-        """The loop failed everything (an internal error): forget the launched steps."""
-        self.pending.clear()
+        """The loop failed everything (an internal error): finish the launched steps' transfers, results unread
+        (rank 0 may post a step's receives only at its finish, StageRunner.finish, and the last stage's sends
+        need them), and forget the steps."""
+        while self.pending:
+            item = self.pending.popleft()
+            try:
+                self.executor.runner.finish(item.launched)
+            except Exception:  # noqa: BLE001  (a failed runner: no later step goes over its transfers)
+                logger.debug("finishing a dropped step failed", exc_info=True)
 
     def _launch(self, plan, started: float) -> None:
         ex = self.executor
