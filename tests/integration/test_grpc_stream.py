@@ -2,6 +2,7 @@
 import queue
 import time
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import numpy as np
 import pytest
@@ -68,14 +69,48 @@ def text_inputs(prompts, max_tokens, **extra):
     return inputs
 
 
-@pytest.mark.parametrize("model", ["ensemble", "tensorrt_llm_bls"])
-def test_tokens_arrive_incrementally_with_final_last(triton_server, model):
-    stream = Stream(triton_server)
+ENTRIES = ["ensemble", "tensorrt_llm_bls"]
+QUESTIONS = ["What is the capital of France?", "What is the capital of Germany?"]
+
+
+def streamed_items(server, model, inputs, outputs=None):
+    """Every (result, error, is_final) of one request on a stream of its own, up to its final one."""
+    stream = Stream(server)
     try:
-        stream.send(model, text_inputs([chat("What is the capital of France?")], 24))
-        items = stream.until_final()
+        stream.send(model, inputs, outputs=outputs)
+        return stream.until_final()
     finally:
         stream.close()
+
+
+@pytest.fixture(scope="module")
+def replies(triton_server):
+    """The requests of the tests below that end by themselves and are compared only with each other's
+    text (both entries' streams of the capital question and two-prompt requests, and QUESTIONS one
+    by one through the ensemble), sent at once when the first test asks, all answered before it reads
+    its own (so none runs in the cancel and stop tests' idle checks): {test: [answers]}. One test after
+    another (each test's or fixture's own requests at once), these took ~9 s of CI's make test (2026-11-30)."""
+    def answer(question):
+        body = {"text_input": chat(question), "max_tokens": 16, "exclude_input_in_output": True}
+        return triton_server.generate("ensemble", body).json()["text_output"]
+
+    sends = {
+        **{f"incremental_{model}": [partial(streamed_items, triton_server, model,
+                                            text_inputs([chat("What is the capital of France?")], 24))]
+           for model in ENTRIES},
+        "one_by_one": [partial(answer, question) for question in QUESTIONS],
+        **{f"two_prompts_{model}": [partial(streamed_items, triton_server, model,
+                                            text_inputs([chat(q) for q in QUESTIONS], 16),
+                                            outputs=["text_output", "batch_index"])] for model in ENTRIES},
+    }
+    with ThreadPoolExecutor(max_workers=sum(map(len, sends.values()))) as pool:
+        futures = {test: [pool.submit(send) for send in test_sends] for test, test_sends in sends.items()}
+        return {test: [future.result() for future in test_futures] for test, test_futures in futures.items()}
+
+
+@pytest.mark.parametrize("model", ENTRIES)
+def test_tokens_arrive_incrementally_with_final_last(replies, model):
+    items, = replies[f"incremental_{model}"]
     assert all(error is None for _, error, _ in items)
     texts = [r.as_numpy("text_output") for r, _, _ in items if r.as_numpy("text_output") is not None]
     pieces = [t[0].decode() for t in texts]  # as the reference clients read it: text_output[0]
@@ -84,30 +119,10 @@ def test_tokens_arrive_incrementally_with_final_last(triton_server, model):
     assert [final for _, _, final in items].count(True) == 1 and items[-1][2]
 
 
-QUESTIONS = ["What is the capital of France?", "What is the capital of Germany?"]
-
-
-@pytest.fixture(scope="module")
-def answers_one_by_one(triton_server):
-    """The ensemble's answers to QUESTIONS, each prompt as a request of its own (both sent at once);
-    once for the module: both entries' two-prompt requests are compared with them."""
-    def answer(question):
-        body = {"text_input": chat(question), "max_tokens": 16, "exclude_input_in_output": True}
-        return triton_server.generate("ensemble", body).json()["text_output"]
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        return list(pool.map(answer, QUESTIONS))
-
-
-@pytest.mark.parametrize("model", ["ensemble", "tensorrt_llm_bls"])
-def test_two_prompts_in_one_request_come_back_with_batch_index(triton_server, answers_one_by_one, model):
-    questions, expected = QUESTIONS, answers_one_by_one
-    stream = Stream(triton_server)
-    try:
-        stream.send(model, text_inputs([chat(q) for q in questions], 16),
-                    outputs=["text_output", "batch_index"])
-        items = stream.until_final()
-    finally:
-        stream.close()
+@pytest.mark.parametrize("model", ENTRIES)
+def test_two_prompts_in_one_request_come_back_with_batch_index(replies, model):
+    # the two-prompt request against the ensemble's answers to each prompt as a request of its own
+    expected, (items,) = replies["one_by_one"], replies[f"two_prompts_{model}"]
     texts = {0: "", 1: ""}
     for result, error, _ in items:
         assert error is None, error
