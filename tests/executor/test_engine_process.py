@@ -5,6 +5,7 @@ protocol, id numbering, coalescing in the client, stats, and what happens when t
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -27,20 +28,44 @@ def mixed_requests() -> list[Request]:
             for i, prompt in enumerate(prompts)]
 
 
-@pytest.fixture(scope="module", params=["0", "300"], ids=["blocking-reader", "polling-reader"])
-def engine_process(tiny_engine, request):
-    """The client's reader blocks in reads, or polls while requests are open (READ_POLL_ENV)."""
+@contextlib.contextmanager
+def read_poll(microseconds: str):
+    """READ_POLL_ENV for the clients made inside (read by the reader thread a client's constructor starts)."""
     saved = os.environ.get(READ_POLL_ENV)
-    os.environ[READ_POLL_ENV] = request.param  # read by the reader thread the constructor starts
+    os.environ[READ_POLL_ENV] = microseconds
     try:
-        process = EngineProcess(tiny_engine, ExecutorConfig())
+        yield
     finally:
         if saved is None:
             del os.environ[READ_POLL_ENV]
         else:
             os.environ[READ_POLL_ENV] = saved
-    yield process
-    process.shutdown()
+
+
+@pytest.fixture(scope="module")
+def shared_engine_process(tiny_engine, tmp_path_factory):
+    """One engine process for both readers below (each start costs a torch import and a load): its
+    owner, whose reader blocks, and the socket other clients attach to."""
+    listen_path = str(tmp_path_factory.mktemp("engine_socket") / "engine.sock")
+    with read_poll("0"):
+        owner = EngineProcess(tiny_engine, ExecutorConfig(), listen_path=listen_path)
+    yield owner, listen_path
+    owner.shutdown()
+
+
+@pytest.fixture(scope="module", params=["0", "300"], ids=["blocking-reader", "polling-reader"])
+def engine_process(shared_engine_process, request):
+    """The client's reader blocks in reads (the owner), or polls while requests are open (READ_POLL_ENV:
+    a client attached to the same engine process; the reader is the same code for both kinds of client,
+    and until 2026-11-30 each reader had an engine process of its own)."""
+    owner, listen_path = shared_engine_process
+    if request.param == "0":
+        yield owner
+        return
+    with read_poll(request.param):
+        client = EngineProcess.attach(listen_path, timeout_s=30)
+    yield client
+    client.shutdown()
 
 
 def test_outputs_equal_the_in_process_executor(tiny_engine, engine_process):
