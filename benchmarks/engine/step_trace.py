@@ -4,8 +4,8 @@
 ``tracer.batch`` sequences (every rank counts the same plans, so the k-th such step is the same step on every
 rank) and, from the ``skip + 1``-th on, records a torch.profiler window (CPU and CUDA activity) over ``warm +
 steps + TAIL_STEPS`` of them, each step's ``launch``, ``finish`` and ``store_sampled_tokens`` inside a
-``pp_trace <what> <k>`` annotation. ``StepTracer.finish`` then reads the window's chrome trace and keeps, per
-analysed step (the ``steps`` after the ``warm`` ones; the profiler's start perturbs the first):
+``pp_trace <what> <k>`` annotation. Right after the window (or at ``StepTracer.finish``, if the steps ended inside
+it) the tracer reads the window's chrome trace and keeps, per analysed step (the ``steps`` after the ``warm`` ones; the profiler's start perturbs the first):
 
 - host: the loop thread's period between launches, its time inside launch / finish / the token store, and its time
   blocked in CUDA synchronize calls (cudaEventSynchronize: the executor's TokenTransfer.wait on rank 0, the decode
@@ -87,8 +87,7 @@ class StepTracer:
         self.batch_sizes: dict[int, int] = {}
         self._steps_of: dict[int, int] = {}  # id(launched step or its batch) -> step number
         self.depth: int | None = None  # rank 0: the executor's steps in flight (the loop's step k + depth)
-        self.error: str | None = None
-        self._trace_path: str | None = None
+        self.summary: dict | None = None
 
     @property
     def last_recorded(self) -> int:
@@ -139,28 +138,17 @@ class StepTracer:
         self.profiler.start()
 
     def _stop(self) -> None:
-        """Stop and export on the thread that recorded (rank 0: the executor's loop thread; exporting from another
-        thread crashed the process on CPU)."""
-        if self.profiler is not None and not self.done:
-            self.profiler.stop()
-            self.done = True
-            self._trace_path = tempfile.mktemp(prefix=f"pp_trace{self.rank}-", suffix=".json")
-            try:
-                self.profiler.export_chrome_trace(self._trace_path)
-            except Exception as err:  # noqa: BLE001
-                self.error = f"export: {type(err).__name__}: {err}"
-
-    def finish(self) -> dict | None:
-        """Close the window (if still open), analyse it and write the summary (and the gzipped raw trace)."""
-        if self.profiler is None:
-            summary = {"rank": self.rank, "error": f"no window: {self.count} matching steps (skip {self.skip})"}
-            _write_json(self.out, summary)
-            return summary
-        self._stop()
-        path = self._trace_path
+        """Stop, export, analyse and write, on the thread that recorded (rank 0: the executor's loop thread;
+        exporting from another thread crashed the process on CPU), right after the window: the summary is on disk
+        before the phase ends (whatever its end), at the cost of a few seconds' stall of the steps after it."""
+        if self.profiler is None or self.done:
+            return
+        began = time.monotonic()
+        self.profiler.stop()
+        self.done = True
+        path = tempfile.mktemp(prefix=f"pp_trace{self.rank}-", suffix=".json")
         try:
-            if self.error:
-                raise RuntimeError(self.error)
+            self.profiler.export_chrome_trace(path)
             with open(path) as f:
                 trace = json.load(f)
             if self.raw_out:
@@ -171,14 +159,23 @@ class StepTracer:
         except Exception as err:  # noqa: BLE001  (a failed analysis must not cost the run its figures)
             summary = {"rank": self.rank, "error": f"{type(err).__name__}: {err}"}
         finally:
-            if path and os.path.exists(path):
+            if os.path.exists(path):
                 os.remove(path)
             # The profiler is never let go: collecting it crashed the process (CPU runs, torch 2.13, in the garbage
             # collector, whether at exit or by gc.collect()); the ranks leave by os._exit (tp_bench.main)
             _KEPT.append(self.profiler)
         summary["depth"] = self.depth
+        summary["stop_export_analysis_s"] = round(time.monotonic() - began, 2)
+        self.summary = summary
         _write_json(self.out, summary)
-        return summary
+
+    def finish(self) -> dict:
+        """The window's summary (the window closed and analysed now if the steps ended inside it), written."""
+        if self.profiler is None:
+            self.summary = {"rank": self.rank, "error": f"no window: {self.count} matching steps (skip {self.skip})"}
+            _write_json(self.out, self.summary)
+        self._stop()
+        return self.summary
 
 
 def init_profiler_here() -> None:

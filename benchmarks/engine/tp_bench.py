@@ -395,6 +395,8 @@ def run_perf_phase(args) -> dict:
     pipelined = executor.pipelined  # (engine/pipeline/in_flight.py; TRITONLLM_PP_STEPS_IN_FLIGHT)
     steps_in_flight = pipelined.depth if pipelined is not None else 1
     always = pipelined is not None and pipelined.always
+    if TRACER is not None:
+        TRACER.depth = steps_in_flight  # (the pipeline's loop: step k -> k + depth)
     progress(f"executor ready (weights, KV pool, graphs; steps in flight: {steps_in_flight}"
              + (" always" if always else " where they pay" if pipelined is not None else "")
              + ("; steps sampled on the last stage where they only draw" if executor._last_stage_sampling else "") + ")")
@@ -449,7 +451,6 @@ def run_perf_phase(args) -> dict:
         with open(args.out, "w") as f:  # kept even if the teardown below hangs
             json.dump(result, f)
         if TRACER is not None:  # (after: the run's figures are kept whatever the trace's analysis does)
-            TRACER.depth = steps_in_flight
             finish_trace()
     finally:
         executor.shutdown()
@@ -490,8 +491,9 @@ def finish_trace() -> None:
     started = time.monotonic()
     summary = TRACER.finish()
     analysed = sum(1 for row in summary.get("steps", []) if row.get("analysed"))
-    progress(f"trace: {analysed} steps analysed of {len(summary.get('steps', []))} recorded, in "
-             f"{time.monotonic() - started:.1f} s"
+    progress(f"trace: {analysed} steps analysed of {len(summary.get('steps', []))} recorded (stop, export and "
+             f"analysis {summary.get('stop_export_analysis_s', '-')} s, in the steps' loop; "
+             f"{time.monotonic() - started:.1f} s now)"
              + (f" ({summary['error']})" if summary.get("error") else ""))
 
 
@@ -546,6 +548,8 @@ def run_phase(args, phase: str, engine_dir: str, workdir: str) -> dict:
             if p.poll() is None:
                 p.kill()
     if any(codes):
+        if args.trace_steps and pp_size > 1:  # what the ranks wrote before the end is still read
+            merge_traces(args, phase, [f"{out}.trace.json"] + [f"{out}.rank{r}.trace.json" for r in range(1, tp)])
         raise SystemExit(f"[tp_bench] {phase} failed: exit codes {codes} (after {time.monotonic() - started:.0f} s)")
     print(f"[tp_bench] {phase}: done in {time.monotonic() - started:.0f} s", flush=True)
     with open(out) as f:
