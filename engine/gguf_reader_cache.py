@@ -67,8 +67,9 @@ class _NumpyWithPlainMaps:
     """numpy, but ``memmap(path, mode="r")`` gives a plain read-only uint8 ndarray over an mmap of the
     file (what GGUFReader makes its ``data`` with): indexing it runs no Python."""
 
-    def __getattr__(self, name):
-        return getattr(np, name)
+    def __getattr__(self, name):  # (kept: the parse looks names up ~450,000 times)
+        value = self.__dict__[name] = getattr(np, name)
+        return value
 
     @staticmethod
     def memmap(path, mode="r"):
