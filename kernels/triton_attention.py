@@ -282,7 +282,7 @@ def _attend_keys(
     return m_i, l_i, acc
 
 
-@jit(do_not_specialize=["stride_bt"])  # the block-table width changes every batch: one compile
+@jit(do_not_specialize=["stride_bt", "tree_words"])  # the block-table and tree widths change every batch: one compile
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     k_desc, v_desc,  # TMA descriptors of the pools (read when TMA; _tma_descriptors)
