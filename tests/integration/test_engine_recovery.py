@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -226,17 +227,25 @@ def test_ctrl_c_after_hang_ups_ends_running_requests_with_a_clear_error_and_exit
     test_soak.py's."""
     serve = ServeDefault(smollm2_engine_dir, tmp_path)
     try:
-        for model, text, chunks in [("ensemble", "japanese", 2), ("ensemble", "ascii", 1),
-                                    ("tensorrt_llm_bls", "chinese", 3)]:
-            hang_up_after(serve, model, {"text_input": PROMPTS[text], "max_tokens": 1500, "end_id": -1,
-                                         "stream": True}, chunks)
-        stream = Stream(serve)
-        stream.send("ensemble", text_inputs([PROMPTS["ascii"]], 1500, end_id=np.int32(-1)))
-        stream.next()
-        stream.close(cancel=True)
+        def cancel_after_one_response():
+            stream = Stream(serve)
+            stream.send("ensemble", text_inputs([PROMPTS["ascii"]], 1500, end_id=np.int32(-1)))
+            stream.next()
+            stream.close(cancel=True)
+
+        # The three hang-ups and the cancel at once (one after the other until 2026-11-30: each waited
+        # for its own prefill and chunks alone)
+        hang_ups = [lambda model=model, text=text, chunks=chunks: hang_up_after(
+            serve, model, {"text_input": PROMPTS[text], "max_tokens": 1500, "end_id": -1, "stream": True}, chunks)
+            for model, text, chunks in [("ensemble", "japanese", 2), ("ensemble", "ascii", 1),
+                                        ("tensorrt_llm_bls", "chinese", 3)]]
+        with ThreadPoolExecutor(len(hang_ups) + 1) as pool:
+            for done in [pool.submit(call) for call in hang_ups + [cancel_after_one_response]]:
+                done.result()
         assert idle_within(serve, 2.0), kv_and_requests(scrape(serve))
+        # 7 tokens: "The capital of France is Paris." whole (12 were 5 more steps for nothing)
         answer = serve.generate("ensemble", {"text_input": chat("What is the capital of France?"),
-                                             "max_tokens": 12})
+                                             "max_tokens": 7})
         assert answer.status_code == 200 and "Paris" in answer.json()["text_output"], answer.text
 
         calls = [(streamed_http, "ensemble"), (streamed_http, "tensorrt_llm_bls"),
