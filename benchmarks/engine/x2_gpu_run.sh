@@ -4,7 +4,7 @@
 # its KV transfer, the checks that need two GPUs, and the one-GPU runs still waiting, two at a time
 # (CUDA_VISIBLE_DEVICES=0 and =1) after the two-GPU work of the same call, never beside it.
 #
-#   bash benchmarks/engine/x2_gpu_run.sh CALL [OUT]        CALL 1 to 20; OUT default $OUT
+#   bash benchmarks/engine/x2_gpu_run.sh CALL [OUT]        CALL 1 to 21; OUT default $OUT
 #   SMOKE=1 bash benchmarks/engine/x2_gpu_run.sh CALL DIR  the same flow on the CPU with the tiny model
 #                                                         (the one-GPU jobs are only printed)
 #
@@ -19,7 +19,7 @@
 # 5, 6 session 16's retries (run). 7 (~250 s on two GPUs, ~450 s with LANES=1) session 17's one-GPU jobs in two lanes (LANES=1 on one GPU);
 #    8 (~270 s) the KV pull and NIXL GPU tests, PP 2 with stage graphs and with two steps in flight;
 #    9 (~430 s) disagg_bench at 6 and 10 req/s, then with the context executor in its own process.
-# 10-12 session 17's later calls, 13-16 session 18's, 17 session 19's first, 18 session 20's first, 19 its plan for the next session, 20 session 21's first bench call (each case's comment says what it runs and
+# 10-12 session 17's later calls, 13-16 session 18's, 17 session 19's first, 18 session 20's first, 19 its plan for the next session, 20 session 21's first bench call, 21 what call 20 lost (each case's comment says what it runs and
 # how long).
 #
 # Everything goes to /tmp/x2_call$CALL; at the end OUT gets call$CALL.tgz (all logs and JSON), summary.txt (what
@@ -27,7 +27,7 @@
 # each job's exit status and its result lines, so the call's output_tail alone is enough to read.
 set -u
 script=$(realpath "$0")
-call=${1:?usage: x2_gpu_run.sh 1-20 [OUT]}
+call=${1:?usage: x2_gpu_run.sh 1-21 [OUT]}
 out=$(realpath -m "${2:-${OUT:-/tmp/x2_gpu_run}}")
 mkdir -p "$out"
 if [ -z "${X2_UNDER_TEE:-}" ]; then  # the console also in $out/summary.txt, complete when the call returns
@@ -463,26 +463,37 @@ case $call in
   for md in "$w"/tree64_pdl0.md; do [ -f "$md" ] && cat "$md"; done
   echo "== tests_20"; grep -E "passed|failed|FAILED|Error" $w/tests_20.log | tail -8
   ;;
-20)
-  # Session 21's first bench call (~450 s). Two GPUs: pp21's PP 2 runs (below). Then GPU 0: tree21's tree verify runs
+20|21)
+  # 20: session 21's first bench call (~450 s; cut at 331 s when the session's device time ran out, after the PP part
+  # and the first Llama rows). 21: what it lost, for the next session (~330 s): the PP part replaced by traces of the
+  # two splits. Then GPU 0: tree21's tree verify runs
   # and the tree attention tests, then Llama-3.1-8B batch-1
   # decode with the one-row tiling choice off and on (28f365c), the same for DeepSeek-V2-Lite; GPU 1: the VLM offline run's encode queue under py-spy
   # (--native: a stalled run's worker thread shows whether it waits for the GIL or in the driver's launch;
   # benchmarks/speedscope_threads.py reads it), then Qwen3-30B-A3B batch-1 decode with the one-row choice off and on.
-  # pp21 (issue 50): TP 1 and PP 2 in one process (the same lease's ratio), PP 2's two ranks traced over 20 steady
-  # decode-only steps (tp_bench --trace_steps: host waits, each stream's busy time and idle gaps by cause), the splits
-  # 17,15 and 15,17 (the last stage now also runs the head and the argmax).
+  # pp21 (issue 50): call 20: TP 1 and PP 2 in one process (the same lease's ratio), PP 2's two ranks traced over 20
+  # steady decode-only steps (tp_bench --trace_steps: host waits, each stream's busy time and idle gaps by cause), the
+  # splits 17,15 and 15,17 (the last stage now also runs the head and the argmax); call 21: both splits traced.
   P=(benchmarks/engine/tp_bench.py --max_batch_size 256 --offline 128x128x1024 --perf_sections offline)
-  job pp_ratio 92 "$PYTHON" "${P[@]}" --phases perf_tp1,perf_pp2 --phase_timeout 70 --out "$w/pp_ratio.json" "${tiny_tp[@]}"
   mkdir -p "$w/traces"
-  job pp_trace 36 "$PYTHON" "${P[@]}" --phases perf_pp2 --phase_timeout 33 --trace_steps 20 --trace_skip 60 --trace_warm 5 \
-    --trace_dir "$w/traces" --out "$w/pp_trace.json" "${tiny_tp[@]}"
-  for split in 17,15 15,17; do
-    job "pp_split_${split/,/_}" 26 "$PYTHON" "${P[@]}" --phases perf_pp2 --pp_layers $split --phase_timeout 24 \
-      --out "$w/pp_split_${split/,/_}.json" "${tiny_tp[@]}"
-  done
-  echo "== pp"; grep -hE "^\[tp_bench.*(: [0-9]+ rank|offline \(|done in|failed|trace:)|^rank|^  |^loop|Error|Traceback" \
-    $w/pp_ratio.log $w/pp_trace.log $w/pp_split_*.log | cut -c1-600
+  if [ "$call" = 20 ]; then
+    job pp_ratio 92 "$PYTHON" "${P[@]}" --phases perf_tp1,perf_pp2 --phase_timeout 70 --out "$w/pp_ratio.json" "${tiny_tp[@]}"
+    job pp_trace 36 "$PYTHON" "${P[@]}" --phases perf_pp2 --phase_timeout 33 --trace_steps 20 --trace_skip 60 --trace_warm 5 \
+      --trace_dir "$w/traces" --out "$w/pp_trace.json" "${tiny_tp[@]}"
+    for split in 17,15 15,17; do
+      job "pp_split_${split/,/_}" 26 "$PYTHON" "${P[@]}" --phases perf_pp2 --pp_layers $split --phase_timeout 24 \
+        --out "$w/pp_split_${split/,/_}.json" "${tiny_tp[@]}"
+    done
+  else
+    for split in 17,15 15,17; do
+      mkdir -p "$w/traces/${split/,/_}"
+      job "pp_split_${split/,/_}" 36 "$PYTHON" "${P[@]}" --phases perf_pp2 --pp_layers $split --phase_timeout 33 \
+        --trace_steps 20 --trace_skip 60 --trace_warm 5 --trace_dir "$w/traces/${split/,/_}" \
+        --out "$w/pp_split_${split/,/_}.json" "${tiny_tp[@]}"
+    done
+  fi
+  echo "== pp"; grep -hE "^\[tp_bench.*(: [0-9]+ rank|offline \(|done in|failed|trace:)|^rank|^  [a-z]|^loop|Error|Traceback" \
+    $w/pp_*.log | cut -c1-600
   # tree21 (issue 56): the 64-node tree verify with the mask as bytes and the old 8 key splits, then main's defaults
   # (the mask as bits, splits up to one wave); both with PDL off as in call 19; then the tree attention tests.
   TV=(benchmarks/speculative/tree_bench.py --dtypes bf16 --batches 1 --nodes 64,16 --sections verify --kernels 12 --repeat 50)
@@ -523,11 +534,11 @@ case $call in
   echo "== tree21_tests"; grep -E "passed|failed|FAILED|Error" $w/tree21_tests.log | tail -6
   echo "== vlm_spy"; grep -E "^offline image" "$w/vlm_spy.log" | cut -c1-260; cat "$w/vlm_spy_threads.txt" 2>/dev/null | head -80
   # the raw chrome traces beside the archive (each under the device tool's 16 MiB), not inside it
-  for f in "$w"/traces/*.json.gz; do [ -f "$f" ] && [ "$(stat -c %s "$f")" -lt 15000000 ] && cp "$f" "$out/"; done
-  cp "$w"/traces/*.txt "$w/" 2>/dev/null
-  rm -rf /tmp/x2_call20_traces && mv "$w/traces" /tmp/x2_call20_traces
+  [ "$call" = 20 ] && for f in "$w"/traces/*.json.gz; do [ -f "$f" ] && [ "$(stat -c %s "$f")" -lt 15000000 ] && cp "$f" "$out/"; done
+  find "$w/traces" -name "*.txt" -exec cp --backup=numbered {} "$w/" \; 2>/dev/null
+  rm -rf "/tmp/x2_call${call}_traces" && mv "$w/traces" "/tmp/x2_call${call}_traces"
   ;;
-*) echo "x2_gpu_run.sh: CALL must be 1 to 20, got '$call'"; exit 2 ;;
+*) echo "x2_gpu_run.sh: CALL must be 1 to 21, got '$call'"; exit 2 ;;
 esac
 tar czf "$out/call$call.tgz" -C /tmp "x2_call$call"
 for md in "$w"/*.md; do [ -f "$md" ] && cp "$md" "$out/"; done
