@@ -4,6 +4,8 @@ import os
 import signal
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -30,11 +32,31 @@ def tokenizer(smollm2_engine_dir):
     return AutoTokenizer.from_pretrained(smollm2_engine_dir)
 
 
-@pytest.mark.parametrize("model", ["ensemble", "tensorrt_llm_bls"])
-def test_unary_generate(unary_server, model):
-    body = {"text_input": chat("What is the capital of France?"), "max_tokens": 24,
-            "exclude_input_in_output": True}
-    response = unary_server.generate(model, body)
+MODELS = ["ensemble", "tensorrt_llm_bls"]
+CAPITAL = chat("What is the capital of France?")
+
+
+@pytest.fixture(scope="module")
+def replies(unary_server, tokenizer):
+    """The requests of the tests below that end by themselves and are checked each on its own (both
+    entries' generate, the batch of two, the log-probs and the logits requests), sent at once when the
+    first test asks, all answered before it reads its own (so none runs in the cancel test's idle
+    check): {test: answer}. One after another they took ~6 s of CI's make test (2026-11-30)."""
+    body = {"text_input": CAPITAL, "max_tokens": 24, "exclude_input_in_output": True}
+    sends = {**{f"generate_{model}": partial(unary_server.generate, model, body) for model in MODELS},
+             "batch_of_two": partial(infer, unary_server, *batch_of_two(tokenizer)),
+             "log_probs": partial(infer, unary_server, log_probs_inputs(tokenizer),
+                                  ["output_ids", "cum_log_probs", "output_log_probs"]),
+             "logits": partial(infer, unary_server, logits_inputs(tokenizer),
+                               ["output_ids", "context_logits", "generation_logits"])}
+    with ThreadPoolExecutor(max_workers=len(sends)) as pool:
+        futures = {test: pool.submit(send) for test, send in sends.items()}
+        return {test: future.result() for test, future in futures.items()}
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_unary_generate(replies, model):
+    response = replies[f"generate_{model}"]
     assert response.status_code == 200, response.text
     assert response.json()["text_output"] == "The capital of France is Paris."
 
@@ -48,13 +70,23 @@ def infer(server, inputs, outputs):
         client.close()
 
 
-def test_batch_of_two_comes_back_as_one_stacked_response(unary_server, tokenizer):
-    prompts = [tokenizer.encode(chat(q)) for q in ("What is the capital of France?", "Say hello.")]
+def two_prompts(tokenizer) -> list[list[int]]:
+    return [tokenizer.encode(chat(q)) for q in ("What is the capital of France?", "Say hello.")]
+
+
+def batch_of_two(tokenizer):
+    """(inputs, outputs) of one request holding two prompts."""
+    prompts = two_prompts(tokenizer)
     width = max(map(len, prompts))
     input_ids = np.array([p + [0] * (width - len(p)) for p in prompts], np.int32)
     inputs = {"input_ids": input_ids, "input_lengths": np.array([[len(p)] for p in prompts], np.int32),
               "request_output_len": np.array([[12], [12]], np.int32), "end_id": np.array([[2], [2]], np.int32)}
-    result = infer(unary_server, inputs, ["output_ids", "sequence_length", "batch_index"])
+    return inputs, ["output_ids", "sequence_length", "batch_index"]
+
+
+def test_batch_of_two_comes_back_as_one_stacked_response(replies, tokenizer):
+    prompts = two_prompts(tokenizer)
+    result = replies["batch_of_two"]
     output_ids, lengths = result.as_numpy("output_ids"), result.as_numpy("sequence_length")
     index = result.as_numpy("batch_index").reshape(-1).tolist()
     assert output_ids.shape[:2] == (2, 1) and sorted(index) == [0, 1]
@@ -63,12 +95,15 @@ def test_batch_of_two_comes_back_as_one_stacked_response(unary_server, tokenizer
     assert tokenizer.decode(first[len(prompts[0]):]) == "The capital of France is Paris."
 
 
-def test_log_probs_and_streaming_rejection(unary_server, tokenizer):
-    prompt = tokenizer.encode(chat("What is the capital of France?"))
-    inputs = {"input_ids": np.array([prompt], np.int32), "input_lengths": np.array([[len(prompt)]], np.int32),
-              "request_output_len": np.array([[6]], np.int32), "return_log_probs": np.array([[True]]),
-              "exclude_input_in_output": np.array([[True]])}
-    result = infer(unary_server, inputs, ["output_ids", "cum_log_probs", "output_log_probs"])
+def log_probs_inputs(tokenizer):
+    prompt = tokenizer.encode(CAPITAL)
+    return {"input_ids": np.array([prompt], np.int32), "input_lengths": np.array([[len(prompt)]], np.int32),
+            "request_output_len": np.array([[6]], np.int32), "return_log_probs": np.array([[True]]),
+            "exclude_input_in_output": np.array([[True]])}
+
+
+def test_log_probs_and_streaming_rejection(unary_server, replies, tokenizer):
+    inputs, result = log_probs_inputs(tokenizer), replies["log_probs"]
     log_probs = result.as_numpy("output_log_probs")
     assert log_probs.shape == (1, 1, 6) and (log_probs <= 0).all()
     assert np.isclose(result.as_numpy("cum_log_probs").item(), log_probs.sum(), atol=1e-3)
@@ -76,12 +111,16 @@ def test_log_probs_and_streaming_rejection(unary_server, tokenizer):
         infer(unary_server, {**inputs, "streaming": np.array([[True]])}, ["output_ids"])
 
 
-def test_logits_have_the_reference_shapes(unary_server, tokenizer):
+def logits_inputs(tokenizer):
     prompt = tokenizer.encode("The capital of France is")
-    inputs = {"input_ids": np.array([prompt], np.int32), "input_lengths": np.array([[len(prompt)]], np.int32),
-              "request_output_len": np.array([[3]], np.int32), "return_context_logits": np.array([[True]]),
-              "return_generation_logits": np.array([[True]]), "exclude_input_in_output": np.array([[True]])}
-    result = infer(unary_server, inputs, ["output_ids", "context_logits", "generation_logits"])
+    return {"input_ids": np.array([prompt], np.int32), "input_lengths": np.array([[len(prompt)]], np.int32),
+            "request_output_len": np.array([[3]], np.int32), "return_context_logits": np.array([[True]]),
+            "return_generation_logits": np.array([[True]]), "exclude_input_in_output": np.array([[True]])}
+
+
+def test_logits_have_the_reference_shapes(replies, tokenizer):
+    prompt = tokenizer.encode("The capital of France is")
+    result = replies["logits"]
     vocab = tokenizer.vocab_size
     assert result.as_numpy("context_logits").shape == (1, len(prompt), vocab)
     generation = result.as_numpy("generation_logits")
