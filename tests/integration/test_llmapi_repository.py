@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import threading
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -120,9 +121,45 @@ def generate(server, body, stream=False):
     return response
 
 
-def test_generate_answers_the_documented_request_and_builds_the_engine_into_the_cache(llmapi, engine_cache):
-    response = generate(llmapi, {"text_input": PROMPT, "sampling_param_max_tokens": 8,
-                                 "return_finish_reason": True, "return_stop_reason": True})
+REPEATED = "one two three four five six seven eight nine ten"
+SHORT = {"text_input": PROMPT, "sampling_param_max_tokens": 8}  # "Paris" comes within 8 tokens
+STOP = "Paris"
+LORA_BODY = {"text_input": "Once upon a time", "sampling_param_max_tokens": 4, "return_cumulative_logprob": True}
+UNSUPPORTED = {"image_url": {"image_url": ["https://example.com/cat.png"]},
+               "sampling_param_best_of": {"sampling_param_best_of": 2}}
+
+
+@pytest.fixture(scope="module")
+def replies(llmapi):
+    """The requests of the tests below that end by themselves and are checked each on its own or against
+    each other's text (not their log-probs), sent at once when the first test asks, all answered before it
+    reads its own (so none runs beside the stop request's stream or the two instances' requests): {test:
+    [answers]}. Either instance takes any of them (one engine). One after another (each test's own
+    requests at once), they took ~8 s of CI's make test (2026-11-30)."""
+    stopped = {**SHORT, "sampling_param_stop": [STOP]}
+    sends = {
+        "documented": [partial(generate, llmapi, {**SHORT, "return_finish_reason": True, "return_stop_reason": True})],
+        "perf": [partial(generate, llmapi, {**SHORT, "sampling_param_return_perf_metrics": True})],
+        "ngram": [partial(generate, llmapi, {"text_input": chat(f"Repeat exactly, three times: {REPEATED}"),
+                                             "sampling_param_max_tokens": 48,
+                                             "sampling_param_return_perf_metrics": True})],
+        "stream": [partial(generate, llmapi, SHORT),
+                   partial(generate, llmapi, {**SHORT, "streaming": True, "return_finish_reason": True}, stream=True)],
+        "stop": [partial(generate, llmapi, SHORT),
+                 partial(generate, llmapi, {**stopped, "return_finish_reason": True, "return_stop_reason": True}),
+                 partial(generate, llmapi, {**stopped, "streaming": True, "return_stop_reason": True}, stream=True)],
+        "ours": [partial(generate, llmapi, SHORT)],
+        "lora_base": [partial(generate, llmapi, LORA_BODY)],
+        **{f"unsupported_{name}": [partial(generate, llmapi, {**SHORT, "sampling_param_max_tokens": 4, **extra})]
+           for name, extra in UNSUPPORTED.items()},
+    }
+    with concurrent.futures.ThreadPoolExecutor(max_workers=sum(map(len, sends.values()))) as pool:
+        futures = {test: [pool.submit(send) for send in test_sends] for test, test_sends in sends.items()}
+        return {test: [future.result() for future in test_futures] for test, test_futures in futures.items()}
+
+
+def test_generate_answers_the_documented_request_and_builds_the_engine_into_the_cache(replies, engine_cache):
+    response, = replies["documented"]
     assert response.status_code == 200, response.text
     body = response.json()
     assert body["model_name"] == "tensorrt_llm"
@@ -132,9 +169,8 @@ def test_generate_answers_the_documented_request_and_builds_the_engine_into_the_
     assert [p.name for p in (engine_cache / "engines").iterdir() if (p / "config.json").exists()]
 
 
-def test_perf_metrics_come_from_the_executor(llmapi):
-    body = generate(llmapi, {"text_input": PROMPT, "sampling_param_max_tokens": 8,
-                             "sampling_param_return_perf_metrics": True}).json()
+def test_perf_metrics_come_from_the_executor(replies):
+    body = replies["perf"][0].json()
     for name in ("kv_cache_reused_block", "kv_cache_missed_block", "kv_cache_alloc_new_blocks",
                  "kv_cache_alloc_total_blocks", "kv_cache_hit_rate", "arrival_time_ns", "first_scheduled_time_ns",
                  "first_token_time_ns", "last_token_time_ns", "acceptance_rate", "total_accepted_draft_tokens",
@@ -152,41 +188,26 @@ def test_perf_metrics_come_from_the_executor(llmapi):
     assert value["acceptance_rate"] == pytest.approx(accepted / drafted if drafted else 0.0)
 
 
-def test_ngram_drafts_from_speculative_config_are_verified_and_counted(llmapi):
-    """A prompt whose answer copies it: n-gram drafts are proposed and accepted."""
-    text = "one two three four five six seven eight nine ten"
-    body = generate(llmapi, {"text_input": chat(f"Repeat exactly, three times: {text}"),
-                             "sampling_param_max_tokens": 48, "sampling_param_return_perf_metrics": True}).json()
+def test_ngram_drafts_from_speculative_config_are_verified_and_counted(replies):
+    """A prompt whose answer copies it (REPEATED, three times): n-gram drafts are proposed and accepted."""
+    body = replies["ngram"][0].json()
     value = {name: body[name][0] if isinstance(body[name], list) else body[name] for name in body}
     assert value["total_draft_tokens"] > 0 and value["total_accepted_draft_tokens"] > 0, body
 
 
-def at_once(*calls):
-    """Each call's result, the calls run at the same time (one engine step serves them all)."""
-    with concurrent.futures.ThreadPoolExecutor(len(calls)) as pool:
-        return [future.result() for future in [pool.submit(call) for call in calls]]
-
-
-def test_stream_adds_up_to_the_unary_text(llmapi):
-    body = {"text_input": PROMPT, "sampling_param_max_tokens": 8}  # (as true at 8 tokens as at 24)
-    unary, events = at_once(lambda: generate(llmapi, body).json()["text_output"],
-                            lambda: generate(llmapi, {**body, "streaming": True, "return_finish_reason": True},
-                                             stream=True))
+def test_stream_adds_up_to_the_unary_text(replies):
+    unary, events = replies["stream"]  # (as true at 8 tokens as at 24)
+    unary = unary.json()["text_output"]
     assert len(events) > 2
     assert "".join(event["text_output"] for event in events) == unary
     assert events[-1]["finish_reason"] in ("stop", "length")
     assert all(event["finish_reason"] == "None" for event in events[:-1])
 
 
-def test_stop_string_ends_the_text_before_it(llmapi):
-    body = {"text_input": PROMPT, "sampling_param_max_tokens": 8}  # "Paris" comes within 8 tokens
-    stop = "Paris"
-    unary, stopped, events = at_once(
-        lambda: generate(llmapi, body).json()["text_output"],
-        lambda: generate(llmapi, {**body, "sampling_param_stop": [stop], "return_finish_reason": True,
-                                  "return_stop_reason": True}).json(),
-        lambda: generate(llmapi, {**body, "sampling_param_stop": [stop], "streaming": True,
-                                  "return_stop_reason": True}, stream=True))
+def test_stop_string_ends_the_text_before_it(replies):
+    stop = STOP
+    unary, stopped, events = replies["stop"]
+    unary, stopped = unary.json()["text_output"], stopped.json()
     assert stop in unary
     expected = unary[:unary.index(stop)]
     assert stopped["text_output"] == expected
@@ -195,10 +216,10 @@ def test_stop_string_ends_the_text_before_it(llmapi):
     assert events[-1]["stop_reason"] == stop
 
 
-def test_greedy_text_equals_the_ensembles(llmapi, cached_engine, tmp_path):
+def test_greedy_text_equals_the_ensembles(replies, cached_engine, tmp_path):
     """The five-model repository serving the same engine gives the same greedy text for the same prompt
     (its preprocessing/postprocessing tokenize and detokenize; here the LLM-API model does)."""
-    ours = generate(llmapi, {"text_input": PROMPT, "sampling_param_max_tokens": 8}).json()["text_output"]
+    ours = replies["ours"][0].json()["text_output"]
     # (no tensorrt_llm_bls: two stubs fewer to start; the ensemble is what is compared)
     with running_server(cached_engine, tmp_path, add_models=lambda repo: shutil.rmtree(repo / "tensorrt_llm_bls")) \
             as ensemble:
@@ -232,11 +253,11 @@ def test_a_stop_request_ends_a_stream_and_cumulative_logprob_comes_back(llmapi):
     assert all(event["cumulative_logprob"] <= 0 for event in events if "cumulative_logprob" in event)
 
 
-def test_a_lora_adapter_named_by_lora_id_name_and_path_changes_the_text(llmapi, cached_engine, tmp_path):
+def test_a_lora_adapter_named_by_lora_id_name_and_path_changes_the_text(llmapi, replies, cached_engine, tmp_path):
     adapter = write_peft_adapter(cached_engine, tmp_path / "r8", rank=8, seed=8)
     # 4 tokens: a random rank-8 adapter moves the logprob from the first token on
-    body = {"text_input": "Once upon a time", "sampling_param_max_tokens": 4, "return_cumulative_logprob": True}
-    base = generate(llmapi, body).json()
+    body = LORA_BODY
+    base = replies["lora_base"][0].json()
     lora = {"lora_id": 7, "lora_name": "r8", "lora_path": str(adapter)}
     adapted = generate(llmapi, {**body, **lora})
     assert adapted.status_code == 200, adapted.text
@@ -246,10 +267,9 @@ def test_a_lora_adapter_named_by_lora_id_name_and_path_changes_the_text(llmapi, 
     assert refused.status_code != 200 and "lora_ckpt_source" in refused.json()["error"]
 
 
-@pytest.mark.parametrize("extra, named", [({"image_url": ["https://example.com/cat.png"]}, "image_url"),
-                                          ({"sampling_param_best_of": 2}, "sampling_param_best_of")])
-def test_unsupported_inputs_are_refused_by_name(llmapi, extra, named):
-    response = generate(llmapi, {"text_input": PROMPT, "sampling_param_max_tokens": 4, **extra})
+@pytest.mark.parametrize("named", list(UNSUPPORTED))
+def test_unsupported_inputs_are_refused_by_name(replies, named):
+    response, = replies[f"unsupported_{named}"]
     assert response.status_code != 200
     assert named in response.json()["error"]
 
