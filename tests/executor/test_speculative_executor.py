@@ -13,6 +13,7 @@ from dataclasses import replace
 import pytest
 import torch
 from executor_testing import collect, final_tokens
+from tiny_engines import build_tiny_engine
 
 from benchmarks.speculative.speculative_acceptance import PROMPT_SETS, chat_prompt
 from engine.executor.executor import Executor, ExecutorConfig, ExecutorConfigError, SpeculativeConfig
@@ -281,14 +282,25 @@ def test_right_drafts_under_penalties_bans_and_bias_give_the_plain_ids(tiny_exec
 CHI2_CRITICAL_4_DOF = 18.47  # p = 0.001: a correct sampler fails one run in a thousand
 
 
+@pytest.fixture(scope="module")
+def wide_executor(tiny_hf, tmp_path_factory):
+    """The tiny engine's weights built for 128 rows a step (its 16, and 256 tokens a step, cut the
+    chi-square tests' thousands of 2-token requests into ~190 steps each; ~24 here: 6.3 -> 3.4 s a test).
+    Each request draws with its own seed, whatever shares its step."""
+    engine = build_tiny_engine(tmp_path_factory.mktemp("wide_tiny_engine"), tiny_hf, max_batch_size=128,
+                               max_num_tokens=1024)
+    with Executor(engine, ExecutorConfig(exclude_input_from_output=True)) as executor:
+        yield executor
+
+
 @pytest.mark.parametrize("with_logits", [False, True], ids=["fixed_draft", "drafts_drawn_from_draft_logits"])
-def test_sampled_first_tokens_follow_the_targets_law_whatever_the_draft(tiny_executor, with_logits):
+def test_sampled_first_tokens_follow_the_targets_law_whatever_the_draft(wide_executor, with_logits):
     """Thousands of seeded requests verify a draft at their first step: the first token's
     frequencies match the target's top-5 law at temperature 0.7 (chi-square), as plain sampling's
     would. Without logits the draft is one fixed token (a point mass); with them each request's
     draft is drawn from the draft's law (the premise of rejection sampling), a noisy copy of the target's."""
     prompt = [9, 8, 7, 6, 5]
-    (context,) = run(tiny_executor, [Request(prompt, 1, output=OutputConfig(return_context_logits=True))])
+    (context,) = run(wide_executor, [Request(prompt, 1, output=OutputConfig(return_context_logits=True))])
     raw = context[-1].result.context_logits[-1]
     top = (raw / 0.7).topk(5)
     law = torch.softmax(top.values, dim=-1)
@@ -301,7 +313,7 @@ def test_sampled_first_tokens_follow_the_targets_law_whatever_the_draft(tiny_exe
                         external_draft=ExternalDraftTokens([int(draws[seed])], logits=draft_logits) if with_logits
                         else ExternalDraftTokens([int(top.indices[1])]))  # often rejected, often kept
                 for seed in range(trials)]
-    firsts = [final_tokens(r)[0] for r in run(tiny_executor, requests)]
+    firsts = [final_tokens(r)[0] for r in run(wide_executor, requests)]
     counts = torch.tensor([firsts.count(int(t)) for t in top.indices], dtype=torch.float32)
     assert counts.sum() == trials  # nothing outside the top 5
     expected = law * trials
