@@ -416,6 +416,14 @@ def summarize_rank(events: list[dict], marks: list[tuple[int, str, int]], *, ran
             row["other_kernels_ms"] = dict(sorted(top.items(), key=lambda kv: -kv[1])[:4])
         out["steps"].append(row)
     analysed = [row for row in out["steps"] if row["analysed"]]
+    # the compute stream's kernels of the analysed steps' launches by name, ms a step (ranks compared kernel by kernel)
+    names: dict[str, float] = {}
+    numbers = {row["step"] for row in analysed}
+    for act in stream_acts:
+        if act["step"] in numbers and act["phase"] in ("launch", "unnamed") and act["cat"] == "kernel":
+            names[act["name"][:80]] = names.get(act["name"][:80], 0.0) + (act["end"] - act["start"]) / 1e3
+    out["kernels_ms_per_step"] = {name: round(ms / max(1, len(numbers)), 4)
+                                  for name, ms in sorted(names.items(), key=lambda kv: -kv[1])[:16]}
     out["median"] = _medians(analysed)
     out["gap_causes_ms_per_step"] = _gap_causes(analysed)
     return out
@@ -539,6 +547,10 @@ def describe(rank_summaries: list[dict], loop: dict | None = None) -> str:
         causes = s.get("gap_causes_ms_per_step", {})
         if causes:
             lines.append("  idle by cause (ms a step): " + "; ".join(f"{k} {v:.3f}" for k, v in list(causes.items())[:6]))
+        kernels = s.get("kernels_ms_per_step", {})
+        if kernels:
+            lines.append("  top kernels (ms a step, durations): " + "; ".join(f"{name[:48]} {ms:.3f}"
+                                                                           for name, ms in list(kernels.items())[:6]))
     if loop and loop.get("steps"):
         m = loop["median"]
         lines.append(f"loop step k -> k+{loop['depth']} (medians of {len(loop['steps'])}, ms): rank 0 graph "

@@ -470,6 +470,27 @@ STARTED = time.monotonic()
 TRACER: step_trace.StepTracer | None = None  # --trace_steps: this rank's profiler window (PP phases)
 
 
+def saying_its_layers(base: type) -> type:
+    """``base`` (a StageRunner class) whose ranks print which of the model's layers they hold, as built (a split's
+    figures are read against the layer counts each rank really runs)."""
+
+    class StageRunnerSayingItsLayers(base):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            stage = self.place.stage
+            progress(f"stage {stage.index} of {stage.pp_size}: layers [{stage.start}, {stage.end}) of "
+                     f"{self.model_config.num_layers} ({len(self.model.layers)} built, KV pool of {self.kv_layers}"
+                     f"{', the LM head' if stage.is_last else ''}) on {self.device}")
+
+        def capture_cuda_graphs(self) -> None:  # and its load-time launch choice (PDL: each rank times its own)
+            super().capture_cuda_graphs()
+            if getattr(self, "launch_choice", None) is not None:
+                progress(f"stage {self.place.stage.index}'s graphs captured; launch choice {self.launch_choice}")
+
+    StageRunnerSayingItsLayers.__name__ = base.__name__
+    return StageRunnerSayingItsLayers
+
+
 def install_tracer(args) -> None:
     """--trace_steps: this rank's stage runner records a profiler window of decode-only steps (step_trace.py)."""
     global TRACER
@@ -519,7 +540,8 @@ def run_phase(args, phase: str, engine_dir: str, workdir: str) -> dict:
     common = [sys.executable, os.path.abspath(__file__), "--engine_dir", engine_dir, "--device", args.device,
               "--phase_timeout", str(args.phase_timeout)]
     flags = (["--no_graphs"] if args.no_graphs else []) + (["--timing"] if args.timing else [])
-    if args.trace_steps and pp_size > 1:
+    traced_phase = bool(args.trace_steps) and pp_size > 1 and phase.startswith("perf")
+    if traced_phase:
         flags += ["--trace_steps", str(args.trace_steps), "--trace_skip", str(args.trace_skip), "--trace_warm",
                   str(args.trace_warm), "--trace_batch", str(args.trace_batch)]
         if args.trace_dir:
@@ -548,7 +570,7 @@ def run_phase(args, phase: str, engine_dir: str, workdir: str) -> dict:
             if p.poll() is None:
                 p.kill()
     if any(codes):
-        if args.trace_steps and pp_size > 1:  # what the ranks wrote before the end is still read
+        if traced_phase:  # what the ranks wrote before the end is still read
             merge_traces(args, phase, [f"{out}.trace.json"] + [f"{out}.rank{r}.trace.json" for r in range(1, tp)])
         raise SystemExit(f"[tp_bench] {phase} failed: exit codes {codes} (after {time.monotonic() - started:.0f} s)")
     print(f"[tp_bench] {phase}: done in {time.monotonic() - started:.0f} s", flush=True)
@@ -558,7 +580,7 @@ def run_phase(args, phase: str, engine_dir: str, workdir: str) -> dict:
         if os.path.exists(f"{out}.rank{r}"):
             with open(f"{out}.rank{r}") as f:
                 result[f"timeline_rank{r}"] = json.load(f)
-    if args.trace_steps and pp_size > 1:
+    if traced_phase:
         result["trace"] = merge_traces(args, phase, [f"{out}.trace.json"] + [f"{out}.rank{r}.trace.json"
                                                                               for r in range(1, tp)])
     return result
@@ -757,6 +779,7 @@ def main(argv=None) -> None:
                                            {"capture_cuda_graphs": EagerRunner.capture_cuda_graphs})
     if args.timing:
         pipeline_runner.StageRunner = timed(pipeline_runner.StageRunner)
+    pipeline_runner.StageRunner = saying_its_layers(pipeline_runner.StageRunner)
     if args.trace_steps and args.role in ("perf", "worker") and EngineConfig.load(args.engine_dir).build.pp_size > 1:
         install_tracer(args)
     if args.role == "worker":

@@ -205,6 +205,11 @@ def test_rank_figures_place_activities_in_their_steps():
     assert one["host_sync_ms"] == pytest.approx(0.003) and one["host_sync_in_launch_ms"] == 0.0
     assert [n["label"] for n in one["nccl"]] == ["nccl recv", "nccl send"]
     assert "nccl recv ms" in s1["median"] and s1["median"]["graph_ms"] == pytest.approx(S1 / 1e3)
+    # kernel by kernel, ms a step: the graph's four, the head's two (not NCCL's, not the copies)
+    assert s1["kernels_ms_per_step"]["lm_head_gemm"] == pytest.approx((HEAD - 20) / 1e3)
+    assert s1["kernels_ms_per_step"]["layer_kernel_0"] == pytest.approx(S1 / 4 / 1e3)
+    assert not any("nccl" in name.lower() or "Memcpy" in name for name in s1["kernels_ms_per_step"])
+    assert "index_put_kernel" not in s0["kernels_ms_per_step"]  # (a token store: an older step's finish)
 
 
 def test_gaps_say_what_ended_them():
