@@ -905,6 +905,9 @@ def paged_attention_triton(
         # decode_tiles: a decode config (ONE_TOKEN rows, or a decode-only batch's); False for prefill tiles,
         # split or not (a short step's ALL_SEQS launch, _short_step_splits).
         decode_tiles = decode_tiles and seq_kind != MULTI_TOKEN
+        # Only prefill tiles read the tree (above); a decode tiling gets no tree arguments, so a tree step's
+        # one-token launch is the plain decode launch's compile (TREE_AS_BITS and stride_tm are in its key).
+        reads_tree = tree is not None and not decode_tiles
         block_m, block_n, num_warps, num_stages, num_splits = config[:5]
         # A decode config's sixth element asks for TMA reads; $TRITONLLM_DECODE_TMA=all has every
         # decode tiling that fits a page take them (benchmarks/kernels/attention_kernel_bench.py's sweeps).
@@ -927,8 +930,8 @@ def paged_attention_triton(
             new_k, new_v, positions, cos_sin_cache, slots, q if sinks is None else sinks,
             q if alibi_slopes is None else alibi_slopes,
             active_splits if dynamic else lens,
-            lens if tree is None else tree, 0 if tree is None else tree.stride(0),
-            tree.shape[1] if tree_as_bits else 0,
+            tree if reads_tree else lens, tree.stride(0) if reads_tree else 0,
+            tree.shape[1] if reads_tree and tree_as_bits else 0,
             lens if spans is None else spans,
             scale * _LOG2E, sliding_window or 0, (logit_softcap or 1.0) * _LOG2E,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -943,7 +946,7 @@ def paged_attention_triton(
             ROTATE=rotate,
             HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=logit_softcap is not None, HAS_TILE_MAP=tile_map,
             HAS_SINKS=sinks is not None, HAS_ALIBI=alibi_slopes is not None, SEQ_KIND=seq_kind, TMA=descs is not None, DYNAMIC_SPLITS=dynamic,
-            HAS_TREE=tree is not None and not decode_tiles, TREE_AS_BITS=tree_as_bits,
+            HAS_TREE=reads_tree, TREE_AS_BITS=reads_tree and tree_as_bits,
             HAS_SPANS=spans is not None and not decode_tiles,
             num_warps=num_warps,
             num_stages=num_stages,
