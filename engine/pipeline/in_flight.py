@@ -195,9 +195,10 @@ class PipelinedSteps:
         ex._finish_in_flight()
 
     def drop(self) -> None:
-        """The loop failed everything (an internal error): finish the launched steps' transfers, results unread
-        (rank 0 may post a step's receives only at its finish, StageRunner.finish, and the last stage's sends
-        need them), and forget the steps."""
+        """The loop failed everything (an internal error): finish the launched steps, results unread, and forget
+        them. Finished, not just forgotten: LeaderRunner counts launched, unfinished steps and sends no heartbeat
+        while any is (its launch says why), so a step dropped unfinished left the idle workers without heartbeats
+        until their plan receive timed out."""
         while self.pending:
             item = self.pending.popleft()
             try:

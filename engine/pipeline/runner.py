@@ -83,9 +83,6 @@ DEFER_SEND_WAITS_ENV = "TRITONLLM_PP_DEFER_SEND_WAITS"
 # "0": every step's logits go to rank 0, which samples (the behaviour before steps were sampled on the
 # last stage; kept for A/B measurements: StageRunner.samples_on_last_stage).
 SAMPLE_ON_LAST_STAGE_ENV = "TRITONLLM_PP_SAMPLE_ON_LAST_STAGE"
-# "1": rank 0 posts the receive of a launched step's ids sampled on the last stage at the step's finish, not at its
-# launch (StageRunner.finish says why). Off by default until measured on GPUs (A/B: benchmarks/results/engine.md).
-IDS_RECEIVE_AT_FINISH_ENV = "TRITONLLM_PP_IDS_RECEIVE_AT_FINISH"
 
 
 @dataclass(frozen=True)
@@ -177,7 +174,6 @@ class LaunchedStep:
     received: torch.Tensor | None
     sends: list = field(default_factory=list)  # (work, tensor): tensors kept alive until their sends complete
     receives: list = field(default_factory=list)  # rank 0: (work, staging tensor or None, its rows)
-    unposted: list = field(default_factory=list)  # rank 0: micro-batches whose ids' receive ``finish`` posts
 
 
 class StageRunner(ModelRunner):
@@ -198,11 +194,6 @@ class StageRunner(ModelRunner):
         self._unwaited_sends: list = []  # (work, tensor) of the last ``forward``'s sends (``forward`` says why)
         self._defer_send_waits = os.environ.get(DEFER_SEND_WAITS_ENV, "1") != "0"
         self._sample_on_last_stage = os.environ.get(SAMPLE_ON_LAST_STAGE_ENV, "1") != "0"
-        # (only where the ids have a communicator of their own: _post_logits_receive says why the order matters
-        # where they share the hidden states')
-        self._ids_receive_at_finish = (logits_group is not None
-                                       and os.environ.get(IDS_RECEIVE_AT_FINISH_ENV, "0") == "1")
-        self._steps_unposted = 0  # rank 0: launched steps whose receives their finish posts (``finish``)
         super().__init__(engine_dir, rank=tp_rank, device=device, tp_group=tp_group)
 
     # -- the ModelRunner hooks
@@ -297,8 +288,6 @@ class StageRunner(ModelRunner):
         prepared = [None if replay else self._prepare(part.batch) for part, replay in zip(parts, graphed)]
         ids_only = bool(batch.sample_on_last_stage) and not all_logits
         launched = LaunchedStep(self._receive_buffer(parts, ids_only) if place.rank == 0 else None)
-        # (receives keep the launch order: behind a step whose receives wait for its finish, this one's wait too)
-        at_finish = self._ids_receive_at_finish and (ids_only or self._steps_unposted > 0)
         for part, replay, inputs in zip(parts, graphed, prepared):
             rows = len(part.batch.token_ids)
             if replay:
@@ -312,10 +301,7 @@ class StageRunner(ModelRunner):
                 out = out.clone() if replay == "decode" else out.contiguous()
                 launched.sends.append((dist.isend(out, dst=place.next_rank), out))
                 if launched.received is not None and part.logits_rows:
-                    if at_finish:
-                        launched.unposted.append(part)
-                    else:
-                        launched.receives.append(self._post_logits_receive(launched.received, part))
+                    launched.receives.append(self._post_logits_receive(launched.received, part))
                 continue
             scored = replay == "prefill" or (replay == "decode" and part.batch.logits_indices == list(range(rows)))
             if not all_logits and not scored:  # (a prefill graph returns the scored rows itself)
@@ -325,32 +311,12 @@ class StageRunner(ModelRunner):
                 # sampled here: rank 0 gets the ids its own sampler would have drawn from these logits
                 logits = self._last_stage_tokens(logits, batch, part) if ids_only else logits.contiguous()
                 launched.sends.append((dist.isend(logits, dst=0, group=self.logits_group), logits))
-        self._steps_unposted += bool(launched.unposted)
         return launched
 
     def finish(self, launched: "LaunchedStep") -> torch.Tensor | None:
         """Wait for a launched step's transfers (on CUDA: the current stream waits, the host does
         not); on rank 0 the step's logits, or its (rows,) int64 token ids where the step was sampled
-        on the last stage (``batch.sample_on_last_stage``); None elsewhere.
-
-        With IDS_RECEIVE_AT_FINISH_ENV=1 rank 0 posts the receive of such ids here rather than at the
-        launch. Why: an NCCL receive's kernel runs from the moment its stream takes it until the data arrives, on
-        SMs of its own. Posted at the launch of step n, the ids' receive of step n ran through the whole
-        of step n + 1's stage-0 graph (its stream takes it once step n - 1's ids arrived), a kernel
-        holding SMs beside every stage-0 step. Posted here, after step n + 1 was launched, its stream
-        takes it once step n + 1's stage-0 work is done: no stage-0 kernel runs beside it, and nothing
-        waits longer (rank 0's stream runs step n's token store after step n + 1's stage-0 work anyway;
-        the last stage sends from its own stream and waits on the send only at its next step). The
-        ids' own communicator (make_stage_runner's logits group) keeps them apart from the hidden states,
-        whose order _post_logits_receive keeps. Full logits (131 MB at 256 rows of Llama-3.1-8B) keep the
-        receive at the launch, their transfer (~0.4 ms) overlapping rank 0's next stage-0 work, unless a step
-        launched before them still waits for its finish to post: the receives are posted in the order the last
-        stage sends (finish is called in launch order), or a receive would match another step's message."""
-        if launched.unposted:
-            for part in launched.unposted:
-                launched.receives.append(self._post_logits_receive(launched.received, part))
-            launched.unposted = []
-            self._steps_unposted -= 1
+        on the last stage (``batch.sample_on_last_stage``); None elsewhere."""
         for work, staging, rows in launched.receives:
             work.wait()
             if staging is not None:

@@ -183,8 +183,7 @@ def pp_p2p_order(rank: int, engine_dir: str) -> list[str]:
 
 
 def pipelined_executor_run(rank: int, pp2_dir: str, requests: list, cancel_after: int | None = None,
-                           then: list | None = None, steps: str = "2", sample_on_last_stage: bool = True,
-                           logits_group: bool = False, ids_receive_at_finish: bool | None = None) -> dict | None:
+                           then: list | None = None, steps: str = "2", sample_on_last_stage: bool = True) -> dict | None:
     """An Executor on rank 0 over a LeaderRunner of stage 0 (rank 1 the worker loop of stage 1),
     with two steps in flight (engine/pipeline/in_flight.py). ``requests`` are enqueued together;
     with ``cancel_after`` the first is cancelled once it streamed that many responses; ``then``
@@ -195,17 +194,14 @@ def pipelined_executor_run(rank: int, pp2_dir: str, requests: list, cancel_after
     from 3 sequences on (the tiny model's own figures never would), and every launched step cut in
     two micro-batches. ``sample_on_last_stage`` False: SAMPLE_ON_LAST_STAGE_ENV=0. ``out["sampled_on_last_stage"]``
     (``out["then_sampled_on_last_stage"]``): each launched or one-step batch's ("launch" | "forward",
-    its sample_on_last_stage, whether it carried draws), of ``requests`` (``then``). ``logits_group``: the
-    logits and ids go over a group of their own, as make_stage_runner gives them; ``ids_receive_at_finish``:
-    IDS_RECEIVE_AT_FINISH_ENV=1 (True) or =0 (False), None: unset. ``out["receives"]``: for each receive rank 0 posted, ("launch" | "finish": the
-    call it was posted in, "ids" | "logits": what it receives)."""
+    its sample_on_last_stage, whether it carried draws), of ``requests`` (``then``)."""
     import torch.distributed as dist
 
     from engine.executor import Executor, ExecutorConfig
     from engine.executor.runner import ForwardBatch
     from engine.pipeline import in_flight
     from engine.pipeline.in_flight import STEPS_IN_FLIGHT_ENV
-    from engine.pipeline.runner import IDS_RECEIVE_AT_FINISH_ENV, SAMPLE_ON_LAST_STAGE_ENV, StageRunner
+    from engine.pipeline.runner import SAMPLE_ON_LAST_STAGE_ENV, StageRunner
     from engine.tensor_parallel import distributed
     from engine.tensor_parallel.rank_info import RankInfo
     from engine.tensor_parallel.step_protocol import StepChannel
@@ -216,14 +212,10 @@ def pipelined_executor_run(rank: int, pp2_dir: str, requests: list, cancel_after
                                   dist.new_group(backend="gloo"))
     if not sample_on_last_stage:
         os.environ[SAMPLE_ON_LAST_STAGE_ENV] = "0"
-    if ids_receive_at_finish is not None:
-        os.environ[IDS_RECEIVE_AT_FINISH_ENV] = "1" if ids_receive_at_finish else "0"
     try:
-        group = dist.new_group(ranks=[0, 1], backend="gloo") if logits_group else None  # (collective: both ranks)
-        runner = StageRunner(pp2_dir, rank=rank, device="cpu", logits_group=group)
+        runner = StageRunner(pp2_dir, rank=rank, device="cpu")
     finally:
         os.environ.pop(SAMPLE_ON_LAST_STAGE_ENV, None)
-        os.environ.pop(IDS_RECEIVE_AT_FINISH_ENV, None)
     if rank == 1:
         channel = StepChannel(ctx, batch_class=ForwardBatch)
         distributed.run_worker_loop(runner, channel)  # until the executor's shutdown
@@ -231,32 +223,17 @@ def pipelined_executor_run(rank: int, pp2_dir: str, requests: list, cancel_after
         return None
     leader = distributed.LeaderRunner(runner, ctx)
     launches = []
-    launch, finish, post = leader.launch, leader.finish, runner._post_logits_receive
+    launch = leader.launch
 
-    micro_batches, last_stage, receives, inside = [], [], [], []
+    micro_batches, last_stage = [], []
 
     def recording_launch(batch):
         launches.append([table[0] for table in batch.block_tables])
         micro_batches.append(batch.micro_batches)
         last_stage.append(("launch", batch.sample_on_last_stage, batch.last_stage_draws is not None))
-        inside.append("launch")
-        try:
-            return launch(batch)
-        finally:
-            inside.pop()
+        return launch(batch)
 
-    def recording_finish(launched):
-        inside.append("finish")
-        try:
-            return finish(launched)
-        finally:
-            inside.pop()
-
-    def recording_post(received, part):
-        receives.append((inside[-1] if inside else "forward", "ids" if received.dtype == torch.int64 else "logits"))
-        return post(received, part)
-
-    leader.launch, leader.finish, runner._post_logits_receive = recording_launch, recording_finish, recording_post
+    leader.launch = recording_launch
     forwards = []
     forward = leader.forward
 
@@ -285,7 +262,6 @@ def pipelined_executor_run(rank: int, pp2_dir: str, requests: list, cancel_after
             out["calls"], out["launches"], out["forwards"] = list(calls), list(launches), list(forwards)
             out["micro_batches"] = list(micro_batches)
             out["sampled_on_last_stage"] = list(last_stage)
-            out["receives"] = list(receives)
             if then:
                 out["then"] = _run_streaming(executor, then, None)
                 out["then_calls"] = calls[len(out["calls"]):]

@@ -444,49 +444,11 @@ def test_pp2_executor_samples_on_the_last_stage_and_falls_back_for_the_rest(engi
     assert off["sampled_on_last_stage"] and not any(flag for _, flag, _ in off["sampled_on_last_stage"])
 
 
-def test_rank0_posts_the_ids_receive_at_finish_where_they_have_their_own_group(engines):
-    """With TRITONLLM_PP_IDS_RECEIVE_AT_FINISH=1 and the ids and logits on a group of their own
-    (make_stage_runner's), rank 0 posts the receive of a
-    launched step's ids sampled on the last stage when it finishes the step, not at its launch (the receive's
-    NCCL kernel then never runs beside the next step's stage-0 graph: StageRunner.finish); full logits (the
-    log-prob request's steps) are received from the launch unless a step launched before them still waits to
-    post (the receives keep the last stage's order: out of order, a gloo receive met the other step's message
-    and the rank aborted). Same tokens as pp 1 either way, and with the switch unset (the default until measured
-    on GPUs) or 0 every receive is posted at the launch."""
-    from gloo_ranks import shared_pair
-    from pipeline_ranks import _run_streaming, pipelined_executor_run
-
-    from engine.executor import Executor, ExecutorConfig
-    from engine.executor.request import OutputConfig, Request, SamplingConfig
-    from engine_testing import EXECUTOR_POOL, random_tokens
-
-    requests = [Request(random_tokens(4 + i, seed=80 + i), 6 + i, streaming=True, sampling=SamplingConfig(top_k=1))
-                for i in range(5)]
-    requests[-1].output = OutputConfig(return_log_probs=True)  # (its steps' logits come to rank 0)
-    pp1, pp2 = engines["llama"]
-    with Executor(pp1, ExecutorConfig(**EXECUTOR_POOL), device="cpu") as executor:
-        expected = _run_streaming(executor, requests, None)
-
-    deferred, _ = shared_pair().run(pipelined_executor_run, pp2, requests, None, None, "2", True, True, True)
-    assert deferred["tokens"] == expected
-    posted = set(deferred["receives"])
-    assert ("finish", "ids") in posted and ("launch", "logits") in posted, deferred["receives"]
-    assert ("launch", "ids") not in posted, deferred["receives"]
-
-    for switch in (None, False):
-        at_launch, _ = shared_pair().run(pipelined_executor_run, pp2, requests, None, None, "2", True, True, switch)
-        assert at_launch["tokens"] == expected
-        assert {where for where, _ in at_launch["receives"]} == {"launch"}
-        assert ("launch", "ids") in set(at_launch["receives"])
-    # (without a group of their own the order keeps the hidden states' rule: at the launch)
-    shared, _ = shared_pair().run(pipelined_executor_run, pp2, requests[:2], None, None, "2", True, False, True)
-    assert shared["receives"] and {where for where, _ in shared["receives"]} == {"launch"}
-
-
 def test_dropped_steps_are_finished_in_launch_order_whatever_their_runner_raises():
     """After an internal error the executor drops its launched steps (PipelinedSteps.drop): each is finished,
-    oldest first, so rank 0 posts the receives the last stage's sends wait for (StageRunner.finish), and a
-    runner that fails there does not stop the others from being finished."""
+    oldest first (its transfers waited on, its result unread), so that the leader's count of unfinished steps goes
+    back to zero (LeaderRunner sends no heartbeat while it is not: the workers' plan receive would time out while
+    the executor idles), and a runner that fails there does not stop the others from being finished."""
     from types import SimpleNamespace
 
     from engine.pipeline.in_flight import PipelinedSteps
