@@ -40,7 +40,7 @@ GAP_MIN_US = 2.0  # idle time on the compute stream shorter than this is not a g
 GAP_LISTED_US = 10.0  # shorter gaps (between a graph's kernels, say) are only counted, per step
 SYNC_CALLS = ("Synchronize", "cudaEventQuery", "cudaStreamQuery")
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
-_KEPT: list = []  # the finished windows' profilers (StepTracer.finish says why)
+_KEPT: list = []  # the finished windows' profilers (StepTracer._stop says why)
 RAW_TRACE_MAX_BYTES = 15 << 20  # a gzipped raw trace larger than this is not kept (a device call's file limit)
 
 
@@ -146,7 +146,8 @@ class StepTracer:
         began = time.monotonic()
         self.profiler.stop()
         self.done = True
-        path = tempfile.mktemp(prefix=f"pp_trace{self.rank}-", suffix=".json")
+        handle, path = tempfile.mkstemp(prefix=f"pp_trace{self.rank}-", suffix=".json")  # (the export reopens it)
+        os.close(handle)
         try:
             self.profiler.export_chrome_trace(path)
             with open(path) as f:
@@ -272,7 +273,7 @@ def summarize_rank(events: list[dict], marks: list[tuple[int, str, int]], *, ran
     ops_by_tid: dict = {}
     runtime = {}  # correlation -> (ts, end, tid, name)
     gpu = []  # dicts: start, end, stream, correlation, name, cat
-    syncs = []  # cuda_sync events (the stream waits)
+    sync_events = 0  # cuda_sync events (the stream waits): only counted, to show the profiler recorded them
     for e in events:
         if e.get("ph") != "X":
             continue
@@ -291,7 +292,7 @@ def summarize_rank(events: list[dict], marks: list[tuple[int, str, int]], *, ran
             gpu.append({"start": ts, "end": end, "stream": args.get("stream", e.get("tid")),
                         "correlation": args.get("correlation"), "name": name, "cat": cat})
         elif cat == "cuda_sync":
-            syncs.append((ts, end, args.get("stream", e.get("tid")), name))
+            sync_events += 1
     intervals = {}
     for tid, rows in ops_by_tid.items():
         rows.sort()
@@ -302,7 +303,7 @@ def summarize_rank(events: list[dict], marks: list[tuple[int, str, int]], *, ran
     offsets = [opened[(step, what)] - ts for ts, _, _, what, step in annotations if (step, what) in opened]
     offset = _median(offsets) or 0.0
     out: dict = {"rank": rank, "steps": [], "first": first, "last": last, "clock_offset_us": offset,
-                 "annotations": len(annotations), "gpu_activities": len(gpu), "sync_events": len(syncs)}
+                 "annotations": len(annotations), "gpu_activities": len(gpu), "sync_events": sync_events}
     launches = {step: (ts, end, tid) for ts, end, tid, what, step in annotations if what == "launch"}
     if not launches:
         out["error"] = "no step annotations in the trace"
@@ -549,8 +550,8 @@ def describe(rank_summaries: list[dict], loop: dict | None = None) -> str:
             lines.append("  idle by cause (ms a step): " + "; ".join(f"{k} {v:.3f}" for k, v in list(causes.items())[:6]))
         kernels = s.get("kernels_ms_per_step", {})
         if kernels:
-            lines.append("  top kernels (ms a step, durations): " + "; ".join(f"{name[:48]} {ms:.3f}"
-                                                                           for name, ms in list(kernels.items())[:6]))
+            lines.append("  top kernels (ms a step, durations): "
+                         + "; ".join(f"{name[:48]} {per_step:.3f}" for name, per_step in list(kernels.items())[:6]))
     if loop and loop.get("steps"):
         m = loop["median"]
         lines.append(f"loop step k -> k+{loop['depth']} (medians of {len(loop['steps'])}, ms): rank 0 graph "

@@ -848,7 +848,7 @@ def main(argv=None) -> None:
     result = run_greedy_phase(args) if args.role == "greedy" else run_perf_phase(args)
     with open(args.out, "w") as f:
         json.dump(result, f)
-    if TRACER is not None:  # no interpreter teardown after a profiler window (step_trace.StepTracer.finish)
+    if TRACER is not None:  # no interpreter teardown after a profiler window (step_trace.StepTracer._stop says why)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
