@@ -57,60 +57,6 @@ class Trace:
                                 "args": {"stream": 7, "correlation": self.correlation}})
 
 
-def pipeline_traces(restart_gap: float = 50.0):
-    """Two ranks stepping a depth-2 pipeline: rank 0's graph of step k starts ``restart_gap`` after the ids of
-    step k - 2 reached it (its store, then the launch already queued). Returns (rank 0, rank 1) and the loop."""
-    r0, r1 = Trace(0), Trace(1)
-    g0 = {1: 100.0, 2: 100.0 + P}  # rank 0's graph starts (device, rank 0's trace clock)
-    loop = 2 * P
-    for k in range(1, 11):
-        g0.setdefault(k, g0[k - 2] + loop)
-    for k in range(1, 11):
-        # rank 0: host launches 1 ms ahead of its graph; copies, graph, the hidden states' send, the ids' receive
-        h = g0[k] - 1000.0
-        r0.annotate("launch", k, h, 200.0)
-        r0.gpu("cudaMemcpyAsync", h + 10, "Memcpy HtoD (Pinned -> Device)", g0[k] - 20, g0[k] - 10, 7, "gpu_memcpy")
-        r0.graph(h + 20, g0[k], S0)
-        end0 = g0[k] + S0
-        r0.gpu("cudaLaunchKernel", h + 30, "clone_kernel", end0, end0 + 10, 7)
-        r0.op("pp_p2p send", h + 40, 20)
-        r0.gpu("cuLaunchKernelEx", h + 45, "ncclDevKernel_SendRecv", end0 + 10, end0 + 10 + HOP, 20)
-        # rank 1: receives (its graph waits for the receive), graph, head, the ids' send
-        g1 = end0 + 10 + HOP + 15
-        h1 = g1 - 1500.0
-        r1.annotate("launch", k, h1 + 0.0, 300.0)
-        r1.op("pp_p2p recv", h1 + 5, 20)
-        r1.gpu("cuLaunchKernelEx", h1 + 10, "ncclDevKernel_SendRecv", h1 + 12, end0 + 10 + HOP, 20)
-        r1.gpu("cudaMemcpyAsync", h1 + 40, "Memcpy HtoD (Pinned -> Device)", g1 - 10, g1 - 5, 7, "gpu_memcpy")
-        r1.graph(h1 + 50, g1, S1)
-        r1.gpu("cudaLaunchKernel", h1 + 60, "lm_head_gemm", g1 + S1, g1 + S1 + HEAD - 20, 7)
-        r1.gpu("cuLaunchKernelEx", h1 + 70, "argmax_kernel", g1 + S1 + HEAD - 20, g1 + S1 + HEAD, 7)
-        r1.op("pp_p2p send", h1 + 80, 20)
-        ids_end = g1 + S1 + HEAD + IDS
-        r1.gpu("cuLaunchKernelEx", h1 + 85, "ncclDevKernel_SendRecv", g1 + S1 + HEAD, ids_end, 24)
-        r1.annotate("finish", k, h1 + 300, 5)
-        r1.gpu("cudaEventSynchronize", h1 + 310, "none", 0, 0, 99)  # (a sync call: its activity is dropped below)
-        # rank 0: its receive of the ids, posted at launch; the finish and the store come in a later iteration
-        r0.op("pp_p2p recv", h + 60, 20)
-        r0.gpu("cuLaunchKernelEx", h + 65, "ncclDevKernel_SendRecv", end0 + 20, ids_end, 21)
-        if k + 2 <= 10:
-            store = ids_end + 5
-            r0.annotate("finish", k, h + P + 250, 10)
-            r0.annotate("store", k, h + P + 270, 20)
-            r0.gpu("cudaLaunchKernel", h + P + 275, "index_put_kernel", store, store + 10, 7)
-            r0.gpu("cudaMemcpyAsync", h + P + 285, "Memcpy DtoH (Device -> Pinned)", store + 10, store + 15, 7,
-                   "gpu_memcpy")
-            assert store + 15 <= g0[k + 2] - 20  # (the next graph's copies come after)
-            g0[k + 2] = max(g0[k + 2], ids_end + restart_gap)
-    for trace in (r0, r1):  # the sync calls' made-up activities are not GPU work
-        trace.events = [e for e in trace.events if not (e.get("tid") == 99)]
-    # ranks' clocks: rank 1 events were written on rank 0's device clock above; shift them into its own
-    for e in r1.events:
-        e["ts"] = e["ts"] + OFFSET[0] - OFFSET[1]
-    r1.marks = [(k, what, ns + int((OFFSET[0] - OFFSET[1]) * 1e3)) for k, what, ns in r1.marks]
-    return r0, r1, g0
-
-
 def pipeline_traces(late_step: int | None = None, restart: float = 20.0, s1: float = S1):
     """Two ranks stepping a depth-2 pipeline, simulated (one time base, rank 1's shifted to its own clock at the
     end). Rank 0's stream runs launch(k) (copies, graph, the clone sent on), then the store of step k - 1 once its
