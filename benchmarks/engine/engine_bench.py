@@ -320,7 +320,7 @@ def bench_fp8_gemm(results: dict, model_cfg: ModelConfig, dtype: torch.dtype, ro
     the bf16 rows are quantized inside the timed call, as o_proj's input is), device time from graph
     replays, with the weight bytes streamed per second."""
     from kernels.fp8 import choose_fp8_skinny_variants, fp8_linear, l2_defeating_copies, quantize_weight
-    from kernels.linear import choose_skinny_weights, graph_time_ms, linear
+    from kernels.linear import ONE_ROW_SUFFIX, choose_skinny_weights, graph_time_ms, linear
 
     c = model_cfg
     shapes = {"qkv_proj": ((c.num_heads + 2 * c.num_kv_heads) * c.head_dim, c.hidden_size),
@@ -335,8 +335,9 @@ def bench_fp8_gemm(results: dict, model_cfg: ModelConfig, dtype: torch.dtype, ro
         choose_fp8_skinny_variants([w_q])
         # Timed from HBM, as a decode step reads them: in turn over copies exceeding twice the L2.
         bf16_copies, fp8_copies = l2_defeating_copies(weight), l2_defeating_copies(w_q)
-        for copy in bf16_copies:
-            copy._use_skinny_gemm = getattr(weight, "_use_skinny_gemm", False)
+        for copy in bf16_copies:  # (batch 1 has a choice of its own: kernels/linear.py ONE_ROW_SUFFIX)
+            for mark in ("_use_skinny_gemm", "_use_skinny_gemm" + ONE_ROW_SUFFIX):
+                setattr(copy, mark, getattr(weight, mark, False))
         for copy in fp8_copies:
             copy._fp8_skinny_variant = w_q._fp8_skinny_variant
         turn = iter(range(1 << 40))
