@@ -73,7 +73,8 @@ class _NumpyWithPlainMaps:
 
     @staticmethod
     def memmap(path, mode="r"):
-        assert mode == "r", mode
+        if mode != "r":  # another thread's writable reader, made while the stand-in is gguf's np: numpy's own
+            return np.memmap(path, mode=mode)
         with open(path, "rb") as file:  # the map stays valid after the file is closed
             return np.frombuffer(mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ), dtype=np.uint8)
 
@@ -85,8 +86,9 @@ def _read_only_reader(real_reader, path):
 
     if getattr(reader_module, "np", None) is not np or real_reader is not getattr(reader_module, "GGUFReader", None):
         return real_reader(path, "r")
-    # Another thread reading the module's np meanwhile gets numpy's names all the same; one restoring it
-    # before this construction's memmap call only makes this reader a memmap one.
+    # Another thread reading the module's np meanwhile gets numpy's names all the same (and, for a writable
+    # reader, numpy's memmap); one restoring it before this construction's memmap call only makes this reader
+    # a memmap one.
     reader_module.np = _NumpyWithPlainMaps()
     try:
         return real_reader(path, "r")
