@@ -22,6 +22,7 @@ import threading
 import time
 import urllib.request
 import venv
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -134,13 +135,15 @@ def test_serve_answers_a_request(installed, smollm2_engine_dir, tmp_path):
         while not any(line.startswith("READY:") for line in lines):
             assert process.poll() is None and time.time() < deadline, "".join(lines[-60:])
             time.sleep(0.2)
-        generated = post(f"http://127.0.0.1:{http}/v2/models/ensemble/generate",
-                         {"text_input": CHAT, "max_tokens": 8, "exclude_input_in_output": True})
-        assert "Paris" in generated["text_output"]
         model = Path(smollm2_engine_dir).name  # the OpenAI name of the embedded model's engine
-        chat = post(f"http://127.0.0.1:{openai_port}/v1/chat/completions", {
-            "model": model, "max_tokens": 8, "temperature": 0,
-            "messages": [{"role": "user", "content": "What is the capital of France?"}]})
+        with ThreadPoolExecutor(2) as pool:  # at once: one batch of the engine's, not two requests' steps in turn
+            generated = pool.submit(post, f"http://127.0.0.1:{http}/v2/models/ensemble/generate",
+                                    {"text_input": CHAT, "max_tokens": 8, "exclude_input_in_output": True})
+            chat = pool.submit(post, f"http://127.0.0.1:{openai_port}/v1/chat/completions", {
+                "model": model, "max_tokens": 8, "temperature": 0,
+                "messages": [{"role": "user", "content": "What is the capital of France?"}]})
+            generated, chat = generated.result(), chat.result()
+        assert "Paris" in generated["text_output"]
         assert "Paris" in chat["choices"][0]["message"]["content"]
     finally:  # Ctrl-C, then (a graceful stop is not what this test is about) a kill after STOP_WAIT_S
         signal_group(process.pid, signal.SIGINT)
