@@ -364,6 +364,10 @@ def where_time_went(history: list, wall_seconds: float, executor, context: int) 
     out = {"context_steps": len(with_context), "context_seconds": context_seconds,
            "context_share": context_seconds / wall, "context_tokens": sum(h.num_ctx_tokens for h in with_context),
            "decode_steps": len(decode), "decode_seconds": decode_seconds, "decode_share": decode_seconds / wall}
+    steps = with_context + decode
+    if steps:  # from the first step's start to the last one's end (each step's stats are stamped as it ends)
+        out["steps_span_seconds"] = (max(h.timestamp_ns for h in steps) - min(h.timestamp_ns - h.iter_latency_ms * 1e6
+                                                                              for h in steps)) / 1e9
     if context_seconds > 0:
         out["prefill_tok_s"] = out["context_tokens"] / context_seconds
         out["context_step_ms_mean"] = context_seconds * 1e3 / len(with_context)

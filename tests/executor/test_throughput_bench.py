@@ -45,9 +45,13 @@ def test_two_tiny_shapes_print_the_fields_and_the_table(tmp_path, capsys):
         time = row["time"]
         assert time["context_steps"] >= 2 and time["decode_steps"] > 0 and time["prefill_tok_s"] > 0
         assert time["context_tokens"] == 4 * row["isl"]
-        # Step latencies against the wall clock of the requests: the step that sends the last response
-        # ends a little after that response is timed, so the shares may sum to a hair over 1.
-        assert 0.5 < time["context_share"] + time["decode_share"] <= 1.01
+        # Step latencies against the wall clock of the requests: most of it. Against the span from the first
+        # step's start to the last one's end: within it (a step's latency starts where the step before it
+        # ended, so none is counted twice). (<= 1.01 of the requests' wall clock until 2026-11-30: the step
+        # that times the last token ends after it, by as long as its thread is kept from the CPU there, which
+        # a loaded machine can make a few percent of these sub-second runs.)
+        assert 0.5 < time["context_share"] + time["decode_share"]
+        assert time["context_seconds"] + time["decode_seconds"] <= time["steps_span_seconds"] + 1e-3
         assert time["bucket"] == 2 and "bucket_graph_ms" not in time  # no CUDA graph on the CPU
     for field in ("Request Throughput (req/sec)", "Total Output Throughput (tokens/sec)", "Per User Output Speed",
                   "TTFT avg / p50 / p90 / p99 (ms)", "TPOT avg / p50 / p90 / p99 (ms)", "Steady state: no",
