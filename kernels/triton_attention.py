@@ -265,9 +265,9 @@ def _attend_keys(
                     ancestor = ((words >> (seen % 32)[None, :]) & 1) != 0
                     visible = visible & (ancestor | (new_key < 0)[None, :])
                 else:
-                    tree_bits = tl.load(tree_ptr + tree_rows[:, None] * stride_tm + new_key[None, :],
-                                        mask=((new_key >= 0) & k_valid)[None, :], other=1)
-                    visible = visible & (tree_bits != 0)
+                    in_tree = tl.load(tree_ptr + tree_rows[:, None] * stride_tm + new_key[None, :],
+                                      mask=((new_key >= 0) & k_valid)[None, :], other=1)
+                    visible = visible & (in_tree != 0)
             scores = tl.where(visible, scores, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(scores, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet
