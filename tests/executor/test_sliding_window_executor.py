@@ -84,13 +84,25 @@ def test_long_sequence_equals_transformers_and_holds_only_its_window(mistral, en
     assert final.free_num_blocks == final.max_num_blocks  # everything back at the end
 
 
+def _batched_prompts() -> list[list[int]]:
+    """12 prompts, every other one after a shared 12-token prefix."""
+    shared = _prompts(2, 1)[0][:12]
+    return [(shared if i % 2 else []) + p for i, p in enumerate(_prompts(3, 12))]
+
+
+@pytest.fixture(scope="module")
+def batched_references(mistral) -> list[list[int]]:
+    """transformers' 12 greedy tokens of each batched prompt, once for the four cases below (each case
+    computed them again until 2026-11-30: 144 uncached forwards of growing length a case)."""
+    return [greedy_reference(mistral, p, 12) for p in _batched_prompts()]
+
+
 @pytest.mark.parametrize("policy", ["guaranteed_no_evict", "max_utilization"])
 @pytest.mark.parametrize("reuse", [False, True])
-def test_batched_with_reuse_chunks_and_preemption_equals_transformers(mistral, engine_dir, policy, reuse):
+def test_batched_with_reuse_chunks_and_preemption_equals_transformers(batched_references, engine_dir, policy, reuse):
     """12 requests (some sharing a 12-token prefix) in a pool of 12 blocks with chunked context:
     reuse hits, preemption (max_utilization) and window freeing all happen, outputs stay exact."""
-    shared = _prompts(2, 1)[0][:12]
-    prompts = [(shared if i % 2 else []) + p for i, p in enumerate(_prompts(3, 12))]
+    prompts = _batched_prompts()
     config = ExecutorConfig(batch_scheduler_policy=policy, enable_kv_cache_reuse=reuse, enable_chunked_context=True,
                             max_num_tokens=16, max_tokens_in_paged_kv_cache=12 * BLOCK)
     with Executor(engine_dir, config) as executor:
@@ -98,7 +110,7 @@ def test_batched_with_reuse_chunks_and_preemption_equals_transformers(mistral, e
         responses = collect(executor, ids)
         stats = executor.get_latest_iteration_stats()
         freed = executor.scheduler.num_window_freed_blocks
-    assert [final_tokens(responses[i]) for i in ids] == [greedy_reference(mistral, p, 12) for p in prompts]
+    assert [final_tokens(responses[i]) for i in ids] == batched_references
     assert freed > 0
     assert stats.kv_cache_stats.free_num_blocks == stats.kv_cache_stats.max_num_blocks
     if reuse:
