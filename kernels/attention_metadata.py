@@ -50,14 +50,17 @@ class AttentionMetadata:
     # (num_seqs,) int32 on the device and as a host list; None for models without recurrent state.
     state_slots: torch.Tensor | None = None
     state_slots_host: list[int] | None = None
-    # Tree verification (engine/executor/speculative/tree.py): (num_tokens, max_seqlen_q) bool, row t
-    # (a new token of sequence i) says which of sequence i's new tokens it sees (its tree ancestors
-    # and itself); every cached key stays visible. None: plain causal attention.
+    # Tree verification (engine/executor/speculative/tree.py): (num_tokens, W) bool, W at least the most new
+    # tokens of a sequence (max_seqlen_q eagerly; a tree CUDA graph's tree width, whose max_seqlen_q is its
+    # bucket), row t (a new token of sequence i) says which of sequence i's new tokens it sees (its tree
+    # ancestors and itself); every cached key stays visible. None: plain causal attention.
     tree_mask: torch.Tensor | None = None
     # tree_mask as bits (pack_tree_mask), what the Triton kernel reads where it is set: (num_tokens, words)
-    # int32, words >= ceil(max_seqlen_q / 32), bit k of word w of row t = tree_mask[t, 32 w + k]. Whoever
-    # sets tree_mask packs it once a forward (a tree CUDA graph's is a buffer its host fills), and again if
-    # it changes the mask; None: the kernel reads tree_mask's bytes (slower: kernels/triton_attention.py).
+    # int32, words >= ceil(W / 32), bit k of word w of row t = tree_mask[t, 32 w + k] for every key of row
+    # t's own sequence (columns past it, and rows past the step's tokens, are never read: a graph's buffer
+    # keeps an earlier step's there). Whoever sets tree_mask packs it once a forward (a tree CUDA graph's is
+    # a buffer its host fills), and again if it changes the mask; None: the kernel reads tree_mask's bytes
+    # (slower: kernels/triton_attention.py).
     tree_bits: torch.Tensor | None = None
     # Image spans (Gemma 3, engine/executor/image_spans.py): (num_tokens,) int32, how many of its own
     # sequence's later new tokens each new token also sees (the rest of its image's run in this step;
