@@ -42,7 +42,11 @@ def _size_gpu_pools_as_on_cpu():
     leaving the next one block (seen on the H200 with $TRITONLLM_GPU_MEMORY_FRACTION); and the tests
     were written for pools that a few requests can fill (preemption, 'cannot fit' refusals). The
     device rule itself is tested by the executors that ask for fraction 1.0 (test_memory_profile.py);
-    engine processes and ranks that tests start keep it, under the fraction tests/gpu_run.sh sets."""
+    engine processes and ranks that tests start keep it, under the fraction tests/gpu_run.sh sets.
+    Without an NVIDIA device node nothing is imported: torch's import (~3.4 CPU-s) would otherwise be paid by
+    the pytest-xdist controller, which runs no test, and by every pytest that a test starts."""
+    if not os.path.exists("/dev/nvidiactl"):
+        return
     import torch
 
     if not torch.cuda.is_available():
