@@ -89,5 +89,24 @@ def test_inside_parsed_once_a_file_is_parsed_once_and_gguf_is_restored_after(tmp
         assert [bytes(first.fields["tokenizer.ggml.tokens"].parts[i]) for i in first.fields["tokenizer.ggml.tokens"].data] == \
             [b"<s>", b"a", b"b"]
         assert np.array_equal(first.tensors[0].data, plain.tensors[0].data)
+        # parsed over a plain read-only ndarray of the file, not gguf's np.memmap (the module says why)
+        assert type(first.data) is np.ndarray and not first.data.flags.writeable
+        assert isinstance(gguf.GGUFReader(path, "c").data, np.memmap)
     assert (gguf.GGUFReader, gguf.get_tensor_name_map) == (reader_class, name_map)
     assert gguf.GGUFReader(path) is not gguf.GGUFReader(path)
+
+
+def test_a_writable_reader_made_while_a_read_only_one_parses_gets_numpys_memmap(tmp_path):
+    """While parsed_once builds a read-only reader, gguf's module np is the stand-in for every thread: another
+    thread's writable reader made meanwhile still gets numpy's memmap (its writes reach the file)."""
+    from engine.gguf_reader_cache import _NumpyWithPlainMaps
+
+    path = tmp_path / "bytes.bin"
+    path.write_bytes(bytes(8))
+    data = _NumpyWithPlainMaps.memmap(path, mode="r+")
+    assert isinstance(data, np.memmap)
+    data[0] = 7
+    data.flush()
+    del data
+    assert path.read_bytes()[0] == 7
+    assert not _NumpyWithPlainMaps.memmap(path).flags.writeable  # mode "r": the plain read-only map
