@@ -21,6 +21,7 @@ from serving.tokenization import first_token_id, load_text_tokenizer, load_token
 from serving.multimodal import (ImagePrompts, engine_vocab_size, image_limits, prepare_batch,  # noqa: E402
                                 refuse_images_on_text_model)
 from serving.videos import video_limits  # noqa: E402
+from serving.torchless_preprocessing import hide_torch_for_image_processors  # noqa: E402
 
 TEXT_OUTPUTS = ("INPUT_ID", "REQUEST_INPUT_LEN", "DECODER_INPUT_ID", "REQUEST_DECODER_INPUT_LEN",
                 "BAD_WORDS_IDS", "STOP_WORDS_IDS", "EMBEDDING_BIAS", "REQUEST_OUTPUT_LEN",
@@ -49,6 +50,9 @@ class TritonPythonModel:
             pb_utils.Logger.log_warn("preprocessing: add_special_tokens is not set; using True")
             self.add_special_tokens = True
         encoder_dir = get_parameter(params, "multimodal_model_path", str)
+        if encoder_dir:  # before transformers' first import (serving/torchless_preprocessing.py says why)
+            with open(os.path.join(encoder_dir, "config.json")) as f:
+                hide_torch_for_image_processors(json.load(f))
         # A text model only encodes (load_text_tokenizer: no transformers import where that gives the
         # same ids); a vision-language model's image prompts use the whole tokenizer.
         self.tokenizer = (load_tokenizer if encoder_dir else load_text_tokenizer)(tokenizer_dir)
