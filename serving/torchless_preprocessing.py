@@ -4,28 +4,38 @@
 modeling stack (processing_utils -> modeling_utils, activations -> integrations.hub_kernels ->
 torch.distributed.tensor, torch._dynamo): ~4 of a preprocessing stub's ~5.5 CPU-s of start, for image
 processors that are PIL and numpy code (transformers picks its *ImageProcessorPil class either way, and
-preprocessing asks for numpy). With torch hidden before transformers' first import, the same classes
+preprocessing asks for numpy). With torch hidden while transformers is first imported, the same classes
 load without it (start ~1.3 CPU-s) and give the same pixels: prepare_batch's outputs byte-identical
 with and without torch for these model types (checked on tests/integration/test_multimodal_served.py's
-tiny LLaVA, LLaVA-OneVision, Mllama and Qwen3-VL engines, 2026-11-30); that test holds the served
-text to transformers' generate on pixels made with torch.
+tiny LLaVA, LLaVA-OneVision (images and a video), Mllama and Qwen3-VL engines, 2026-11-30); that test
+holds the served text to transformers' generate on pixels made with torch.
 """
 from __future__ import annotations
 
+import contextlib
+import json
+import os
 import sys
 
-# builder_config.model_type of the vision encoders checked so (others keep torch until checked)
+# builder_config.model_type of the vision encoders checked so (others load transformers with torch)
 WITHOUT_TORCH = ("llava", "llava_onevision", "mllama", "qwen3_vl")
 
 
-def hide_torch_for_image_processors(encoder_config: dict) -> bool:
-    """Make torch unimportable in this process (``sys.modules["torch"] = None``: transformers then sees
-    no torch) when preprocessing of this vision encoder needs none: its model type is in WITHOUT_TORCH
-    and it takes no video (serving/videos.py resizes frames with torch). Only before transformers' and
-    torch's first import (a process that holds either is left as it is). Whether it hid torch."""
-    if "video" in encoder_config or encoder_config["builder_config"]["model_type"] not in WITHOUT_TORCH:
-        return False
-    if "torch" in sys.modules or "transformers" in sys.modules:
-        return False
-    sys.modules["torch"] = None
-    return True
+@contextlib.contextmanager
+def transformers_without_torch(encoder_dir: str | None):
+    """Within it torch cannot be imported (``sys.modules["torch"] = None``), so that transformers, imported
+    for the first time inside it, settles on "no torch" for the process (its is_torch_available is cached):
+    for a vision encoder whose model type is in WITHOUT_TORCH, in a process that has imported neither yet.
+    Afterwards torch imports again for this code's own use (serving/videos.py resizes video frames with it,
+    at the first video). A no-op otherwise (``encoder_dir`` None: a text model)."""
+    hide = encoder_dir is not None and "torch" not in sys.modules and "transformers" not in sys.modules
+    if hide:
+        with open(os.path.join(encoder_dir, "config.json")) as f:
+            hide = json.load(f)["builder_config"]["model_type"] in WITHOUT_TORCH
+    if hide:
+        sys.modules["torch"] = None
+    try:
+        yield
+    finally:
+        if hide and "torch" in sys.modules and sys.modules["torch"] is None:
+            del sys.modules["torch"]

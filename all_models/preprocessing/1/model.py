@@ -21,7 +21,7 @@ from serving.tokenization import first_token_id, load_text_tokenizer, load_token
 from serving.multimodal import (ImagePrompts, engine_vocab_size, image_limits, prepare_batch,  # noqa: E402
                                 refuse_images_on_text_model)
 from serving.videos import video_limits  # noqa: E402
-from serving.torchless_preprocessing import hide_torch_for_image_processors  # noqa: E402
+from serving.torchless_preprocessing import transformers_without_torch  # noqa: E402
 
 TEXT_OUTPUTS = ("INPUT_ID", "REQUEST_INPUT_LEN", "DECODER_INPUT_ID", "REQUEST_DECODER_INPUT_LEN",
                 "BAD_WORDS_IDS", "STOP_WORDS_IDS", "EMBEDDING_BIAS", "REQUEST_OUTPUT_LEN",
@@ -50,9 +50,15 @@ class TritonPythonModel:
             pb_utils.Logger.log_warn("preprocessing: add_special_tokens is not set; using True")
             self.add_special_tokens = True
         encoder_dir = get_parameter(params, "multimodal_model_path", str)
-        if encoder_dir:  # before transformers' first import (serving/torchless_preprocessing.py says why)
-            with open(os.path.join(encoder_dir, "config.json")) as f:
-                hide_torch_for_image_processors(json.load(f))
+        with transformers_without_torch(encoder_dir):  # serving/torchless_preprocessing.py says why
+            self._load(params, tokenizer_dir, encoder_dir)
+        self.output_dtypes = {
+            name: pb_utils.triton_string_to_numpy(pb_utils.get_output_config_by_name(config, name)["data_type"])
+            for name in TEXT_OUTPUTS}
+        start_server_watchdog()  # a stub busy in the backend's IPC when the server dies is not told
+
+    def _load(self, params, tokenizer_dir, encoder_dir):
+        """The tokenizer, and a vision-language model's ImagePrompts."""
         # A text model only encodes (load_text_tokenizer: no transformers import where that gives the
         # same ids); a vision-language model's image prompts use the whole tokenizer.
         self.tokenizer = (load_tokenizer if encoder_dir else load_text_tokenizer)(tokenizer_dir)
@@ -67,10 +73,6 @@ class TritonPythonModel:
             self.images = ImagePrompts(encoder_dir, self.tokenizer, self.vocab_size, limits=limits,
                                        max_num_images=get_parameter(params, "max_num_images", int),
                                        video_limits=video_limits(get_parameter(params, "max_num_frames", int)))
-        self.output_dtypes = {
-            name: pb_utils.triton_string_to_numpy(pb_utils.get_output_config_by_name(config, name)["data_type"])
-            for name in TEXT_OUTPUTS}
-        start_server_watchdog()  # a stub busy in the backend's IPC when the server dies is not told
 
     def execute(self, requests):
         responses = []
