@@ -84,10 +84,15 @@ class MllamaVisionEncoder(nn.Module):
         self.class_embed = nn.Parameter(torch.empty(h, dtype=dtype, device=device))
         self.position_embed = nn.Parameter(torch.empty(self.patches, h, dtype=dtype, device=device))
         self.position_gate = nn.Parameter(torch.empty(1, dtype=dtype, device=device))
-        self.tile_position_embed = nn.Embedding(ratios, tiles * self.patches * h, dtype=dtype, device=device)
-        self.pre_tile_embed = nn.Embedding(ratios, tiles * h, dtype=dtype, device=device)
+        # Tables left uninitialized like the parameters above (the weights are loaded over them): nn.Embedding's
+        # own normal_ init on the meta device (load_vision_encoder) imports torch._dynamo, ~2 CPU-s of a
+        # multimodal_encoders stub's start.
+        table = lambda width: nn.Embedding.from_pretrained(  # noqa: E731
+            torch.empty(ratios, width, dtype=dtype, device=device), freeze=False)
+        self.tile_position_embed = table(tiles * self.patches * h)
+        self.pre_tile_embed = table(tiles * h)
         self.pre_tile_gate = nn.Parameter(torch.empty(1, dtype=dtype, device=device))
-        self.post_tile_embed = nn.Embedding(ratios, tiles * h, dtype=dtype, device=device)
+        self.post_tile_embed = table(tiles * h)
         self.post_tile_gate = nn.Parameter(torch.empty(1, dtype=dtype, device=device))
         self.pre_norm = nn.LayerNorm(h, dtype=dtype, device=device)  # transformers' default eps (1e-5)
         self.post_norm = nn.LayerNorm(h, dtype=dtype, device=device)
