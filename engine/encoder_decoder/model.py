@@ -155,12 +155,16 @@ class _Stack(nn.Module):
                  tokens: bool = True, positions: int = 0):
         super().__init__()
         self.spec = spec
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.d_model, dtype=dtype, device=device) if tokens else None
+        # Tables left uninitialized (the weights are loaded over them, and the stacks are made on the meta
+        # device): nn.Embedding's own normal_ init on the meta device imports torch._dynamo, ~1.5 CPU-s of an
+        # encoder-decoder engine process's start.
+        def table(rows: int, width: int) -> nn.Embedding:
+            return nn.Embedding.from_pretrained(torch.empty(rows, width, dtype=dtype, device=device), freeze=False)
+
+        self.embed_tokens = table(spec.vocab_size, spec.d_model) if tokens else None
         rows = (positions or spec.max_positions) + spec.position_offset
-        self.embed_positions = nn.Embedding(rows, spec.d_model, dtype=dtype, device=device) \
-            if spec.positions == "learned" else None
-        self.position_bias = nn.Embedding(spec.relative_buckets, heads, dtype=dtype, device=device) \
-            if spec.positions == "relative" else None
+        self.embed_positions = table(rows, spec.d_model) if spec.positions == "learned" else None
+        self.position_bias = table(spec.relative_buckets, heads) if spec.positions == "relative" else None
         self.embedding_norm = Norm(spec, dtype, device) if spec.embedding_norm else None
         self.layers = nn.ModuleList(layers)
         self.final_norm = Norm(spec, dtype, device) if spec.final_norm else None
