@@ -30,8 +30,9 @@ def transformers_without_torch(encoder_dir: str | None):
     for the first time inside it, settles on "no torch" for the process (its is_torch_available is cached):
     for a vision encoder whose model type is in WITHOUT_TORCH, in a process that has imported neither yet,
     where torchvision is not installed (transformers' choice of image processor class is then the same).
-    Afterwards torch imports again for this code's own use (serving/videos.py resizes video frames with it,
-    at the first video). A no-op otherwise (``encoder_dir`` None: a text model)."""
+    Afterwards torch imports again for this code's own use (serving/videos.py resizes video frames with it;
+    preprocessing imports it at start for a model that takes video). A no-op otherwise (``encoder_dir`` None:
+    a text model)."""
     hide = (encoder_dir is not None and "torch" not in sys.modules and "transformers" not in sys.modules
             and importlib.util.find_spec("torchvision") is None)
     if hide:

@@ -337,8 +337,8 @@ def test_a_resent_image_hits_the_prefix_cache_and_another_misses(server):
 
 def test_image_preprocessing_stubs_run_without_torch(server):
     """serving/torchless_preprocessing.py: LLaVA's, Mllama's and Qwen3-VL's preprocessing stubs never load
-    torch (~4 CPU-s of each one's start); OneVision's loads it at its first video (serving/videos.py resizes
-    frames with torch), so it is left out here. The other tests hold their outputs to transformers' on
+    torch (~4 CPU-s of each one's start); OneVision's loads it after transformers, for its video side
+    (serving/videos.py resizes frames with torch). The other tests hold their outputs to transformers' on
     pixels made with torch."""
     import importlib.util
 
@@ -353,7 +353,7 @@ def test_image_preprocessing_stubs_run_without_torch(server):
     stubs = {process_name(pid): pid for pid in descendant_pids(server.pid)}
     image_only = ("stub:preprocessing", "stub:preprocessing_mllama", f"stub:{QWEN3}preprocessing")
     assert {name: loaded_torch(stubs[name]) for name in image_only} == dict.fromkeys(image_only, False)
-    assert loaded_torch(stubs["stub:multimodal_encoders"])  # what the check would see in a stub with torch
+    assert loaded_torch(stubs[f"stub:{ONEVISION}preprocessing"]) and loaded_torch(stubs["stub:multimodal_encoders"])
 
 
 BAD = [  # (model, image inputs, what the error names)

@@ -52,6 +52,8 @@ class TritonPythonModel:
         encoder_dir = get_parameter(params, "multimodal_model_path", str)
         with transformers_without_torch(encoder_dir):  # serving/torchless_preprocessing.py says why
             self._load(params, tokenizer_dir, encoder_dir)
+        if self.images is not None and self.images.video is not None:
+            import torch  # noqa: F401  (serving/videos.py resizes frames with it: at start, not at the first video)
         self.output_dtypes = {
             name: pb_utils.triton_string_to_numpy(pb_utils.get_output_config_by_name(config, name)["data_type"])
             for name in TEXT_OUTPUTS}
