@@ -34,9 +34,11 @@ families (a smoke run of every path).
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import random
+import shutil
 import statistics
 import sys
 import tempfile
@@ -99,6 +101,7 @@ def write_random_engine(hf_config, *, dtype: str, max_batch_size: int, max_seq_l
     random weights made at load; returns the decoder directory."""
     spec = spec_from_hf(hf_config)
     root = tempfile.mkdtemp(prefix=f"bench-{spec.family}-")
+    atexit.register(shutil.rmtree, root, ignore_errors=True)  # (as benchmarks/common.py's config-only engines)
     build = BuildConfig(dtype=dtype, max_batch_size=max_batch_size, max_input_len=min(max_seq_len, 64),
                         max_seq_len=max_seq_len, max_num_tokens=max_num_tokens, tokens_per_block=tokens_per_block)
     extra = {"encoder_decoder": spec.to_dict(), "max_encoder_input_len": max_encoder_input_len,

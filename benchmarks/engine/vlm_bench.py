@@ -40,12 +40,14 @@ every path).
 from __future__ import annotations
 
 import argparse
+import atexit
 import contextlib
 import copy
 import json
 import math
 import os
 import random
+import shutil
 import statistics
 import sys
 import tempfile
@@ -152,6 +154,7 @@ def write_language_engine(config, args, max_batch_size: int) -> str:
     """An engine directory of the language model (a plain Qwen2, as engine.build writes it) holding
     only config.json; the runner makes random weights at load."""
     root = tempfile.mkdtemp(prefix="bench-qwen2_5_vl-")
+    atexit.register(shutil.rmtree, root, ignore_errors=True)  # (as benchmarks/common.py's config-only engines)
     build = BuildConfig(dtype=args.dtype, max_batch_size=max_batch_size, max_input_len=1024, max_seq_len=2048,
                         max_num_tokens=args.max_num_tokens, tokens_per_block=32)
     model = model_config_from_hf(qwen2_vl.text_config(config))
