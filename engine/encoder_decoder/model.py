@@ -26,6 +26,7 @@ from torch import nn
 from engine.encoder_decoder import fused_decode
 from engine.encoder_decoder.spec import EncDecSpec
 from engine.encoder_decoder.t5_attention import decoder_self_attention, encoder_attention, kernels_enabled
+from engine.models.tables import uninitialized_table
 from kernels.activation import gelu_tanh_and_mul
 from kernels.attention import paged_attention, write_kv_cache
 from kernels.attention_metadata import AttentionMetadata
@@ -155,11 +156,9 @@ class _Stack(nn.Module):
                  tokens: bool = True, positions: int = 0):
         super().__init__()
         self.spec = spec
-        # Tables left uninitialized (the weights are loaded over them, and the stacks are made on the meta
-        # device): nn.Embedding's own normal_ init on the meta device imports torch._dynamo, ~1.5 CPU-s of an
-        # encoder-decoder engine process's start.
+        # Tables left uninitialized, the weights loaded over them (engine.models.tables.uninitialized_table says why)
         def table(rows: int, width: int) -> nn.Embedding:
-            return nn.Embedding.from_pretrained(torch.empty(rows, width, dtype=dtype, device=device), freeze=False)
+            return uninitialized_table(rows, width, dtype=dtype, device=device, frozen=False)
 
         self.embed_tokens = table(spec.vocab_size, spec.d_model) if tokens else None
         rows = (positions or spec.max_positions) + spec.position_offset

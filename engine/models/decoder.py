@@ -32,9 +32,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
-from engine.models.layers import (Linear, Norm, RowParallelLinear, VocabParallelEmbedding, frozen_table, qkv_heads,
-                                  vocab_parallel_logits)
+from engine.models.layers import Linear, Norm, RowParallelLinear, VocabParallelEmbedding, qkv_heads, vocab_parallel_logits
 from engine.models.prompt_embeds import PromptEmbeds, splice_prompt_embeds
+from engine.models.tables import uninitialized_table
 from kernels.activation import silu_and_mul
 from kernels.alibi import alibi_slopes
 from kernels.attention_metadata import AttentionMetadata
@@ -160,7 +160,7 @@ class DecoderForCausalLM(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(vocab_local, embed_dim, tp_rank=tp_rank, tp_group=tp_group, **kw)
         if c.positions == "learned":
             table_rows = c.max_position_embeddings + c.learned_position_offset
-            self.embed_positions = frozen_table(table_rows, c.hidden_size, **kw)
+            self.embed_positions = uninitialized_table(table_rows, c.hidden_size, **kw)
         if c.embedding_norm:
             self.embed_norm = Norm(c.hidden_size, bias=c.norm_bias, **kw)
         if c.word_embed_proj_dim is not None:

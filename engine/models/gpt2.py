@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
-from engine.models.layers import (Linear, Norm, RowParallelLinear, VocabParallelEmbedding, frozen_table,
-                                  vocab_parallel_logits)
+from engine.models.layers import Linear, Norm, RowParallelLinear, VocabParallelEmbedding, vocab_parallel_logits
+from engine.models.tables import uninitialized_table
 from kernels.attention_metadata import AttentionMetadata
 from kernels.attention import paged_attention, write_kv_cache
 
@@ -76,7 +76,7 @@ class GPT2LMHeadModel(nn.Module):
         self.wte = VocabParallelEmbedding(
             config.vocab_size // tp_size, config.hidden_size, tp_rank=tp_rank, tp_group=tp_group, **kw
         )
-        self.wpe = frozen_table(config.max_position_embeddings, config.hidden_size, **kw)
+        self.wpe = uninitialized_table(config.max_position_embeddings, config.hidden_size, **kw)
         self.layers = nn.ModuleList(
             GPT2Layer(config, i, tp_size=tp_size, tp_group=tp_group, **kw) for i in range(config.num_layers)
         )

@@ -118,13 +118,6 @@ def _empty(*shape: int, dtype: torch.dtype, device) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
 
 
-def frozen_table(rows: int, width: int, *, dtype: torch.dtype, device) -> nn.Embedding:
-    """An nn.Embedding left uninitialized like _empty's parameters (the weights are loaded over it) and frozen:
-    nn.Embedding's own normal_ init on the meta device, where engines are made, imports torch._dynamo (~1.5
-    CPU-s of an engine process's start)."""
-    return nn.Embedding.from_pretrained(torch.empty(rows, width, dtype=dtype, device=device), freeze=True)
-
-
 LinearQuantization = str | WeightOnlyScheme | None  # None, "fp8", "fp8_block", "int8_sq", or a weight-only scheme
 
 

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.hf_checkpoint import CheckpointError, TensorGetter
+from engine.models.tables import uninitialized_table
 from engine.vision.clip import activation, first_found
 
 MODEL_TYPE = "mllama"  # builder_config.model_type, as the anchor's preprocessing and multimodal_encoders read it
@@ -84,11 +85,11 @@ class MllamaVisionEncoder(nn.Module):
         self.class_embed = nn.Parameter(torch.empty(h, dtype=dtype, device=device))
         self.position_embed = nn.Parameter(torch.empty(self.patches, h, dtype=dtype, device=device))
         self.position_gate = nn.Parameter(torch.empty(1, dtype=dtype, device=device))
-        # Tables left uninitialized like the parameters above (the weights are loaded over them): nn.Embedding's
-        # own normal_ init on the meta device (load_vision_encoder) imports torch._dynamo, ~2 CPU-s of a
-        # multimodal_encoders stub's start.
-        table = lambda width: nn.Embedding.from_pretrained(  # noqa: E731
-            torch.empty(ratios, width, dtype=dtype, device=device), freeze=False)
+        # Tables left uninitialized like the parameters above, the weights loaded over them
+        # (engine.models.tables.uninitialized_table says why: ~2 CPU-s of a multimodal_encoders stub's start)
+        def table(width: int) -> nn.Embedding:
+            return uninitialized_table(ratios, width, dtype=dtype, device=device, frozen=False)
+
         self.tile_position_embed = table(tiles * self.patches * h)
         self.pre_tile_embed = table(tiles * h)
         self.pre_tile_gate = nn.Parameter(torch.empty(1, dtype=dtype, device=device))
