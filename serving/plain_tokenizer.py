@@ -43,18 +43,11 @@ ADDED_TOKEN_FLAGS = ("content", "single_word", "lstrip", "rstrip", "normalized",
 MISTRAL_PATCH_VOCAB = 100000  # TokenizersBackend patches the pre-tokenizer of a larger vocabulary
 
 
-def backend_alone_is_enough(tokenizer_dir: str) -> bool:
-    """Whether TokenizersBackend.from_pretrained(tokenizer_dir) would run tokenizer.json unchanged
+def backend_alone_is_enough(config: dict, saved: dict) -> bool:
+    """Whether TokenizersBackend.from_pretrained on a folder of this tokenizer_config.json (``config``) and
+    tokenizer.json (``saved``), and nothing beside them that it merges, would run tokenizer.json unchanged
     (the module's docstring lists what it would change). The caller has checked that AutoTokenizer
     resolves the folder to TokenizersBackend (serving.tokenization._plain_fast_tokenizer)."""
-    folder = Path(tokenizer_dir)
-    if (folder / "special_tokens_map.json").exists() or (folder / "added_tokens.json").exists():
-        return False
-    try:
-        config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
-        saved = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
     if set(config) - INERT_SETTINGS or config.get("clean_up_tokenization_spaces"):
         return False
     if saved.get("truncation") is not None or saved.get("padding") is not None or saved.get("post_processor") is None:
@@ -76,10 +69,22 @@ def backend_alone_is_enough(tokenizer_dir: str) -> bool:
 
 def plain_tokenizer(tokenizer_dir: str) -> PlainTokenizer | None:
     """``PlainTokenizer`` of the folder, or None where TokenizersBackend would change its
-    tokenizer.json (``backend_alone_is_enough``, and its Mistral patch: known from the loaded vocabulary)."""
-    if not backend_alone_is_enough(tokenizer_dir):
+    tokenizer.json (special_tokens_map.json or added_tokens.json beside it, ``backend_alone_is_enough``,
+    and its Mistral patch: known from the loaded vocabulary). Each file is read once."""
+    from tokenizers import Tokenizer
+
+    folder = Path(tokenizer_dir)
+    if (folder / "special_tokens_map.json").exists() or (folder / "added_tokens.json").exists():
         return None
-    tokenizer = PlainTokenizer(tokenizer_dir)
+    try:
+        config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+        text = (folder / "tokenizer.json").read_text(encoding="utf-8")
+        saved = json.loads(text)
+    except (OSError, ValueError):
+        return None
+    if not backend_alone_is_enough(config, saved):
+        return None
+    tokenizer = PlainTokenizer(Tokenizer.from_str(text), config)
     if len(tokenizer) > MISTRAL_PATCH_VOCAB and tokenizer.backend_tokenizer.pre_tokenizer is not None:
         return None
     return tokenizer
@@ -87,14 +92,11 @@ def plain_tokenizer(tokenizer_dir: str) -> PlainTokenizer | None:
 
 class PlainTokenizer:
     """TokenizersBackend's answers for the calls of the text models, from tokenizer.json alone
-    (eligible folders only: ``backend_alone_is_enough``)."""
+    (eligible folders only: ``plain_tokenizer`` makes it): ``backend`` is tokenizer.json's Rust tokenizer,
+    ``config`` tokenizer_config.json's settings."""
 
-    def __init__(self, tokenizer_dir: str):
-        from tokenizers import Tokenizer
-
-        folder = Path(tokenizer_dir)
-        self.backend_tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
-        config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+    def __init__(self, backend, config: dict):
+        self.backend_tokenizer = backend
         for name in SPECIAL_TOKEN_NAMES:
             setattr(self, name, config.get(name))
 
