@@ -176,8 +176,9 @@ TOWER_VARIANTS = {"fused": {}, "unfused": {qwen2_vl.UNFUSED_ENV: "1"},
 # attention on flash (TRITONLLM_TOWER_SDPA=flash: no per-shape plan); first-odd: the timed run's first forward takes
 # 5 images (then 32, 32, 32, 27: image counts the untimed round did not make, as when a burst's first requests beat the
 # rest to the queue; call 14's stalled runs had 4-5, then 27-28); first-full: the queue's first forward takes the whole
-# batch (not 8 images), so the executor's first step is a full one
-OFFLINE_VARIANTS = ("fp8-tower", "fp8-mlp-tower", "flash-attn", "first-odd", "first-full")
+# batch (not 8 images), so the executor's first step is a full one; eager-tower: the queue's forwards never replayed
+# from CUDA graphs (engine/vision/tower_graphs.py; TRITONLLM_TOWER_GRAPHS=0), as before 2026-11-30 session 22
+OFFLINE_VARIANTS = ("fp8-tower", "fp8-mlp-tower", "flash-attn", "first-odd", "first-full", "eager-tower")
 ODD_FIRST_IMAGES = 5
 FP8_TOWER_SCOPES = {"fp8-tower": "all", "fp8-mlp-tower": "mlp"}  # (engine/vision/tower_fp8.py FP8_SCOPES)
 
@@ -417,9 +418,9 @@ def bench_offline(args, ex, config, encode, encoder, encoder_config, grid, num_r
 
     def queue_run(name: str, priority: int, seed: int, warm_seed: int, warm_tokens: int | None,
                   max_images: int | None = None, tower=None, first_images: int = 8, timed_first_images: int | None = None,
-                  environment: dict | None = None) -> None:
+                  environment: dict | None = None, max_graphs: int | None = None) -> None:
         queue = ImageEncodeQueue(tower or encoder, args.device, max_images=max_images or args.encode_batch,
-                                 first_images=first_images, priority=priority)
+                                 first_images=first_images, priority=priority, max_graphs=max_graphs)
         try:
             # Untimed: one round on images of its own, so the queue's stream (its cached device blocks), its pinned
             # staging and the executor's exist before the clock starts, as in a server that has served a while.
@@ -440,6 +441,8 @@ def bench_offline(args, ex, config, encode, encoder, encoder_config, grid, num_r
                     args, ex, queue, config, encoder_config, grid, prompts,
                     random_patches([grid] * args.requests, args.device, seed=seed), vocab, args.output_len))
             entry.setdefault("first_images", queue.first_images)
+            entry[name]["tower_graphs"] = {"captured": queue.graphs.captured, "replays": queue.graphs.replays,
+                                           "failures": list(queue.graphs.failures.values())}
         finally:
             queue.close()
 
@@ -471,7 +474,8 @@ def bench_offline(args, ex, config, encode, encoder, encoder_config, grid, num_r
             queue_run(variant_run_name(variant, i, args.offline_variants), TOWER_PRIORITY, seed=30 + 2 * i, warm_seed=31 + 2 * i, warm_tokens=None,
                       tower=fp8_towers.get(fp8), first_images=args.encode_batch if "first-full" in parts else 8,
                       timed_first_images=ODD_FIRST_IMAGES if "first-odd" in parts else None,
-                      environment={qwen2_vl.SDPA_ENV: "flash"} if "flash-attn" in parts else None)
+                      environment={qwen2_vl.SDPA_ENV: "flash"} if "flash-attn" in parts else None,
+                      max_graphs=0 if "eager-tower" in parts else None)
         except Exception as error:  # (a Triton compile error is no RuntimeError)
             entry.setdefault("variant_errors", {})[variant] = repr(error)[:300]
             print(f"offline variant {variant} failed: {error!r}", file=sys.stderr, flush=True)
@@ -779,6 +783,10 @@ def markdown(results: dict) -> str:
                           f"{o[kind]['enqueue_calls']} calls; ")
             if "reused_blocks" in o[kind]:
                 extra += f"prefix-cache blocks reused {o[kind]['reused_blocks']}; "
+            graphs = o[kind].get("tower_graphs")  # (the untimed round's forwards included)
+            if graphs:
+                extra += (f"tower forwards replayed from CUDA graphs {graphs['replays']} ({graphs['captured']} captured"
+                          + (f"; failed: {'; '.join(graphs['failures'])[:200]}" if graphs["failures"] else "") + "); ")
             pauses = o[kind].get("gc")
             collections = (f"; garbage collections {pauses['collections']} ({pauses['total_ms']:.0f} ms; "
                            f"generation 2 or >= 5 ms, [at ms, ms, generation]: {pauses['longest'] or 'none'})"
@@ -809,7 +817,8 @@ def offline_variant_label(variant: str, o: dict) -> str:
     labels = {"fp8-tower": "the tower's linears in FP8 " + cosine, "fp8-mlp-tower": "the tower's MLP linears in FP8 " + cosine,
               "first-full": f"the queue's first forward {o['encode_batch']} images, not 8",
               "flash-attn": "the tower's attention on flash (TRITONLLM_TOWER_SDPA=flash)",
-              "first-odd": f"the first forward {ODD_FIRST_IMAGES} images (counts the untimed round did not make)"}
+              "first-odd": f"the first forward {ODD_FIRST_IMAGES} images (counts the untimed round did not make)",
+              "eager-tower": "the tower's forwards eager (no CUDA graphs: TRITONLLM_TOWER_GRAPHS=0)"}
     unknown = {"min": float("nan"), "mean": float("nan"), "images": 0}
     return "the same, " + " and ".join(labels[part].format(**(o.get(f"{part}_cosines") or unknown))
                                        for part in variant.split("+"))

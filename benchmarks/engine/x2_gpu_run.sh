@@ -4,7 +4,7 @@
 # its KV transfer, the checks that need two GPUs, and the one-GPU runs still waiting, two at a time
 # (CUDA_VISIBLE_DEVICES=0 and =1) after the two-GPU work of the same call, never beside it.
 #
-#   bash benchmarks/engine/x2_gpu_run.sh CALL [OUT]        CALL 1 to 21; OUT default $OUT
+#   bash benchmarks/engine/x2_gpu_run.sh CALL [OUT]        CALL 1 to 22; OUT default $OUT
 #   SMOKE=1 bash benchmarks/engine/x2_gpu_run.sh CALL DIR  the same flow on the CPU with the tiny model
 #                                                         (the one-GPU jobs are only printed)
 #
@@ -19,7 +19,7 @@
 # 5, 6 session 16's retries (run). 7 (~250 s on two GPUs, ~450 s with LANES=1) session 17's one-GPU jobs in two lanes (LANES=1 on one GPU);
 #    8 (~270 s) the KV pull and NIXL GPU tests, PP 2 with stage graphs and with two steps in flight;
 #    9 (~430 s) disagg_bench at 6 and 10 req/s, then with the context executor in its own process.
-# 10-12 session 17's later calls, 13-16 session 18's, 17 session 19's first, 18 session 20's first, 19 its plan for the next session, 20 session 21's first bench call, 21 what call 20 lost (each case's comment says what it runs and
+# 10-12 session 17's later calls, 13-16 session 18's, 17 session 19's first, 18 session 20's first, 19 its plan for the next session, 20 session 21's first bench call, 21 what call 20 lost, 22 session 22's (each case's comment says what it runs and
 # how long).
 #
 # Everything goes to /tmp/x2_call$CALL; at the end OUT gets call$CALL.tgz (all logs and JSON), summary.txt (what
@@ -27,7 +27,7 @@
 # each job's exit status and its result lines, so the call's output_tail alone is enough to read.
 set -u
 script=$(realpath "$0")
-call=${1:?usage: x2_gpu_run.sh 1-21 [OUT]}
+call=${1:?usage: x2_gpu_run.sh 1-22 [OUT]}
 out=$(realpath -m "${2:-${OUT:-/tmp/x2_gpu_run}}")
 mkdir -p "$out"
 if [ -z "${X2_UNDER_TEE:-}" ]; then  # the console also in $out/summary.txt, complete when the call returns
@@ -538,7 +538,63 @@ case $call in
   find "$w/traces" -name "*.txt" -exec cp --backup=numbered {} "$w/" \; 2>/dev/null
   rm -rf "/tmp/x2_call${call}_traces" && mv "$w/traces" "/tmp/x2_call${call}_traces"
   ;;
-*) echo "x2_gpu_run.sh: CALL must be 1 to 21, got '$call'"; exit 2 ;;
+22)
+  # Session 22 (~400 s, guard 540). First, both GPUs: the PP 2 trace with each GPU's SM clock and power sampled
+  # every 100 ms (issue 50: in call 21 rank 1's kernels ran 1.33x longer than rank 0's same kernels; a GPU busy
+  # 98% of the time against 67% may be held at a lower clock by its power limit).
+  P=(benchmarks/engine/tp_bench.py --max_batch_size 256 --offline 128x128x1024)
+  mkdir -p "$w/traces"
+  if [ "$smoke" != 1 ]; then
+    nvidia-smi --query-gpu=timestamp,index,clocks.sm,clocks.mem,power.draw,temperature.gpu \
+      --format=csv,noheader -lms 100 > "$w/pp_clocks.csv" 2>&1 &
+    smi=$!
+    # (apart: a field name this driver does not know must not cost the clocks)
+    nvidia-smi --query-gpu=index,clocks_throttle_reasons.active --format=csv,noheader -lms 100 > "$w/pp_reasons.csv" 2>&1 &
+    smi="$smi $!"
+  fi
+  job pp_trace 80 "$PYTHON" "${P[@]}" --phases perf_pp2 --phase_timeout 75 --trace_steps 20 --trace_skip 60 --trace_warm 5 \
+    --trace_dir "$w/traces" --out "$w/pp_trace.json" "${tiny_tp[@]}"
+  [ "$smoke" != 1 ] && kill $smi 2>/dev/null
+  [ -f "$w/pp_reasons.csv" ] && { echo "clock event reasons (samples):"; sort "$w/pp_reasons.csv" | uniq -c | sort -rn | head -8; }
+  echo "== pp"; grep -hE "^\[tp_bench.*(offline \(|done in|failed)|^rank|^  (device|top)|^loop|Error|Traceback" \
+    "$w/pp_trace.log" | cut -c1-400
+  [ -f "$w/pp_clocks.csv" ] && "$PYTHON" - "$w/pp_clocks.csv" <<'PY'
+import collections, sys
+rows = collections.defaultdict(list)  # GPU -> [(sm MHz, W, temperature)] while busy (> 200 W)
+for line in open(sys.argv[1]):
+    f = [x.strip() for x in line.split(",")]
+    if len(f) < 6 or not f[2].split()[0].isdigit():
+        continue
+    try:
+        watts = float(f[4].split()[0])
+    except ValueError:
+        continue
+    if watts > 200:
+        rows[f[1]].append((int(f[2].split()[0]), watts, f[5]))
+for gpu, r in sorted(rows.items()):
+    sm = sorted(x[0] for x in r); w = sorted(x[1] for x in r)
+    print(f"GPU {gpu}: {len(r)} samples over 200 W: SM MHz median {sm[len(sm) // 2]} (min {sm[0]}, max {sm[-1]}), "
+          f"power median {w[len(w) // 2]:.0f} W (max {w[-1]:.0f}), temperature C {collections.Counter(x[2] for x in r).most_common(3)}")
+PY
+  # Then two lanes. GPU 0 (issue 48): the tower-graph tests, then the offline section with the tower's forwards
+  # replayed from CUDA graphs (the default now, engine/vision/tower_graphs.py) twice against eager twice, and FP8.
+  ( CUDA_VISIBLE_DEVICES=0 job vlm_graph_tests 150 "$PYTHON" -m pytest -q -x -p no:cacheprovider -rfEs \
+      tests/engine/test_qwen2_vl.py tests/engine/test_encode_queue_staging.py
+    on_gpu 0 vlm_graphs 260 "$PYTHON" benchmarks/engine/vlm_bench.py --sections offline --hf-batches= --encode-batch 32 \
+      --also-encode-batches 32 --offline-variants eager-tower,eager-tower,fp8-tower,fp8-tower+eager-tower \
+      --out "$w/vlm_graphs.json" --results-md "$w/vlm_graphs.md" ) &
+  # GPU 1 (issue 56): tree verify at 16/32/64 nodes and batches 1/8/32, then the forced loop at lengths 3/4/5, in
+  # bf16 and with FP8 weights ("the same with FP8 weights": last measured before the drafts stayed on the device).
+  on_gpu 1 tree22 330 "$PYTHON" benchmarks/speculative/tree_bench.py --dtypes bf16,fp8 --batches 1,8,32 \
+    --nodes 16,32,64 --sections verify,loop --lengths 3,4,5 --out "$w/tree22.json" --markdown "$w/tree22.md"
+  wait
+  echo "== vlm_graph_tests"; grep -E "passed|failed|FAILED|Error" "$w/vlm_graph_tests.log" | tail -6
+  echo "== vlm_graphs"; grep -E "^offline |^\[load|Error|Traceback|failed" "$w/vlm_graphs.log" | cut -c1-300
+  [ -f "$w/vlm_graphs.md" ] && grep -E "^\||replayed" "$w/vlm_graphs.md" | cut -c1-400
+  echo "== tree22"; grep -E "Error|Traceback|^\[load" "$w/tree22.log" | head -8
+  [ -f "$w/tree22.md" ] && cat "$w/tree22.md"
+  ;;
+*) echo "x2_gpu_run.sh: CALL must be 1 to 22, got '$call'"; exit 2 ;;
 esac
 tar czf "$out/call$call.tgz" -C /tmp "x2_call$call"
 for md in "$w"/*.md; do [ -f "$md" ] && cp "$md" "$out/"; done

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.executor.device_stream import TOWER_PRIORITY
+from engine.vision.tower_graphs import TowerGraphs
 
 
 @dataclass
@@ -59,7 +60,7 @@ class _Launched:
 class ImageEncodeQueue:
     def __init__(self, encoder: torch.nn.Module, device: str | torch.device, max_images: int = 32,
                  first_images: int = 8, priority: int = TOWER_PRIORITY,
-                 max_staging_bytes: int = 256 << 20):
+                 max_staging_bytes: int = 256 << 20, max_graphs: int | None = None):
         self.encoder = encoder
         # Cap of each staging buffer (4 per queue): 256 MiB holds ~32 images of 448 x 448 (patches float32)
         self.max_staging_bytes = max_staging_bytes
@@ -71,6 +72,9 @@ class ImageEncodeQueue:
         self.first_images = min(first_images, max_images)
         # (by default the lowest priority: the executor's steps get free SMs first, engine/executor/device_stream.py)
         self.stream = torch.cuda.Stream(self.device, priority=priority) if self.device.type == "cuda" else None
+        # The forwards, as CUDA graphs of the grids seen before (engine/vision/tower_graphs.py: one launch
+        # instead of ~400 made against the executor's thread for the GIL); eager on the CPU
+        self.graphs = TowerGraphs(encoder, self.stream, max_graphs)
         # Per pipeline slot (forward k uses slot k % 2; slot k % 2 is reused only after _complete(k)):
         # {"rows" | "patches" (CUDA): a flat buffer, pinned on CUDA}, grown on demand
         self._staging: list[dict[str, torch.Tensor]] = [{}, {}]
@@ -150,12 +154,13 @@ class ImageEncodeQueue:
         try:
             with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
                 patches = self._patches_on_device([p for p, _, _ in items], slot)
-                rows = self.encoder.image_features(patches, grids)  # one (rows, width) per image
+                # (rows, width) float16, replayed from a graph when these grids were seen before: valid until
+                # the next forward, which the copy below precedes on this stream
+                table, image_rows = self.graphs.forward(patches, grids)
                 counts, image = [], 0
                 for _, item_grids, _ in items:  # each item's rows: those of its images
-                    counts.append(sum(len(r) for r in rows[image:image + len(item_grids)]))
+                    counts.append(sum(image_rows[image:image + len(item_grids)]))
                     image += len(item_grids)
-                table = torch.cat(rows).to(torch.float16)
                 staged = self._staged(slot, "rows", table.numel(), table.dtype)
                 if staged is None:  # over the cap: a pageable copy (this thread waits for the forward)
                     host = table.to("cpu")

@@ -258,6 +258,41 @@ def test_cuda_encode_queue_gives_tables_of_the_towers_rows(built):
     assert torch.equal(rows.embeddings, torch.cat([got[0][:2], got[1][2:3]]))
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_encode_queue_replays_graphs_of_grids_seen_before(built):
+    """engine/vision/tower_graphs.py through the queue: a batch of grids is eager at its first forward, captured at
+    its second and replayed after, with the eager tower's tables; with one graph kept, two batches alternating are
+    dropped and captured again; a request whose patches do not match its grids gets its own error (never captured),
+    and a queue with graphs off (max_graphs 0) stays eager."""
+    from engine.vision.encode_queue import ImageEncodeQueue
+
+    engine, _ = built
+    encoder = load_vision_encoder(vision_encoder_dir(engine), "cuda")
+    requests = {"a": image_processor()([make_image(0, (52, 40)), make_image(1, (28, 56))], return_tensors="pt"),
+                "b": image_processor()([make_image(2, (56, 28))], return_tensors="pt")}
+    want = {name: torch.cat(encoder.image_features(r["pixel_values"].cuda(), r["image_grid_thw"].tolist())).half().cpu()
+            for name, r in requests.items()}
+    for kept, captures, replays in ((1, 5, 6), (0, 0, 0)):
+        queue = ImageEncodeQueue(encoder, "cuda", max_images=2, max_graphs=kept)
+        try:
+            for name in "aabbaab":  # one at a time: a, a captured, b, b captured (a dropped), a captured, a, b captured;
+                # the bad ones, then a captured again
+                r = requests[name]
+                torch.testing.assert_close(queue.encode(r["pixel_values"], r["image_grid_thw"]), want[name],
+                                           atol=1e-3, rtol=1e-3)
+            bad = requests["a"]
+            for _ in range(2):
+                with pytest.raises(ValueError, match="patches"):
+                    queue.encode(bad["pixel_values"][:-4], bad["image_grid_thw"])
+            r = requests["a"]
+            torch.testing.assert_close(queue.encode(r["pixel_values"], r["image_grid_thw"]), want["a"], atol=1e-3, rtol=1e-3)
+        finally:
+            queue.close()
+        graphs = queue.graphs
+        assert (graphs.captured, graphs.replays, graphs.failures) == (captures, replays, {})
+
+
 def assert_greedy_ids_equal_transformers(engine: str, hf, device: str | None = None) -> None:
     config = read_encoder_config(vision_encoder_dir(engine))
     assert config["builder_config"]["model_type"] == hf.config.model_type
