@@ -44,6 +44,7 @@ export PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVS
 smoke=${SMOKE:-0}
 if [ "$smoke" != 1 ]; then
   need=2; [ "$call" = 7 ] && [ "${LANES:-2}" = 1 ] && need=1  # call 7's lanes run one after the other on one GPU
+  [ "$call" = 22 ] && [ -n "${ONLY:-}" ] && [ "$ONLY" != pp ] && need=1  # call 22's vlm or tree part alone
   "$PYTHON" -c "import torch; n = torch.cuda.device_count(); assert n >= $need, f'{n} GPU(s): this call needs $need'" || exit 1
 fi
 
@@ -539,11 +540,14 @@ case $call in
   rm -rf "/tmp/x2_call${call}_traces" && mv "$w/traces" "/tmp/x2_call${call}_traces"
   ;;
 22)
-  # Session 22 (~400 s, guard 540). First, both GPUs: the PP 2 trace with each GPU's SM clock and power sampled
+  # Session 22 (~400 s, guard 540; ONLY=pp|vlm|tree runs one part, vlm and tree on one GPU). First, both GPUs: the PP 2 trace with each GPU's SM clock and power sampled
   # every 100 ms (issue 50: in call 21 rank 1's kernels ran 1.33x longer than rank 0's same kernels; a GPU busy
   # 98% of the time against 67% may be held at a lower clock by its power limit).
+  only=${ONLY:-all}
+  lane1_gpu=1; [ "$only" = tree ] && lane1_gpu=0
   P=(benchmarks/engine/tp_bench.py --max_batch_size 256 --offline 128x128x1024)
   mkdir -p "$w/traces"
+  if [ "$only" = all ] || [ "$only" = pp ]; then
   if [ "$smoke" != 1 ]; then
     nvidia-smi --query-gpu=timestamp,index,clocks.sm,clocks.mem,power.draw,temperature.gpu \
       --format=csv,noheader -lms 100 > "$w/pp_clocks.csv" 2>&1 &
@@ -576,16 +580,17 @@ for gpu, r in sorted(rows.items()):
     print(f"GPU {gpu}: {len(r)} samples over 200 W: SM MHz median {sm[len(sm) // 2]} (min {sm[0]}, max {sm[-1]}), "
           f"power median {w[len(w) // 2]:.0f} W (max {w[-1]:.0f}), temperature C {collections.Counter(x[2] for x in r).most_common(3)}")
 PY
+  fi
   # Then two lanes. GPU 0 (issue 48): the tower-graph tests, then the offline section with the tower's forwards
   # replayed from CUDA graphs (the default now, engine/vision/tower_graphs.py) twice against eager twice, and FP8.
-  ( CUDA_VISIBLE_DEVICES=0 job vlm_graph_tests 150 "$PYTHON" -m pytest -q -x -p no:cacheprovider -rfEs \
+  [ "$only" = all ] || [ "$only" = vlm ] && ( CUDA_VISIBLE_DEVICES=0 job vlm_graph_tests 150 "$PYTHON" -m pytest -q -x -p no:cacheprovider -rfEs \
       tests/engine/test_qwen2_vl.py tests/engine/test_encode_queue_staging.py
     on_gpu 0 vlm_graphs 260 "$PYTHON" benchmarks/engine/vlm_bench.py --sections offline --hf-batches= --encode-batch 32 \
       --also-encode-batches 32 --offline-variants eager-tower,eager-tower,fp8-tower,fp8-tower+eager-tower \
       --out "$w/vlm_graphs.json" --results-md "$w/vlm_graphs.md" ) &
   # GPU 1 (issue 56): tree verify at 16/32/64 nodes and batches 1/8/32, then the forced loop at lengths 3/4/5, in
   # bf16 and with FP8 weights ("the same with FP8 weights": last measured before the drafts stayed on the device).
-  on_gpu 1 tree22 330 "$PYTHON" benchmarks/speculative/tree_bench.py --dtypes bf16,fp8 --batches 1,8,32 \
+  [ "$only" = all ] || [ "$only" = tree ] && on_gpu $lane1_gpu tree22 330 "$PYTHON" benchmarks/speculative/tree_bench.py --dtypes bf16,fp8 --batches 1,8,32 \
     --nodes 16,32,64 --sections verify,loop --lengths 3,4,5 --out "$w/tree22.json" --markdown "$w/tree22.md"
   wait
   echo "== vlm_graph_tests"; grep -E "passed|failed|FAILED|Error" "$w/vlm_graph_tests.log" | tail -6
