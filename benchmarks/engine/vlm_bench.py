@@ -176,9 +176,10 @@ TOWER_VARIANTS = {"fused": {}, "unfused": {qwen2_vl.UNFUSED_ENV: "1"},
 # attention on flash (TRITONLLM_TOWER_SDPA=flash: no per-shape plan); first-odd: the timed run's first forward takes
 # 5 images (then 32, 32, 32, 27: image counts the untimed round did not make, as when a burst's first requests beat the
 # rest to the queue; call 14's stalled runs had 4-5, then 27-28); first-full: the queue's first forward takes the whole
-# batch (not 8 images), so the executor's first step is a full one; eager-tower: the queue's forwards never replayed
-# from CUDA graphs (engine/vision/tower_graphs.py; TRITONLLM_TOWER_GRAPHS=0), as before 2026-11-30 session 22
-OFFLINE_VARIANTS = ("fp8-tower", "fp8-mlp-tower", "flash-attn", "first-odd", "first-full", "eager-tower")
+# batch (not 8 images), so the executor's first step is a full one; tower-graphs: the queue replays the forwards of
+# image batches seen before from CUDA graphs (engine/vision/tower_graphs.py; TRITONLLM_TOWER_GRAPHS=8; off by default)
+OFFLINE_VARIANTS = ("fp8-tower", "fp8-mlp-tower", "flash-attn", "first-odd", "first-full", "tower-graphs")
+TOWER_GRAPHS_KEPT = 8
 ODD_FIRST_IMAGES = 5
 FP8_TOWER_SCOPES = {"fp8-tower": "all", "fp8-mlp-tower": "mlp"}  # (engine/vision/tower_fp8.py FP8_SCOPES)
 
@@ -475,7 +476,7 @@ def bench_offline(args, ex, config, encode, encoder, encoder_config, grid, num_r
                       tower=fp8_towers.get(fp8), first_images=args.encode_batch if "first-full" in parts else 8,
                       timed_first_images=ODD_FIRST_IMAGES if "first-odd" in parts else None,
                       environment={qwen2_vl.SDPA_ENV: "flash"} if "flash-attn" in parts else None,
-                      max_graphs=0 if "eager-tower" in parts else None)
+                      max_graphs=TOWER_GRAPHS_KEPT if "tower-graphs" in parts else None)
         except Exception as error:  # (a Triton compile error is no RuntimeError)
             entry.setdefault("variant_errors", {})[variant] = repr(error)[:300]
             print(f"offline variant {variant} failed: {error!r}", file=sys.stderr, flush=True)
@@ -818,7 +819,7 @@ def offline_variant_label(variant: str, o: dict) -> str:
               "first-full": f"the queue's first forward {o['encode_batch']} images, not 8",
               "flash-attn": "the tower's attention on flash (TRITONLLM_TOWER_SDPA=flash)",
               "first-odd": f"the first forward {ODD_FIRST_IMAGES} images (counts the untimed round did not make)",
-              "eager-tower": "the tower's forwards eager (no CUDA graphs: TRITONLLM_TOWER_GRAPHS=0)"}
+              "tower-graphs": f"the tower's forwards replayed from CUDA graphs (TRITONLLM_TOWER_GRAPHS={TOWER_GRAPHS_KEPT})"}
     unknown = {"min": float("nan"), "mean": float("nan"), "images": 0}
     return "the same, " + " and ".join(labels[part].format(**(o.get(f"{part}_cosines") or unknown))
                                        for part in variant.split("+"))

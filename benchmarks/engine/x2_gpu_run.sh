@@ -544,7 +544,7 @@ case $call in
   # every 100 ms (issue 50: in call 21 rank 1's kernels ran 1.33x longer than rank 0's same kernels; a GPU busy
   # 98% of the time against 67% may be held at a lower clock by its power limit).
   only=${ONLY:-all}
-  lane1_gpu=1; [ "$only" = tree ] && lane1_gpu=0
+  lane1_gpu=1; [ "$only" = tree ] || [ "$only" = both ] && lane1_gpu=0
   P=(benchmarks/engine/tp_bench.py --max_batch_size 256 --offline 128x128x1024)
   mkdir -p "$w/traces"
   if [ "$only" = all ] || [ "$only" = pp ]; then
@@ -582,15 +582,17 @@ for gpu, r in sorted(rows.items()):
 PY
   fi
   # Then two lanes. GPU 0 (issue 48): the tower-graph tests, then the offline section with the tower's forwards
-  # replayed from CUDA graphs (the default now, engine/vision/tower_graphs.py) twice against eager twice, and FP8.
-  [ "$only" = all ] || [ "$only" = vlm ] && ( CUDA_VISIBLE_DEVICES=0 job vlm_graph_tests 150 "$PYTHON" -m pytest -q -x -p no:cacheprovider -rfEs \
+  # replayed from CUDA graphs (engine/vision/tower_graphs.py, opt-in) twice against eager, and FP8 (VLM_VARIANTS
+  # sets the variants; ONLY=both: the vlm part then the tree part on one GPU).
+  [ "$only" = all ] || [ "$only" = vlm ] || [ "$only" = both ] && ( CUDA_VISIBLE_DEVICES=0 job vlm_graph_tests 150 "$PYTHON" -m pytest -q -x -p no:cacheprovider -rfEs \
       tests/engine/test_qwen2_vl.py tests/engine/test_encode_queue_staging.py
     on_gpu 0 vlm_graphs 260 "$PYTHON" benchmarks/engine/vlm_bench.py --sections offline --hf-batches= --encode-batch 32 \
-      --also-encode-batches 32 --offline-variants eager-tower,eager-tower,fp8-tower,fp8-tower+eager-tower \
+      --also-encode-batches 32 --offline-variants "${VLM_VARIANTS:-tower-graphs,tower-graphs,fp8-tower,fp8-tower+tower-graphs}" \
       --out "$w/vlm_graphs.json" --results-md "$w/vlm_graphs.md" ) &
   # GPU 1 (issue 56): tree verify at 16/32/64 nodes and batches 1/8/32, then the forced loop at lengths 3/4/5, in
   # bf16 and with FP8 weights ("the same with FP8 weights": last measured before the drafts stayed on the device).
-  [ "$only" = all ] || [ "$only" = tree ] && on_gpu $lane1_gpu tree22 330 "$PYTHON" benchmarks/speculative/tree_bench.py --dtypes bf16,fp8 --batches 1,8,32 \
+  [ "$only" = both ] && wait  # (one GPU: the tree part after the vlm part)
+  [ "$only" = all ] || [ "$only" = tree ] || [ "$only" = both ] && on_gpu $lane1_gpu tree22 330 "$PYTHON" benchmarks/speculative/tree_bench.py --dtypes bf16,fp8 --batches 1,8,32 \
     --nodes 16,32,64 --sections verify,loop --lengths 3,4,5 --out "$w/tree22.json" --markdown "$w/tree22.md"
   wait
   echo "== vlm_graph_tests"; grep -E "passed|failed|FAILED|Error" "$w/vlm_graph_tests.log" | tail -6

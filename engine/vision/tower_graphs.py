@@ -37,9 +37,14 @@ from dataclasses import dataclass
 
 import torch
 
-# TRITONLLM_TOWER_GRAPHS: how many graphs a queue keeps (default 8); 0 turns them off (every forward eager)
+# TRITONLLM_TOWER_GRAPHS: how many graphs a queue keeps; 0 (the default) turns them off (every forward eager).
+# Off by default because they have not paid yet: in the H200 offline A/B of 2026-11-30 (vlm_bench, 128 requests with
+# a 448 x 448 image each) the runs with graphs gave 0.77x / 0.79x text-only speed against 0.84x / 0.84x eager. The
+# replays cut a forward's host launch from 13-35 ms to ~1 ms, but the device time (the tower beside the executor's
+# prefills) is unchanged, and the slow launches that stall runs came from image counts never seen before, which
+# run eagerly either way (4, 5, 27 and 28 images: 115-650 ms to launch against 13-35 for counts seen before).
 GRAPHS_ENV = "TRITONLLM_TOWER_GRAPHS"
-DEFAULT_GRAPHS = 8
+DEFAULT_GRAPHS = 0
 SEEN_KEYS_KEPT = 256  # grids remembered for "seen before" (least recently seen forgotten first)
 
 
@@ -118,8 +123,8 @@ class TowerGraphs:
             self._graphs.popitem(last=False)  # (destroyed here, outside any capture)
         static = self._input[:n]
         static.copy_(patches)
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
+        if not self._graphs:  # a new pool: one whose graphs were all dropped is released, and torch refuses a
+            self._pool = torch.cuda.graph_pool_handle()  # capture into it (an internal assert: use_count > 0)
         graph = torch.cuda.CUDAGraph()
         enabled = gc.isenabled()
         gc.disable()
