@@ -173,12 +173,13 @@ TOWER_VARIANTS = {"fused": {}, "unfused": {qwen2_vl.UNFUSED_ENV: "1"},
                   "fp8": {TOWER_FP8_ENV: "1"}, "fp8-mlp": {TOWER_FP8_ENV: "mlp"}}
 # --offline-variants: queue runs of the offline section changed in one way each, "+" joins them. fp8-tower: the
 # tower's linears in E4M3 (engine/vision/tower_fp8.py), fp8-mlp-tower: its MLPs' only; flash-attn: the tower's
-# attention on flash (TRITONLLM_TOWER_SDPA=flash: no per-shape plan); first-odd: the timed run's first forward takes
+# attention on flash (TRITONLLM_TOWER_SDPA=flash: no per-shape plan); cudnn-attn: on torch's own choice, cuDNN on an
+# H200 (TRITONLLM_TOWER_SDPA=auto: the default before 2026-11-30 session 22; a plan built per new shape); first-odd: the timed run's first forward takes
 # 5 images (then 32, 32, 32, 27: image counts the untimed round did not make, as when a burst's first requests beat the
 # rest to the queue; call 14's stalled runs had 4-5, then 27-28); first-full: the queue's first forward takes the whole
 # batch (not 8 images), so the executor's first step is a full one; tower-graphs: the queue replays the forwards of
 # image batches seen before from CUDA graphs (engine/vision/tower_graphs.py; TRITONLLM_TOWER_GRAPHS=8; off by default)
-OFFLINE_VARIANTS = ("fp8-tower", "fp8-mlp-tower", "flash-attn", "first-odd", "first-full", "tower-graphs")
+OFFLINE_VARIANTS = ("fp8-tower", "fp8-mlp-tower", "flash-attn", "cudnn-attn", "first-odd", "first-full", "tower-graphs")
 TOWER_GRAPHS_KEPT = 8
 ODD_FIRST_IMAGES = 5
 FP8_TOWER_SCOPES = {"fp8-tower": "all", "fp8-mlp-tower": "mlp"}  # (engine/vision/tower_fp8.py FP8_SCOPES)
@@ -475,7 +476,8 @@ def bench_offline(args, ex, config, encode, encoder, encoder_config, grid, num_r
             queue_run(variant_run_name(variant, i, args.offline_variants), TOWER_PRIORITY, seed=30 + 2 * i, warm_seed=31 + 2 * i, warm_tokens=None,
                       tower=fp8_towers.get(fp8), first_images=args.encode_batch if "first-full" in parts else 8,
                       timed_first_images=ODD_FIRST_IMAGES if "first-odd" in parts else None,
-                      environment={qwen2_vl.SDPA_ENV: "flash"} if "flash-attn" in parts else None,
+                      environment={qwen2_vl.SDPA_ENV: "flash"} if "flash-attn" in parts else
+                      {qwen2_vl.SDPA_ENV: "auto"} if "cudnn-attn" in parts else None,
                       max_graphs=TOWER_GRAPHS_KEPT if "tower-graphs" in parts else None)
         except Exception as error:  # (a Triton compile error is no RuntimeError)
             entry.setdefault("variant_errors", {})[variant] = repr(error)[:300]
@@ -818,6 +820,7 @@ def offline_variant_label(variant: str, o: dict) -> str:
     labels = {"fp8-tower": "the tower's linears in FP8 " + cosine, "fp8-mlp-tower": "the tower's MLP linears in FP8 " + cosine,
               "first-full": f"the queue's first forward {o['encode_batch']} images, not 8",
               "flash-attn": "the tower's attention on flash (TRITONLLM_TOWER_SDPA=flash)",
+              "cudnn-attn": "the tower's attention on torch's choice, cuDNN (TRITONLLM_TOWER_SDPA=auto, the old default)",
               "first-odd": f"the first forward {ODD_FIRST_IMAGES} images (counts the untimed round did not make)",
               "tower-graphs": f"the tower's forwards replayed from CUDA graphs (TRITONLLM_TOWER_GRAPHS={TOWER_GRAPHS_KEPT})"}
     unknown = {"min": float("nan"), "mean": float("nan"), "images": 0}

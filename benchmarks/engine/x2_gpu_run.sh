@@ -585,7 +585,7 @@ PY
   # replayed from CUDA graphs (engine/vision/tower_graphs.py, opt-in) twice against eager, and FP8 (VLM_VARIANTS
   # sets the variants; ONLY=both: the vlm part then the tree part on one GPU).
   [ "$only" = all ] || [ "$only" = vlm ] || [ "$only" = both ] && ( CUDA_VISIBLE_DEVICES=0 job vlm_graph_tests 150 "$PYTHON" -m pytest -q -x -p no:cacheprovider -rfEs \
-      tests/engine/test_qwen2_vl.py tests/engine/test_encode_queue_staging.py
+      tests/engine/test_qwen2_vl.py tests/engine/test_encode_queue_staging.py tests/engine/test_qwen3_vl.py tests/engine/test_tower_layout.py
     on_gpu 0 vlm_graphs 260 "$PYTHON" benchmarks/engine/vlm_bench.py --sections offline --hf-batches= --encode-batch 32 \
       --also-encode-batches 32 --offline-variants "${VLM_VARIANTS:-tower-graphs,tower-graphs,fp8-tower,fp8-tower+tower-graphs}" \
       --out "$w/vlm_graphs.json" --results-md "$w/vlm_graphs.md" ) &

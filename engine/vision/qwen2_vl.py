@@ -41,18 +41,27 @@ PREFIXES = ("visual.", "model.visual.")
 # "1": the Qwen towers' blocks as before their fused path (each residual add a kernel of its own; Qwen2.5-VL's
 # MLP as two products, torch's SiLU and product) and the layout made afresh each forward: vlm_bench's "before"
 UNFUSED_ENV = "TRITONLLM_TOWER_UNFUSED"
-SDPA_ENV = "TRITONLLM_TOWER_SDPA"  # the towers' attention backend: auto (torch's choice), cudnn, flash, efficient, math
+# The towers' attention backend: planless (the default: torch's choice among flash, memory-efficient and math, never
+# cuDNN), auto (torch's choice, cuDNN included), cudnn, flash, efficient, math. Why not cuDNN: it builds and tunes a
+# plan for each new shape, and a tower forward's shapes follow its image count and sizes. On the H200 (2026-11-30,
+# vlm_bench offline) a forward of an image count not seen before took 115-650 ms of host time to launch on cuDNN
+# (2, 4, 5, 27, 28 and 30 images), against 13-45 ms for counts seen before and 26-41 ms for the same new counts on
+# flash; those launches held the encode queue's tables back and cost the run 0.77x against 0.84x text-only speed.
+# In steady state flash and cuDNN measured the same (0.83x against 0.84x in the same process).
+SDPA_ENV = "TRITONLLM_TOWER_SDPA"
 WINDOW_SDPA_ENV = "TRITONLLM_TOWER_WINDOW_SDPA"  # Qwen2.5-VL's window blocks only (default: SDPA_ENV's)
-SDPA_BACKENDS = ("auto", "cudnn", "flash", "efficient", "math")
+SDPA_BACKENDS = ("planless", "auto", "cudnn", "flash", "efficient", "math")
+PLANLESS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def sdpa_backend(windows: bool = False) -> str:
     """The backend the towers' attention asks torch for: ``TRITONLLM_TOWER_SDPA``, for window runs
     ``TRITONLLM_TOWER_WINDOW_SDPA`` if set; read per call, so a bench can A/B them in one process. Which is
     fastest at head_dim 80 is a GPU question: over 1,024-patch frames, and over Qwen2.5-VL's 64-patch
-    windows, which fill half of a flash kernel's 128-row tile (torch 2.11 picks cuDNN for both on an H200;
-    the 13:08 profile: 7.0 ms of 82 for 32 images, ~140 TFLOPS)."""
-    name = os.environ.get(SDPA_ENV, "auto").lower()
+    windows, which fill half of a flash kernel's 128-row tile (under "auto" torch 2.11 picks cuDNN for both on
+    an H200; the 13:08 profile: 7.0 ms of 82 for 32 images, ~140 TFLOPS). The default is "planless" (SDPA_ENV's
+    comment says why)."""
+    name = os.environ.get(SDPA_ENV, "planless").lower()
     if windows:
         name = os.environ.get(WINDOW_SDPA_ENV, name).lower()
     if name not in SDPA_BACKENDS:
@@ -65,9 +74,10 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, windows: bool) -> t
     name = sdpa_backend(windows)
     if name == "auto" or not q.is_cuda:
         return F.scaled_dot_product_attention(q, k, v)
-    backend = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
-               "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}[name]
-    with sdpa_kernel([backend]):
+    backends = PLANLESS if name == "planless" else [
+        {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+         "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}[name]]
+    with sdpa_kernel(backends):  # (planless: flash for 16-bit rows, memory-efficient for float32 ones)
         return F.scaled_dot_product_attention(q, k, v)
 
 

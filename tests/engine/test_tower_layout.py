@@ -85,12 +85,12 @@ def test_attention_backend_settings(monkeypatch):
 
     monkeypatch.delenv(SDPA_ENV, raising=False)
     monkeypatch.delenv(WINDOW_SDPA_ENV, raising=False)
-    assert sdpa_backend() == sdpa_backend(windows=True) == "auto"
+    assert sdpa_backend() == sdpa_backend(windows=True) == "planless"  # (no cuDNN: no plan built per new shape)
     monkeypatch.setenv(SDPA_ENV, "flash")
     assert sdpa_backend() == sdpa_backend(windows=True) == "flash"
     monkeypatch.setenv(WINDOW_SDPA_ENV, "math")
     assert (sdpa_backend(), sdpa_backend(windows=True)) == ("flash", "math")
     assert tower_layout([[1, 8, 8]], MERGE, HEAD_DIM, THETA, "cpu", window=2).windows.windows
     monkeypatch.setenv(WINDOW_SDPA_ENV, "fast")
-    with pytest.raises(ValueError, match="TRITONLLM_TOWER_WINDOW_SDPA='fast'.*allowed: auto, cudnn"):
+    with pytest.raises(ValueError, match="TRITONLLM_TOWER_WINDOW_SDPA='fast'.*allowed: planless, auto, cudnn"):
         sdpa_backend(windows=True)
