@@ -84,8 +84,12 @@ class TowerGraphs:
         self.failures: dict[tuple, str] = {}  # key -> why its capture failed (it stays eager)
 
     def forward(self, patches: torch.Tensor, grids: list[list[int]]) -> tuple[torch.Tensor, list[int]]:
-        key = tuple(tuple(int(v) for v in grid) for grid in grids)
-        if self.stream is None or self.max_graphs == 0 or key in self.failures:
+        grids = [[int(v) for v in grid] for grid in grids]
+        # The key holds what a graph's static input fixes: the grids, each patch's width and the dtype. Patches that
+        # do not match their grids go eager, where the tower refuses them by name (never into a capture or replay)
+        key = (tuple(map(tuple, grids)), tuple(patches.shape[1:]), patches.dtype)
+        if self.stream is None or self.max_graphs == 0 or key in self.failures \
+                or patches.shape[0] != sum(t * h * w for t, h, w in grids):
             return self._eager(patches, grids)
         captured = self._graphs.get(key)
         if captured is None:
