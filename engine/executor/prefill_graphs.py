@@ -16,7 +16,8 @@ and programs past them return at once. Token ids may be placeholders for tokens 
 sampled; the graph resolves them itself, as the decode graphs do (engine/executor/overlap.py).
 
 Token trees (tree verification, engine/executor/tree_batch.py): with ``tree_width`` W > 0 (the
-executor runs a tree method whose rows carry at most W tokens), every bucket up to max_batch_size x W
+executor runs a tree method whose rows carry at most W tokens; the buckets then include W, 2W, 3W and 4W
+tokens: tree_step_buckets), every bucket up to max_batch_size x W
 tokens has a twin graph whose attention reads a static (tokens, W) int8 ancestor mask
 (AttentionMetadata.tree_mask); a tree step replays it when no sequence of the step has more than W
 new tokens, its positions being the nodes' rotary positions and its KV slots consecutive. So a tree
@@ -65,6 +66,22 @@ def token_buckets(max_num_tokens: int) -> list[int]:
     return [size for size in sizes if size < max_num_tokens] + [max_num_tokens]
 
 
+# Tree verify steps of up to this many rows get buckets of exactly rows x tree width tokens (tree_step_buckets)
+EXACT_TREE_ROWS = 4
+
+
+def tree_step_buckets(buckets: list[int], tree_width: int) -> list[int]:
+    """``buckets`` and, for a tree method whose rows carry ``tree_width`` W tokens, W, 2W, ... EXACT_TREE_ROWS x W
+    (those under the largest bucket). Why: below 256 the buckets double, so a 64-node tree's 65 tokens at batch 1
+    padded to 128 and its verify step cost 1.50x a decode step instead of 1.28x (Llama-3.1-8B shape, H200,
+    2026-11-30: tree_bench's 1.28x had max_num_tokens 65, a bucket of its own). From 256 up the buckets are at
+    most an eighth apart, which bounds the padding of larger tree steps."""
+    if not tree_width:
+        return list(buckets)
+    exact = {tree_width * rows for rows in range(1, EXACT_TREE_ROWS + 1) if tree_width * rows < buckets[-1]}
+    return sorted(set(buckets) | exact)
+
+
 def model_token_buckets(model, max_num_tokens: int) -> list[int]:
     """token_buckets, cut at the model's ``prefill_graph_max_tokens`` where it has one (DeepSeek: the
     steps whose attention would take the absorbed form eagerly too); [] when none is left."""
@@ -110,7 +127,7 @@ class PrefillGraphs:
         self.max_seq_len = max_seq_len
         self.max_seqs = max_batch_size
         self.max_blocks = -(-max_seq_len // tokens_per_block)
-        self.buckets = sorted(buckets or token_buckets(max_num_tokens))
+        self.buckets = tree_step_buckets(sorted(buckets or token_buckets(max_num_tokens)), tree_width)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.hidden: dict[int, torch.Tensor] = {}
         self.lora_graphs: dict[int, torch.cuda.CUDAGraph] = {}

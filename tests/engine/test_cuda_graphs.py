@@ -343,7 +343,7 @@ def test_prefill_tile_map_and_token_buckets():
     in order, the rest empty; buckets end at max_num_tokens, at most an eighth apart from 256 on."""
     import numpy as np
 
-    from engine.executor.prefill_graphs import model_token_buckets, tile_map, token_buckets
+    from engine.executor.prefill_graphs import model_token_buckets, tile_map, token_buckets, tree_step_buckets
 
     tile_seq, tile_m = tile_map([1, 5, 21, 0, 43], tokens_per_tile=21, length=10)
     assert tile_seq.tolist() == [0, 1, 2, 4, 4, 4, -1, -1, -1, -1]
@@ -357,3 +357,8 @@ def test_prefill_tile_map_and_token_buckets():
     # a model's cap (DeepSeek: below the expanded form's threshold, 171 new tokens for V2-Lite / V3)
     capped = type("Capped", (), {"prefill_graph_max_tokens": 170})()
     assert model_token_buckets(capped, 8192) == [16, 32, 64, 128] and model_token_buckets(object(), 100) == buckets[:3] + [100]
+    # a tree method's rows of W tokens: W, 2W, 3W, 4W exact below the largest bucket (a 64-node tree at batch 1 is 65
+    # tokens, not a 128-token bucket), nothing added without trees
+    assert tree_step_buckets(buckets, 65)[:9] == [16, 32, 64, 65, 128, 130, 192, 195, 256]
+    assert 260 in tree_step_buckets(buckets, 65) and tree_step_buckets(buckets, 0) == buckets
+    assert tree_step_buckets([16, 32, 64, 100], 33) == [16, 32, 33, 64, 66, 99, 100]
