@@ -64,6 +64,7 @@ from benchmarks.common import (command_line, environment_set, free_device_memory
 from benchmarks.engine.engine_bench import drain_offline, iteration_breakdown, profile_executor_loop  # noqa: E402
 from benchmarks.engine.gc_pauses import GcPauses  # noqa: E402
 from benchmarks.engine.vlm_timeline import LoopTimeline  # noqa: E402
+from benchmarks.sync_watch import SyncWatch  # noqa: E402
 from engine.config import BuildConfig, EngineConfig  # noqa: E402
 from engine.convert import model_config_from_hf  # noqa: E402
 from engine.executor.device_stream import TOWER_PRIORITY  # noqa: E402
@@ -438,10 +439,15 @@ def bench_offline(args, ex, config, encode, encoder, encoder_config, grid, num_r
                                 args.device):
                     through_queue(args, ex, queue, config, encoder_config, grid, prompts, warm, vocab, warm_tokens)
             queue.first_images = timed_first_images or queue.first_images
-            with environment_set(environment or {}):  # (read per forward: engine/vision/qwen2_vl.py sdpa_backend)
-                entry[name] = progress(name, through_queue(
-                    args, ex, queue, config, encoder_config, grid, prompts,
-                    random_patches([grid] * args.requests, args.device, seed=seed), vocab, args.output_len))
+            watch = SyncWatch() if args.sync_watch else contextlib.nullcontext()
+            with environment_set(environment or {}), watch:  # (read per forward: qwen2_vl.py sdpa_backend)
+                run = through_queue(args, ex, queue, config, encoder_config, grid, prompts,
+                                    random_patches([grid] * args.requests, args.device, seed=seed), vocab, args.output_len)
+            if args.sync_watch:  # where the run's threads waited for the GPU (benchmarks/sync_watch.py)
+                run["syncs"] = watch.summary()[:12]
+                print(f"offline {name} synchronizing calls (count, first ms, thread, stack): "
+                      + json.dumps(run["syncs"]), file=sys.stderr, flush=True)
+            entry[name] = progress(name, run)
             entry.setdefault("first_images", queue.first_images)
             entry[name]["tower_graphs"] = {"captured": queue.graphs.captured, "replays": queue.graphs.replays,
                                            "failures": list(queue.graphs.failures.values())}
@@ -843,6 +849,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--encode-batch", type=int, default=None, help="images per tower forward offline (default 32; CPU 2)")
     p.add_argument("--also-encode-batches", default="", help="offline: the encode-queue run again at each of these "
                    "batches (comma-separated), in the same process (runs image_b<N>, after the equal-priority one)")
+    p.add_argument("--sync-watch", action="store_true", help="offline: the encode-queue runs under torch's CUDA sync "
+                   "debug mode; each synchronizing call's stack, thread and count in the JSON (benchmarks/sync_watch.py)")
     p.add_argument("--offline-variants", default="", help="offline: the encode-queue run again with each change "
                    f"(comma-separated; each one of {', '.join(OFFLINE_VARIANTS)} or several joined by '+'; one named "
                    "twice runs twice), same process")

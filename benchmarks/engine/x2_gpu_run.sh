@@ -588,7 +588,7 @@ PY
       tests/engine/test_qwen2_vl.py tests/engine/test_encode_queue_staging.py tests/engine/test_qwen3_vl.py tests/engine/test_tower_layout.py
     on_gpu 0 vlm_graphs 260 "$PYTHON" benchmarks/engine/vlm_bench.py --sections offline --hf-batches= --encode-batch 32 \
       --also-encode-batches 32 --offline-variants "${VLM_VARIANTS:-tower-graphs,tower-graphs,fp8-tower,fp8-tower+tower-graphs}" \
-      --out "$w/vlm_graphs.json" --results-md "$w/vlm_graphs.md" ) &
+      ${VLM_EXTRA:-} --out "$w/vlm_graphs.json" --results-md "$w/vlm_graphs.md" ) &
   # GPU 1 (issue 56): tree verify at 16/32/64 nodes and batches 1/8/32, then the forced loop at lengths 3/4/5, in
   # bf16 and with FP8 weights ("the same with FP8 weights": last measured before the drafts stayed on the device).
   [ "$only" = both ] && wait  # (one GPU: the tree part after the vlm part)
@@ -596,7 +596,8 @@ PY
     --nodes 16,32,64 --sections verify,loop --lengths 3,4,5 --out "$w/tree22.json" --markdown "$w/tree22.md"
   wait
   echo "== vlm_graph_tests"; grep -E "passed|failed|FAILED|Error" "$w/vlm_graph_tests.log" | tail -6
-  echo "== vlm_graphs"; grep -E "^offline |^\[load|Error|Traceback|failed" "$w/vlm_graphs.log" | cut -c1-300
+  echo "== vlm_graphs"; grep -E "^offline |^\[load|Error|Traceback|failed" "$w/vlm_graphs.log" | grep -v synchronizing | cut -c1-300
+  grep -E "synchronizing calls" "$w/vlm_graphs.log" | cut -c1-1500
   [ -f "$w/vlm_graphs.md" ] && grep -E "^\||replayed" "$w/vlm_graphs.md" | cut -c1-400
   echo "== tree22"; grep -E "Error|Traceback|^\[load" "$w/tree22.log" | head -8
   [ -f "$w/tree22.md" ] && cat "$w/tree22.md"
