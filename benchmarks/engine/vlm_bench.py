@@ -443,10 +443,12 @@ def bench_offline(args, ex, config, encode, encoder, encoder_config, grid, num_r
             with environment_set(environment or {}), watch:  # (read per forward: qwen2_vl.py sdpa_backend)
                 run = through_queue(args, ex, queue, config, encoder_config, grid, prompts,
                                     random_patches([grid] * args.requests, args.device, seed=seed), vocab, args.output_len)
-            if args.sync_watch:  # where the run's threads waited for the GPU (benchmarks/sync_watch.py)
-                run["syncs"] = watch.summary()[:12]
+            if args.sync_watch:  # where the run's threads waited for the GPU or compiled (benchmarks/sync_watch.py)
+                run["syncs"], run["compiles"] = watch.summary()[:12], watch.compiles
                 print(f"offline {name} synchronizing calls (count, first ms, thread, stack): "
-                      + json.dumps(run["syncs"]), file=sys.stderr, flush=True)
+                      + json.dumps(run["syncs"]) + "; Triton compiles (at ms, ms, thread, kernel): "
+                      + json.dumps([[c["at_ms"], c["ms"], c["thread"], c["kernel"]] for c in run["compiles"]]),
+                      file=sys.stderr, flush=True)
             entry[name] = progress(name, run)
             entry.setdefault("first_images", queue.first_images)
             entry[name]["tower_graphs"] = {"captured": queue.graphs.captured, "replays": queue.graphs.replays,
@@ -850,7 +852,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--also-encode-batches", default="", help="offline: the encode-queue run again at each of these "
                    "batches (comma-separated), in the same process (runs image_b<N>, after the equal-priority one)")
     p.add_argument("--sync-watch", action="store_true", help="offline: the encode-queue runs under torch's CUDA sync "
-                   "debug mode; each synchronizing call's stack, thread and count in the JSON (benchmarks/sync_watch.py)")
+                   "debug mode and Triton's compile hooks; each synchronizing call's stack, thread and count, and each "
+                   "compile's time and kernel, in the JSON (benchmarks/sync_watch.py)")
     p.add_argument("--offline-variants", default="", help="offline: the encode-queue run again with each change "
                    f"(comma-separated; each one of {', '.join(OFFLINE_VARIANTS)} or several joined by '+'; one named "
                    "twice runs twice), same process")
