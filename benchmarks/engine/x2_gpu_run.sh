@@ -44,7 +44,7 @@ export PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVS
 smoke=${SMOKE:-0}
 if [ "$smoke" != 1 ]; then
   need=2; [ "$call" = 7 ] && [ "${LANES:-2}" = 1 ] && need=1  # call 7's lanes run one after the other on one GPU
-  [ "$call" = 22 ] && [ -n "${ONLY:-}" ] && [ "$ONLY" != pp ] && need=1  # call 22's vlm or tree part alone
+  [ "$call" = 22 ] && [ -n "${ONLY:-}" ] && [[ ",$ONLY," != *,pp,* ]] && need=1  # call 22 without its PP part
   "$PYTHON" -c "import torch; n = torch.cuda.device_count(); assert n >= $need, f'{n} GPU(s): this call needs $need'" || exit 1
 fi
 
@@ -540,14 +540,18 @@ case $call in
   rm -rf "/tmp/x2_call${call}_traces" && mv "$w/traces" "/tmp/x2_call${call}_traces"
   ;;
 22)
-  # Session 22 (~400 s, guard 540; ONLY=pp|vlm|tree runs one part, vlm and tree on one GPU). First, both GPUs: the PP 2 trace with each GPU's SM clock and power sampled
+  # Session 22 (~400 s, guard 540). ONLY: the parts, comma-separated, of pp (two GPUs), vlm, sq, tree (default
+  # pp,vlm,tree; "both" = vlm,tree); with one GPU the lanes run one after the other on it. First, both GPUs: the PP 2 trace with each GPU's SM clock and power sampled
   # every 100 ms (issue 50: in call 21 rank 1's kernels ran 1.33x longer than rank 0's same kernels; a GPU busy
   # 98% of the time against 67% may be held at a lower clock by its power limit).
-  only=${ONLY:-all}
-  lane1_gpu=1; [ "$only" = tree ] || [ "$only" = both ] && lane1_gpu=0
+  only=${ONLY:-pp,vlm,tree}
+  [ "$only" = both ] && only=vlm,tree
+  has() { [[ ",$only," == *,$1,* ]]; }
+  lane1_gpu=1
+  [ "$smoke" = 1 ] || [ "$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())')" -lt 2 ] && lane1_gpu=0
   P=(benchmarks/engine/tp_bench.py --max_batch_size 256 --offline 128x128x1024)
   mkdir -p "$w/traces"
-  if [ "$only" = all ] || [ "$only" = pp ]; then
+  if has pp; then
   if [ "$smoke" != 1 ]; then
     nvidia-smi --query-gpu=timestamp,index,clocks.sm,clocks.mem,power.draw,temperature.gpu \
       --format=csv,noheader -lms 100 > "$w/pp_clocks.csv" 2>&1 &
@@ -584,15 +588,27 @@ PY
   # Then two lanes. GPU 0 (issue 48): the tower-graph tests, then the offline section with the tower's forwards
   # replayed from CUDA graphs (engine/vision/tower_graphs.py, opt-in) twice against eager, and FP8 (VLM_VARIANTS
   # sets the variants; ONLY=both: the vlm part then the tree part on one GPU).
-  [ "$only" = all ] || [ "$only" = vlm ] || [ "$only" = both ] && ( CUDA_VISIBLE_DEVICES=0 job vlm_graph_tests 150 "$PYTHON" -m pytest -q -x -p no:cacheprovider -rfEs \
-      tests/engine/test_qwen2_vl.py tests/engine/test_encode_queue_staging.py tests/engine/test_qwen3_vl.py tests/engine/test_tower_layout.py
-    on_gpu 0 vlm_graphs 260 "$PYTHON" benchmarks/engine/vlm_bench.py --sections offline --hf-batches= --encode-batch 32 \
-      --also-encode-batches 32 --offline-variants "${VLM_VARIANTS:-tower-graphs,tower-graphs,fp8-tower,fp8-tower+tower-graphs}" \
-      ${VLM_EXTRA:-} --out "$w/vlm_graphs.json" --results-md "$w/vlm_graphs.md" ) &
+  # sq (issue 52): SmoothQuant W8A8 INT8 against bf16, 128/128 offline with 1,024 requests and batch-1 decode, one
+  # process each (never measured on a GPU; goal 128/128 >= 1.3x bf16).
+  ( if has vlm; then
+      CUDA_VISIBLE_DEVICES=0 job vlm_graph_tests 150 "$PYTHON" -m pytest -q -x -p no:cacheprovider -rfEs \
+        tests/engine/test_qwen2_vl.py tests/engine/test_encode_queue_staging.py tests/engine/test_qwen3_vl.py tests/engine/test_tower_layout.py
+      on_gpu 0 vlm_graphs 260 "$PYTHON" benchmarks/engine/vlm_bench.py --sections offline --hf-batches= --encode-batch 32 \
+        --also-encode-batches 32 --offline-variants "${VLM_VARIANTS:-tower-graphs,tower-graphs,fp8-tower,fp8-tower+tower-graphs}" \
+        ${VLM_EXTRA:-} --out "$w/vlm_graphs.json" --results-md "$w/vlm_graphs.md"
+    fi
+    if has sq; then
+      for q in bf16 int8_sq; do
+        on_gpu 0 "sq_$q" 150 "$PYTHON" benchmarks/engine/engine_bench.py --sections decode,offline --offline 128x128x1024 \
+          --max-batch-size 512 $([ "$q" = int8_sq ] && echo --quantization int8_sq) --out "$w/sq_$q.json" \
+          --results-md "$w/sq_$q.md"
+      done
+    fi ) &
+  lane0=$!
   # GPU 1 (issue 56): tree verify at 16/32/64 nodes and batches 1/8/32, then the forced loop at lengths 3/4/5, in
   # bf16 and with FP8 weights ("the same with FP8 weights": last measured before the drafts stayed on the device).
-  [ "$only" = both ] && wait  # (one GPU: the tree part after the vlm part)
-  [ "$only" = all ] || [ "$only" = tree ] || [ "$only" = both ] && on_gpu $lane1_gpu tree22 330 "$PYTHON" benchmarks/speculative/tree_bench.py --dtypes bf16,fp8 --batches 1,8,32 \
+  [ "$lane1_gpu" = 0 ] && wait "$lane0"  # (one GPU: the tree part after the others)
+  has tree && on_gpu $lane1_gpu tree22 330 "$PYTHON" benchmarks/speculative/tree_bench.py --dtypes bf16,fp8 --batches 1,8,32 \
     --nodes 16,32,64 --sections verify,loop --lengths 3,4,5 --out "$w/tree22.json" --markdown "$w/tree22.md"
   wait
   echo "== vlm_graph_tests"; grep -E "passed|failed|FAILED|Error" "$w/vlm_graph_tests.log" | tail -6
@@ -601,6 +617,7 @@ PY
   [ -f "$w/vlm_graphs.md" ] && grep -E "^\||replayed" "$w/vlm_graphs.md" | cut -c1-400
   echo "== tree22"; grep -E "Error|Traceback|^\[load" "$w/tree22.log" | head -8
   [ -f "$w/tree22.md" ] && cat "$w/tree22.md"
+  for q in bf16 int8_sq; do [ -f "$w/sq_$q.log" ] && { echo "== sq_$q"; grep -E "^\| (batch-1|offline|\.\.\.)|Error|Traceback" "$w/sq_$q.log" | cut -c1-300; }; done
   ;;
 *) echo "x2_gpu_run.sh: CALL must be 1 to 22, got '$call'"; exit 2 ;;
 esac
