@@ -72,8 +72,8 @@ class ImageEncodeQueue:
         self.first_images = min(first_images, max_images)
         # (by default the lowest priority: the executor's steps get free SMs first, engine/executor/device_stream.py)
         self.stream = torch.cuda.Stream(self.device, priority=priority) if self.device.type == "cuda" else None
-        # The forwards, as CUDA graphs of the grids seen before (engine/vision/tower_graphs.py: one launch
-        # instead of ~400 made against the executor's thread for the GIL); eager on the CPU
+        # The forwards, replayed from CUDA graphs of the grids seen before when TRITONLLM_TOWER_GRAPHS (or
+        # max_graphs) asks for them (engine/vision/tower_graphs.py: off by default, it says why); eager on the CPU
         self.graphs = TowerGraphs(encoder, self.stream, max_graphs)
         # Per pipeline slot (forward k uses slot k % 2; slot k % 2 is reused only after _complete(k)):
         # {"rows" | "patches" (CUDA): a flat buffer, pinned on CUDA}, grown on demand
