@@ -10,21 +10,33 @@ transform of the model before quantization, engine/weight_only/smoothquant.py):
 - y = (x_q @ w_q.T) * s_x[:, None] * s_w[None, :] (+ bias): the integer product is exact (int32
   accumulation), the scales are applied once in float32, the result rounded once to x's dtype.
 
-Paths: on CUDA, ``quantize_rows_int8_triton`` (one program per row) and ``torch._int_mm`` (cuBLASLt
-int8 tensor cores, int32 accumulation; rows padded to at least 17, the smallest it takes); elsewhere
-``int8_linear_ref`` in plain torch, also the oracle of the tests. Both compute the same integers,
-so they differ only where float32 rounds the scaling differently (none observed; the tests allow
-one output rounding).
+Paths: on CUDA the rows are quantized by ``quantize_rows_int8_triton`` (one program per row), then
+- at most ``MAX_SKINNY_ROWS`` rows (decode): kernels/linear.py's skinny kernel with int8 x and weight
+  tiles in int8 tensor-core dots (int32 sums, exact), both scales in its epilogue (``int8_skinny_linear``;
+  the gated [gate | up] product with its SiLU-and-mul in the same kernel, ``int8_gated_linear``). Before
+  it, a decode step padded its rows to 17 for ``torch._int_mm``: a 17-row GEMM per linear at batch 1;
+- more rows: ``torch._int_mm`` (cuBLASLt int8 tensor cores, int32 accumulation; it takes more than 16
+  rows), where cuBLASLt's shape rules (K and N multiples of 8) hold;
+elsewhere ``int8_linear_ref`` in plain torch, also the oracle of the tests. All compute the same
+integers and scale them in the same order, (sum * s_x[m]) * s_w[n] in float32, so they differ only
+where a bias add is fused into a multiply-add (the tests allow one output rounding).
 """
 from __future__ import annotations
 
 import torch
 
 from kernels._triton import jit, pdl_options, pdl_prologue, tl, triton, use_triton
+from kernels.activation import silu_and_mul
+from kernels.linear import MAX_SKINNY_ROWS, skinny_linear_triton, variant_options
 
 INT8_MAX = 127.0
 MIN_SCALE = 1e-12  # an all-zero row gets this scale (its values quantize to 0 anyway)
 INT_MM_MIN_ROWS = 17  # torch._int_mm on CUDA takes more than 16 rows
+# (block_n, block_k, num_warps, num_stages[, split_k[, swap_ab]]) of the skinny kernel for int8 weights, unless a
+# weight carries its own under INT8_VARIANT_ATTR: an int8 tile has the bytes of an FP8 one, so FP8's default tiling
+# (kernels/fp8.py FP8_SKINNY_DEFAULT) to start with; benchmarks/kernels/int8_skinny_bench.py times the others.
+INT8_SKINNY_DEFAULT = (16, 512, 4, 4)
+INT8_VARIANT_ATTR = "_int8_skinny_variant"
 
 
 def _round_half_away(v: torch.Tensor) -> torch.Tensor:
@@ -98,17 +110,50 @@ def int8_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
     return out.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
 
 
+def int8_skinny_linear(rows: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                       bias: torch.Tensor | None = None, *, gated: bool = False,
+                       variant: tuple | None = None) -> torch.Tensor:
+    """rows (M, K), M <= MAX_SKINNY_ROWS, unit column stride, quantized per token by the Triton row
+    quantizer, then one skinny kernel: int8 dots with int32 sums, (sum * s_x) * s_w, bias, rounded
+    once to rows' dtype: (M, N). ``gated``: weight (2N, K) = [gate | up] and the result
+    silu(gate product) * (up product), each product rounded first as ``silu_and_mul`` of
+    ``int8_linear`` rounds (no bias). ``variant``: the tiling (default: the weight's, else
+    INT8_SKINNY_DEFAULT). Triton's: CUDA, or CPU under TRITON_INTERPRET=1 (the tests)."""
+    codes, scale = quantize_rows_int8_triton(rows)
+    variant = variant or getattr(weight, INT8_VARIANT_ATTR, INT8_SKINNY_DEFAULT)
+    return skinny_linear_triton(codes, weight, bias, weight_scale=weight_scale, x_scale=scale, out_dtype=rows.dtype,
+                                gated=gated, **variant_options(variant))
+
+
+def _packed_rows(x: torch.Tensor) -> torch.Tensor:
+    rows = x.reshape(-1, x.shape[-1])
+    return rows if rows.stride(1) == 1 else rows.contiguous()
+
+
+def int8_gated_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
+    """silu(x @ gate.T) * (x @ up.T) for an int8 gate_up weight (2 * inter, hidden) = [gate | up]
+    with per-channel scales: one skinny kernel for CUDA decode rows, else ``int8_linear`` then
+    ``silu_and_mul``."""
+    if use_triton(x) and x.numel() // x.shape[-1] <= MAX_SKINNY_ROWS:
+        out = int8_skinny_linear(_packed_rows(x), weight, weight_scale, gated=True)
+        return out.reshape(*x.shape[:-1], weight.shape[0] // 2)
+    return silu_and_mul(int8_linear(x, weight, weight_scale))
+
+
 def int8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
     """x (..., K) in the model dtype @ the int8 weight (N, K) with per-channel scales (+ bias) ->
-    (..., N) in x's dtype: the Triton row quantizer and ``torch._int_mm`` on CUDA, the reference
-    elsewhere (and where cuBLASLt's int8 shape rules, K and N multiples of 8, do not hold)."""
+    (..., N) in x's dtype: on CUDA the skinny int8 kernel for decode rows, else the Triton row
+    quantizer and ``torch._int_mm``; the reference elsewhere (and where cuBLASLt's int8 shape rules,
+    K and N multiples of 8, do not hold)."""
     n, k = weight.shape
-    if not use_triton(x) or k % 8 or n % 8:
+    if not use_triton(x):
         return int8_linear_ref(x, weight, weight_scale, bias)
-    rows = x.reshape(-1, k)
-    if rows.stride(1) != 1:
-        rows = rows.contiguous()
+    rows = _packed_rows(x)
+    if rows.shape[0] <= MAX_SKINNY_ROWS:
+        return int8_skinny_linear(rows, weight, weight_scale, bias).reshape(*x.shape[:-1], n)
+    if k % 8 or n % 8:
+        return int8_linear_ref(x, weight, weight_scale, bias)
     codes, scale = quantize_rows_int8_triton(rows)
     m = codes.shape[0]
     if m < INT_MM_MIN_ROWS:

@@ -100,7 +100,7 @@ def _skinny_gemm_kernel(
     HAS_BIAS: tl.constexpr, GATED: tl.constexpr, HAS_SCALE: tl.constexpr, X_SCALE: tl.constexpr,
     SWAP_AB: tl.constexpr, M_PAD: tl.constexpr, ACTIVATION: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr,
-    BALANCED: tl.constexpr = False,
+    BALANCED: tl.constexpr = False, INT8_DOT: tl.constexpr = False,
 ):
     """One program: BLOCK_N output features for all M rows, streaming its (BLOCK_N, K) weight rows once.
 
@@ -127,16 +127,24 @@ def _skinny_gemm_kernel(
     BALANCED: program i covers the ROWS <= BLOCK_N output features [i * ROWS, (i + 1) * ROWS) (a
     runtime count, the rest of its tile masked off: masked weight rows are never read), so that
     N splits into equal shares of a whole number of waves of the GPU (skinny_linear_triton's ``waves``).
+    INT8_DOT (with HAS_SCALE and X_SCALE): x and the weight are int8 codes (kernels/int8_sq.py's
+    SmoothQuant W8A8): int8 tensor-core dots into int32 accumulators, kept in int32 over the whole K
+    range (split-K partial sums too, in an int32 part buffer) and converted to float32 once, before
+    the epilogue. Why int32 and not float32 per K tile: a tile's sum is exact in float32
+    (|sum| <= BLOCK_K * 127 * 127 < 2**24 for BLOCK_K <= 1024), but a float32 running sum over
+    Llama's K = 14336 could pass 2**24 and round; int32 holds K * 127 * 127 exactly for K < 133,000,
+    so the kernel has the exact integers, as int8_linear_ref (float64) and torch._int_mm do.
     """
     cols, col_ok = output_columns(N, ROWS, BLOCK_N, BALANCED)
     rows = tl.arange(0, M_PAD)
     row_ok = rows < M
+    acc_type = tl.int32 if INT8_DOT else tl.float32
     if SWAP_AB:
-        acc = tl.zeros([BLOCK_N, M_PAD], dtype=tl.float32)
-        acc_up = tl.zeros([BLOCK_N, M_PAD], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_N, M_PAD], dtype=acc_type)
+        acc_up = tl.zeros([BLOCK_N, M_PAD], dtype=acc_type)
     else:
-        acc = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
-        acc_up = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
+        acc = tl.zeros([M_PAD, BLOCK_N], dtype=acc_type)
+        acc_up = tl.zeros([M_PAD, BLOCK_N], dtype=acc_type)
     w_base = w_ptr + cols.to(tl.int64)[:, None] * stride_wn
     w_up_base = w_ptr + (cols + N).to(tl.int64)[:, None] * stride_wn
     x_base = x_ptr + rows[:, None] * stride_xm
@@ -159,7 +167,7 @@ def _skinny_gemm_kernel(
     if SPLIT_K > 1:
         width = 2 * N if GATED else N
         part = part_ptr + (tl.program_id(1) * M + rows)[:, None] * width + cols[None, :]
-        tl.store(part, acc, mask=mask)
+        tl.store(part, acc, mask=mask)  # (int32 sums into an int32 part buffer with INT8_DOT)
         if GATED:
             tl.store(part + N, acc_up, mask=mask)
         # Every thread's partial sums are stored before the count goes up (barrier, then a
@@ -172,7 +180,8 @@ def _skinny_gemm_kernel(
                                           SPLIT_K, ACTIVATION)
             tl.store(arrivals_ptr + tl.program_id(0), 0)
     else:
-        _skinny_epilogue(acc, acc_up, rows, cols, row_ok, col_ok, mask, bias_ptr, scale_ptr, x_scale_ptr, out_ptr, N,
+        _skinny_epilogue(acc.to(tl.float32), acc_up.to(tl.float32), rows, cols, row_ok, col_ok, mask, bias_ptr,
+                         scale_ptr, x_scale_ptr, out_ptr, N,
                          stride_om, HAS_BIAS, GATED, HAS_SCALE, X_SCALE, ACTIVATION)
 
 
@@ -190,7 +199,7 @@ def output_columns(N, ROWS, BLOCK_N: tl.constexpr, BALANCED: tl.constexpr):
 @jit
 def _skinny_tile_dot(x, w, w_up, acc, acc_up, GATED: tl.constexpr, WIDEN: tl.constexpr, SWAP_AB: tl.constexpr):
     """acc += x @ w.T (SWAP_AB: acc += w @ x.T), and the same for w_up when GATED; WIDEN: FP8
-    weight tiles widen to x's dtype."""
+    weight tiles widen to x's dtype. The dot's result type is acc's: int32 for int8 tiles (INT8_DOT)."""
     if WIDEN:
         w = w.to(x.dtype)
         w_up = w_up.to(x.dtype)
@@ -211,16 +220,18 @@ def _skinny_sum_splits_and_finish(part_ptr, bias_ptr, scale_ptr, x_scale_ptr, ou
                                   X_SCALE: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
                                   SPLIT_K: tl.constexpr, ACTIVATION: tl.constexpr):
     """Add the SPLIT_K partial sums of one output tile in split order (deterministic), then the
-    epilogue. The sums come from L2 (``.cg``): other programs wrote them during this kernel."""
+    epilogue. The sums come from L2 (``.cg``): other programs wrote them during this kernel. They
+    are added in the part buffer's type: float32, or int32 for int8 dots (exact, see INT8_DOT)."""
     width = 2 * N if GATED else N
-    acc = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
-    acc_up = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
+    acc = tl.zeros([M_PAD, BLOCK_N], dtype=part_ptr.dtype.element_ty)
+    acc_up = tl.zeros([M_PAD, BLOCK_N], dtype=part_ptr.dtype.element_ty)
     for split in range(SPLIT_K):
         part = part_ptr + (split * M + rows)[:, None] * width + cols[None, :]
         acc += tl.load(part, mask=mask, other=0.0, cache_modifier=".cg")
         if GATED:
             acc_up += tl.load(part + N, mask=mask, other=0.0, cache_modifier=".cg")
-    _skinny_epilogue(acc, acc_up, rows, cols, rows < M, col_ok, mask, bias_ptr, scale_ptr, x_scale_ptr, out_ptr, N,
+    _skinny_epilogue(acc.to(tl.float32), acc_up.to(tl.float32), rows, cols, rows < M, col_ok, mask, bias_ptr,
+                     scale_ptr, x_scale_ptr, out_ptr, N,
                      stride_om, HAS_BIAS, GATED, HAS_SCALE, X_SCALE, ACTIVATION)
 
 
@@ -229,16 +240,17 @@ def _skinny_epilogue(acc, acc_up, rows, cols, row_ok, col_ok, mask, bias_ptr, sc
                      stride_om, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, HAS_SCALE: tl.constexpr,
                      X_SCALE: tl.constexpr, ACTIVATION: tl.constexpr):
     """Scale, bias, the gate's SiLU-and-mul or the activation, rounding to the output dtype, store:
-    (M_PAD, BLOCK_N) tiles."""
-    if HAS_SCALE:
-        acc *= tl.load(scale_ptr + cols, mask=col_ok, other=0.0)[None, :]
-        if GATED:
-            acc_up *= tl.load(scale_ptr + N + cols, mask=col_ok, other=0.0)[None, :]
+    (M_PAD, BLOCK_N) tiles. The row scale multiplies before the column scale: (sum * x_scale[m]) *
+    scale[n], the order of int8_linear_ref (float32 products are not associative)."""
     if X_SCALE:
         row_scale = tl.load(x_scale_ptr + rows, mask=row_ok, other=0.0)[:, None]
         acc *= row_scale
         if GATED:
             acc_up *= row_scale
+    if HAS_SCALE:
+        acc *= tl.load(scale_ptr + cols, mask=col_ok, other=0.0)[None, :]
+        if GATED:
+            acc_up *= tl.load(scale_ptr + N + cols, mask=col_ok, other=0.0)[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     if GATED:
@@ -286,7 +298,9 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     silu(x @ weight[:N].T) * (x @ weight[N:].T) for weight (2N, K) (bias not supported). With
     ``weight_scale`` (rows of weight,) float32, weight is FP8 and row n counts as weight[n] * scale[n];
     with ``x_scale`` (M,) float32 too, x is FP8 and row m counts as x[m] * x_scale[m], and the
-    result is ``out_dtype`` (the activations' dtype). ``out_dtype`` defaults to x's dtype; float32
+    result is ``out_dtype`` (the activations' dtype). x and weight both int8 (with both scales): the
+    SmoothQuant W8A8 product of kernels/int8_sq.py, int8 dots with exact int32 sums (INT8_DOT in the
+    kernel). ``out_dtype`` defaults to x's dtype; float32
     serves the logits. ``split_k``: programs per output tile along K (each a whole number of BLOCK_K tiles). ``swap_ab``: see the kernel.
     ``waves`` > 0: each program covers cdiv(N, waves x SMs) output features (at most block_n) instead of
     block_n, so every SM streams the same share of the weight in ``waves`` rounds (Falcon's 4544 features
@@ -297,6 +311,8 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     assert m <= MAX_WIDE_ROWS and x.stride(1) == 1 and weight.stride(1) == 1 and not (gated and bias is not None)
     assert x_scale is None or (out_dtype is not None and weight_scale is not None)
     assert activation is None or (activation in ACTIVATIONS and not gated)
+    int8_dot = x.dtype == torch.int8
+    assert int8_dot == (weight.dtype == torch.int8) and (not int8_dot or x_scale is not None)
     out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     if m == 0:
         return out
@@ -304,7 +320,8 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     split_k = max(1, min(split_k, k_tiles))
     k_per_split = triton.cdiv(k_tiles, split_k) * block_k
     split_k = triton.cdiv(k, k_per_split)  # no program without work
-    part = torch.empty(split_k, m, 2 * n if gated else n, dtype=torch.float32, device=x.device) if split_k > 1 else out
+    part = torch.empty(split_k, m, 2 * n if gated else n, dtype=torch.int32 if int8_dot else torch.float32,
+                       device=x.device) if split_k > 1 else out
     bias, weight_scale, x_scale = dense(bias, weight_scale, x_scale)  # read at ptr + feature / + row
     bias_arg = bias if bias is not None else weight
     scale_arg = weight_scale if weight_scale is not None else weight
@@ -312,7 +329,7 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     flags = dict(HAS_BIAS=bias is not None, GATED=gated, HAS_SCALE=weight_scale is not None,
                  X_SCALE=x_scale is not None, SWAP_AB=swap_ab, M_PAD=padded_rows(m), BLOCK_N=block_n,
                  ACTIVATION=ACTIVATIONS.index(activation) + 1 if activation else 0,
-                 SPLIT_K=split_k, BALANCED=waves > 0, **pdl_options(x))
+                 SPLIT_K=split_k, BALANCED=waves > 0, INT8_DOT=int8_dot, **pdl_options(x))
     rows_per_program = min(block_n, triton.cdiv(n, waves * num_sms(x.device))) if waves > 0 else block_n
     tiles = triton.cdiv(n, rows_per_program)
     arrivals = _arrival_counters(x.device, tiles) if split_k > 1 else part

@@ -34,7 +34,7 @@ from engine.config import INT8_SQ, WeightOnlyScheme
 from kernels.fp8 import (FP8_DTYPE, QuantizedRows, ScaledProduct, apply_scales, fp8_gated_linear, fp8_linear,
                          quantizes_activations, rms_norm_quantized)
 from kernels.fp8_block import blocks, fp8_block_linear
-from kernels.int8_sq import int8_linear
+from kernels.int8_sq import int8_gated_linear, int8_linear
 from kernels.activation import silu_and_mul
 from kernels.linear import activation_ref, gated_linear, linear, linear_activated, linear_float32_out
 from kernels.rmsnorm import qk_rms_norm, rms_norm
@@ -244,7 +244,9 @@ class Linear(nn.Module):
             gate_up = self._product(x, None)
             self.lora.add(x, gate_up, lora)
             return silu_and_mul(gate_up)
-        if self.weight_only is not None or self.block_scales or self.int8:
+        if self.int8:  # decode rows: one skinny int8 kernel with the SiLU-and-mul in its epilogue
+            return int8_gated_linear(x, self.weight, self.weight_scale)
+        if self.weight_only is not None or self.block_scales:
             return silu_and_mul(self._product(x, None))
         if self.weight_scale is not None:
             return fp8_gated_linear(x, self.weight, self.weight_scale, quantize_output=quantize_output)

@@ -1,13 +1,21 @@
 """kernels/int8_sq.py (SmoothQuant W8A8 INT8): the per-token quantizer kernel against the torch
 reference (same codes, same scales), the scheme's reference against the dequantized float product,
-and the CUDA path (torch._int_mm) against the reference."""
+the decode-size skinny kernel (int8 dots, int32 sums; plain, with a bias, gated) against the reference
+(Triton's CPU interpreter with TRITON_INTERPRET=1, or the GPU), and the CUDA paths (the skinny kernel
+up to 16 rows, torch._int_mm past them) against the reference, eagerly and replayed from a CUDA graph."""
 from __future__ import annotations
 
 import pytest
 import torch
-from kernel_testing import TOLERANCE, relative_error
+from kernel_testing import TOLERANCE, relative_error, replayed
 
 from kernels import int8_sq
+from kernels.activation import silu_and_mul
+
+# Tilings the int8 skinny kernel is tried with: the default, split-K (int32 partial sums added by the last
+# program), swapped operands (the weight tile as the dot's first operand), both, and balanced tiles.
+INT8_TILINGS = (int8_sq.INT8_SKINNY_DEFAULT, (16, 256, 4, 6, 4), (64, 256, 4, 5, 1, 1), (64, 256, 4, 5, 2, 1),
+                (64, 128, 4, 6, 1, 1, 1))
 
 
 def test_weight_quantization_is_per_channel_symmetric():
@@ -46,3 +54,86 @@ def test_cuda_path_matches_the_reference(m):
     bias = torch.randn(264, device="cuda").to(torch.bfloat16)
     out = int8_sq.int8_linear(x, codes, scale, bias)
     assert relative_error(out, int8_sq.int8_linear_ref(x, codes, scale, bias)) < TOLERANCE[torch.bfloat16]
+
+
+def _int8_problem(m: int, n: int, k: int, device: str, dtype: torch.dtype, seed: int):
+    """x (m, k) with one outlier channel (SmoothQuant's case), int8 weight (n, k) + scales, bias (n,)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen)
+    x[:, 7] *= 30.0
+    codes, scale = int8_sq.quantize_weight_int8(torch.randn(n, k, generator=gen) * 0.05)
+    bias = torch.randn(n, generator=gen)
+    return x.to(dtype).to(device), codes.to(device), scale.to(device), bias.to(dtype).to(device)
+
+
+@pytest.mark.parametrize("m", [1, 3, 8, 16])
+def test_skinny_kernel_computes_the_reference_integers(device, m):
+    """The skinny kernel's int8 dots (int32 sums over K = 1001, past one 512 tile; N = 37 and 2 x 37, not
+    multiples of a tile), every INT8_TILINGS tiling, against int8_linear_ref: without a bias the same
+    integers scaled in the same order, so equal bit for bit; with a bias one output rounding apart at
+    most (the GPU may fuse the add into a multiply-add; the interpreter does not, and is equal there too);
+    gated: silu_and_mul of the reference product within one rounding (the SiLU's exp differs).
+    GPU: bf16 (the models' dtype; fewer compiles); Triton's CPU interpreter: float32 and float16."""
+    n, k = 37, 1001
+    for dtype in (torch.bfloat16,) if device == "cuda" else (torch.float32, torch.float16):
+        x, codes, scale, bias = _int8_problem(m, 2 * n, k, device, dtype, seed=m)
+        plain_w, plain_s = codes[:n], scale[:n]
+        for tiling in INT8_TILINGS:
+            got = int8_sq.int8_skinny_linear(x, plain_w, plain_s, variant=tiling)
+            assert torch.equal(got, int8_sq.int8_linear_ref(x, plain_w, plain_s)), (dtype, tiling)
+            got = int8_sq.int8_skinny_linear(x, plain_w, plain_s, bias[:n], variant=tiling)
+            want = int8_sq.int8_linear_ref(x, plain_w, plain_s, bias[:n])
+            if device == "cpu":
+                assert torch.equal(got, want), (dtype, tiling)
+            assert relative_error(got, want) < TOLERANCE[dtype], (dtype, tiling)
+            got = int8_sq.int8_skinny_linear(x, codes, scale, gated=True, variant=tiling)
+            want = silu_and_mul(int8_sq.int8_linear_ref(x, codes, scale))
+            assert got.shape == (m, n) and relative_error(got, want) < TOLERANCE[dtype], (dtype, tiling)
+
+
+def test_skinny_kernel_sums_stay_exact_past_float32_integers(device):
+    """Sums far past 2**24 (every x code 127, weight codes 126 or 127 over K = 4096: ~6.6e7), where a
+    float32 running sum of the K tiles would round at each add: the kernel keeps them in int32, so its
+    float32 output (no output rounding to hide a difference) equals the reference's, which rounds the
+    exact integer once. The test checks that a float32 sum of 512-wide tiles would have differed."""
+    k, n = 4096, 16
+    gen = torch.Generator().manual_seed(7)
+    x = torch.ones(2, k)
+    w = (126 + torch.randint(0, 2, (n, k), generator=gen)).to(torch.int8)
+    scale = torch.ones(n)
+    exact = (x.double() * 127) @ w.double().T
+    tile_sums = torch.zeros(2, n, dtype=torch.float32)
+    for k0 in range(0, k, 512):
+        tile_sums += ((x[:, k0:k0 + 512].double() * 127) @ w[:, k0:k0 + 512].double().T).float()
+    assert (tile_sums != exact.float()).any()  # float32 accumulation would not be exact here
+    want = int8_sq.int8_linear_ref(x, w, scale)
+    x, w, scale = x.to(device), w.to(device), scale.to(device)
+    for tiling in INT8_TILINGS:
+        assert torch.equal(int8_sq.int8_skinny_linear(x, w, scale, variant=tiling).cpu(), want), tiling
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="int8_linear's CUDA paths")
+@pytest.mark.parametrize("m", [1, 3, 8, 16, 17])
+def test_cuda_int8_linear_takes_the_skinny_kernel_for_decode_rows(m):
+    """int8_linear / int8_gated_linear on CUDA: up to 16 rows the skinny kernel (the same values as
+    int8_skinny_linear, and the reference's integers), at 17 torch._int_mm; both within one rounding of
+    the reference; and the same when captured in a CUDA graph and replayed on new rows. N = 270, 2 x 270:
+    not multiples of 8 (which only torch._int_mm needs; the reference takes those at 17 rows)."""
+    x, codes, scale, bias = _int8_problem(m, 2 * 270, 1000, "cuda", torch.bfloat16, seed=40 + m)
+    plain_w, plain_s = codes[:270], scale[:270]
+    got = int8_sq.int8_linear(x, plain_w, plain_s, bias[:270])
+    assert relative_error(got, int8_sq.int8_linear_ref(x, plain_w, plain_s, bias[:270])) < TOLERANCE[torch.bfloat16]
+    gated = int8_sq.int8_gated_linear(x, codes, scale)
+    gated_want = silu_and_mul(int8_sq.int8_linear_ref(x, codes, scale))
+    assert relative_error(gated, gated_want) < TOLERANCE[torch.bfloat16]
+    if m <= 16:
+        assert torch.equal(got, int8_sq.int8_skinny_linear(x, plain_w, plain_s, bias[:270]))
+        assert torch.equal(int8_sq.int8_linear(x, plain_w, plain_s), int8_sq.int8_linear_ref(x, plain_w, plain_s))
+        assert torch.equal(gated, int8_sq.int8_skinny_linear(x, codes, scale, gated=True))
+    x3 = x[None]  # (1, m, K): leading dimensions kept
+    assert int8_sq.int8_linear(x3, plain_w, plain_s).shape == (1, m, 270)
+    assert int8_sq.int8_gated_linear(x3, codes, scale).shape == (1, m, 270)
+    out = replayed(lambda: int8_sq.int8_linear(x, plain_w, plain_s, bias[:270]), x)
+    assert relative_error(out, int8_sq.int8_linear_ref(x, plain_w, plain_s, bias[:270])) < TOLERANCE[torch.bfloat16]
+    out = replayed(lambda: int8_sq.int8_gated_linear(x, codes, scale), x)
+    assert relative_error(out, silu_and_mul(int8_sq.int8_linear_ref(x, codes, scale))) < TOLERANCE[torch.bfloat16]
