@@ -25,18 +25,25 @@ from __future__ import annotations
 
 import torch
 
+from kernels import choice_cache
 from kernels._triton import jit, pdl_options, pdl_prologue, tl, triton, use_triton
 from kernels.activation import silu_and_mul
-from kernels.linear import MAX_SKINNY_ROWS, skinny_linear_triton, variant_options
+from kernels.linear import MAX_SKINNY_ROWS, graph_time_ms, skinny_linear_triton, variant_options
 
 INT8_MAX = 127.0
 MIN_SCALE = 1e-12  # an all-zero row gets this scale (its values quantize to 0 anyway)
 INT_MM_MIN_ROWS = 17  # torch._int_mm on CUDA takes more than 16 rows
-# (block_n, block_k, num_warps, num_stages[, split_k[, swap_ab]]) of the skinny kernel for int8 weights, unless a
-# weight carries its own under INT8_VARIANT_ATTR: an int8 tile has the bytes of an FP8 one, so FP8's default tiling
-# (kernels/fp8.py FP8_SKINNY_DEFAULT) to start with; benchmarks/kernels/int8_skinny_bench.py times the others.
+# (block_n, block_k, num_warps, num_stages[, split_k[, swap_ab[, waves]]]) of the skinny kernel for int8 weights
+# until a weight is timed at load (choose_int8_skinny_variants, which sets INT8_VARIANT_ATTR on it): an int8 tile
+# has the bytes of an FP8 one, so FP8's default tiling (kernels/fp8.py FP8_SKINNY_DEFAULT).
 INT8_SKINNY_DEFAULT = (16, 512, 4, 4)
 INT8_VARIANT_ATTR = "_int8_skinny_variant"
+# The tilings the load-time choice times (also benchmarks/kernels/int8_skinny_bench.py's): the default and, from
+# FP8's candidates (same bytes a tile), longer K tiles, swapped 64-wide tiles (the weight tile as a warpgroup
+# MMA's first operand), split-K, and one balanced tiling of the bf16 set. Eight, not FP8's 27: each is two
+# compiles (plain, gated) at an int8 engine's first load. Not yet timed on a GPU (2026-11-30).
+INT8_SKINNY_VARIANTS = ((16, 512, 4, 4), (32, 512, 4, 4), (16, 1024, 4, 4), (64, 256, 4, 5, 1, 1),
+                        (64, 512, 4, 3, 2, 1), (16, 512, 4, 4, 2), (32, 256, 4, 8, 4), (64, 128, 4, 4, 1, 1, 1))
 
 
 def _round_half_away(v: torch.Tensor) -> torch.Tensor:
@@ -163,3 +170,45 @@ def int8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tenso
     if bias is not None:
         out = out + bias.float()
     return out.to(x.dtype).reshape(*x.shape[:-1], n)
+
+
+@torch.inference_mode()
+def choose_int8_skinny_variants(weights: list[torch.Tensor], gated: list[torch.Tensor] = (),
+                                rows: tuple[int, ...] = (1, 8)) -> dict[tuple, tuple]:
+    """Per distinct int8 weight shape, the INT8_SKINNY_VARIANTS tiling with the least device time summed
+    over ``rows`` (CUDA graphs over copies of the weight that defeat the L2 cache, the row quantizer
+    included), set on each weight as INT8_VARIANT_ATTR (kernels/fp8.py choose_fp8_skinny_variants' rule).
+    ``gated`` weights ([gate | up], only run fused with the SiLU) are timed so, under ("gated", N, K).
+    CUDA only; through the persistent choice cache (kernels/choice_cache.py)."""
+    chosen: dict[tuple, tuple] = {}
+    for weight, is_gated in [(w, False) for w in weights] + [(w, True) for w in gated]:
+        key = (("gated",) if is_gated else ()) + tuple(weight.shape)
+        if key not in chosen:
+            chosen[key], _ = choice_cache.choice(
+                "int8_skinny", (key, tuple(rows)), weight.device, lambda: _fastest_int8_variant(weight, is_gated, rows),
+                sources=_int8_sources(), candidates=INT8_SKINNY_VARIANTS,
+                valid=lambda variant: variant in INT8_SKINNY_VARIANTS)
+        setattr(weight, INT8_VARIANT_ATTR, chosen[key])
+    return chosen
+
+
+def _int8_sources() -> tuple[str, ...]:
+    """The files whose kernels the int8 load-time choice times (kernels/choice_cache.py's key)."""
+    from kernels import _triton, linear
+
+    return (__file__, linear.__file__, _triton.__file__)
+
+
+def _fastest_int8_variant(weight: torch.Tensor, gated: bool, rows: tuple[int, ...]) -> tuple:
+    from kernels.fp8 import l2_defeating_copies
+
+    scale = torch.full((weight.shape[0],), 1e-3, dtype=torch.float32, device=weight.device)
+    copies = l2_defeating_copies(weight)
+    turn = iter(range(1 << 40))
+    times = dict.fromkeys(INT8_SKINNY_VARIANTS, 0.0)
+    for m in rows:
+        x = torch.randn(m, weight.shape[1], dtype=torch.bfloat16, device=weight.device)
+        for variant in times:
+            times[variant] += graph_time_ms(lambda: int8_skinny_linear(
+                x, copies[next(turn) % len(copies)], scale, gated=gated, variant=variant))
+    return min(times, key=times.get)

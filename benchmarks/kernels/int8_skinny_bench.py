@@ -12,7 +12,8 @@ Times are microseconds a call from CUDA-graph replays of 20 calls over copies of
 together exceed twice the L2 cache (kernels.fp8.l2_defeating_copies), as the engine's load-time
 choices time; the quantizers are inside the timed calls. Triton kernels launch with PDL where the
 GPU has it (the engine's default), torch._int_mm and cuBLAS without. Each skinny path is the best of
-its tilings (--int8-tilings, --fp8-tilings, --bf16-tilings; the best one is printed). Every int8
+its tilings (--int8-tilings, default the load-time candidates int8_sq.INT8_SKINNY_VARIANTS;
+--fp8-tilings, --bf16-tilings; the best one is printed, and every int8 tiling's time in the JSON lines). Every int8
 output is checked against int8_linear_ref first (relative difference printed).
 
     python benchmarks/kernels/int8_skinny_bench.py [--rows 1 8 16] [--out int8_skinny.md] [--json int8_skinny.json]
@@ -43,10 +44,8 @@ from kernels.linear import graph_time_ms, skinny_linear_triton, variant_options 
 # (name, N, K, gated): Llama-3.1-8B's decode products (gate_up's N is both halves: 2 x 14336).
 SHAPES = (("qkv", 6144, 4096, False), ("o_proj", 4096, 4096, False), ("gate_up", 28672, 4096, True),
           ("down", 4096, 14336, False))
-# (block_n, block_k, num_warps, num_stages[, split_k[, swap_ab[, waves]]]): int8 tiles carry an FP8 tile's bytes,
-# so FP8's default and a few of FP8_EXTRA_VARIANTS' winners (longer K tiles, swapped 64-wide tiles, split-K).
-INT8_TILINGS = ((16, 512, 4, 4), (32, 512, 4, 4), (16, 1024, 4, 4), (64, 256, 4, 5, 1, 1), (64, 512, 4, 3, 2, 1),
-                (16, 512, 4, 4, 2), (32, 256, 4, 8, 4), (64, 128, 4, 4, 1, 1, 1))
+# (block_n, block_k, num_warps, num_stages[, split_k[, swap_ab[, waves]]]): the int8 load-time candidates.
+INT8_TILINGS = int8_sq.INT8_SKINNY_VARIANTS
 FP8_TILINGS = (FP8_SKINNY_DEFAULT, (64, 256, 4, 5, 1, 1), (16, 1024, 4, 4))
 # HALF_EXTRA_VARIANTS' Llama-8B winners on an H200 (kernels/linear.py) and an older default.
 BF16_TILINGS = ((64, 128, 4, 6, 1, 1, 1), (64, 128, 4, 4, 1, 1, 1), (32, 256, 4, 4))

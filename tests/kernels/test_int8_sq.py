@@ -137,3 +137,25 @@ def test_cuda_int8_linear_takes_the_skinny_kernel_for_decode_rows(m):
     assert relative_error(out, int8_sq.int8_linear_ref(x, plain_w, plain_s, bias[:270])) < TOLERANCE[torch.bfloat16]
     out = replayed(lambda: int8_sq.int8_gated_linear(x, codes, scale), x)
     assert relative_error(out, silu_and_mul(int8_sq.int8_linear_ref(x, codes, scale))) < TOLERANCE[torch.bfloat16]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the load-time choice times on a CUDA device")
+def test_load_time_choice_marks_each_int8_weight_with_a_candidate_tiling():
+    """choose_int8_skinny_variants (the engine's load, engine/executor/runner.py choose_kernels): one of
+    INT8_SKINNY_VARIANTS per shape, plain and gated apart, set on every weight of that shape; int8_linear and
+    int8_gated_linear then run that tiling (the same values as int8_skinny_linear with it). Shapes in multiples
+    of 16, as the models' (so these compiles are the ones benchmarks/kernels/int8_skinny_bench.py reuses)."""
+    plain = [int8_sq.quantize_weight_int8(torch.randn(256, 512, device="cuda"))[0] for _ in range(2)]
+    gate_up, gate_up_scale = int8_sq.quantize_weight_int8(torch.randn(2 * 128, 512, device="cuda"))
+    chosen = int8_sq.choose_int8_skinny_variants(plain, gated=[gate_up], rows=(1,))
+    assert set(chosen) == {(256, 512), ("gated", 256, 512)}
+    assert all(variant in int8_sq.INT8_SKINNY_VARIANTS for variant in chosen.values())
+    assert all(getattr(w, int8_sq.INT8_VARIANT_ATTR) == chosen[(256, 512)] for w in plain)
+    assert getattr(gate_up, int8_sq.INT8_VARIANT_ATTR) == chosen[("gated", 256, 512)]
+    x = torch.randn(1, 512, device="cuda", dtype=torch.bfloat16)
+    scale = torch.rand(256, device="cuda") * 1e-2
+    assert torch.equal(int8_sq.int8_linear(x, plain[0], scale),
+                       int8_sq.int8_skinny_linear(x, plain[0], scale, variant=chosen[(256, 512)]))
+    assert torch.equal(int8_sq.int8_gated_linear(x, gate_up, gate_up_scale),
+                       int8_sq.int8_skinny_linear(x, gate_up, gate_up_scale, gated=True,
+                                                  variant=chosen[("gated", 256, 512)]))
