@@ -81,7 +81,8 @@ def _quantize_rows_int8_kernel(x_ptr, q_ptr, scale_ptr, K, stride_x, stride_q, B
     for k0 in range(0, K, BLOCK):
         x = tl.load(x_ptr + row * stride_x + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32)
         peak = tl.maximum(peak, tl.abs(x))
-    scale = tl.maximum(tl.max(peak, 0) / 127.0, 1e-12)
+    # IEEE division as torch divides (a plain "/" here compiles to max * approx(1 / 127) on sm_90: an ulp off)
+    scale = tl.maximum(tl.math.div_rn(tl.max(peak, 0), tl.full([], 127.0, tl.float32)), 1e-12)
     tl.store(scale_ptr + row, scale)
     for k0 in range(0, K, BLOCK):
         x = tl.load(x_ptr + row * stride_x + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32)
