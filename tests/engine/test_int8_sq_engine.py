@@ -173,10 +173,11 @@ def test_random_weight_engines_hold_valid_codes():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the int8 path (Triton quantizer, torch._int_mm) needs CUDA")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the int8 path (Triton kernels, torch._int_mm) needs CUDA")
 def test_cuda_engine_with_graphs_matches_the_cpu_reference(tmp_path):
-    """The CUDA path (per-token Triton quantizer, torch._int_mm, decode CUDA graphs) gives the CPU
-    reference's logits within bf16 rounding."""
+    """The CUDA path (per-token Triton quantizer; the 12-token prompt's and the decode steps' products, at
+    most 16 rows, on the skinny int8 kernel with the tilings chosen at load; decode CUDA graphs) gives the
+    CPU reference's logits within bf16 rounding (torch._int_mm's larger batches: tests/kernels/test_int8_sq.py)."""
     from engine.executor.runner import ModelRunner
     from engine_testing import PagedSession
 
