@@ -93,7 +93,7 @@ run_part() {  # NAME GPU WORKERS MEMORY_FRACTION DIST PATHS...: in the backgroun
 # start take 90% of their cap, 0.04 (5.6 GB of an H200): ~5 million blocks of the tiny model's 1 KB,
 # ~5 s of a block manager's set-up each.
 # WARM_CACHE=1: the engine's load-time GEMM candidates compiled by a pool of processes
-# (benchmarks/kernels/warm_triton_cache.py, 74 kernels) while the parts collect their tests; every CUDA executor a
+# (benchmarks/kernels/warm_triton_cache.py, 90 kernels) while the parts collect their tests; every CUDA executor a
 # test starts times them, and on a cold cache each worker compiled them one after the other (the throughput
 # bench's tiny run: 84 s). Not measured yet. Its summary line lands in $out/warm_cache.txt.
 if [ "${WARM_CACHE:-0}" = 1 ]; then

@@ -2,12 +2,13 @@
 """Compile every tiling an engine's load may time (the skinny GEMM candidates) into Triton's on-disk
 cache from many processes at once, before a benchmark on a fresh GPU machine.
 
-    python benchmarks/kernels/warm_triton_cache.py [--kinds bf16,fp8] [--jobs 14]
+    python benchmarks/kernels/warm_triton_cache.py [--kinds bf16,fp8,int8] [--jobs 14]
 
 Why: on a cold cache an engine's load compiles each candidate one after the other in its own process
 (kernels/linear.py choose_skinny_weights / choose_gated_weights: half_variants(), 10 tilings, plain and
 gated; kernels/fp8.py choose_fp8_skinny_variants: SKINNY_VARIANTS + FP8_EXTRA_VARIANTS, 27, plain and
-gated): 20 and 54 compiles of ~1 s, most of what made two GPU runs of 2026-11-29 end inside their
+gated; kernels/int8_sq.py choose_int8_skinny_variants: INT8_SKINNY_VARIANTS, 8, plain and gated, with the
+int8 row quantizer): 20, 54 and 16 compiles of ~1 s, most of what made two GPU runs of 2026-11-29 end inside their
 engines' load (tree_bench's FP8 load > 55 s). Here a pool of processes compiles them side by side; the
 engine's load then reads them from the cache (same kernels, same constexprs, same specialization: the
 products are launched as the load times them, on shapes whose sizes are multiples of 16 like the real
@@ -27,16 +28,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: kernels
 
-KINDS = ("bf16", "fp8")
+KINDS = ("bf16", "fp8", "int8")
 N, K = 2048, 4096  # multiples of 16 (a gated weight is (2N, K)); the real models' sizes are too
 
 
 def jobs(kinds: list[str]) -> list[tuple[str, tuple, bool]]:
     """(kind, tiling, gated) for every product the load may time."""
     from kernels.fp8 import FP8_EXTRA_VARIANTS
+    from kernels.int8_sq import INT8_SKINNY_VARIANTS
     from kernels.linear import SKINNY_VARIANTS, half_variants
 
-    tilings = {"bf16": half_variants(), "fp8": SKINNY_VARIANTS + FP8_EXTRA_VARIANTS}
+    tilings = {"bf16": half_variants(), "fp8": SKINNY_VARIANTS + FP8_EXTRA_VARIANTS, "int8": INT8_SKINNY_VARIANTS}
     return [(kind, tiling, gated) for kind in kinds for tiling in tilings[kind] for gated in (False, True)]
 
 
@@ -45,13 +47,33 @@ _inputs: dict = {}
 
 def _launch(job: tuple[str, tuple, bool], device: str) -> tuple[tuple, float, str]:
     """One product as the load times it (kernels/linear.py _time_shape, kernels/fp8.py
-    _fastest_fp8_variant): its first launch compiles it, or reads it from the cache."""
+    _fastest_fp8_variant, kernels/int8_sq.py _fastest_int8_variant): its first launch compiles it, or reads it
+    from the cache."""
     import torch
 
     from kernels.fp8 import quantize_rows_triton, quantize_weight
+    from kernels.int8_sq import int8_skinny_linear, quantize_weight_int8
     from kernels.linear import skinny_linear_triton, variant_options
 
     kind, tiling, gated = job
+    if kind == "int8":  # int8_skinny_linear as the load times it: bf16 rows quantized by its Triton kernel
+        if kind not in _inputs:
+            torch.manual_seed(0)
+            _inputs[kind] = (torch.randn(1, K, dtype=torch.bfloat16, device=device),
+                             *quantize_weight_int8(torch.randn(2 * N, K, device=device)))
+        x, codes, scale = _inputs[kind]
+        started = time.perf_counter()
+        try:
+            if gated:
+                int8_skinny_linear(x, codes, scale, gated=True, variant=tiling)
+            else:
+                int8_skinny_linear(x, codes[:N], scale[:N], variant=tiling)
+            if device != "cpu":
+                torch.cuda.synchronize()
+            outcome = "ok"
+        except Exception as error:  # (as below)
+            outcome = f"{type(error).__name__}: {str(error).splitlines()[0][:120] if str(error) else ''}"
+        return job, time.perf_counter() - started, outcome
     if kind not in _inputs:
         torch.manual_seed(0)
         rows = 1
@@ -105,7 +127,7 @@ def warm(kinds: list[str], processes: int, device: str = "cuda", limit: int = 0)
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--kinds", default="bf16,fp8", help=f"comma-separated subset of {KINDS}")
+    parser.add_argument("--kinds", default="bf16,fp8,int8", help=f"comma-separated subset of {KINDS}")
     parser.add_argument("--jobs", type=int, default=max(1, min(14, (multiprocessing.cpu_count() or 2) - 2)),
                         help="processes (default: the cores less two, at most 14)")
     parser.add_argument("--device", default="cuda", help="cuda, or cpu under TRITON_INTERPRET=1 (a smoke run)")
