@@ -10,7 +10,9 @@ transform of the model before quantization, engine/weight_only/smoothquant.py):
 - y = (x_q @ w_q.T) * s_x[:, None] * s_w[None, :] (+ bias): the integer product is exact (int32
   accumulation), the scales are applied once in float32, the result rounded once to x's dtype.
 
-Paths: on CUDA the rows are quantized by ``quantize_rows_int8_triton`` (one program per row), then
+Paths: on CUDA the rows are quantized by ``quantize_rows_int8_triton`` (one program per row), or
+already by the RMSNorm before the layer (``rms_norm_quantized_int8``: QuantizedRows, as FP8's norms
+hand over; engine/models/layers.py rms_norm_into, for qkv_proj and gate_up_proj), then
 - at most ``MAX_SKINNY_ROWS`` rows (decode): kernels/linear.py's skinny kernel with int8 x and weight
   tiles in int8 tensor-core dots (int32 sums, exact), both scales in its epilogue (``int8_skinny_linear``;
   the gated [gate | up] product with its SiLU-and-mul in the same kernel, ``int8_gated_linear``). Before
@@ -28,7 +30,10 @@ import torch
 from kernels import choice_cache
 from kernels._triton import jit, pdl_options, pdl_prologue, tl, triton, use_triton
 from kernels.activation import silu_and_mul
+from kernels.fp8 import QuantizedRows
+from kernels.int8_rows import int8_row_scale, to_int8
 from kernels.linear import MAX_SKINNY_ROWS, graph_time_ms, skinny_linear_triton, variant_options
+from kernels.rmsnorm import rms_norm_quantized_int8_triton, rms_norm_ref
 
 INT8_MAX = 127.0
 MIN_SCALE = 1e-12  # an all-zero row gets this scale (its values quantize to 0 anyway)
@@ -73,7 +78,7 @@ def quantize_weight_int8(weight: torch.Tensor, scale: torch.Tensor | None = None
 def _quantize_rows_int8_kernel(x_ptr, q_ptr, scale_ptr, K, stride_x, stride_q, BLOCK: tl.constexpr,
                                PDL: tl.constexpr):
     """One program per row: its absolute maximum, then every value / (max / 127) rounded half away
-    from zero (``quantize_rows_int8``'s arithmetic: float32 division, then floor(|v| + 0.5))."""
+    from zero (``quantize_rows_int8``'s arithmetic, kernels/int8_rows.py)."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     pdl_prologue(PDL)
@@ -81,15 +86,11 @@ def _quantize_rows_int8_kernel(x_ptr, q_ptr, scale_ptr, K, stride_x, stride_q, B
     for k0 in range(0, K, BLOCK):
         x = tl.load(x_ptr + row * stride_x + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32)
         peak = tl.maximum(peak, tl.abs(x))
-    # IEEE division as torch divides (a plain "/" here compiles to max * approx(1 / 127) on sm_90: an ulp off)
-    scale = tl.maximum(tl.math.div_rn(tl.max(peak, 0), tl.full([], 127.0, tl.float32)), 1e-12)
+    scale = int8_row_scale(tl.max(peak, 0))
     tl.store(scale_ptr + row, scale)
     for k0 in range(0, K, BLOCK):
         x = tl.load(x_ptr + row * stride_x + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32)
-        v = tl.math.div_rn(x, scale + tl.zeros([BLOCK], dtype=tl.float32))  # IEEE division, as torch
-        r = tl.where(v < 0, -tl.floor(-v + 0.5), tl.floor(v + 0.5))
-        r = tl.minimum(tl.maximum(r, -127.0), 127.0)
-        tl.store(q_ptr + row * stride_q + k0 + cols, r.to(tl.int8), mask=k0 + cols < K)
+        tl.store(q_ptr + row * stride_q + k0 + cols, to_int8(x, scale), mask=k0 + cols < K)
 
 
 def quantize_rows_int8_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,28 +110,55 @@ def int8_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
                     bias: torch.Tensor | None = None) -> torch.Tensor:
     """The W8A8 INT8 scheme in plain torch: x (..., K) quantized per token, the integer product in
     float64 (exact: |sum| < 127^2 K < 2^53), scaled in float32, rounded once to x's dtype."""
-    rows = x.reshape(-1, x.shape[-1])
-    codes, scale = quantize_rows_int8(rows)
-    exact = (codes.double() @ weight.double().T).float()
-    out = exact * scale[:, None] * weight_scale.float()[None, :]
+    rows = QuantizedRows(*quantize_rows_int8(x.reshape(-1, x.shape[-1])), x.dtype)
+    return _rows_product_ref(rows, weight, weight_scale, bias).reshape(*x.shape[:-1], weight.shape[0])
+
+
+def _rows_product_ref(rows: QuantizedRows, weight: torch.Tensor, weight_scale: torch.Tensor,
+                      bias: torch.Tensor | None) -> torch.Tensor:
+    """int8_linear_ref's product of rows quantized already: (M, N) in rows.dtype."""
+    exact = (rows.values.double() @ weight.double().T).float()
+    out = exact * rows.scale[:, None] * weight_scale.float()[None, :]
     if bias is not None:
         out = out + bias.float()
-    return out.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+    return out.to(rows.dtype)
 
 
-def int8_skinny_linear(rows: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+def as_int8_rows(x: torch.Tensor | QuantizedRows) -> QuantizedRows:
+    """x (..., K) quantized per row as (M, K) int8 codes (itself when it is QuantizedRows already): the
+    Triton row quantizer on CUDA, else the reference (the two agree bit for bit)."""
+    if isinstance(x, QuantizedRows):
+        return x
+    rows = _packed_rows(x)
+    quantize = quantize_rows_int8_triton if use_triton(rows) else quantize_rows_int8
+    return QuantizedRows(*quantize(rows), x.dtype)
+
+
+def rms_norm_quantized_int8(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                            residual: torch.Tensor | None = None) -> tuple[QuantizedRows, torch.Tensor]:
+    """kernels.rmsnorm.rms_norm with its output quantized per row to int8 (QuantizedRows, new_residual):
+    on CUDA in the norm's own kernel (no quantize launch of its own before qkv_proj and gate_up_proj)."""
+    if use_triton(x):
+        values, scale, residual = rms_norm_quantized_int8_triton(x, weight, eps, residual)
+        return QuantizedRows(values, scale, x.dtype), residual
+    out, residual = rms_norm_ref(x, weight, eps, residual)
+    return as_int8_rows(out), residual
+
+
+def int8_skinny_linear(rows: torch.Tensor | QuantizedRows, weight: torch.Tensor, weight_scale: torch.Tensor,
                        bias: torch.Tensor | None = None, *, gated: bool = False,
                        variant: tuple | None = None) -> torch.Tensor:
     """rows (M, K), M <= MAX_SKINNY_ROWS, unit column stride, quantized per token by the Triton row
-    quantizer, then one skinny kernel: int8 dots with int32 sums, (sum * s_x) * s_w, bias, rounded
-    once to rows' dtype: (M, N). ``gated``: weight (2N, K) = [gate | up] and the result
-    silu(gate product) * (up product), each product rounded first as ``silu_and_mul`` of
+    quantizer (unless they are QuantizedRows already), then one skinny kernel: int8 dots with int32 sums,
+    (sum * s_x) * s_w, bias, rounded once to rows' dtype: (M, N). ``gated``: weight (2N, K) = [gate | up]
+    and the result silu(gate product) * (up product), each product rounded first as ``silu_and_mul`` of
     ``int8_linear`` rounds (no bias). ``variant``: the tiling (default: the weight's, else
     INT8_SKINNY_DEFAULT). Triton's: CUDA, or CPU under TRITON_INTERPRET=1 (the tests)."""
-    codes, scale = quantize_rows_int8_triton(rows)
+    if not isinstance(rows, QuantizedRows):
+        rows = QuantizedRows(*quantize_rows_int8_triton(rows), rows.dtype)
     variant = variant or getattr(weight, INT8_VARIANT_ATTR, INT8_SKINNY_DEFAULT)
-    return skinny_linear_triton(codes, weight, bias, weight_scale=weight_scale, x_scale=scale, out_dtype=rows.dtype,
-                                gated=gated, **variant_options(variant))
+    return skinny_linear_triton(rows.values, weight, bias, weight_scale=weight_scale, x_scale=rows.scale,
+                                out_dtype=rows.dtype, gated=gated, **variant_options(variant))
 
 
 def _packed_rows(x: torch.Tensor) -> torch.Tensor:
@@ -138,39 +166,47 @@ def _packed_rows(x: torch.Tensor) -> torch.Tensor:
     return rows if rows.stride(1) == 1 else rows.contiguous()
 
 
-def int8_gated_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
+def _leading_shape(x: torch.Tensor | QuantizedRows) -> tuple[int, ...]:
+    return tuple(x.values.shape[:-1]) if isinstance(x, QuantizedRows) else tuple(x.shape[:-1])
+
+
+def int8_gated_linear(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, weight_scale: torch.Tensor
+                      ) -> torch.Tensor:
     """silu(x @ gate.T) * (x @ up.T) for an int8 gate_up weight (2 * inter, hidden) = [gate | up]
     with per-channel scales: one skinny kernel for CUDA decode rows, else ``int8_linear`` then
-    ``silu_and_mul``."""
-    if use_triton(x) and x.numel() // x.shape[-1] <= MAX_SKINNY_ROWS:
-        out = int8_skinny_linear(_packed_rows(x), weight, weight_scale, gated=True)
-        return out.reshape(*x.shape[:-1], weight.shape[0] // 2)
+    ``silu_and_mul``. x may be QuantizedRows (from rms_norm_quantized_int8)."""
+    values = x.values if isinstance(x, QuantizedRows) else x
+    if use_triton(values) and values.numel() // values.shape[-1] <= MAX_SKINNY_ROWS:
+        out = int8_skinny_linear(x if isinstance(x, QuantizedRows) else _packed_rows(x), weight, weight_scale,
+                                 gated=True)
+        return out.reshape(*_leading_shape(x), weight.shape[0] // 2)
     return silu_and_mul(int8_linear(x, weight, weight_scale))
 
 
-def int8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+def int8_linear(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, weight_scale: torch.Tensor,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x (..., K) in the model dtype @ the int8 weight (N, K) with per-channel scales (+ bias) ->
-    (..., N) in x's dtype: on CUDA the skinny int8 kernel for decode rows, else the Triton row
-    quantizer and ``torch._int_mm``; the reference elsewhere (and where cuBLASLt's int8 shape rules,
-    K and N multiples of 8, do not hold)."""
+    """x (..., K) in the model dtype, or QuantizedRows (rms_norm_quantized_int8's), @ the int8 weight (N, K)
+    with per-channel scales (+ bias) -> (..., N) in x's dtype: on CUDA the skinny int8 kernel for decode
+    rows, else the Triton row quantizer and ``torch._int_mm``; the reference elsewhere (and where
+    cuBLASLt's int8 shape rules, K and N multiples of 8, do not hold)."""
     n, k = weight.shape
-    if not use_triton(x):
+    shape = (*_leading_shape(x), n)
+    if not isinstance(x, QuantizedRows) and not use_triton(x):
         return int8_linear_ref(x, weight, weight_scale, bias)
-    rows = _packed_rows(x)
-    if rows.shape[0] <= MAX_SKINNY_ROWS:
-        return int8_skinny_linear(rows, weight, weight_scale, bias).reshape(*x.shape[:-1], n)
-    if k % 8 or n % 8:
-        return int8_linear_ref(x, weight, weight_scale, bias)
-    codes, scale = quantize_rows_int8_triton(rows)
-    m = codes.shape[0]
+    rows = as_int8_rows(x)
+    m = rows.values.shape[0]
+    if not use_triton(rows.values) or (m > MAX_SKINNY_ROWS and (k % 8 or n % 8)):
+        return _rows_product_ref(rows, weight, weight_scale, bias).reshape(shape)
+    if m <= MAX_SKINNY_ROWS:
+        return int8_skinny_linear(rows, weight, weight_scale, bias).reshape(shape)
+    codes = rows.values
     if m < INT_MM_MIN_ROWS:
         codes = torch.cat([codes, codes.new_zeros(INT_MM_MIN_ROWS - m, k)])
     exact = torch._int_mm(codes, weight.t())[:m]
-    out = exact.float() * scale[:, None] * weight_scale[None, :]
+    out = exact.float() * rows.scale[:, None] * weight_scale[None, :]
     if bias is not None:
         out = out + bias.float()
-    return out.to(x.dtype).reshape(*x.shape[:-1], n)
+    return out.to(rows.dtype).reshape(shape)
 
 
 @torch.inference_mode()

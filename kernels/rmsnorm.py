@@ -26,6 +26,7 @@ import torch
 
 from kernels._triton import dense, jit, pdl_options, pdl_prologue, tl, triton, use_triton
 from kernels.e4m3_rows import e4m3_row_scale, to_e4m3
+from kernels.int8_rows import int8_row_scale, to_int8
 
 
 def rms_norm_ref(
@@ -54,11 +55,12 @@ def _rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, scale_ptr, x_row_scale_ptr, x_col_scale_ptr,
     stride_x, stride_xp, stride_r, stride_o, stride_ro, hidden, eps,
     HAS_RESIDUAL: tl.constexpr, NUM_PARTS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
-    QUANTIZE: tl.constexpr, SCALED_X: tl.constexpr,
+    QUANTIZE: tl.constexpr, SCALED_X: tl.constexpr, INT8: tl.constexpr = False,
 ):
     """NUM_PARTS > 1: row ``row`` of x is the sum of NUM_PARTS rows stride_xp apart (module
     docstring). QUANTIZE: out is float8_e4m3fn and the normalized row, rounded to x's dtype, is
-    quantized per row as kernels/fp8.py's quantize_rows does (kernels/e4m3_rows.py). SCALED_X: x is
+    quantized per row as kernels/fp8.py's quantize_rows does (kernels/e4m3_rows.py); with INT8, out is
+    int8 codes as kernels/int8_sq.py's quantize_rows_int8 makes them (kernels/int8_rows.py). SCALED_X: x is
     an unscaled FP8 product (kernels/fp8.py ScaledProduct), scaled by its row's and columns' scales
     and rounded to x's dtype first (what the row-wise product would have stored)."""
     pdl_prologue(PDL)
@@ -86,9 +88,14 @@ def _rms_norm_kernel(
     weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     if QUANTIZE:
         y = (weight * normed).to(x_ptr.dtype.element_ty).to(tl.float32)
-        scale = e4m3_row_scale(tl.max(tl.abs(y), 0))
-        tl.store(scale_ptr + row, scale)
-        tl.store(out_ptr + row * stride_o + cols, to_e4m3(y, scale), mask=mask)
+        if INT8:
+            scale = int8_row_scale(tl.max(tl.abs(y), 0))
+            tl.store(scale_ptr + row, scale)
+            tl.store(out_ptr + row * stride_o + cols, to_int8(y, scale), mask=mask)
+        else:
+            scale = e4m3_row_scale(tl.max(tl.abs(y), 0))
+            tl.store(scale_ptr + row, scale)
+            tl.store(out_ptr + row * stride_o + cols, to_e4m3(y, scale), mask=mask)
     else:
         tl.store(out_ptr + row * stride_o + cols, (weight * normed).to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -113,11 +120,21 @@ def rms_norm_quantized_triton(
     return _launch_rms_norm(x, weight, eps, residual, quantize=True, x_scales=x_scales)
 
 
-def _launch_rms_norm(x, weight, eps, residual, *, quantize: bool, x_scales=None):
+def rms_norm_quantized_int8_triton(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``rms_norm`` whose output row is quantized to int8 per row in the same pass (the input of a
+    SmoothQuant W8A8 product, kernels/int8_sq.py): returns (codes (num_tokens, hidden) int8, scale
+    (num_tokens,) float32, new_residual), equal to kernels.int8_sq.quantize_rows_int8 of rms_norm's output."""
+    return _launch_rms_norm(x, weight, eps, residual, quantize=True, int8=True)
+
+
+def _launch_rms_norm(x, weight, eps, residual, *, quantize: bool, x_scales=None, int8: bool = False):
     num_tokens, hidden = x.shape[0], x.shape[-1]
     parts = x.shape[1] if x.dim() == 3 else 1  # (num_tokens, parts, hidden): rows summed first
     assert x.stride(-1) == 1 and (residual is None or residual.stride(1) == 1)
-    out = torch.empty(num_tokens, hidden, dtype=torch.float8_e4m3fn if quantize else x.dtype, device=x.device)
+    out_dtype = (torch.int8 if int8 else torch.float8_e4m3fn) if quantize else x.dtype
+    out = torch.empty(num_tokens, hidden, dtype=out_dtype, device=x.device)
     scale = torch.empty(num_tokens, dtype=torch.float32, device=x.device) if quantize else out
     # x itself is the new residual only when nothing is added to it, summed into it or scaled.
     residual_out = torch.empty(num_tokens, hidden, dtype=x.dtype, device=x.device) \
@@ -133,8 +150,8 @@ def _launch_rms_norm(x, weight, eps, residual, *, quantize: bool, x_scales=None)
         x, residual if residual is not None else x, weight, out, residual_out, scale, row_scale, col_scale,
         x.stride(0), x.stride(1) if parts > 1 else 0, residual.stride(0) if residual is not None else 0,
         out.stride(0), residual_out.stride(0), hidden, eps, HAS_RESIDUAL=residual is not None, NUM_PARTS=parts,
-        BLOCK=block, QUANTIZE=quantize, SCALED_X=x_scales is not None, num_warps=min(16, max(1, block // 512)),
-        **pdl_options(x),
+        BLOCK=block, QUANTIZE=quantize, SCALED_X=x_scales is not None, INT8=int8,
+        num_warps=min(16, max(1, block // 512)), **pdl_options(x),
     )
     return out, scale, residual_out
 

@@ -34,7 +34,7 @@ from engine.config import INT8_SQ, WeightOnlyScheme
 from kernels.fp8 import (FP8_DTYPE, QuantizedRows, ScaledProduct, apply_scales, fp8_gated_linear, fp8_linear,
                          quantizes_activations, rms_norm_quantized)
 from kernels.fp8_block import blocks, fp8_block_linear
-from kernels.int8_sq import int8_gated_linear, int8_linear
+from kernels.int8_sq import int8_gated_linear, int8_linear, rms_norm_quantized_int8
 from kernels.activation import silu_and_mul
 from kernels.linear import activation_ref, gated_linear, linear, linear_activated, linear_float32_out
 from kernels.rmsnorm import qk_rms_norm, rms_norm
@@ -221,10 +221,10 @@ class Linear(nn.Module):
         return linear(x, self.weight, bias)  # F.linear, or a skinny Triton GEMM chosen at engine load
 
     def takes_quantized_rows(self, x: torch.Tensor) -> bool:
-        """Whether this layer would quantize x per token itself (an FP8 weight on the W8A8 path),
-        so that the kernel making x may hand it QuantizedRows instead. Not with LoRA slots: the
-        adapters read x in the model dtype."""
-        return self.is_fp8 and self.lora is None and quantizes_activations(x.device)
+        """Whether this layer would quantize x per token itself (an FP8 weight on the W8A8 path, or an
+        int8_sq weight: E4M3 or int8 rows), so that the kernel making x may hand it QuantizedRows
+        instead. Not with LoRA slots: the adapters read x in the model dtype."""
+        return (self.is_fp8 or self.int8) and self.lora is None and quantizes_activations(x.device)
 
     def activated(self, x: torch.Tensor, activation: str) -> torch.Tensor:
         """act(x @ weight.T + bias), act one of kernels.linear.ACTIVATIONS (a non-gated MLP's up
@@ -286,10 +286,13 @@ class RowParallelLinear(Linear):
 def rms_norm_into(linear: Linear | None, x: torch.Tensor | ScaledProduct, weight: torch.Tensor, eps: float,
                   residual: torch.Tensor | None) -> tuple[torch.Tensor | QuantizedRows, torch.Tensor]:
     """kernels.rmsnorm.rms_norm for a norm whose output only ``linear`` reads: with an FP8 layer on
-    the W8A8 path the norm quantizes its output per token in the same kernel. x may be a
-    ScaledProduct (an FP8 projection's deferred scales): the quantizing norm applies them itself."""
+    the W8A8 path the norm quantizes its output per token in the same kernel (to int8 for an int8_sq
+    layer). x may be a ScaledProduct (an FP8 projection's deferred scales): the quantizing norm
+    applies them itself (only FP8 products defer their scales)."""
     values = x.values if isinstance(x, ScaledProduct) else x
     if linear is not None and linear.takes_quantized_rows(values):
+        if linear.int8:
+            return rms_norm_quantized_int8(apply_scales(x), weight, eps, residual)
         return rms_norm_quantized(x, weight, eps, residual)
     return rms_norm(apply_scales(x), weight, eps, residual)
 

@@ -159,3 +159,37 @@ def test_load_time_choice_marks_each_int8_weight_with_a_candidate_tiling():
     assert torch.equal(int8_sq.int8_gated_linear(x, gate_up, gate_up_scale),
                        int8_sq.int8_skinny_linear(x, gate_up, gate_up_scale, gated=True,
                                                   variant=chosen[("gated", 256, 512)]))
+
+
+@pytest.mark.parametrize("hidden", [40, 4096])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_norm_quantizing_its_output_equals_the_norm_then_the_quantizer(device, hidden, with_residual):
+    """rms_norm_quantized_int8 (the int8_sq layers' input norms, engine/models/layers.py rms_norm_into): the
+    RMSNorm's output quantized per row in the norm's own kernel equals rms_norm then the row quantizer bit for
+    bit (codes, scales, new residual); int8_linear and int8_gated_linear of those QuantizedRows equal the
+    same products of the norm's output (an all-zero row too: scale 1e-12, codes 0).
+    GPU: bf16; Triton's CPU interpreter: float16."""
+    from kernels.rmsnorm import rms_norm_quantized_int8_triton, rms_norm_triton
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float16
+    gen = torch.Generator().manual_seed(hidden)
+    x = (torch.randn(3, hidden, generator=gen) * 2).to(dtype).to(device)
+    x[1] = 0.0
+    residual = torch.randn(3, hidden, generator=gen).to(dtype).to(device) if with_residual else None
+    if residual is not None:
+        residual[1] = 0.0
+    weight = (torch.rand(hidden, generator=gen) + 0.5).to(dtype).to(device)
+    codes, scale, new_residual = rms_norm_quantized_int8_triton(x, weight, 1e-6, residual)
+    out, want_residual = rms_norm_triton(x, weight, 1e-6, residual)
+    want_codes, want_scale = int8_sq.quantize_rows_int8_triton(out)
+    assert codes.dtype == torch.int8 and torch.equal(codes, want_codes) and torch.equal(scale, want_scale)
+    assert torch.equal(scale, int8_sq.quantize_rows_int8(out)[1])  # the torch reference's scales too
+    assert torch.equal(new_residual, want_residual)
+    rows = int8_sq.QuantizedRows(codes, scale, dtype)
+    w, w_scale = int8_sq.quantize_weight_int8(torch.randn(2 * 24, hidden, generator=gen).to(device))
+    assert torch.equal(int8_sq.int8_skinny_linear(rows, w, w_scale), int8_sq.int8_skinny_linear(out, w, w_scale))
+    if device == "cuda":  # the public entries take QuantizedRows (the CPU path quantizes with torch: same values)
+        assert torch.equal(int8_sq.int8_linear(rows, w, w_scale), int8_sq.int8_linear(out, w, w_scale))
+        assert torch.equal(int8_sq.int8_gated_linear(rows, w, w_scale), int8_sq.int8_gated_linear(out, w, w_scale))
+    assert torch.equal(int8_sq.int8_linear(int8_sq.as_int8_rows(out.cpu()), w.cpu(), w_scale.cpu()),
+                       int8_sq.int8_linear_ref(out.cpu(), w.cpu(), w_scale.cpu()))
