@@ -231,9 +231,9 @@ def choose_int8_skinny_variants(weights: list[torch.Tensor], gated: list[torch.T
 
 def _int8_sources() -> tuple[str, ...]:
     """The files whose kernels the int8 load-time choice times (kernels/choice_cache.py's key)."""
-    from kernels import _triton, linear
+    from kernels import _triton, int8_rows, linear
 
-    return (__file__, linear.__file__, _triton.__file__)
+    return (__file__, linear.__file__, _triton.__file__, int8_rows.__file__)
 
 
 def _fastest_int8_variant(weight: torch.Tensor, gated: bool, rows: tuple[int, ...]) -> tuple:
