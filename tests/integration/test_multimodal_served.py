@@ -339,7 +339,8 @@ def test_image_preprocessing_stubs_run_without_torch(server):
     """serving/torchless_preprocessing.py: LLaVA's, Mllama's and Qwen3-VL's preprocessing stubs never load
     torch (~4 CPU-s of each one's start); OneVision's loads it after transformers, for its video side
     (serving/videos.py resizes frames with torch). The other tests hold their outputs to transformers' on
-    pixels made with torch."""
+    pixels made with torch; tests/serving/test_torchless_preprocessing.py holds every vision-language type's
+    stub outputs byte-identical with torch hidden and with torch."""
     import importlib.util
 
     from benchmarks.common import descendant_pids, process_name
