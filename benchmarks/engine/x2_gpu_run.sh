@@ -597,7 +597,10 @@ PY
         --also-encode-batches 32 --offline-variants "${VLM_VARIANTS:-tower-graphs,tower-graphs,fp8-tower,fp8-tower+tower-graphs}" \
         ${VLM_EXTRA:-} --out "$w/vlm_graphs.json" --results-md "$w/vlm_graphs.md"
     fi
-    if has sq; then
+    if has sq; then  # first the int8 skinny kernel's GPU tests and its per-shape bench (helper sq8, /tmp/notes/sq8.md)
+      CUDA_VISIBLE_DEVICES=0 job sq_tests 80 "$PYTHON" -m pytest -q -rfEs -p no:cacheprovider tests/kernels/test_int8_sq.py
+      on_gpu 0 sq_kernels 70 "$PYTHON" -u benchmarks/kernels/int8_skinny_bench.py --out "$w/int8_skinny.md" \
+        --json "$w/int8_skinny.json"
       for q in bf16 int8_sq; do
         on_gpu 0 "sq_$q" 150 "$PYTHON" benchmarks/engine/engine_bench.py --sections decode,offline --offline 128x128x1024 \
           --max-batch-size 512 $([ "$q" = int8_sq ] && echo --quantization int8_sq) --out "$w/sq_$q.json" \
@@ -617,6 +620,8 @@ PY
   [ -f "$w/vlm_graphs.md" ] && grep -E "^\||replayed" "$w/vlm_graphs.md" | cut -c1-400
   echo "== tree22"; grep -E "Error|Traceback|^\[load" "$w/tree22.log" | head -8
   [ -f "$w/tree22.md" ] && cat "$w/tree22.md"
+  [ -f "$w/sq_tests.log" ] && { echo "== sq_tests"; grep -E "passed|failed|FAILED|Error" "$w/sq_tests.log" | tail -6; }
+  [ -f "$w/sq_kernels.log" ] && { echo "== sq_kernels"; grep -v Warning "$w/sq_kernels.log" | tail -25 | cut -c1-300; }
   for q in bf16 int8_sq; do [ -f "$w/sq_$q.log" ] && { echo "== sq_$q"; grep -E "^\| (batch-1|offline|\.\.\.)|Error|Traceback" "$w/sq_$q.log" | cut -c1-300; }; done
   ;;
 *) echo "x2_gpu_run.sh: CALL must be 1 to 22, got '$call'"; exit 2 ;;
