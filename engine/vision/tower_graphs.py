@@ -20,7 +20,9 @@ before the next replay), so the pool holds about one forward's activations (~1.3
 
 Static buffers: one input buffer (patches, patch_dim) float32 shared by every graph, grown (and the
 graphs dropped) only when a forward has more patches than it holds; each graph's output is its
-table (rows, out width) float16 in the pool, read before the next replay.
+table (rows, out width) float16 in the pool, read before the next replay. What a graph reads outside the
+pool stays alive as long as it: the tower's weights, the input buffer, and the layout's kept grid pieces
+(engine/vision/tower_layout.py), which the graph holds itself, since their LRU may drop them meanwhile.
 
 Capture runs on the queue's stream without torch.cuda.graph's device-wide synchronize and cache
 emptying (they would stall the executor and free its cached blocks), in thread-local mode (the
@@ -36,6 +38,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
+
+from engine.vision.tower_layout import GridPiece, pieces_read
 
 # TRITONLLM_TOWER_GRAPHS: how many graphs a queue keeps; 0 (the default) turns them off (every forward eager).
 # Off by default because they have not paid yet: in the H200 offline A/B of 2026-11-30 (vlm_bench, 128 requests with
@@ -65,6 +69,7 @@ class _Captured:
     table: torch.Tensor  # (rows, width) float16 in the pool: the forward's output, valid until the next replay
     image_rows: list[int]  # each image's rows in the table
     patches: int
+    pieces: list[GridPiece]  # the kept layout pieces its kernels read by address: held while the graph lives
 
 
 class TowerGraphs:
@@ -136,7 +141,8 @@ class TowerGraphs:
             with torch.cuda.stream(self.stream):
                 graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
                 try:
-                    table, image_rows = self._eager(static, grids)
+                    with pieces_read() as pieces:
+                        table, image_rows = self._eager(static, grids)
                 finally:
                     graph.capture_end()
         except Exception as error:  # this key stays eager; the queue's forward goes on
@@ -147,6 +153,6 @@ class TowerGraphs:
         finally:
             if enabled:
                 gc.enable()
-        captured = self._graphs[key] = _Captured(graph, table, image_rows, n)
+        captured = self._graphs[key] = _Captured(graph, table, image_rows, n, pieces)
         self.captured += 1
         return captured

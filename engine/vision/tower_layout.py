@@ -25,6 +25,7 @@ Shapes, per piece of a (t, h, w) grid, P = t * h * w patches, U = P / merge**2 m
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -130,6 +131,21 @@ class GridPiece:
 
 _pieces: OrderedDict = OrderedDict()
 _lock = threading.Lock()
+_reading = threading.local()  # .pieces: the list pieces_read() fills on this thread (None outside it)
+
+
+@contextlib.contextmanager
+def pieces_read():
+    """A list of every piece ``grid_piece`` hands the calling thread inside the block. For a CUDA graph of a
+    forward (engine/vision/tower_graphs.py): its kernels read the kept pieces by address, so the graph must hold
+    them for its life; the LRU above drops only its own references, and a piece it evicted would otherwise be
+    freed and its memory given to other tensors that the graph's replays then read as rotary tables."""
+    outer = getattr(_reading, "pieces", None)
+    _reading.pieces = read = []
+    try:
+        yield read
+    finally:
+        _reading.pieces = outer
 
 
 def _stream_key(device: torch.device):
@@ -140,7 +156,16 @@ def grid_piece(grid: tuple[int, int, int], merge: int, head_dim: int, theta: flo
                device: torch.device, keep: bool = True) -> GridPiece:
     """The kept piece of one grid (made once per grid, setting, device and stream: its blocking copies
     then); ``keep`` False: made afresh and not kept."""
-    key = (tuple(grid), merge, head_dim, theta, window, str(device), _stream_key(device))
+    piece = _piece(tuple(grid), merge, head_dim, theta, window, device, keep)
+    read = getattr(_reading, "pieces", None)
+    if read is not None:
+        read.append(piece)
+    return piece
+
+
+def _piece(grid: tuple[int, int, int], merge: int, head_dim: int, theta: float, window: int | None,
+           device: torch.device, keep: bool) -> GridPiece:
+    key = (grid, merge, head_dim, theta, window, str(device), _stream_key(device))
     with _lock:
         piece = _pieces.get(key) if keep else None
         if piece is not None:

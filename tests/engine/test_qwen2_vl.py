@@ -264,7 +264,8 @@ def test_cuda_encode_queue_replays_graphs_of_grids_seen_before(built):
     """engine/vision/tower_graphs.py through the queue: a batch of grids is eager at its first forward, captured at
     its second and replayed after, with the eager tower's tables; with one graph kept, two batches alternating are
     dropped and captured again; a request whose patches do not match its grids gets its own error (never captured),
-    and a queue with graphs off (max_graphs 0) stays eager."""
+    a queue with graphs off (max_graphs 0) stays eager, and a replay reads the layout pieces of its capture even once
+    their LRU dropped them."""
     from engine.vision.encode_queue import ImageEncodeQueue
 
     engine, _ = built
@@ -291,6 +292,25 @@ def test_cuda_encode_queue_replays_graphs_of_grids_seen_before(built):
             queue.close()
         graphs = queue.graphs
         assert (graphs.captured, graphs.replays, graphs.failures) == (captures, replays, {})
+    # A graph holds the layout pieces its kernels read (engine/vision/tower_layout.py pieces_read): dropped from their
+    # LRU, their memory offered to tensors of their sizes on the queue's stream and filled with NaN, they still feed
+    # its replays (before, the replay read the NaN as rotary tables)
+    from engine.vision import tower_layout
+
+    queue = ImageEncodeQueue(encoder, "cuda", max_images=2, max_graphs=1)
+    try:
+        r = requests["a"]
+        for _ in range(2):  # eager, then captured and replayed
+            queue.encode(r["pixel_values"], r["image_grid_thw"])
+        sizes = [piece.table.numel() for piece in tower_layout._pieces.values()]
+        tower_layout._pieces.clear()
+        with torch.cuda.stream(queue.stream):
+            taken = [torch.full((n,), float("nan"), device="cuda") for n in sizes]
+        torch.testing.assert_close(queue.encode(r["pixel_values"], r["image_grid_thw"]), want["a"], atol=1e-3, rtol=1e-3)
+        del taken
+    finally:
+        queue.close()
+    assert (queue.graphs.captured, queue.graphs.replays) == (1, 2)
 
 
 def assert_greedy_ids_equal_transformers(engine: str, hf, device: str | None = None) -> None:

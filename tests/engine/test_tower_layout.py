@@ -76,6 +76,24 @@ def test_pieces_kept_are_bounded(monkeypatch):
     assert len(module._pieces) == 1  # the newest always stays
 
 
+def test_pieces_read_holds_what_a_forward_read_past_their_eviction(monkeypatch):
+    """pieces_read (what a tower graph holds for its life, engine/vision/tower_graphs.py): every piece the
+    thread's layouts read inside the block, kept ones and evicted ones alike, none read outside it."""
+    from engine.vision import tower_layout as module
+
+    monkeypatch.setattr(module, "_pieces", module.OrderedDict())
+    monkeypatch.setattr(module, "PIECES_KEPT", 1)
+    tower_layout([[1, 4, 8]], MERGE, HEAD_DIM, THETA, "cpu", window=2)  # outside: not recorded
+    with module.pieces_read() as read:
+        tower_layout([[1, 8, 6], [1, 8, 6], [1, 4, 8]], MERGE, HEAD_DIM, THETA, "cpu", window=2)
+    assert [p.patches for p in read] == [48, 32]  # one per run of equal grids
+    assert list(module._pieces.values()) == [read[1]]  # the first was evicted from the LRU, still held here
+    expected = module.grid_piece((1, 8, 6), MERGE, HEAD_DIM, THETA, 2, torch.device("cpu"), keep=False)
+    assert torch.equal(read[0].table, expected.table) and torch.equal(read[0].order, expected.order)
+    tower_layout([[1, 4, 4]], MERGE, HEAD_DIM, THETA, "cpu", window=2)
+    assert len(read) == 2  # the block is over
+
+
 def test_attention_backend_settings(monkeypatch):
     """TRITONLLM_TOWER_SDPA for every run, TRITONLLM_TOWER_WINDOW_SDPA for windows alone; a bad name is
     refused naming the variable and the allowed ones."""
