@@ -44,10 +44,11 @@ UNFUSED_ENV = "TRITONLLM_TOWER_UNFUSED"
 # The towers' attention backend: planless (the default: torch's choice among flash, memory-efficient and math, never
 # cuDNN), auto (torch's choice, cuDNN included), cudnn, flash, efficient, math. Why not cuDNN: it builds and tunes a
 # plan for each new shape, and a tower forward's shapes follow its image count and sizes. On the H200 (2026-11-30,
-# vlm_bench offline) a forward of an image count not seen before took 115-650 ms of host time to launch on cuDNN
-# (2, 4, 5, 27, 28 and 30 images), against 13-45 ms for counts seen before and 26-41 ms for the same new counts on
-# flash; those launches held the encode queue's tables back and cost the run 0.77x against 0.84x text-only speed.
-# In steady state flash and cuDNN measured the same (0.83x against 0.84x in the same process).
+# vlm_bench offline, benchmarks/results/engine.md session 22) a forward of an image count not seen before took
+# 115-657 ms of host time to launch on cuDNN (2, 4, 5, 27, 28 and 30 images), against 13-48 ms for counts seen before
+# and 23-44 ms for the same new counts on flash; those launches held the encode queue's tables back and cost the run
+# 0.77x against 0.84x text-only speed. In steady state flash and cuDNN measured the same (0.83x against 0.84x in the
+# same process).
 SDPA_ENV = "TRITONLLM_TOWER_SDPA"
 WINDOW_SDPA_ENV = "TRITONLLM_TOWER_WINDOW_SDPA"  # Qwen2.5-VL's window blocks only (default: SDPA_ENV's)
 SDPA_BACKENDS = ("planless", "auto", "cudnn", "flash", "efficient", "math")

@@ -42,11 +42,12 @@ import torch
 from engine.vision.tower_layout import GridPiece, pieces_read
 
 # TRITONLLM_TOWER_GRAPHS: how many graphs a queue keeps; 0 (the default) turns them off (every forward eager).
-# Off by default because they have not paid yet: in the H200 offline A/B of 2026-11-30 (vlm_bench, 128 requests with
-# a 448 x 448 image each) the runs with graphs gave 0.77x / 0.79x text-only speed against 0.84x / 0.84x eager. The
-# replays cut a forward's host launch from 13-35 ms to ~1 ms, but the device time (the tower beside the executor's
-# prefills) is unchanged, and the slow launches that stall runs came from image counts never seen before, which
-# run eagerly either way (4, 5, 27 and 28 images: 115-650 ms to launch against 13-35 for counts seen before).
+# Off by default because they have not paid: in the H200 offline A/Bs of 2026-11-30 (vlm_bench, 128 requests with a
+# 448 x 448 image each; benchmarks/results/engine.md session 22) the runs with graphs gave 0.83x text-only speed
+# against 0.83-0.84x eager in the same processes (planless attention; 0.79x against 0.84x while the towers' attention
+# was cuDNN). The replays cut a forward's host launch from 13-45 ms to ~1 ms, but the device time (the tower beside
+# the executor's prefills) is unchanged, and the slow launches that stalled runs came from image counts never seen
+# before, which run eagerly either way (cuDNN's per-shape planning: 115-657 ms to launch).
 GRAPHS_ENV = "TRITONLLM_TOWER_GRAPHS"
 DEFAULT_GRAPHS = 0
 SEEN_KEYS_KEPT = 256  # grids remembered for "seen before" (least recently seen forgotten first)
