@@ -30,10 +30,13 @@ import sys
 
 # builder_config.model_type of the vision encoders checked so (others load transformers with torch): every
 # family of engine/vision/registry.py (tests/serving/test_torchless_preprocessing.py fails on a new one until it
-# is checked and added here, or left out with its reason). Stub start CPU-s, median of 5 runs (3 for the first
+# is checked and added here, or left out with its reason). Stub start CPU-s (tests/serving/
+# preprocessing_stub_process.py: its own CPU-s when initialize returns), median of 5 runs (3 for the first
 # four), with torch -> hidden: llava 5.8 -> 1.4, llava_onevision 5.6 -> 3.1 (its stub imports torch after
 # transformers, for its video side), mllama 5.9 -> 1.5, qwen3_vl 5.9 -> 1.6, qwen2_vl 6.1 -> 1.8, qwen2_5_vl
-# 5.6 -> 1.4, llava_next 6.3 -> 1.6, gemma3 7.0 -> 1.7, blip2-opt 7.2 -> 1.6.
+# 5.6 -> 1.4, llava_next 6.3 -> 1.6, gemma3 7.0 -> 1.7, blip2-opt 7.2 -> 1.6. Served (tritonserver on `tritonllm
+# serve`'s repository of the tiny engine, the stub's utime + stime once ready, median of 3, 16becf9 -> this):
+# qwen2_vl 7.2 -> 1.8, qwen2_5_vl 7.1 -> 1.8, llava_next 6.3 -> 1.6, gemma3 6.9 -> 1.8, blip2-opt 7.2 -> 2.0.
 WITHOUT_TORCH = ("llava", "llava_onevision", "mllama", "qwen3_vl", "qwen2_vl", "qwen2_5_vl", "llava_next", "gemma3",
                  "blip2-opt")
 
