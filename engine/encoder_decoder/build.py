@@ -12,6 +12,12 @@ describes the decoder stack (the paged KV shape), with the family's options in
 "decoder") and ``extra.max_encoder_input_len`` (encoder outputs: tokens, or Whisper's frames / 2). A Whisper
 checkpoint's feature extractor (preprocessor_config.json) and generation config (is_multilingual,
 <|notimestamps|>) are copied into OUTPUT/decoder.
+
+``--quantization fp8``: every linear weight of both stacks' layers (self- and cross-attention q, k,
+v, o; the MLP's) is stored as E4M3 with a per-output-channel float32 ``<name>_scale`` (kernels/fp8.py
+quantize_weight: max|row| / 448), the names model.py's Fp8Linear declares; the embeddings, the LM
+head, Whisper's convolutions and the norms stay in --dtype. The other schemes (fp8_block, int8_sq,
+the weight-only integer ones) are refused by name.
 """
 from __future__ import annotations
 
@@ -26,8 +32,9 @@ from safetensors.torch import save_file
 
 from engine.config import BuildConfig, ConfigError, EngineConfig, resolve_build_limits
 from engine.encoder_decoder.convert import check_complete, checkpoint_names, convert_stack
-from engine.encoder_decoder.model import Decoder, Encoder
+from engine.encoder_decoder.model import QUANTIZATIONS, Decoder, Encoder
 from engine.encoder_decoder.spec import EncDecSpec, spec_from_hf
+from kernels.fp8 import quantize_weight
 
 ENCODER_DIR, DECODER_DIR = "encoder", "decoder"
 FEATURE_EXTRACTOR = "preprocessor_config.json"
@@ -53,6 +60,20 @@ def whisper_generation_fields(spec: EncDecSpec, source: str) -> EncDecSpec:
                                                      for pair in generation.get("alignment_heads") or ()))
 
 
+def quantize_linears(weights: dict[str, torch.Tensor], names, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """FP8: each weight for which ``names`` (the stack's state-dict names) declares a ``<name>_scale``
+    becomes E4M3 with that per-output-channel scale (kernels/fp8.py quantize_weight), quantized from
+    ``weights`` as converted (float32: one rounding, not a --dtype one first); the rest cast to ``dtype``."""
+    names = set(names)
+    out = {}
+    for name, tensor in weights.items():
+        if name + "_scale" in names:
+            out[name], out[name + "_scale"] = quantize_weight(tensor)
+        else:
+            out[name] = tensor.to(dtype)
+    return out
+
+
 def build_encoder_decoder(hf_config, get, tokenizer, output_dir: str, build: BuildConfig, *, source: str = "",
                           max_encoder_input_len: int | None = None) -> EngineConfig:
     """Write OUTPUT/encoder and OUTPUT/decoder; returns the decoder's EngineConfig."""
@@ -61,9 +82,9 @@ def build_encoder_decoder(hf_config, get, tokenizer, output_dir: str, build: Bui
         if value != allowed:
             raise ConfigError(f"{name} {value}: {spec.architecture} (encoder-decoder) builds for one GPU only; "
                               f"use {name} 1")
-    if build.quantization is not None:  # --kv_cache_dtype fp8 is taken: both KV pools (runner.py)
-        raise ConfigError(f"--quantization: not supported for {spec.architecture} (encoder-decoder) engines "
-                          "yet; leave it out (--kv_cache_dtype fp8 is supported)")
+    if build.quantization not in QUANTIZATIONS:  # (--kv_cache_dtype fp8 is taken too: both KV pools, runner.py)
+        raise ConfigError(f"--quantization {build.quantization}: not supported for {spec.architecture} "
+                          "(encoder-decoder) engines; allowed: fp8 (E4M3 weights per output channel), or leave it out")
     longest = max_encoder_input_len or spec.encoder_max_positions
     if longest <= 0 or (spec.positions == "learned" and longest > spec.encoder_max_positions):
         raise ConfigError(f"max_encoder_input_len {longest}: allowed 1..{spec.encoder_max_positions} for "
@@ -81,8 +102,12 @@ def build_encoder_decoder(hf_config, get, tokenizer, output_dir: str, build: Bui
     for directory, cls, names, more in stacks:
         path = os.path.join(output_dir, directory)
         os.makedirs(path, exist_ok=True)
-        weights = convert_stack(get, names, dtype)
-        check_complete(cls(spec, device="meta"), weights, f"{spec.architecture} {directory}")
+        module = cls(spec, device="meta", quantization=build.quantization)
+        if build.quantization == "fp8":
+            weights = quantize_linears(convert_stack(get, names, torch.float32), module.state_dict(), dtype)
+        else:
+            weights = convert_stack(get, names, dtype)
+        check_complete(module, weights, f"{spec.architecture} {directory}")
         save_file(weights, os.path.join(path, "rank0.safetensors"), metadata={"format": "pt"})
         config = EngineConfig(model=model, build=dataclasses.replace(build), extra={**extra, **more}).validate()
         if tokenizer is not None and directory == DECODER_DIR:

@@ -6,7 +6,10 @@ memory not doubled), so ``project_into_pool`` takes ONE product per decoder laye
 of the pass ([sum(T_i), d] x [d, 2 * kv_dim]; was a K and a V product) and ONE write of that
 layer's K and V rows into each request's cross blocks (kernels/attention.py write_kv_cache reads
 the product's K and V halves through their strides). A key without a bias (Whisper) gets zeros in
-the fused bias: x + 0 is x, so the K rows are the unfused product's.
+the fused bias: x + 0 is x, so the K rows are the unfused product's. FP8 engines (E4M3 weights with
+per-output-channel scales, model.py Fp8Linear) fuse the same way: the scales are per row, so
+[k's | v's] scales are the fused weight's (``kv_scale``) and the product is model.py's ``product``
+(fp8_linear), the unfused products' values exactly.
 
 The cross pool's element type: ``cross_kv_cache_dtype`` "fp8" keeps it in E4M3 (scale 1, clamped
 at +-448, as the FP8 self pool: kernels/attention.py to_cache_dtype) whatever the self pool's type;
@@ -21,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.encoder_decoder.model import Fp8Linear, product
 from kernels.attention import KV_FP8_DTYPE, write_kv_cache
 
 CROSS_KV_DTYPES = ("auto", "fp8")
@@ -28,9 +32,10 @@ FP8_MIN_CAPABILITY = (8, 9)  # Ada / Hopper: the first GPUs with E4M3 conversion
 
 
 def fuse_cross_kv(decoder: nn.Module) -> nn.Module:
-    """Every decoder layer's cross_attn gets ``kv_weight`` (2 * inner, d) = [k; v] and ``kv_bias``
-    (2 * inner, or None when neither has a bias); k and v's weights (and biases) become views of
-    them. Idempotent; returns ``decoder``."""
+    """Every decoder layer's cross_attn gets ``kv_weight`` (2 * inner, d) = [k; v], ``kv_bias``
+    (2 * inner, or None when neither has a bias) and ``kv_scale`` (2 * inner,) float32 for FP8
+    weights (else None); k and v's weights (biases, scales) become views of them. Idempotent;
+    returns ``decoder``."""
     for layer in decoder.layers:
         attn = layer.cross_attn
         if getattr(attn, "kv_weight", None) is not None:
@@ -40,14 +45,20 @@ def fuse_cross_kv(decoder: nn.Module) -> nn.Module:
         fused = torch.cat([k.weight.detach(), v.weight.detach()])
         k.weight = nn.Parameter(fused[:inner], requires_grad=False)
         v.weight = nn.Parameter(fused[inner:], requires_grad=False)
+        scale = None
+        if isinstance(k, Fp8Linear):
+            scale = torch.cat([k.weight_scale.detach(), v.weight_scale.detach()])
+            k.weight_scale = nn.Parameter(scale[:inner], requires_grad=False)
+            v.weight_scale = nn.Parameter(scale[inner:], requires_grad=False)
         bias = None
         if k.bias is not None or v.bias is not None:
-            bias = torch.cat([b.detach() if b is not None else torch.zeros(inner, dtype=fused.dtype, device=fused.device)
+            given = k.bias if k.bias is not None else v.bias  # (its dtype: the weights' may be E4M3)
+            bias = torch.cat([b.detach() if b is not None else torch.zeros(inner, dtype=given.dtype, device=given.device)
                               for b in (k.bias, v.bias)])
             for index, proj in enumerate((k, v)):
                 if proj.bias is not None:
                     proj.bias = nn.Parameter(bias[index * inner:(index + 1) * inner], requires_grad=False)
-        attn.kv_weight, attn.kv_bias = fused, bias
+        attn.kv_weight, attn.kv_bias, attn.kv_scale = fused, bias, scale
     return decoder
 
 
@@ -57,7 +68,11 @@ def project_into_pool(decoder: nn.Module, rows: torch.Tensor, pool: torch.Tensor
     product and one write (module docstring); ``fuse_cross_kv`` ran on ``decoder`` at load."""
     for index, layer in enumerate(decoder.layers):
         attn = layer.cross_attn
-        kv = F.linear(rows, attn.kv_weight, attn.kv_bias).view(rows.shape[0], 2, attn.heads, attn.head_dim)
+        if attn.kv_scale is None:
+            kv = F.linear(rows, attn.kv_weight, attn.kv_bias)
+        else:  # FP8 weights: fp8_linear (model.py product)
+            kv = product(rows, attn.kv_weight, attn.kv_bias, attn.kv_scale)
+        kv = kv.view(rows.shape[0], 2, attn.heads, attn.head_dim)
         write_kv_cache(kv[:, 0], kv[:, 1], pool[index, 0], pool[index, 1], slots)
 
 

@@ -33,6 +33,10 @@ against the general kernel's ~145). The row statistics above are what should mak
 yet measured: benchmarks/engine/encdec_bench.py --step-variants times fused, fused-recompute and
 fused-cross beside the default in one run).
 
+Not for FP8 engines (--quantization fp8): kernels/norm_linear.py multiplies weights in the model
+dtype only (no E4M3 tiles, no per-channel scales), so the runner leaves this path off for them
+whatever $TRITONLLM_ENCDEC_FUSED says, and ``prepare`` refuses FP8 weights by name.
+
 ``prepare`` fuses each layer's self-attention q/k/v weights into one (3 inner, d_model) tensor,
 of which the q, k and v Parameters become views (no extra memory; the state dict is unchanged).
 """
@@ -96,7 +100,10 @@ def fuse_qkv(attn: nn.Module) -> None:
 
 def prepare(decoder: nn.Module) -> list[torch.Tensor]:
     """Fuse every layer's q/k/v and mark the decoder (``takes``); returns the fused weights (for the
-    load-time tiling choice, beside the decoder's other weights)."""
+    load-time tiling choice, beside the decoder's other weights). FP8 weights are refused (module docstring)."""
+    if any(getattr(layer.self_attn.q, "weight_scale", None) is not None for layer in decoder.layers):
+        raise ValueError("the fused decode layer (TRITONLLM_ENCDEC_FUSED) takes weights in the model dtype; "
+                         "this decoder's are FP8 (--quantization fp8): leave it off")
     for layer in decoder.layers:
         fuse_qkv(layer.self_attn)
     decoder.fused_decode = True

@@ -14,6 +14,14 @@ the shape decode attention already has.
 
 Math is in the model dtype except norms, softmax and scores (float32), as transformers does.
 One rank only (the build refuses tp_size > 1 for these families).
+
+FP8 engines (``--quantization fp8``, engine/encoder_decoder/build.py): every linear of both stacks'
+layers (q, k, v, o of self- and cross-attention, the MLP's) is an ``Fp8Linear``: E4M3 weight with
+per-output-channel float32 ``weight_scale`` (kernels/fp8.py's scheme, activations per token at run
+time). The embeddings, the LM head, Whisper's convolutions and the norms stay in the model dtype.
+Every product of a layer goes through ``product`` (or a module's call, which goes through it), which
+runs fp8_linear for an E4M3 weight and kernels/linear.py's linear otherwise; the fused tensors
+(``MLP.gate_up``, cross_kv.py's ``kv_weight``) carry their concatenated row scales beside them.
 """
 from __future__ import annotations
 
@@ -30,6 +38,7 @@ from engine.models.tables import uninitialized_table
 from kernels.activation import gelu_tanh_and_mul
 from kernels.attention import paged_attention, write_kv_cache
 from kernels.attention_metadata import AttentionMetadata
+from kernels.fp8 import FP8_DTYPE, fp8_linear
 from kernels.linear import linear, linear_activated, linear_float32_out
 from kernels.relative_position_bias import position_bias
 from kernels.rmsnorm import rms_norm
@@ -57,54 +66,109 @@ class Norm(nn.Module):
         return F.layer_norm(x.float(), (x.shape[-1],), self.weight.float(), self.bias.float(), self.eps).to(x.dtype)
 
 
-def _linear(n_in: int, n_out: int, bias: bool, dtype, device) -> nn.Linear:
+QUANTIZATIONS = (None, "fp8")  # what these stacks' linears take (build.py refuses the rest by name)
+
+
+def product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+            scale: torch.Tensor | None = None) -> torch.Tensor:
+    """x (..., K) @ weight (N, K).T (+ bias): the one product every linear of these stacks takes. An
+    E4M3 weight (an FP8 engine) with its per-output-channel ``scale`` runs kernels/fp8.py's fp8_linear
+    over x's rows (CUDA: the W8A8 kernels, skinny for decode rows; CPU: its plain-torch reference); a
+    weight in the model dtype runs kernels/linear.py's linear (F.linear, or the skinny kernel chosen
+    at load). An E4M3 weight without a scale is refused, never multiplied as raw codes."""
+    if weight.dtype == FP8_DTYPE:
+        if scale is None:
+            raise ValueError(f"an FP8 weight {tuple(weight.shape)} needs its per-output-channel scale")
+        rows = x.reshape(-1, x.shape[-1])
+        return fp8_linear(rows, weight, scale, bias).view(*x.shape[:-1], weight.shape[0])
+    return linear(x, weight, bias)
+
+
+def project(proj: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``product`` through a linear module (nn.Linear or Fp8Linear)."""
+    return product(x, proj.weight, proj.bias, getattr(proj, "weight_scale", None))
+
+
+class Fp8Linear(nn.Module):
+    """A linear of an FP8 engine: ``weight`` (out, in) float8_e4m3fn, ``weight_scale`` (out,) float32
+    (row n of the real weight is weight[n] * weight_scale[n]), ``bias`` in the model dtype or None.
+    The state dict's names are nn.Linear's plus ``weight_scale`` (engine.build's FP8 layout)."""
+
+    def __init__(self, n_in: int, n_out: int, bias: bool, dtype, device):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(n_out, n_in, dtype=FP8_DTYPE, device=device), requires_grad=False)
+        self.weight_scale = nn.Parameter(torch.empty(n_out, dtype=torch.float32, device=device), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(n_out, dtype=dtype, device=device), requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return project(self, x)
+
+
+def _linear(n_in: int, n_out: int, bias: bool, dtype, device, quantization: str | None = None) -> nn.Module:
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization {quantization!r} is not supported by encoder-decoder stacks; allowed: fp8")
+    if quantization == "fp8":
+        return Fp8Linear(n_in, n_out, bias, dtype, device)
     return nn.Linear(n_in, n_out, bias=bias, dtype=dtype, device=device)
+
+
+def is_fp8(stack: nn.Module) -> bool:
+    """Whether ``stack``'s layer linears are FP8 (an engine built with --quantization fp8)."""
+    return any(isinstance(m, Fp8Linear) for m in stack.modules())
 
 
 class Attention(nn.Module):
     """q, k, v, o projections of ``heads`` heads of ``head_dim``."""
 
-    def __init__(self, spec: EncDecSpec, heads: int, head_dim: int, dtype, device):
+    def __init__(self, spec: EncDecSpec, heads: int, head_dim: int, dtype, device, quantization=None):
         super().__init__()
         self.heads, self.head_dim = heads, head_dim
         self.scale = head_dim ** -0.5 if spec.scale_scores else 1.0
         inner = heads * head_dim
-        self.q = _linear(spec.d_model, inner, spec.bias, dtype, device)
-        self.k = _linear(spec.d_model, inner, spec.bias and spec.key_bias, dtype, device)
-        self.v = _linear(spec.d_model, inner, spec.bias, dtype, device)
-        self.o = _linear(inner, spec.d_model, spec.bias, dtype, device)
+        self.q = _linear(spec.d_model, inner, spec.bias, dtype, device, quantization)
+        self.k = _linear(spec.d_model, inner, spec.bias and spec.key_bias, dtype, device, quantization)
+        self.v = _linear(spec.d_model, inner, spec.bias, dtype, device, quantization)
+        self.o = _linear(inner, spec.d_model, spec.bias, dtype, device, quantization)
 
-    def heads_of(self, proj: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    def heads_of(self, proj: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return proj(x).view(*x.shape[:-1], self.heads, self.head_dim)
 
-    def rows_of(self, proj: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        """heads_of for a decoder step's (num_tokens, d_model) rows, through kernels/linear.py (the
-        skinny kernel where the runner chose it at load for the weight, else F.linear)."""
-        return linear(x, proj.weight, proj.bias).view(x.shape[0], self.heads, self.head_dim)
+    def rows_of(self, proj: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """heads_of for a decoder step's (num_tokens, d_model) rows, through ``product`` (kernels/linear.py:
+        the skinny kernel where the runner chose it at load for the weight, else F.linear; or fp8_linear)."""
+        return project(proj, x).view(x.shape[0], self.heads, self.head_dim)
 
 
 class MLP(nn.Module):
-    def __init__(self, spec: EncDecSpec, width: int, dtype, device):
+    def __init__(self, spec: EncDecSpec, width: int, dtype, device, quantization=None):
         super().__init__()
-        self.gate = _linear(spec.d_model, width, spec.bias, dtype, device) if spec.gated_mlp else None
-        self.up = _linear(spec.d_model, width, spec.bias, dtype, device)
-        self.down = _linear(width, spec.d_model, spec.bias, dtype, device)
+        self.gate = _linear(spec.d_model, width, spec.bias, dtype, device, quantization) if spec.gated_mlp else None
+        self.up = _linear(spec.d_model, width, spec.bias, dtype, device, quantization)
+        self.down = _linear(width, spec.d_model, spec.bias, dtype, device, quantization)
         self.activation = {"relu": F.relu, "gelu": F.gelu,
                            "gelu_new": lambda x: F.gelu(x, approximate="tanh")}[spec.activation]
         self.activation_name = LINEAR_ACTIVATIONS[spec.activation]
         self.gate_up: torch.Tensor | None = None  # (2 * width, d_model) once fuse_gate_up ran
+        self.gate_up_scale: torch.Tensor | None = None  # FP8: its (2 * width,) row scales, [gate's | up's]
 
     def fuse_gate_up(self) -> None:
         """Gated MLP without biases (T5 v1.1 / Flan): gate's and up's weights become the two halves of
         one (2 * width, d_model) tensor, so each forward takes one product and one activation-and-
         product pass (kernels/activation.py) instead of two products and two elementwise passes.
-        The parameters stay (views of it; state dicts unchanged) and the memory is not doubled."""
+        The parameters stay (views of it; state dicts unchanged) and the memory is not doubled.
+        FP8 weights fuse the same way: their scales are per output row, so [gate's | up's] scales
+        are the fused weight's, exactly (``gate_up_scale``)."""
         if self.gate is None or self.gate.bias is not None or self.gate_up is not None:
             return
         fused = torch.cat([self.gate.weight.detach(), self.up.weight.detach()])
         width = self.gate.weight.shape[0]
         self.gate.weight = nn.Parameter(fused[:width], requires_grad=False)
         self.up.weight = nn.Parameter(fused[width:], requires_grad=False)
+        if isinstance(self.gate, Fp8Linear):
+            scales = torch.cat([self.gate.weight_scale.detach(), self.up.weight_scale.detach()])
+            self.gate.weight_scale = nn.Parameter(scales[:width], requires_grad=False)
+            self.up.weight_scale = nn.Parameter(scales[width:], requires_grad=False)
+            self.gate_up_scale = scales
         self.gate_up = fused
 
     def _gated(self, h: torch.Tensor) -> torch.Tensor:
@@ -116,7 +180,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is not None:
-            h = F.linear(x, self.gate_up)
+            h = F.linear(x, self.gate_up) if self.gate_up_scale is None else product(x, self.gate_up,
+                                                                                   scale=self.gate_up_scale)
             return self.down(self._gated(h.view(-1, h.shape[-1])).view(*x.shape[:-1], -1))
         if self.gate is not None:
             return self.down(self.activation(self.gate(x)) * self.up(x))
@@ -124,15 +189,16 @@ class MLP(nn.Module):
 
     def rows(self, x: torch.Tensor) -> torch.Tensor:
         """forward for a decoder step's (num_tokens, d_model) rows through kernels/linear.py: the up
-        product, its bias and activation one skinny kernel where the runner chose it at load."""
+        product, its bias and activation one skinny kernel where the runner chose it at load (not
+        for FP8 weights: linear_activated takes weights in the model dtype only, so an FP8 up
+        product is fp8_linear then the activation)."""
         if self.gate_up is not None:
-            return linear(self._gated(linear(x, self.gate_up)), self.down.weight, self.down.bias)
+            return project(self.down, self._gated(product(x, self.gate_up, scale=self.gate_up_scale)))
         if self.gate is not None:
-            return linear(self.activation(linear(x, self.gate.weight, self.gate.bias)) * linear(x, self.up.weight,
-                                                                                                 self.up.bias),
-                          self.down.weight, self.down.bias)
-        return linear(linear_activated(x, self.up.weight, self.up.bias, self.activation_name), self.down.weight,
-                      self.down.bias)
+            return project(self.down, self.activation(project(self.gate, x)) * project(self.up, x))
+        if isinstance(self.up, Fp8Linear):
+            return project(self.down, self.activation(project(self.up, x)))
+        return project(self.down, linear_activated(x, self.up.weight, self.up.bias, self.activation_name))
 
 
 def fuse_gated_mlps(stack: nn.Module) -> nn.Module:
@@ -178,12 +244,12 @@ class _Stack(nn.Module):
 
 
 class EncoderLayer(nn.Module):
-    def __init__(self, spec: EncDecSpec, dtype, device):
+    def __init__(self, spec: EncDecSpec, dtype, device, quantization=None):
         super().__init__()
         self.pre_norm = spec.pre_norm
         self.attn_norm, self.mlp_norm = Norm(spec, dtype, device), Norm(spec, dtype, device)
-        self.attn = Attention(spec, spec.encoder_heads, spec.encoder_head_dim, dtype, device)
-        self.mlp = MLP(spec, spec.encoder_ffn, dtype, device)
+        self.attn = Attention(spec, spec.encoder_heads, spec.encoder_head_dim, dtype, device, quantization)
+        self.mlp = MLP(spec, spec.encoder_ffn, dtype, device, quantization)
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None, t5=None) -> torch.Tensor:
         """x: (B, L, d); bias: (B or 1, heads or 1, L or 1, L), -inf at padded keys, or None (no
@@ -212,8 +278,8 @@ class Encoder(_Stack):
     """The encoder stack; ``encode`` takes whole inputs and returns their outputs. Whisper's
     (spec.num_mel_bins > 0) takes log-mel features through its convolutions instead of tokens."""
 
-    def __init__(self, spec: EncDecSpec, *, dtype=torch.float32, device="cpu"):
-        super().__init__(spec, [EncoderLayer(spec, dtype, device) for _ in range(spec.encoder_layers)],
+    def __init__(self, spec: EncDecSpec, *, dtype=torch.float32, device="cpu", quantization: str | None = None):
+        super().__init__(spec, [EncoderLayer(spec, dtype, device, quantization) for _ in range(spec.encoder_layers)],
                          spec.encoder_heads, dtype, device, tokens=not spec.num_mel_bins,
                          positions=spec.encoder_max_positions)
         if spec.num_mel_bins:
@@ -320,21 +386,21 @@ def cross_metadata(block_tables: list[list[int]], encoder_lengths: list[int], de
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: EncDecSpec, dtype, device):
+    def __init__(self, spec: EncDecSpec, dtype, device, quantization=None):
         super().__init__()
         self.pre_norm = spec.pre_norm
         self.self_norm, self.cross_norm, self.mlp_norm = (Norm(spec, dtype, device) for _ in range(3))
-        self.self_attn = Attention(spec, spec.decoder_heads, spec.head_dim, dtype, device)
-        self.cross_attn = Attention(spec, spec.decoder_heads, spec.head_dim, dtype, device)
-        self.mlp = MLP(spec, spec.decoder_ffn, dtype, device)
+        self.self_attn = Attention(spec, spec.decoder_heads, spec.head_dim, dtype, device, quantization)
+        self.cross_attn = Attention(spec, spec.decoder_heads, spec.head_dim, dtype, device, quantization)
+        self.mlp = MLP(spec, spec.decoder_ffn, dtype, device, quantization)
 
 
 class Decoder(_Stack):
     """The decoder stack with the model surface the runner drives (engine/models/__init__.py),
     plus the cross-attention inputs of each step."""
 
-    def __init__(self, spec: EncDecSpec, *, dtype=torch.float32, device="cpu"):
-        super().__init__(spec, [DecoderLayer(spec, dtype, device) for _ in range(spec.decoder_layers)],
+    def __init__(self, spec: EncDecSpec, *, dtype=torch.float32, device="cpu", quantization: str | None = None):
+        super().__init__(spec, [DecoderLayer(spec, dtype, device, quantization) for _ in range(spec.decoder_layers)],
                          spec.decoder_heads, dtype, device)
         self.lm_head = nn.Linear(spec.d_model, spec.vocab_size, bias=False, dtype=dtype, device=device)
         if spec.final_logits_bias:
@@ -365,13 +431,13 @@ class Decoder(_Stack):
                 else:  # T5 (t5_attention.py)
                     write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
                     out = decoder_self_attention(self, q, k_cache, v_cache, meta, attn.scale)
-                return linear(out.flatten(1), attn.o.weight, attn.o.bias)
+                return project(attn.o, out.flatten(1))
 
             def attend_encoder(h, layer=layer, index=index):
                 attn = layer.cross_attn
                 out = paged_attention(attn.rows_of(attn.q, h), cross.pool[index, 0], cross.pool[index, 1],
                                       cross.meta, attn.scale)
-                return linear(out.flatten(1), attn.o.weight, attn.o.bias)
+                return project(attn.o, out.flatten(1))
 
             x = _sublayer(layer.self_norm, layer.pre_norm, x, attend_self)
             x = _sublayer(layer.cross_norm, layer.pre_norm, x, attend_encoder)

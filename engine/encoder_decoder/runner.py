@@ -22,7 +22,10 @@ writes them, and every decode step's cross-attention reads half the bytes throug
 FP8-aware paged kernels (the cross K/V read is most of a large batch's step: docs/features/encoder-decoder.md). On CUDA, decode-only steps replay CUDA graphs per batch bucket
 (engine/encoder_decoder/decode_graphs.py; $TRITONLLM_ENCDEC_GRAPHS=0 keeps them eager), after the
 skinny-GEMM kernel is chosen per decoder weight shape; steps with prompt tokens run eagerly. One
-rank only. A config-only engine (``extra.random_weights_seed``, benchmarks) gets random weights
+rank only. An FP8 engine (build ``quantization`` "fp8": model.py Fp8Linear) loads both stacks' layer linears
+in E4M3 with their scales; its decode steps run the skinny W8A8 kernel with the tilings timed at load
+(kernels/fp8.py choose_fp8_skinny_variants) and never the opt-in fused decode layer (fused_decode.py
+takes weights in the model dtype only). A config-only engine (``extra.random_weights_seed``, benchmarks) gets random weights
 made on the device (engine/executor/random_weights.py).
 """
 from __future__ import annotations
@@ -35,12 +38,14 @@ from engine.encoder_decoder import fused_decode
 from engine.encoder_decoder.convert import check_complete
 from engine.encoder_decoder.cross_kv import cross_pool_dtype, fuse_cross_kv, project_into_pool, require_fp8
 from engine.encoder_decoder.decode_graphs import EncDecDecodeGraphs
-from engine.encoder_decoder.model import CrossAttentionBatch, Decoder, Encoder, cross_metadata, fuse_gated_mlps
+from engine.encoder_decoder.model import (CrossAttentionBatch, Decoder, Encoder, Fp8Linear, cross_metadata,
+                                          fuse_gated_mlps)
 from engine.encoder_decoder.spec import EncDecSpec
 from engine.executor.overlap import resolve_placeholders
 from engine.executor.random_weights import has_random_weights, materialize_random_weights
 from engine.executor.runner import ForwardBatch, ModelRunner, keep_or_cast, load_rank_weights
 from kernels.attention import KV_FP8_DTYPE
+from kernels.fp8 import choose_fp8_skinny_variants
 from kernels.linear import choose_activated_weights, choose_skinny_weights
 
 DEFAULT_CROSS_KV_FRACTION = 0.5
@@ -81,7 +86,7 @@ class EncDecRunner(ModelRunner):
         return fuse_cross_kv(self._load_stack(Decoder, engine_dir))
 
     def _load_stack(self, cls, directory: str) -> torch.nn.Module:
-        module = cls(self.spec, dtype=self.dtype, device="meta")
+        module = cls(self.spec, dtype=self.dtype, device="meta", quantization=self.build_config.quantization)
         extra = self.engine_config.extra
         if has_random_weights(extra):  # a config-only benchmark engine: seed for the decoder, + 1 the encoder
             seed = extra["random_weights_seed"] + (cls is Encoder)
@@ -138,7 +143,9 @@ class EncDecRunner(ModelRunner):
         graphs of every batch bucket up to max_batch_size. CPU, or $TRITONLLM_ENCDEC_GRAPHS=0: no-op."""
         if self.device.type != "cuda" or self.kv_cache is None or os.environ.get(GRAPHS_ENV, "1") == "0":
             return
-        fused = fused_decode.fusable(self.spec) and fused_decode.enabled(fused_decode.FUSED_ENV)
+        # Never for FP8 engines: the fused layer's products take weights in the model dtype (fused_decode.py)
+        fused = (fused_decode.fusable(self.spec) and self.build_config.quantization is None
+                 and fused_decode.enabled(fused_decode.FUSED_ENV))
         self.choose_kernels(extra_weights=fused_decode.prepare(self.model) if fused else ())
         if fused:
             fused_decode.mark_tilings(self.model, self.gemm_choices)
@@ -151,8 +158,20 @@ class EncDecRunner(ModelRunner):
 
     def choose_kernels(self, decode_batches: list[int] | None = None, extra_weights=()) -> None:
         """The skinny-GEMM choice per decoder weight shape (what the graphs capture); ``extra_weights``
-        (fused_decode's [q | k | v] weights) are timed beside the decoder's own."""
+        (fused_decode's [q | k | v] weights) are timed beside the decoder's own. FP8 layer weights
+        (model.py Fp8Linear, the fused gate_up among them) get the skinny W8A8 kernel's tiling per shape
+        (kernels/fp8.py; keyed ("fp8", N, K)); the LM head stays in the model dtype and is timed as before."""
         layers = self.model.layers
+        if isinstance(layers[0].mlp.down, Fp8Linear):
+            fused_halves = {id(m) for layer in layers if layer.mlp.gate_up is not None
+                            for m in (layer.mlp.gate, layer.mlp.up)}  # run only as gate_up
+            fp8 = [m.weight for m in self.model.modules() if isinstance(m, Fp8Linear) and id(m) not in fused_halves]
+            fp8 += [layer.mlp.gate_up for layer in layers if layer.mlp.gate_up is not None]
+            self.gemm_choices = choose_skinny_weights([m.weight for m in self.model.modules()
+                                                       if isinstance(m, torch.nn.Linear)] + list(extra_weights))
+            self.gemm_choices.update({("fp8",) + key: {"variant": variant}
+                                      for key, variant in choose_fp8_skinny_variants(fp8).items()})
+            return
         ups = [layer.mlp.up.weight for layer in layers] if layers[0].mlp.gate is None else []
         plain = [m.weight for m in self.model.modules() if isinstance(m, torch.nn.Linear)
                  and not any(m.weight is up for up in ups)] + list(extra_weights)

@@ -3,7 +3,7 @@ the cross-KV pool is E4M3 (scale 1) like the self pool, written once by ``encode
 the same FP8-aware paged kernels. Tiny random T5 v1.0, T5 v1.1, BART and Whisper made by transformers:
 teacher-forced logits of the FP8 pools against the model-dtype pools within the bound the FP8
 self-pool test uses (tests/engine/test_fp8_engine.py, 5% relative), greedy serving through the
-executor with every cross block free after cancels, ``--kv_cache_dtype fp8`` at build, the cross pool
+executor with every cross block free after cancels, ``--kv_cache_dtype fp8`` at build (a --quantization encoder-decoder stacks do not take refused by name), the cross pool
 alone in E4M3 (``cross_kv_cache_dtype fp8``: engine/encoder_decoder/cross_kv.py), FP8 refused by name on
 a GPU without it, and Llama 3.2 Vision (its cross-attention reads the pool in the model dtype) refused
 by name."""
@@ -112,7 +112,7 @@ def test_executor_fp8_cross_pool_serves_and_cancel_frees_it(engine):
         assert_cancels_free_cross_pool(ex, INPUTS[1])
 
 
-def test_build_kv_cache_dtype_fp8_and_quantization_refused(engine, tmp_path, capsys):
+def test_build_kv_cache_dtype_fp8_and_an_unsupported_quantization_refused(engine, tmp_path, capsys):
     family, decoder = engine
     if family != "t5_v1_0":
         pytest.skip("one family exercises the build")
@@ -122,8 +122,9 @@ def test_build_kv_cache_dtype_fp8_and_quantization_refused(engine, tmp_path, cap
     runner = EncDecRunner(str(tmp_path / "e" / "decoder"))
     runner.allocate_kv_cache(2)  # "auto": the build's choice
     assert runner.kv_cache.dtype == runner.cross_pool.dtype == KV_FP8_DTYPE
-    assert main(["--checkpoint", checkpoint, "--output", str(tmp_path / "q"), "--quantization", "fp8"]) == 2
-    assert "--quantization: not supported for T5ForConditionalGeneration" in capsys.readouterr().err
+    # --quantization fp8 is taken (tests/engine/test_encoder_decoder_fp8_weights.py); fp8_block is not
+    assert main(["--checkpoint", checkpoint, "--output", str(tmp_path / "q"), "--quantization", "fp8_block"]) == 2
+    assert "--quantization fp8_block: not supported for T5ForConditionalGeneration" in capsys.readouterr().err
 
 
 def test_mllama_refuses_an_fp8_kv_cache_by_name():
