@@ -26,6 +26,11 @@ Sections (``--sections``, all by default):
 process (the kernels compiled once; transformers, when asked for, only with the first): entries
 ``whisper`` / ``t5`` for the first type, ``whisper@fp8`` / ``t5@fp8`` for the next. Each run reports
 its pools' types, the encoder's device time and the decode-only iterations (``executor_offline``).
+``--quantization none,fp8`` likewise runs them once per weight scheme (fp8: every layer linear of
+both stacks in E4M3 with per-output-channel scales, engine/encoder_decoder/model.py Fp8Linear; the
+engine's random weights quantized so at load), nested outside the cross-pool types: entries
+``t5@fp8-weights`` / ``t5@fp8@fp8-weights`` and so on for values after the first of each list
+(whisper_step runs once, with the first of each).
 
 Random weights of the real shapes, made on the GPU (engine: ``extra.random_weights_seed``;
 transformers: its own init, on the device). ``--device cpu`` runs tiny shapes of the same
@@ -96,14 +101,16 @@ def t5_config(device: str):
 
 
 def write_random_engine(hf_config, *, dtype: str, max_batch_size: int, max_seq_len: int, max_num_tokens: int,
-                        tokens_per_block: int, max_encoder_input_len: int) -> str:
+                        tokens_per_block: int, max_encoder_input_len: int, quantization: str | None = None) -> str:
     """OUTPUT/encoder and OUTPUT/decoder holding only config.json (the layout engine.build writes),
-    random weights made at load; returns the decoder directory."""
+    random weights made at load (``quantization`` "fp8": the layer linears' quantized to E4M3 as
+    engine.build quantizes them); returns the decoder directory."""
     spec = spec_from_hf(hf_config)
     root = tempfile.mkdtemp(prefix=f"bench-{spec.family}-")
     atexit.register(shutil.rmtree, root, ignore_errors=True)  # (as benchmarks/common.py's config-only engines)
     build = BuildConfig(dtype=dtype, max_batch_size=max_batch_size, max_input_len=min(max_seq_len, 64),
-                        max_seq_len=max_seq_len, max_num_tokens=max_num_tokens, tokens_per_block=tokens_per_block)
+                        max_seq_len=max_seq_len, max_num_tokens=max_num_tokens, tokens_per_block=tokens_per_block,
+                        quantization=quantization)
     extra = {"encoder_decoder": spec.to_dict(), "max_encoder_input_len": max_encoder_input_len,
              "random_weights_seed": 0}
     for stack, more in (("encoder", {}), ("decoder", {"encoder_engine_dir": "../encoder"})):
@@ -171,7 +178,8 @@ def executor_offline(args, engine: str, requests, tokens: int, cpu_kv_tokens: in
             counts["encoder_seconds"] = sum(start.elapsed_time(end) for start, end in encode_events) / 1e3
         entry = {"seconds": seconds, "output_tokens": output_tokens, "graphed": graphs is not None, **counts,
                  "iterations": iteration_breakdown(ex, since), "self_pool_dtype": str(runner.kv_cache.dtype),
-                 "cross_pool_dtype": str(runner.cross_pool.dtype)}
+                 "cross_pool_dtype": str(runner.cross_pool.dtype),
+                 "weights": runner.build_config.quantization or "none"}
         if profile_path is not None and args.device != "cpu":
             entry["profile"] = profile_offline(ex, requests(tokens), profile_path)
         if after is not None:
@@ -207,7 +215,8 @@ def clip_features(config, count: int, seed: int = 0) -> list[torch.Tensor]:
 def whisper_engine(args, config, max_batch_size: int) -> str:
     return write_random_engine(config, dtype=args.dtype, max_batch_size=max_batch_size,
                                max_seq_len=len(WHISPER_PROMPT) + args.transcript + 12, max_num_tokens=4096,
-                               tokens_per_block=32, max_encoder_input_len=config.max_source_positions)
+                               tokens_per_block=32, max_encoder_input_len=config.max_source_positions,
+                               quantization=args.quantization)
 
 
 def bench_whisper(args) -> dict:
@@ -456,7 +465,7 @@ def bench_t5(args) -> dict:
     config = t5_config(args.device)
     engine = write_random_engine(config, dtype=args.dtype, max_batch_size=args.t5_requests,
                                  max_seq_len=args.t5_output + 16, max_num_tokens=8192, tokens_per_block=32,
-                                 max_encoder_input_len=args.t5_input)
+                                 max_encoder_input_len=args.t5_input, quantization=args.quantization)
     rng = random.Random(0)
     inputs = [[rng.randrange(2, config.vocab_size) for _ in range(args.t5_input)] for _ in range(args.t5_requests)]
     out = OutputConfig(exclude_input_from_output=True)
@@ -552,6 +561,7 @@ def markdown(results: dict) -> str:
             replay = f" (its graph's replay {it['decode_graph_replay_ms']:.2f} ms)" if "decode_graph_replay_ms" in it else ""
             pools = (f"KV pools: self {entry['self_pool_dtype'].removeprefix('torch.')}, cross "
                      f"{entry['cross_pool_dtype'].removeprefix('torch.')}; " if "cross_pool_dtype" in entry else "")
+            pools += f"weights {entry['weights']}; " if "weights" in entry else ""
             lines += ["", f"{name} run: {pools}encoder {entry['encoder_seconds']:.2f} s; {entry['graph_steps']} of "
                       f"{entry['steps']} forwards replayed from graphs; iterations with prompt tokens "
                       f"{it['context_seconds']:.2f} s, decode-only {it['decode_seconds']:.2f} s ({it['decode_iterations']})"
@@ -568,10 +578,11 @@ def section_runs(results: dict, name: str) -> list[tuple[str, dict]]:
 
 
 def pool_label(run: dict) -> str:
+    weights = f"; weights {run['weights']}" if run.get("weights", "none") != "none" else ""
     if "cross_pool_dtype" not in run:
-        return ""
+        return weights
     return f"; KV pools self {run['self_pool_dtype'].removeprefix('torch.')}, cross " \
-           f"{run['cross_pool_dtype'].removeprefix('torch.')}"
+           f"{run['cross_pool_dtype'].removeprefix('torch.')}{weights}"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -592,6 +603,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--cross-kv-cache-dtype", default="auto",
                    help="comma-separated of auto, fp8: the whisper and t5 runs once per value (fp8: the cross-KV "
                         "pool alone in E4M3; auto: the self pool's type; ExecutorConfig.cross_kv_cache_dtype)")
+    p.add_argument("--quantization", default="none",
+                   help="comma-separated of none, fp8: the whisper and t5 runs once per value (fp8: the layer "
+                        "linears of both stacks E4M3 per output channel, engine.build --quantization fp8)")
     p.add_argument("--kv-fraction", type=float, default=0.8, help="kv_cache_free_gpu_mem_fraction of the executors")
     p.add_argument("--profile-dir", default=None, help="write the decoder step's profiler table here")
     p.add_argument("--step-variants", default="",
@@ -616,6 +630,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     if set(args.cross_kv_cache_dtypes) - {"auto", "fp8"}:
         p.error(f"--cross-kv-cache-dtype: {args.cross_kv_cache_dtype!r}; allowed: auto, fp8 (comma-separated)")
     args.cross_kv_cache_dtype = args.cross_kv_cache_dtypes[0]
+    args.quantizations = [v for v in args.quantization.split(",") if v] or ["none"]
+    if set(args.quantizations) - {"none", "fp8"}:
+        p.error(f"--quantization: {args.quantization!r}; allowed: none, fp8 (comma-separated)")
+    args.quantizations = [None if v == "none" else v for v in args.quantizations]
+    args.quantization = args.quantizations[0]
     args.hf_whisper_batches = [int(b) for b in str(args.hf_whisper_batches).split(",") if b]  # "": not run
     args.hf_t5_batches = [int(b) for b in str(args.hf_t5_batches).split(",") if b]  # "": transformers not run
     return args
@@ -629,17 +648,19 @@ def main(argv=None) -> dict:
     bandwidth = copy_bandwidth(args.device)
     results["copy_GBps"] = bandwidth / 1e9
     started = time.perf_counter()
-    first = args.cross_kv_cache_dtypes[0]
-    runs = [("whisper_step", first, lambda: bench_whisper_step(args, bandwidth))]
+    first, first_weights = args.cross_kv_cache_dtypes[0], args.quantizations[0]
+    runs = [("whisper_step", first, first_weights, lambda: bench_whisper_step(args, bandwidth))]
     for name, bench in (("whisper", bench_whisper), ("t5", bench_t5)):
-        runs += [(name, dtype, lambda bench=bench: bench(args)) for dtype in args.cross_kv_cache_dtypes]
+        runs += [(name, dtype, weights, lambda bench=bench: bench(args))
+                 for weights in args.quantizations for dtype in args.cross_kv_cache_dtypes]
     hf_batches = args.hf_whisper_batches, args.hf_t5_batches
-    for name, dtype, run in runs:
+    for name, dtype, weights, run in runs:
         if name in sections:
-            key = name if dtype == first else f"{name}@{dtype}"
-            args.cross_kv_cache_dtype = dtype
-            # transformers only with the first cross-pool type (its figure does not depend on ours)
-            args.hf_whisper_batches, args.hf_t5_batches = hf_batches if dtype == first else ([], [])
+            key = "@".join([name] + ([dtype] if dtype != first else []) +
+                           ([f"{weights or 'none'}-weights"] if weights != first_weights else []))
+            args.cross_kv_cache_dtype, args.quantization = dtype, weights
+            # transformers only with the first run (its figure does not depend on ours)
+            args.hf_whisper_batches, args.hf_t5_batches = hf_batches if key == name else ([], [])
             t0 = time.perf_counter()
             results[key] = run()
             results[key]["section_seconds"] = time.perf_counter() - t0
