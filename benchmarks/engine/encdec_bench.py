@@ -2,7 +2,7 @@
 
     python benchmarks/engine/encdec_bench.py --out encdec.json --results-md benchmarks/results/engine.md
 
-Sections (``--sections``, all by default):
+Sections (``--sections``, all by default; run in the order given):
 
 1. ``whisper``: ``--clips`` (64) concurrent 30-s clips (3,000 log-mel frames each), a 4-token
    prompt and exactly ``--transcript`` (100) tokens each (no end id), all enqueued at once into the
@@ -653,6 +653,7 @@ def main(argv=None) -> dict:
     for name, bench in (("whisper", bench_whisper), ("t5", bench_t5)):
         runs += [(name, dtype, weights, lambda bench=bench: bench(args))
                  for weights in args.quantizations for dtype in args.cross_kv_cache_dtypes]
+    runs = [run for name in dict.fromkeys(sections) for run in runs if run[0] == name]  # in --sections' order
     hf_batches = args.hf_whisper_batches, args.hf_t5_batches
     for name, dtype, weights, run in runs:
         if name in sections:

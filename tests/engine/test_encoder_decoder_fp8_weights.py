@@ -165,6 +165,26 @@ def test_schemes_and_options_that_cannot_take_fp8_weights_are_refused_by_name(en
         product(torch.ones(1, 32), runner.model.layers[0].self_attn.q.weight[:4])
 
 
+def test_config_only_fp8_engine_gets_e4m3_random_weights(engines, tmp_path):
+    """A config-only FP8 engine (benchmarks/engine/encdec_bench.py --quantization fp8: extra.random_weights_seed,
+    no rank files) loads with its layer linears E4M3 and positive row scales, and answers through the executor."""
+    family, _, fp8_dir = engines
+    if family != "t5_v1_1":
+        pytest.skip("one family exercises config-only engines")
+    for stack in ("encoder", "decoder"):
+        config = EngineConfig.load(str(Path(fp8_dir).parent / stack))
+        config.extra["random_weights_seed"] = 0
+        config.save(str(tmp_path / stack))
+    with Executor(str(tmp_path / "decoder"), ExecutorConfig(max_batch_size=4)) as ex:
+        linears = [m for stack in (ex.runner.encoder, ex.runner.model) for m in stack.modules()
+                   if isinstance(m, Fp8Linear)]
+        assert len(linears) == 2 * 7 + 2 * 11  # per layer: encoder q k v o gate up down; decoder + cross q k v o
+        assert all(m.weight.dtype == FP8_DTYPE and bool((m.weight_scale > 0).all()) for m in linears)
+        out = OutputConfig(exclude_input_from_output=True)
+        responses = collect(ex, ex.enqueue_requests([Request([], 4, encoder_input_ids=INPUTS[0], output=out)]))
+        assert [len(final_tokens(r)) for r in responses.values()] == [4]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_fp8_weights_keep_teacher_forced_logits_and_serve_from_graphs(engines, tmp_path, monkeypatch):
