@@ -78,6 +78,12 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, windows: bool) -> t
     backends = PLANLESS if name == "planless" else [
         {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
          "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}[name]]
+    # sdpa_kernel sets torch's process-wide backend flags for the call and restores them after, so another thread's
+    # SDPA call in that window sees this choice too. Accepted: a process runs one tower thread (the encode queue's
+    # worker, engine/vision/encode_queue.py; Triton's multimodal_encoders instances are processes of their own), and
+    # another SDPA caller caught in the window (EAGLE-3 drafts, DeepSeek's expanded prefill with its mask, Whisper's
+    # alignment heads) still finds a kernel under the planless flags (memory-efficient takes masks, math takes
+    # anything); only a forced single backend (TRITONLLM_TOWER_SDPA=flash, for A/B runs) could leave one without.
     with sdpa_kernel(backends):  # (planless: flash for 16-bit rows, memory-efficient for float32 ones)
         return F.scaled_dot_product_attention(q, k, v)
 
