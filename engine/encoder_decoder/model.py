@@ -22,6 +22,8 @@ time). The embeddings, the LM head, Whisper's convolutions and the norms stay in
 Every product of a layer goes through ``product`` (or a module's call, which goes through it), which
 runs fp8_linear for an E4M3 weight and kernels/linear.py's linear otherwise; the fused tensors
 (``MLP.gate_up``, cross_kv.py's ``kv_weight``) carry their concatenated row scales beside them.
+Where the W8A8 path runs (CUDA), q, k and v's shared input is quantized per token once for the three
+(``Attention.qkv_heads``), not once in each product: the same values, two quantize passes fewer.
 """
 from __future__ import annotations
 
@@ -38,7 +40,7 @@ from engine.models.tables import uninitialized_table
 from kernels.activation import gelu_tanh_and_mul
 from kernels.attention import paged_attention, write_kv_cache
 from kernels.attention_metadata import AttentionMetadata
-from kernels.fp8 import FP8_DTYPE, fp8_linear
+from kernels.fp8 import FP8_DTYPE, QuantizedRows, as_quantized_rows, fp8_linear, quantizes_activations
 from kernels.linear import linear, linear_activated, linear_float32_out
 from kernels.relative_position_bias import position_bias
 from kernels.rmsnorm import rms_norm
@@ -75,10 +77,13 @@ def product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
     E4M3 weight (an FP8 engine) with its per-output-channel ``scale`` runs kernels/fp8.py's fp8_linear
     over x's rows (CUDA: the W8A8 kernels, skinny for decode rows; CPU: its plain-torch reference); a
     weight in the model dtype runs kernels/linear.py's linear (F.linear, or the skinny kernel chosen
-    at load). An E4M3 weight without a scale is refused, never multiplied as raw codes."""
+    at load). An E4M3 weight without a scale is refused, never multiplied as raw codes. x may be
+    QuantizedRows (rows already quantized per token for FP8 products: ``Attention.qkv_heads``)."""
     if weight.dtype == FP8_DTYPE:
         if scale is None:
             raise ValueError(f"an FP8 weight {tuple(weight.shape)} needs its per-output-channel scale")
+        if isinstance(x, QuantizedRows):
+            return fp8_linear(x, weight, scale, bias)
         rows = x.reshape(-1, x.shape[-1])
         return fp8_linear(rows, weight, scale, bias).view(*x.shape[:-1], weight.shape[0])
     return linear(x, weight, bias)
@@ -132,6 +137,15 @@ class Attention(nn.Module):
 
     def heads_of(self, proj: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return proj(x).view(*x.shape[:-1], self.heads, self.head_dim)
+
+    def qkv_heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q, k, v), each (..., heads, head_dim), of x (..., d_model) through ``product``. FP8 weights where
+        the W8A8 path runs (CUDA: kernels/fp8.py quantizes_activations): x quantized per token once for the
+        three products (QuantizedRows: the values each would make itself), not once in each."""
+        lead = x.shape[:-1]
+        if isinstance(self.q, Fp8Linear) and quantizes_activations(x.device):
+            x = as_quantized_rows(x.reshape(-1, x.shape[-1]))
+        return tuple(project(p, x).view(*lead, self.heads, self.head_dim) for p in (self.q, self.k, self.v))
 
     def rows_of(self, proj: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """heads_of for a decoder step's (num_tokens, d_model) rows, through ``product`` (kernels/linear.py:
@@ -257,7 +271,7 @@ class EncoderLayer(nn.Module):
         attention in the model dtype (bias in it too), as transformers' sdpa attention runs it.
         ``t5`` (T5 on CUDA): (stack, lengths) for t5_attention.encoder_attention instead of ``bias``."""
         def attend(h):
-            q, k, v = (self.attn.heads_of(p, h) for p in (self.attn.q, self.attn.k, self.attn.v))
+            q, k, v = self.attn.qkv_heads(h)
             if t5 is not None:
                 return self.attn.o(encoder_attention(t5[0], q, k, v, t5[1], self.attn.scale).flatten(2))
             if h.is_cuda:
@@ -424,7 +438,7 @@ class Decoder(_Stack):
         for index, layer in enumerate(self.layers):
             def attend_self(h, layer=layer, index=index):
                 attn = layer.self_attn
-                q, k, v = (attn.rows_of(p, h) for p in (attn.q, attn.k, attn.v))
+                q, k, v = attn.qkv_heads(h)
                 k_cache, v_cache = kv_cache[index, 0], kv_cache[index, 1]
                 if self.position_bias is None:  # (a decode step on CUDA: the write and attention in one kernel)
                     out = append_paged_attention(q, k, v, k_cache, v_cache, meta, attn.scale)

@@ -125,6 +125,23 @@ def test_fused_products_equal_the_unfused_fp8_products(engines):
                                    rtol=0, atol=0)
 
 
+def test_qkv_input_quantized_once_leaves_the_logits_unchanged(engines, monkeypatch):
+    """Where the W8A8 path runs (CUDA), q, k and v's input is quantized per token once for the three products
+    (model.py Attention.qkv_heads). Forced on here, on the CPU reference: the logits are exactly those of
+    quantizing inside each product, and every encoder and decoder self-attention took the shared path."""
+    import engine.encoder_decoder.model as model
+
+    family, _, fp8_dir = engines
+    runner = EncDecRunner(fp8_dir)
+    inside, _ = teacher_forced_logits(runner, family, "auto")
+    shared, quantize = [], model.as_quantized_rows
+    monkeypatch.setattr(model, "quantizes_activations", lambda device: True)
+    monkeypatch.setattr(model, "as_quantized_rows", lambda x: shared.append(x.shape) or quantize(x))
+    once, _ = teacher_forced_logits(runner, family, "auto")
+    assert torch.equal(once, inside)
+    assert len(shared) == len(runner.encoder.layers) + len(runner.model.layers)
+
+
 def test_executor_serves_fp8_weights_with_an_fp8_cross_pool(engines):
     """Greedy requests through the executor on the FP8 engine answer in full, with the model-dtype pools and
     with an E4M3 cross pool (cross_kv_cache_dtype fp8) alike; T5 v1.0 (its near-tie) is left to the others."""
