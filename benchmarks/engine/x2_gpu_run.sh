@@ -540,7 +540,7 @@ case $call in
   rm -rf "/tmp/x2_call${call}_traces" && mv "$w/traces" "/tmp/x2_call${call}_traces"
   ;;
 22)
-  # Session 22 (~400 s, guard 540). ONLY: the parts, comma-separated, of pp (two GPUs), vlm, sq, tree (default
+  # Session 22 (~400 s, guard 540). ONLY: the parts, comma-separated, of pp (two GPUs), vlm, sq, enc, tree (default
   # pp,vlm,tree; "both" = vlm,tree); with one GPU the lanes run one after the other on it. First, both GPUs: the PP 2 trace with each GPU's SM clock and power sampled
   # every 100 ms (issue 50: in call 21 rank 1's kernels ran 1.33x longer than rank 0's same kernels; a GPU busy
   # 98% of the time against 67% may be held at a lower clock by its power limit).
@@ -606,6 +606,13 @@ PY
           --max-batch-size 512 $([ "$q" = int8_sq ] && echo --quantization int8_sq) --out "$w/sq_$q.json" \
           --results-md "$w/sq_$q.md"
       done
+    fi
+    if has enc; then  # issue 49: FP8 layer weights in encoder-decoder engines (helper encfp8, /tmp/notes/encfp8.md)
+      CUDA_VISIBLE_DEVICES=0 job enc_tests 70 "$PYTHON" -m pytest -q -rfEs -s -p no:cacheprovider -m gpu \
+        tests/engine/test_encoder_decoder_fp8_weights.py
+      on_gpu 0 enc_bench 130 "$PYTHON" -u benchmarks/engine/encdec_bench.py --sections t5,whisper --hf-whisper-batches "" \
+        --hf-t5-batches "" --cross-kv-cache-dtype fp8 --quantization none,fp8 --out "$w/enc_bench.json" \
+        --results-md "$w/enc_bench.md"
     fi ) &
   lane0=$!
   # GPU 1 (issue 56): tree verify at 16/32/64 nodes and batches 1/8/32, then the forced loop at lengths 3/4/5, in
@@ -620,6 +627,8 @@ PY
   [ -f "$w/vlm_graphs.md" ] && grep -E "^\||replayed" "$w/vlm_graphs.md" | cut -c1-400
   echo "== tree22"; grep -E "Error|Traceback|^\[load" "$w/tree22.log" | head -8
   [ -f "$w/tree22.md" ] && cat "$w/tree22.md"
+  [ -f "$w/enc_tests.log" ] && { echo "== enc_tests"; grep -E "CUDA: FP8|passed|failed|Error|assert" "$w/enc_tests.log" | tail -15; }
+  [ -f "$w/enc_bench.log" ] && { echo "== enc_bench"; grep -vi warning "$w/enc_bench.log" | grep -E "whisper|t5|audio|tok/s|Error|Traceback|run:" | cut -c1-400 | head -24; }
   [ -f "$w/sq_tests.log" ] && { echo "== sq_tests"; grep -E "passed|failed|FAILED|Error" "$w/sq_tests.log" | tail -6; }
   [ -f "$w/sq_kernels.log" ] && { echo "== sq_kernels"; grep -v Warning "$w/sq_kernels.log" | tail -25 | cut -c1-300; }
   for q in bf16 int8_sq; do [ -f "$w/sq_$q.log" ] && { echo "== sq_$q"; grep -E "^\| (batch-1|offline|\.\.\.)|Error|Traceback" "$w/sq_$q.log" | cut -c1-300; }; done
