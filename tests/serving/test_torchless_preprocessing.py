@@ -113,19 +113,28 @@ def with_torch(built, tmp_path_factory) -> dict:
     return dict(zip(built, out["engines"]))
 
 
+@pytest.fixture(scope="module")
+def hidden(built, tmp_path_factory) -> dict:
+    """Every type's stub with torch hidden, in one process as well (OneVision last: its stub imports torch): the
+    first type's stub settles transformers on no torch for the process, as each stub's does for its own, and the
+    others' processors then load and run in that transformers (a process per type cost ~1.5-2 CPU-s each of
+    start alone; which types are hidden is WITHOUT_TORCH's, checked against the registry below):
+    model type -> its engine's results."""
+    out = _run_stub("hidden", tmp_path_factory.mktemp("hidden") / "out.pkl", list(built.values()))
+    assert not out["transformers_has_torch"]
+    return dict(zip(built, out["engines"]))
+
+
 def test_every_vision_family_is_loaded_without_torch():
     """A new family is checked below before it joins WITHOUT_TORCH (or stays out with its reason there)."""
     assert set(WITHOUT_TORCH) == set(FAMILIES_BY_MODEL_TYPE)
 
 
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
-def test_the_stubs_outputs_are_byte_identical_with_torch_hidden(model_type, built, with_torch, tmp_path):
-    """Its own process, as a stub: torch hidden for its type while transformers loads."""
-    out = _run_stub("hidden", tmp_path / "out.pkl", [built[model_type]])
-    (hidden,), reference = out["engines"], with_torch[model_type]
-    assert not out["transformers_has_torch"]
+def test_the_stubs_outputs_are_byte_identical_with_torch_hidden(model_type, built, with_torch, hidden):
+    hidden, reference = hidden[model_type], with_torch[model_type]
     assert hidden["processor"] == reference["processor"]
-    if model_type != "llava_onevision":  # (its stub imports torch at start for its video side)
+    if model_type != "llava_onevision":  # (its stub imports torch at start for its video side; it runs last)
         assert not any(request["torch_loaded"] for request in hidden["requests"])
     with open(built[model_type][1], "rb") as f:
         requests = pickle.load(f)
