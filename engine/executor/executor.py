@@ -164,6 +164,7 @@ class Executor(Admission, Finishing):
             # One rank only: the step protocol sends token ids, not the table rows the splice needs.
             supports_prompt_tables=build.tp_size == 1
             and getattr(getattr(self.runner, "model", None), "supports_prompt_tables", False),
+            prompt_tables_refusal=prompt_tables_refusal(build),
             mrope_width=self.runner.model_config.head_dim if build.tp_size == 1 and build.pp_size == 1
             and getattr(getattr(self.runner, "model", None), "supports_mrope", False) else 0)
         self._table_request_ids: set[int] = set()  # active requests with a prompt table
@@ -644,3 +645,16 @@ class Executor(Admission, Finishing):
                                 num_draft_tokens_total=self._num_draft_tokens_total,
                                 num_accepted_draft_tokens_total=self._num_accepted_draft_tokens_total,
                                 disagg=self.disagg.stats(), idle=not self._active)
+
+
+def prompt_tables_refusal(build) -> str:
+    """prompt_table_error's reason for an engine whose layout, not its architecture, refuses prompt tables
+    ("" where the architecture decides): a tensor-parallel engine's ranks step on token ids, not table rows, and
+    a pipeline stage takes hidden states, not embeddings, from the stage before."""
+    if build.tp_size > 1:
+        return (f"by a tensor-parallel engine (tp_size {build.tp_size}): its ranks' steps carry token ids, not "
+                "table rows; serve images from an engine built with tp_size 1")
+    if build.pp_size > 1:
+        return (f"by a pipeline-parallel engine (pp_size {build.pp_size}); serve images from an engine built with "
+                "pp_size 1")
+    return ""

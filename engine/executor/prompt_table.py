@@ -57,9 +57,10 @@ def normalize_prompt_table(table: PromptTable) -> PromptTable:
 
 
 def prompt_table_error(prompt: list[int], table: PromptTable | None, vocab_size: int, hidden_size: int,
-                       supported: bool = True) -> str | None:
+                       supported: bool = True, why_unsupported: str = "") -> str | None:
     """Why the prompt's fake ids and the table do not fit together (naming the Triton inputs), or None.
-    Ordinary ids (negative ones included) are validate_request's."""
+    Ordinary ids (negative ones included) are validate_request's. ``why_unsupported``: what refuses tables when
+    not ``supported`` (default: the model's architecture)."""
     fake = [t for t in prompt if t >= vocab_size]
     if table is None:
         if fake:
@@ -68,7 +69,8 @@ def prompt_table_error(prompt: list[int], table: PromptTable | None, vocab_size:
                     "and the request sent none)")
         return None
     if not supported:
-        return "prompt_embedding_table is not supported for this model's architecture yet; send the request without it"
+        why = why_unsupported or "for this model's architecture yet"
+        return f"prompt_embedding_table is not supported {why}; send the request without it"
     shape = tuple(table.embeddings.shape)
     if len(shape) != 2 or shape[0] == 0:
         return f"prompt_embedding_table has shape {shape}; send (rows, hidden_size) with at least one row"

@@ -424,6 +424,7 @@ class RequestLimits:
     max_draft_len: int = 8  # the most external draft tokens a request may carry
     hidden_size: int = 0  # the width a prompt_embedding_table's rows must have (ModelConfig.prompt_table_width)
     supports_prompt_tables: bool = True  # the model's forward splices table rows (engine/executor/prompt_table.py)
+    prompt_tables_refusal: str = ""  # why not, where it is not the model's architecture (prompt_table_error's words)
     mrope_width: int = 0  # the rotary rows' width an Mrope must have; 0: the model takes none (mrope_rotary.py)
 
 
@@ -556,7 +557,7 @@ def validate_request(request: Request, limits: RequestLimits) -> str | None:
         if token is not None and token != -1 and not 0 <= token < limits.vocab_size:
             return f"{name} must be -1 (none) or a token id 0..{limits.vocab_size - 1}, got {token}"
     error = prompt_table_error(prompt, request.prompt_table, limits.vocab_size, limits.hidden_size,
-                               limits.supports_prompt_tables)
+                               limits.supports_prompt_tables, limits.prompt_tables_refusal)
     error = error or mrope_error(len(prompt), request.max_tokens, request.mrope, limits.mrope_width,
                                  limits.max_seq_len)
     ordinary = prompt if request.prompt_table is None else [t for t in prompt if t < limits.vocab_size]

@@ -194,3 +194,23 @@ def test_a_table_whose_hashing_fails_ends_that_request_alone(tiny_engine, monkey
                                          Request([3, 4, 5], 4)])
     assert "hashing its rows for the prefix cache failed (MemoryError: out of host memory)" in bad[-1].error
     assert good[-1].error is None and text[-1].error is None
+
+
+@pytest.mark.parametrize("tp_size, pp_size, named", [
+    (2, 1, "by a tensor-parallel engine (tp_size 2): its ranks' steps carry token ids"),
+    (1, 2, "by a pipeline-parallel engine (pp_size 2)"),
+    (1, 1, "for this model's architecture yet")])
+def test_an_engine_that_takes_no_tables_says_why(tp_size, pp_size, named):
+    """A request with a table on an engine that cannot splice one gets the engine's reason, not the architecture's,
+    where its layout is the reason (executor.prompt_tables_refusal fills RequestLimits)."""
+    from engine.config import BuildConfig
+    from engine.executor.executor import prompt_tables_refusal
+    from engine.executor.request import RequestLimits, validate_request
+
+    limits = RequestLimits(vocab_size=VOCAB, max_seq_len=64, max_beam_width=1, max_num_tokens=64,
+                           enable_chunked_context=True, num_kv_blocks=64, tokens_per_block=4, hidden_size=8,
+                           supports_prompt_tables=False,
+                           prompt_tables_refusal=prompt_tables_refusal(BuildConfig(tp_size=tp_size, pp_size=pp_size)))
+    error = validate_request(Request([1, VOCAB, 2], 4, prompt_table=PromptTable(torch.zeros(1, 8))), limits)
+    assert error.startswith(f"prompt_embedding_table is not supported {named}")
+    assert error.endswith("send the request without it")
