@@ -43,7 +43,7 @@ INT_MM_MIN_ROWS = 17  # torch._int_mm on CUDA takes more than 16 rows
 # has the bytes of an FP8 one, so FP8's default tiling (kernels/fp8.py FP8_SKINNY_DEFAULT).
 INT8_SKINNY_DEFAULT = (16, 512, 4, 4)
 INT8_VARIANT_ATTR = "_int8_skinny_variant"
-# The tilings the load-time choice times (also benchmarks/kernels/int8_skinny_bench.py's): the default and, from
+# The tilings the load-time choice times (also benchmarks/quantization/int8_skinny_bench.py's): the default and, from
 # FP8's candidates (same bytes a tile), longer K tiles, swapped 64-wide tiles (the weight tile as a warpgroup
 # MMA's first operand), split-K, and one balanced tiling of the bf16 set. Eight, not FP8's 27: each is two
 # compiles (plain, gated) at an int8 engine's first load. Not yet timed on a GPU (2026-11-30).

@@ -599,7 +599,7 @@ PY
     fi
     if has sq; then  # first the int8 skinny kernel's GPU tests and its per-shape bench (helper sq8, /tmp/notes/sq8.md)
       CUDA_VISIBLE_DEVICES=0 job sq_tests 80 "$PYTHON" -m pytest -q -rfEs -p no:cacheprovider tests/kernels/test_int8_sq.py
-      on_gpu 0 sq_kernels 70 "$PYTHON" -u benchmarks/kernels/int8_skinny_bench.py --out "$w/int8_skinny.md" \
+      on_gpu 0 sq_kernels 70 "$PYTHON" -u benchmarks/quantization/int8_skinny_bench.py --out "$w/int8_skinny.md" \
         --json "$w/int8_skinny.json"
       for q in bf16 int8_sq; do
         on_gpu 0 "sq_$q" 150 "$PYTHON" benchmarks/engine/engine_bench.py --sections decode,offline --offline 128x128x1024 \

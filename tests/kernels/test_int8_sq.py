@@ -144,7 +144,7 @@ def test_load_time_choice_marks_each_int8_weight_with_a_candidate_tiling():
     """choose_int8_skinny_variants (the engine's load, engine/executor/runner.py choose_kernels): one of
     INT8_SKINNY_VARIANTS per shape, plain and gated apart, set on every weight of that shape; int8_linear and
     int8_gated_linear then run that tiling (the same values as int8_skinny_linear with it). Shapes in multiples
-    of 16, as the models' (so these compiles are the ones benchmarks/kernels/int8_skinny_bench.py reuses)."""
+    of 16, as the models' (so these compiles are the ones benchmarks/quantization/int8_skinny_bench.py reuses)."""
     plain = [int8_sq.quantize_weight_int8(torch.randn(256, 512, device="cuda"))[0] for _ in range(2)]
     gate_up, gate_up_scale = int8_sq.quantize_weight_int8(torch.randn(2 * 128, 512, device="cuda"))
     chosen = int8_sq.choose_int8_skinny_variants(plain, gated=[gate_up], rows=(1,))

@@ -16,7 +16,7 @@ its tilings (--int8-tilings, default the load-time candidates int8_sq.INT8_SKINN
 --fp8-tilings, --bf16-tilings; the best one is printed, and every int8 tiling's time in the JSON lines). Every int8
 output is checked against int8_linear_ref first (relative difference printed).
 
-    python benchmarks/kernels/int8_skinny_bench.py [--rows 1 8 16] [--out int8_skinny.md] [--json int8_skinny.json]
+    python benchmarks/quantization/int8_skinny_bench.py [--rows 1 8 16] [--out int8_skinny.md] [--json int8_skinny.json]
 
 The markdown (dated, machine, commit: $BENCH_COMMIT first, benchmarks.common.git_commit) goes to
 stdout and, with --out, to that file.
