@@ -1,8 +1,12 @@
 """A model cut down to one pipeline stage, and that stage's forward.
 
 Supported: the families whose model runs LlamaForCausalLM's forward (Llama, Mistral, Qwen2/3,
-Phi-3, SmolLM2/3, the MoE families Mixtral / Qwen3-MoE, gpt-oss): their blocks take and return
-``(x, residual)`` and nothing outside the blocks reads a layer index. Other families are refused by
+Phi-3, SmolLM2/3, the MoE families Mixtral / Qwen3-MoE, gpt-oss, Llama 4): their blocks take and return
+``(x, residual)`` and nothing outside the blocks reads a layer index. A block reads its index at
+construction (SmolLM3's and Llama 4's NoPE layers, windows, dense or MoE MLP), on the meta-device model
+before trim_to_stage renumbers it, and at run time only to index the KV pool: each admitted family's
+pp 2 engine gives pp 1's logits on a split whose stage 1 starts on a layer unlike layer 0
+(tests/engine/test_pipeline_parallel.py, pipeline_ranks.PP_MORE_LAYERS). Other families are refused by
 name at build and at load (``check_pipeline_supported``).
 
 What crosses from stage to stage is the residual stream as the blocks hand it on: ``x`` (the last
@@ -27,13 +31,18 @@ from kernels.attention_metadata import AttentionMetadata
 from kernels.rmsnorm import rms_norm
 
 
+def pipeline_admits(architecture: str) -> bool:
+    """Whether ``architecture``'s model runs LlamaForCausalLM's forward, the one stage_forward splits."""
+    model_class = get_model_class(architecture)
+    return issubclass(model_class, LlamaForCausalLM) and model_class.forward is LlamaForCausalLM.forward
+
+
 def check_pipeline_supported(model: ModelConfig) -> None:
     """ConfigError naming the architecture when its model cannot be split into stages."""
-    model_class = get_model_class(model.architecture)
-    if not (issubclass(model_class, LlamaForCausalLM) and model_class.forward is LlamaForCausalLM.forward):
+    if not pipeline_admits(model.architecture):
         raise ConfigError(f"pipeline parallelism (pp_size > 1) is not supported for {model.architecture}; it is for "
                           "the Llama-family models (Llama, Mistral, Qwen2, Qwen3, Phi-3, SmolLM2/3), Mixtral, "
-                          "Qwen3-MoE and gpt-oss; use tp_size instead")
+                          "Qwen3-MoE, gpt-oss and Llama 4; use tp_size instead")
 
 
 def trim_to_stage(model: nn.Module, stage: Stage) -> nn.Module:

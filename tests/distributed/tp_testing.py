@@ -40,9 +40,9 @@ def tiny_llama(seed: int = 0) -> transformers.LlamaForCausalLM:
     return model
 
 
-def build_tiny_engine(hf_model, out_dir: str, *, tp_size: int, pp_size: int = 1) -> str:
+def build_tiny_engine(hf_model, out_dir: str, *, tp_size: int, pp_size: int = 1, pp_layers=None) -> str:
     build = BuildConfig(dtype="float32", max_batch_size=4, max_input_len=64, max_seq_len=128,
-                        max_num_tokens=256, tokens_per_block=8, tp_size=tp_size, pp_size=pp_size)
+                        max_num_tokens=256, tokens_per_block=8, tp_size=tp_size, pp_size=pp_size, pp_layers=pp_layers)
     build_from_hf(hf_model.config, getter_from_state_dict(hf_model.state_dict(), "tiny"), None, out_dir,
                   build, progress=False)
     return out_dir

@@ -87,13 +87,20 @@ FAMILIES = {
 # Configs beyond the families every family test runs: tiny_hf builds them too.
 EXTRA_CONFIGS = {"llama_groupable": lambda: transformers.LlamaConfig(**GROUPABLE, rope_theta=10000.0),
                  # Widths in multiples of 16 (q 64, k/v 32 each): what LoRA's CUDA kernels take.
-                 "qwen3_aligned": lambda: transformers.Qwen3Config(**_COMMON, head_dim=16, rope_theta=1000000.0)}
+                 "qwen3_aligned": lambda: transformers.Qwen3Config(**_COMMON, head_dim=16, rope_theta=1000000.0),
+                 # Llama 4 text, 4 layers: rope layers 0 and 2 in chunks of 8 positions, NoPE layers 1 and 3
+                 # (temperature tuning biting at these lengths) with MoE (4 experts, top-1), dense 0 and 2.
+                 "llama4": lambda: transformers.Llama4TextConfig(
+                     **{**_COMMON, "num_hidden_layers": 4, "intermediate_size": 32}, intermediate_size_mlp=96,
+                     head_dim=16, num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=2,
+                     attention_chunk_size=8, no_rope_layer_interval=2, floor_scale=4, attn_scale=0.1)}
 ARCHITECTURES = {"gpt2": transformers.GPT2LMHeadModel, "mistral": transformers.MistralForCausalLM,
                  "qwen2_qkv_bias": transformers.Qwen2ForCausalLM, "qwen3": transformers.Qwen3ForCausalLM,
                  "qwen3_aligned": transformers.Qwen3ForCausalLM,
                  "phi3_longrope": transformers.Phi3ForCausalLM, "phi4_mini_partial_rotary": transformers.Phi3ForCausalLM,
                  "smollm3_nope": transformers.SmolLM3ForCausalLM, "mixtral": transformers.MixtralForCausalLM,
-                 "qwen3_moe": transformers.Qwen3MoeForCausalLM, "gpt_oss": transformers.GptOssForCausalLM}
+                 "qwen3_moe": transformers.Qwen3MoeForCausalLM, "gpt_oss": transformers.GptOssForCausalLM,
+                 "llama4": transformers.Llama4ForCausalLM}
 
 
 # The KV pool of an Executor made by a test. Without a token bound an executor on CUDA takes 90% of

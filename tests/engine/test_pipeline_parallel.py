@@ -23,6 +23,7 @@ from engine.executor.runner import ForwardBatch, ModelRunner
 from engine.pipeline.runner import split_micro_batches
 from engine.tensor_parallel.distributed import check_world_matches_engine
 from engine_testing import VOCAB, hf_logits, tiny_hf, tp_reference_steps
+from pipeline_ranks import PP_MORE_LAYERS
 
 # family -> pp_layers of its pp 2 build (None: even; "balanced": --pp_layers balanced, which records 1,2 for
 # qwen3_moe's 3 layers, layer 1 dense and so the cheapest).
@@ -50,6 +51,16 @@ def engines(hf_models, tmp_path_factory) -> dict:
     out = {}
     for family, layers in PP_FAMILIES.items():
         hf = hf_models[family]
+        out[family] = (build(hf, root / f"{family}-pp1"), build(hf, root / f"{family}-pp2", pp_size=2, pp_layers=layers))
+    return out
+
+
+@pytest.fixture(scope="module")
+def more_engines(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("pp_more_engines")
+    out = {}
+    for family, layers in PP_MORE_LAYERS.items():
+        hf = tiny_hf(family)
         out[family] = (build(hf, root / f"{family}-pp1"), build(hf, root / f"{family}-pp2", pp_size=2, pp_layers=layers))
     return out
 
@@ -170,6 +181,28 @@ def test_pp2_on_two_ranks_matches_pp1_and_transformers(engines, hf_models):
     for name, hf in hf_models.items():
         error = (rank0[name][0] - transformers_rows(hf)).abs().max().item()
         assert error <= 1e-4, f"{name}: max abs error {error:.3g} vs transformers"
+
+
+def test_pp2_of_every_admitted_architecture_matches_pp1(engines, more_engines):
+    """Each architecture check_pipeline_supported admits has a pp 2 engine here or in the test above;
+    at pp 2 on two ranks those here give pp 1's logits within 1e-5 and so its greedy ids."""
+    from gloo_ranks import shared_pair
+    from pipeline_ranks import pp_rank_logits
+
+    from engine.config import EngineConfig
+    from engine.models import SUPPORTED_ARCHITECTURES
+    from engine.pipeline.stage import pipeline_admits
+
+    covered = {EngineConfig.load(pp1).model.architecture for pp1, _ in (engines | more_engines).values()}
+    assert covered == set(filter(pipeline_admits, SUPPORTED_ARCHITECTURES))
+    expected = {name: tp_reference_steps(ModelRunner(pp1)) for name, (pp1, _) in more_engines.items()}
+    rank0, rank1 = shared_pair().run(pp_rank_logits, {name: pp2 for name, (_, pp2) in more_engines.items()}, 1)
+    for name, reference in expected.items():
+        logits = rank0[name][0]
+        error = (logits - reference).abs().max().item()
+        assert error <= 1e-5, f"{name}: max abs error {error:.3g} vs pp 1"
+        assert torch.equal(logits.argmax(dim=-1), reference.argmax(dim=-1)), name
+        assert [rank0[name][1], rank1[name][1]] == PP_MORE_LAYERS[name]
 
 
 def test_pp2_graphs_per_stage_match_pp1(engines):
