@@ -319,16 +319,40 @@ def choose_fp8_skinny_variants(weights: list[torch.Tensor], gated: list[torch.Te
     ``rows`` (from CUDA graphs, W8A8 on rows quantized per row), set on each weight as
     ``_fp8_skinny_variant``. ``gated`` weights ([gate | up], only ever run fused with the SiLU) are
     timed that way, under the key ("gated", N, K). CUDA only."""
+    return choose_skinny_tilings("fp8_skinny", weights, gated, rows, attr="_fp8_skinny_variant",
+                                 candidates=SKINNY_VARIANTS + FP8_EXTRA_VARIANTS, sources=_fp8_sources(),
+                                 fastest=_fastest_fp8_variant)
+
+
+def choose_skinny_tilings(family: str, weights: list[torch.Tensor], gated: list[torch.Tensor], rows: tuple[int, ...],
+                          *, attr: str, candidates: tuple, sources: tuple[str, ...], fastest) -> dict[tuple, tuple]:
+    """The load-time tiling choice of a quantized skinny product (FP8 here, int8 in kernels/int8_sq.py): per
+    distinct weight shape (gated [gate | up] weights under ("gated", N, K)), ``fastest(weight, gated, rows)``'s
+    tiling of ``candidates``, through the persistent choice cache (``family``; ``sources``: the files of the
+    kernels it times), set on each weight as attribute ``attr``. Returns {key: tiling}."""
     chosen: dict[tuple, tuple] = {}
     for weight, is_gated in [(w, False) for w in weights] + [(w, True) for w in gated]:
         key = (("gated",) if is_gated else ()) + tuple(weight.shape)
         if key not in chosen:
             chosen[key], _ = choice_cache.choice(
-                "fp8_skinny", (key, tuple(rows)), weight.device, lambda: _fastest_fp8_variant(weight, is_gated, rows),
-                sources=_fp8_sources(), candidates=SKINNY_VARIANTS + FP8_EXTRA_VARIANTS,
-                valid=lambda variant: variant in SKINNY_VARIANTS + FP8_EXTRA_VARIANTS)
-        weight._fp8_skinny_variant = chosen[key]
+                family, (key, tuple(rows)), weight.device, lambda: fastest(weight, is_gated, rows),
+                sources=sources, candidates=candidates, valid=lambda variant: variant in candidates)
+        setattr(weight, attr, chosen[key])
     return chosen
+
+
+def fastest_tiling(weight: torch.Tensor, rows: tuple[int, ...], candidates: tuple, inputs, product) -> tuple:
+    """The tiling of ``candidates`` with the least device time summed over ``rows``: for each row count m,
+    ``product(inputs(m), weight_copy, tiling)`` timed from CUDA graphs over copies of ``weight`` that
+    defeat the L2 cache (l2_defeating_copies), used in turn."""
+    copies = l2_defeating_copies(weight)
+    turn = iter(range(1 << 40))
+    times = dict.fromkeys(candidates, 0.0)
+    for m in rows:
+        x = inputs(m)
+        for variant in times:
+            times[variant] += graph_time_ms(lambda: product(x, copies[next(turn) % len(copies)], variant))
+    return min(times, key=times.get)
 
 
 def _fp8_sources() -> tuple[str, ...]:
@@ -341,16 +365,11 @@ def _fp8_sources() -> tuple[str, ...]:
 def _fastest_fp8_variant(weight: torch.Tensor, gated: bool, rows: tuple[int, ...]) -> tuple:
     n, k = weight.shape
     scale = torch.ones(n, dtype=torch.float32, device=weight.device)
-    copies = l2_defeating_copies(weight)
-    turn = iter(range(1 << 40))
-    times = dict.fromkeys(SKINNY_VARIANTS + FP8_EXTRA_VARIANTS, 0.0)
-    for m in rows:
-        x = quantize_rows_triton(torch.randn(m, k, dtype=torch.bfloat16, device=weight.device))
-        for variant in times:
-            times[variant] += graph_time_ms(lambda: skinny_linear_triton(
-                x[0], copies[next(turn) % len(copies)], weight_scale=scale, x_scale=x[1],
-                out_dtype=torch.bfloat16, gated=gated, **variant_options(variant)))
-    return min(times, key=times.get)
+    return fastest_tiling(
+        weight, rows, SKINNY_VARIANTS + FP8_EXTRA_VARIANTS,
+        lambda m: quantize_rows_triton(torch.randn(m, k, dtype=torch.bfloat16, device=weight.device)),
+        lambda x, w, variant: skinny_linear_triton(x[0], w, weight_scale=scale, x_scale=x[1], out_dtype=torch.bfloat16,
+                                                   gated=gated, **variant_options(variant)))
 
 
 def l2_defeating_copies(weight: torch.Tensor) -> list[torch.Tensor]:

@@ -27,12 +27,11 @@ from __future__ import annotations
 
 import torch
 
-from kernels import choice_cache
 from kernels._triton import jit, pdl_options, pdl_prologue, tl, triton, use_triton
 from kernels.activation import silu_and_mul
-from kernels.fp8 import QuantizedRows
+from kernels.fp8 import QuantizedRows, choose_skinny_tilings, fastest_tiling
 from kernels.int8_rows import int8_row_scale, to_int8
-from kernels.linear import MAX_SKINNY_ROWS, graph_time_ms, skinny_linear_triton, variant_options
+from kernels.linear import MAX_SKINNY_ROWS, skinny_linear_triton, variant_options
 from kernels.rmsnorm import rms_norm_quantized_int8_triton, rms_norm_ref
 
 INT8_MAX = 127.0
@@ -214,19 +213,12 @@ def choose_int8_skinny_variants(weights: list[torch.Tensor], gated: list[torch.T
                                 rows: tuple[int, ...] = (1, 8)) -> dict[tuple, tuple]:
     """Per distinct int8 weight shape, the INT8_SKINNY_VARIANTS tiling with the least device time summed
     over ``rows`` (CUDA graphs over copies of the weight that defeat the L2 cache, the row quantizer
-    included), set on each weight as INT8_VARIANT_ATTR (kernels/fp8.py choose_fp8_skinny_variants' rule).
+    included), set on each weight as INT8_VARIANT_ATTR (kernels/fp8.py choose_skinny_tilings, FP8's rule).
     ``gated`` weights ([gate | up], only run fused with the SiLU) are timed so, under ("gated", N, K).
     CUDA only; through the persistent choice cache (kernels/choice_cache.py)."""
-    chosen: dict[tuple, tuple] = {}
-    for weight, is_gated in [(w, False) for w in weights] + [(w, True) for w in gated]:
-        key = (("gated",) if is_gated else ()) + tuple(weight.shape)
-        if key not in chosen:
-            chosen[key], _ = choice_cache.choice(
-                "int8_skinny", (key, tuple(rows)), weight.device, lambda: _fastest_int8_variant(weight, is_gated, rows),
-                sources=_int8_sources(), candidates=INT8_SKINNY_VARIANTS,
-                valid=lambda variant: variant in INT8_SKINNY_VARIANTS)
-        setattr(weight, INT8_VARIANT_ATTR, chosen[key])
-    return chosen
+    return choose_skinny_tilings("int8_skinny", weights, gated, rows, attr=INT8_VARIANT_ATTR,
+                                 candidates=INT8_SKINNY_VARIANTS, sources=_int8_sources(),
+                                 fastest=_fastest_int8_variant)
 
 
 def _int8_sources() -> tuple[str, ...]:
@@ -237,15 +229,8 @@ def _int8_sources() -> tuple[str, ...]:
 
 
 def _fastest_int8_variant(weight: torch.Tensor, gated: bool, rows: tuple[int, ...]) -> tuple:
-    from kernels.fp8 import l2_defeating_copies
-
     scale = torch.full((weight.shape[0],), 1e-3, dtype=torch.float32, device=weight.device)
-    copies = l2_defeating_copies(weight)
-    turn = iter(range(1 << 40))
-    times = dict.fromkeys(INT8_SKINNY_VARIANTS, 0.0)
-    for m in rows:
-        x = torch.randn(m, weight.shape[1], dtype=torch.bfloat16, device=weight.device)
-        for variant in times:
-            times[variant] += graph_time_ms(lambda: int8_skinny_linear(
-                x, copies[next(turn) % len(copies)], scale, gated=gated, variant=variant))
-    return min(times, key=times.get)
+    return fastest_tiling(
+        weight, rows, INT8_SKINNY_VARIANTS,
+        lambda m: torch.randn(m, weight.shape[1], dtype=torch.bfloat16, device=weight.device),
+        lambda x, w, variant: int8_skinny_linear(x, w, scale, gated=gated, variant=variant))
