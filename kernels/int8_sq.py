@@ -116,8 +116,15 @@ def int8_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.T
 def _rows_product_ref(rows: QuantizedRows, weight: torch.Tensor, weight_scale: torch.Tensor,
                       bias: torch.Tensor | None) -> torch.Tensor:
     """int8_linear_ref's product of rows quantized already: (M, N) in rows.dtype."""
-    exact = (rows.values.double() @ weight.double().T).float()
-    out = exact * rows.scale[:, None] * weight_scale.float()[None, :]
+    return _scaled(rows.values.double() @ weight.double().T, rows, weight_scale, bias)
+
+
+def _scaled(exact: torch.Tensor, rows: QuantizedRows, weight_scale: torch.Tensor, bias: torch.Tensor | None
+            ) -> torch.Tensor:
+    """The integer sums (M, N) (exact in any dtype) -> (sum * s_x[m]) * s_w[n] (+ bias) in float32, rounded
+    once to rows' dtype: the one scaling of the reference and the torch._int_mm path (the skinny kernel's
+    epilogue keeps the same order)."""
+    out = exact.float() * rows.scale[:, None] * weight_scale.float()[None, :]
     if bias is not None:
         out = out + bias.float()
     return out.to(rows.dtype)
@@ -201,11 +208,7 @@ def int8_linear(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, weight_sc
     codes = rows.values
     if m < INT_MM_MIN_ROWS:
         codes = torch.cat([codes, codes.new_zeros(INT_MM_MIN_ROWS - m, k)])
-    exact = torch._int_mm(codes, weight.t())[:m]
-    out = exact.float() * rows.scale[:, None] * weight_scale[None, :]
-    if bias is not None:
-        out = out + bias.float()
-    return out.to(rows.dtype).reshape(shape)
+    return _scaled(torch._int_mm(codes, weight.t())[:m], rows, weight_scale, bias).reshape(shape)
 
 
 @torch.inference_mode()
