@@ -199,18 +199,20 @@ def output_columns(N, ROWS, BLOCK_N: tl.constexpr, BALANCED: tl.constexpr):
 @jit
 def _skinny_tile_dot(x, w, w_up, acc, acc_up, GATED: tl.constexpr, WIDEN: tl.constexpr, SWAP_AB: tl.constexpr):
     """acc += x @ w.T (SWAP_AB: acc += w @ x.T), and the same for w_up when GATED; WIDEN: FP8
-    weight tiles widen to x's dtype. The dot's result type is acc's: int32 for int8 tiles (INT8_DOT)."""
+    weight tiles widen to x's dtype. The dot's result type is acc's: int32 for int8 tiles (INT8_DOT); out_dtype
+    says so because tl.dot's default (float32) fails to compile against an int32 acc on the GPU (the CPU
+    interpreter does not check it)."""
     if WIDEN:
         w = w.to(x.dtype)
         w_up = w_up.to(x.dtype)
     if SWAP_AB:
-        acc = tl.dot(w, tl.trans(x), acc)
+        acc = tl.dot(w, tl.trans(x), acc, out_dtype=acc.dtype)
         if GATED:
-            acc_up = tl.dot(w_up, tl.trans(x), acc_up)
+            acc_up = tl.dot(w_up, tl.trans(x), acc_up, out_dtype=acc_up.dtype)
     else:
-        acc = tl.dot(x, tl.trans(w), acc)
+        acc = tl.dot(x, tl.trans(w), acc, out_dtype=acc.dtype)
         if GATED:
-            acc_up = tl.dot(x, tl.trans(w_up), acc_up)
+            acc_up = tl.dot(x, tl.trans(w_up), acc_up, out_dtype=acc_up.dtype)
     return acc, acc_up
 
 
