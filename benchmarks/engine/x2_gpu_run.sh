@@ -606,13 +606,6 @@ PY
           --max-batch-size 512 $([ "$q" = int8_sq ] && echo --quantization int8_sq) --out "$w/sq_$q.json" \
           --results-md "$w/sq_$q.md"
       done
-    fi
-    if has enc; then  # issue 49: FP8 layer weights in encoder-decoder engines (helper encfp8, /tmp/notes/encfp8.md)
-      CUDA_VISIBLE_DEVICES=0 job enc_tests 70 "$PYTHON" -m pytest -q -rfEs -s -p no:cacheprovider -m gpu \
-        tests/engine/test_encoder_decoder_fp8_weights.py
-      on_gpu 0 enc_bench 130 "$PYTHON" -u benchmarks/engine/encdec_bench.py --sections t5,whisper --hf-whisper-batches "" \
-        --hf-t5-batches "" --cross-kv-cache-dtype fp8 --quantization none,fp8 --out "$w/enc_bench.json" \
-        --results-md "$w/enc_bench.md"
     fi ) &
   lane0=$!
   # GPU 1 (issue 56): tree verify at 16/32/64 nodes and batches 1/8/32, then the forced loop at lengths 3/4/5, in
@@ -620,6 +613,13 @@ PY
   [ "$lane1_gpu" = 0 ] && wait "$lane0"  # (one GPU: the tree part after the others)
   has tree && on_gpu $lane1_gpu tree22 330 "$PYTHON" benchmarks/speculative/tree_bench.py --dtypes bf16,fp8 --batches 1,8,32 \
     --nodes 16,32,64 --sections verify,loop --lengths 3,4,5 --out "$w/tree22.json" --markdown "$w/tree22.md"
+  if has enc; then  # issue 49 (GPU 1 after tree): FP8 layer weights in encoder-decoder engines (/tmp/notes/encfp8.md)
+    CUDA_VISIBLE_DEVICES=$lane1_gpu job enc_tests 70 "$PYTHON" -m pytest -q -rfEs -s -p no:cacheprovider -m gpu \
+      tests/engine/test_encoder_decoder_fp8_weights.py
+    on_gpu $lane1_gpu enc_bench 130 "$PYTHON" -u benchmarks/engine/encdec_bench.py --sections t5,whisper --hf-whisper-batches "" \
+      --hf-t5-batches "" --cross-kv-cache-dtype fp8 --quantization none,fp8 --out "$w/enc_bench.json" \
+      --results-md "$w/enc_bench.md"
+  fi
   wait
   echo "== vlm_graph_tests"; grep -E "passed|failed|FAILED|Error" "$w/vlm_graph_tests.log" | tail -6
   echo "== vlm_graphs"; grep -E "^offline |^\[load|Error|Traceback|failed" "$w/vlm_graphs.log" | grep -v synchronizing | cut -c1-300
