@@ -57,7 +57,10 @@ def _round_half_away(v: torch.Tensor) -> torch.Tensor:
 def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x (R, C) -> (codes (R, C) int8, scale (R,) float32), x ~= codes * scale[:, None] (plain torch)."""
     x = x.float()
-    scale = (x.abs().amax(dim=-1) / INT8_MAX).clamp_(min=MIN_SCALE)
+    peak = x.abs().amax(dim=-1)
+    # Divided by a tensor of 127s, not the number: on CUDA torch turns ``tensor / number`` into a multiply by
+    # the number's reciprocal, an ulp off the IEEE quotient that the CPU and the Triton kernels compute.
+    scale = (peak / torch.full_like(peak, INT8_MAX)).clamp_(min=MIN_SCALE)
     codes = _round_half_away(x / scale[:, None]).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
     return codes, scale
 
@@ -186,7 +189,8 @@ def int8_gated_linear(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, wei
         out = int8_skinny_linear(x if isinstance(x, QuantizedRows) else _packed_rows(x), weight, weight_scale,
                                  gated=True)
         return out.reshape(*_leading_shape(x), weight.shape[0] // 2)
-    return silu_and_mul(int8_linear(x, weight, weight_scale))
+    both = int8_linear(x, weight, weight_scale)  # (..., 2 * inter); silu_and_mul takes rows
+    return silu_and_mul(both.reshape(-1, both.shape[-1])).reshape(*both.shape[:-1], -1)
 
 
 def int8_linear(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, weight_scale: torch.Tensor,

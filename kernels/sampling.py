@@ -101,7 +101,7 @@ def _chunk_best_kernel(logits_ptr, temperature_ptr, seeds_ptr, offsets_ptr, best
     tl.store(best_index_ptr + row * CHUNKS_PAD + c, tl.min(tl.where(best_value == top, best_index, 2147483647), 0))
 
 
-@jit
+@jit(do_not_specialize=["chunks"])  # one variant for every row count (see _best_per_row)
 def _pick_chunk_kernel(best_value_ptr, best_index_ptr, out_ptr, chunks, CHUNKS_PAD: tl.constexpr):
     """One program per row: of the chunks' bests, the largest score; among equal ones the smallest
     token id; 0 where no chunk had a candidate (a row of masked tokens)."""
@@ -114,6 +114,43 @@ def _pick_chunk_kernel(best_value_ptr, best_index_ptr, out_ptr, chunks, CHUNKS_P
 
 
 _CHUNK_BLOCK = 1024
+
+
+def _row_split(vocab: int, programs: int) -> tuple[int, int]:
+    """(chunk, chunks): a row of ``vocab`` tokens over about ``programs`` programs of whole
+    _CHUNK_BLOCK-token blocks each."""
+    chunk = max(_CHUNK_BLOCK, triton.cdiv(triton.cdiv(vocab, programs), _CHUNK_BLOCK) * _CHUNK_BLOCK)
+    return chunk, triton.cdiv(vocab, chunk)
+
+
+def sampling_kernel_variants(vocab: int, rows: int, sms: int) -> tuple[int, int, int]:
+    """(CHUNKS_PAD, BLOCK, num_warps) of the split kernels for ``rows`` rows: what picks a compiled
+    variant besides the logits' dtype, row stride and GUMBEL (two per vocabulary: one program a row
+    or many)."""
+    chunks = _row_split(vocab, max(1, 2 * sms // rows))[1]
+    chunks_pad = triton.next_power_of_2(max(chunks, _row_split(vocab, 2 * sms)[1]))
+    return (chunks_pad, *((_CHUNK_BLOCK, 4) if chunks > 1 else (2 * _CHUNK_BLOCK, 8)))
+
+
+_warmed: set[tuple] = set()  # (vocab, row stride, logits dtype, device) whose variants have all launched
+
+
+def _warm_other_variants(logits: torch.Tensor) -> None:
+    """On the first split of a kind of logits, launch every variant serving can pick for it (greedy
+    and sampled; a row over many programs and one program a row), so none is first launched while
+    serving. Not while a CUDA graph is captured (the launches would join the graph)."""
+    key = (logits.shape[1], logits.stride(0), logits.dtype, logits.device)
+    if not logits.is_cuda or key in _warmed or torch.cuda.is_current_stream_capturing():
+        return
+    _warmed.add(key)
+    width, stride = key[0], key[1]
+    many = 2 * num_sms(logits.device) + 1  # past this many rows each row is one program
+    for rows in (1, many):
+        dummy = torch.zeros(rows, stride, dtype=logits.dtype, device=logits.device)[:, :width]
+        zeros = torch.zeros(rows, dtype=torch.int64, device=logits.device)
+        if rows <= GREEDY_SPLIT_MAX_ROWS:
+            _best_per_row(dummy, None)
+        _best_per_row(dummy, (torch.ones(rows, device=logits.device), zeros, zeros))
 
 
 def _best_per_row(logits: torch.Tensor, gumbel: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
@@ -129,10 +166,14 @@ def _best_per_row(logits: torch.Tensor, gumbel: tuple[torch.Tensor, torch.Tensor
     out = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if rows == 0:
         return out
-    programs = programs or max(1, 2 * num_sms(logits.device) // rows)
-    chunk = max(_CHUNK_BLOCK, triton.cdiv(triton.cdiv(vocab, programs), _CHUNK_BLOCK) * _CHUNK_BLOCK)
-    chunks = triton.cdiv(vocab, chunk)
-    chunks_pad = triton.next_power_of_2(chunks)
+    if programs is None:
+        _warm_other_variants(logits)
+    sms = num_sms(logits.device)
+    chunk, chunks = _row_split(vocab, programs or max(1, 2 * sms // rows))
+    # One CHUNKS_PAD per vocabulary (room for the one-row split's chunks), not one per row count: a
+    # kernel variant first launched while serving loads its module, and that load waited for the
+    # device's queued work (a 175-370 ms step launch in the first image run on the H200, 2026-11-30).
+    chunks_pad = triton.next_power_of_2(max(chunks, _row_split(vocab, 2 * sms)[1]))
     best_value = torch.empty(rows, chunks_pad, dtype=torch.float32, device=logits.device)
     best_index = torch.empty(rows, chunks_pad, dtype=torch.int32, device=logits.device)
     # read at ptr + row: per-row views (a column of a request table, one value broadcast) made dense

@@ -127,3 +127,41 @@ def test_split_rows_draw_what_one_program_per_row_draws(batch):
         assert int(split[0]) < 50
         if batch > 1:
             assert int(split[1]) == 0
+
+
+@pytest.mark.parametrize("sms", [78, 114, 132])
+@pytest.mark.parametrize("vocab", [1000, 32000, 50257, 128256, 151936, 262208])
+def test_every_row_count_maps_to_one_of_two_kernel_variants(vocab, sms):
+    """The split kernels' compile-time shape (CHUNKS_PAD, BLOCK, warps) does not follow the row
+    count: a variant first launched while serving stalled a step by 175-370 ms (its module load
+    waited for the device), and a batch's count of finishing prompts is anything from 1 to the
+    batch size. Every count's chunks fit its CHUNKS_PAD."""
+    from kernels.sampling import _row_split, sampling_kernel_variants
+
+    variants = {sampling_kernel_variants(vocab, rows, sms) for rows in range(1, 1025)}
+    assert len(variants) <= 2
+    for rows in range(1, 1025):
+        chunks_pad = sampling_kernel_variants(vocab, rows, sms)[0]
+        assert _row_split(vocab, max(1, 2 * sms // rows))[1] <= chunks_pad
+
+
+@pytest.mark.skipif(triton_device() != "cuda", reason="needs a CUDA device")
+def test_first_split_launches_every_variant_serving_can_pick():
+    """After the first greedy call for a vocabulary, no row count, greedy or sampled, compiles or
+    loads another variant of the split kernels."""
+    from kernels.sampling import _chunk_best_kernel, _pick_chunk_kernel, greedy_tokens, sample_tokens
+
+    def variants() -> int:
+        return sum(len(kernel.device_caches[torch.cuda.current_device()][0])
+                   for kernel in (_chunk_best_kernel, _pick_chunk_kernel))
+
+    vocab = 128256 + 16 * 7  # a width no other test used: the first call warms it
+    greedy_tokens(torch.randn(3, vocab, device="cuda"))
+    before = variants()
+    for rows in (1, 2, 5, 8, 17, 33, 64, 65, 100, 133, 264, 300, 512):
+        logits = torch.randn(rows, vocab, device="cuda")
+        greedy_tokens(logits)
+        zeros = torch.zeros(rows, dtype=torch.int64, device="cuda")
+        sample_tokens(logits, torch.full((rows,), 0.8, device="cuda"), zeros, zeros)
+    torch.cuda.synchronize()
+    assert variants() == before
