@@ -425,6 +425,21 @@ class Decoder(_Stack):
     def init_buffers(self, device) -> None:  # (the model surface; nothing to make)
         pass
 
+    def decode_step_weights(self) -> list[torch.Tensor]:
+        """The weights a decode step multiplies through kernels/linear.py's linear / linear_float32_out or
+        kernels/fp8.py's fp8_linear, each once: every layer's self-attention q, k, v, o, cross-attention q, o
+        (its k and v are projected at encode time, fused: cross_kv.py), the MLP's products ([gate | up] in
+        place of its two halves once fused: its GELU is not the SiLU of the skinny kernel's gated form, so
+        it is a plain product here) and the LM head. What the runner times its load-time tilings for."""
+        weights = []
+        for layer in self.layers:
+            weights += [p.weight for p in (layer.self_attn.q, layer.self_attn.k, layer.self_attn.v,
+                                           layer.self_attn.o, layer.cross_attn.q, layer.cross_attn.o)]
+            mlp = layer.mlp
+            halves = [mlp.gate_up] if mlp.gate_up is not None else [m.weight for m in (mlp.gate, mlp.up) if m is not None]
+            weights += halves + [mlp.down.weight]
+        return weights + [self.lm_head.weight]
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, *, cross: CrossAttentionBatch) -> torch.Tensor:
         """input_ids, positions: (num_tokens,); kv_cache: the paged self-attention pool -> (num_tokens, d)."""

@@ -45,8 +45,9 @@ from engine.executor.overlap import resolve_placeholders
 from engine.executor.random_weights import has_random_weights, materialize_random_weights
 from engine.executor.runner import ForwardBatch, ModelRunner, keep_or_cast, load_rank_weights
 from kernels.attention import KV_FP8_DTYPE
-from kernels.fp8 import choose_fp8_skinny_variants
+from kernels.fp8 import FP8_DTYPE, choose_fp8_skinny_variants
 from kernels.linear import choose_activated_weights, choose_skinny_weights
+from kernels.wide_rows import choose_wide_variants, wide_row_counts
 
 DEFAULT_CROSS_KV_FRACTION = 0.5
 GRAPHS_ENV = "TRITONLLM_ENCDEC_GRAPHS"  # "0": decode steps run eagerly on CUDA too
@@ -157,29 +158,36 @@ class EncDecRunner(ModelRunner):
         self.decode_graphs.capture()
 
     def choose_kernels(self, decode_batches: list[int] | None = None, extra_weights=()) -> None:
-        """The skinny-GEMM choice per decoder weight shape (what the graphs capture); ``extra_weights``
-        (fused_decode's [q | k | v] weights) are timed beside the decoder's own. FP8 layer weights
-        (model.py Fp8Linear, the fused gate_up among them) get the skinny W8A8 kernel's tiling per shape
-        (kernels/fp8.py; keyed ("fp8", N, K)); the LM head stays in the model dtype and is timed as before."""
+        """The load-time kernel choices the graphs capture: the skinny-GEMM tiling per decoder weight shape
+        (decode steps of up to MAX_SKINNY_ROWS rows); ``extra_weights`` (fused_decode's [q | k | v] weights)
+        are timed beside the decoder's own. FP8 layer weights (model.py Fp8Linear, the fused gate_up among
+        them) get the skinny W8A8 kernel's tiling per shape (kernels/fp8.py; keyed ("fp8", N, K)); the LM
+        head stays in the model dtype and is timed as before. Then, for steps of 17-128 rows (the batch
+        buckets up to max_batch_size), kernels/wide_rows.py's choice per weight of a decode step
+        (``Decoder.decode_step_weights``, FP8 or not; keyed ("wide", ...)): the skinny kernel with a wide-row
+        tiling where it beats cuBLAS / cuBLASLt at that many rows. Without it every FP8 product of such a
+        step ran torch._scaled_mm, slower than the bf16 engine's cuBLAS products at these rows, with its
+        bias added by a kernel of its own (Whisper large-v3, batch 64 on an H200, 2026-11-30: a decode
+        step 6.05 ms with bf16 weights, 7.63 with FP8)."""
         layers = self.model.layers
         if isinstance(layers[0].mlp.down, Fp8Linear):
-            fused_halves = {id(m) for layer in layers if layer.mlp.gate_up is not None
-                            for m in (layer.mlp.gate, layer.mlp.up)}  # run only as gate_up
-            fp8 = [m.weight for m in self.model.modules() if isinstance(m, Fp8Linear) and id(m) not in fused_halves]
-            fp8 += [layer.mlp.gate_up for layer in layers if layer.mlp.gate_up is not None]
+            fp8 = [w for w in self.model.decode_step_weights() if w.dtype == FP8_DTYPE]
             self.gemm_choices = choose_skinny_weights([m.weight for m in self.model.modules()
                                                        if isinstance(m, torch.nn.Linear)] + list(extra_weights))
             self.gemm_choices.update({("fp8",) + key: {"variant": variant}
                                       for key, variant in choose_fp8_skinny_variants(fp8).items()})
-            return
-        ups = [layer.mlp.up.weight for layer in layers] if layers[0].mlp.gate is None else []
-        plain = [m.weight for m in self.model.modules() if isinstance(m, torch.nn.Linear)
-                 and not any(m.weight is up for up in ups)] + list(extra_weights)
-        self.gemm_choices = choose_skinny_weights(plain)
-        if ups:
-            activation = layers[0].mlp.activation_name
-            self.gemm_choices.update({("activated", activation) + shape: choice
-                                      for shape, choice in choose_activated_weights(ups, activation).items()})
+        else:
+            ups = [layer.mlp.up.weight for layer in layers] if layers[0].mlp.gate is None else []
+            plain = [m.weight for m in self.model.modules() if isinstance(m, torch.nn.Linear)
+                     and not any(m.weight is up for up in ups)] + list(extra_weights)
+            self.gemm_choices = choose_skinny_weights(plain)
+            if ups:
+                activation = layers[0].mlp.activation_name
+                self.gemm_choices.update({("activated", activation) + shape: choice
+                                          for shape, choice in choose_activated_weights(ups, activation).items()})
+        wide = choose_wide_variants(self.model.decode_step_weights(),
+                                    row_counts=wide_row_counts(self.build_config.max_batch_size))
+        self.gemm_choices.update({("wide",) + key: report for key, report in wide.items()})
 
     def warmup(self) -> None:
         pass

@@ -142,6 +142,48 @@ def test_qkv_input_quantized_once_leaves_the_logits_unchanged(engines, monkeypat
     assert len(shared) == len(runner.encoder.layers) + len(runner.model.layers)
 
 
+def _decode_step_weights_by_hand(decoder) -> list[torch.Tensor]:
+    """What a decode step multiplies, listed from the layers: self q k v o, cross q o, the MLP's products
+    ([gate | up] once fused, never its halves), down, the LM head; never cross k / v (projected at encode)."""
+    weights = []
+    for layer in decoder.layers:
+        mlp = layer.mlp
+        ups = [mlp.gate_up] if mlp.gate_up is not None else [m.weight for m in (mlp.gate, mlp.up) if m is not None]
+        weights += [getattr(attn, p).weight for attn, names in ((layer.self_attn, "qkvo"), (layer.cross_attn, "qo"))
+                    for p in names] + ups + [mlp.down.weight]
+    return weights + [decoder.lm_head.weight]
+
+
+def test_load_time_choices_cover_every_fp8_weight_of_a_decode_step_at_17_to_128_rows(engines, monkeypatch):
+    """EncDecRunner.choose_kernels (run before the decode graphs are captured) hands every weight a decode step
+    multiplies to kernels/wide_rows.py's load-time choice at the padded row counts the batch buckets reach (here
+    max_batch_size 64: 32 and 64), and the FP8 ones (no cross k / v: projected at encode) to the skinny W8A8
+    tilings. Before 2026-11-30 it made no wide-row choice, so every FP8 product of a 17-128-row step ran
+    torch._scaled_mm, slower there than the bf16 engine's cuBLAS products, its bias an extra kernel (H200,
+    Whisper large-v3 at batch 64: 7.63 ms a step against 6.05 with bf16 weights). The timings themselves need
+    CUDA (the CUDA test below runs them): here what each choice is handed is recorded."""
+    import dataclasses
+
+    import engine.encoder_decoder.runner as runner_module
+
+    family, _, fp8_dir = engines
+    runner = EncDecRunner(fp8_dir)
+    runner.build_config = dataclasses.replace(runner.build_config, max_batch_size=64)
+    handed = {}
+    monkeypatch.setattr(runner_module, "choose_skinny_weights", lambda weights: {})
+    monkeypatch.setattr(runner_module, "choose_fp8_skinny_variants", lambda weights: handed.update(fp8=weights) or {})
+    monkeypatch.setattr(runner_module, "choose_wide_variants",
+                        lambda weights, row_counts: handed.update(wide=weights, rows=row_counts) or {})
+    runner.choose_kernels()
+    expected = _decode_step_weights_by_hand(runner.model)
+    assert [id(w) for w in handed["wide"]] == [id(w) for w in expected]
+    assert handed["rows"] == (32, 64)
+    assert [id(w) for w in handed["fp8"]] == [id(w) for w in expected[:-1]]  # all but the LM head
+    assert all(w.dtype == FP8_DTYPE for w in handed["fp8"]) and runner.model.lm_head.weight.dtype == torch.float32
+    if family == "t5_v1_1":
+        assert any(w is runner.model.layers[0].mlp.gate_up for w in handed["fp8"])
+
+
 def test_executor_serves_fp8_weights_with_an_fp8_cross_pool(engines):
     """Greedy requests through the executor on the FP8 engine answer in full, with the model-dtype pools and
     with an E4M3 cross pool (cross_kv_cache_dtype fp8) alike; T5 v1.0 (its near-tie) is left to the others."""
@@ -237,3 +279,32 @@ def test_cuda_fp8_weights_keep_teacher_forced_logits_and_serve_from_graphs(engin
             responses = collect(ex, ex.enqueue_requests(requests()))
             results[graphs] = [final_tokens(r) for r in responses.values()]
     assert results["1"] == results["0"] and all(len(t) == 6 for t in results["1"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_fp8_decode_weights_get_wide_row_tilings_that_keep_the_products(engines, tmp_path, monkeypatch):
+    """On the GPU, choose_kernels leaves every FP8 weight of a decode step with its wide-row tilings (forced onto
+    the kernel: TRITONLLM_WIDE_ROWS=1), and a 40-row product through model.py's ``product`` (the wide skinny kernel,
+    bias and both scales in its epilogue) gives the W8A8 reference's values up to bf16 rounding."""
+    from kernels.linear import WIDE_ATTR
+    from kernels.wide_rows import WIDE_ROWS_ENV
+
+    family, _, fp8_dir = engines
+    checkpoint = str(Path(fp8_dir).parent.parent / "checkpoint")
+    limits = [] if family == "whisper" else ["--max_encoder_input_len", "16", "--max_seq_len", "48"]
+    assert main(["--checkpoint", checkpoint, "--output", str(tmp_path / "fp8"), "--dtype", "bfloat16",
+                 "--tokens_per_block", "4", "--max_batch_size", "64", *limits, "--quantization", "fp8"]) == 0
+    monkeypatch.setenv(WIDE_ROWS_ENV, "1")
+    runner = EncDecRunner(str(tmp_path / "fp8" / "decoder"), device="cuda")
+    runner.choose_kernels()
+    fp8 = [w for w in runner.model.decode_step_weights() if w.dtype == FP8_DTYPE]
+    assert fp8 and all(set(getattr(w, WIDE_ATTR, {})) == {32, 64} for w in fp8), family
+    layer = runner.model.layers[0]
+    generator = torch.Generator("cuda").manual_seed(0)
+    for proj in (layer.self_attn.q, layer.mlp.down):
+        x = torch.randn(40, proj.weight.shape[1], dtype=torch.bfloat16, device="cuda", generator=generator)
+        out = product(x, proj.weight, proj.bias, proj.weight_scale).float()
+        reference = fp8_linear_ref(x, proj.weight, proj.weight_scale, proj.bias, out_dtype=torch.float32)
+        error = ((out - reference).norm() / reference.norm()).item()
+        assert error < 1e-2, (family, tuple(proj.weight.shape), error)  # bf16 rounding of the output: ~2e-3
