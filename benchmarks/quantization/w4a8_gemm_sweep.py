@@ -1,0 +1,257 @@
+"""The W4A8 GEMM (kernels/w4a8_gemm.py: INT4 operand-order words, x per token in E4M3, FP8 dots) per tiling against
+cuBLAS bf16, the fused W4A16 GEMM (kernels/wna16_mma_gemm.py, its best of the engine's MMA_GEMM_VARIANTS) and FP8
+W8A8 (kernels/fp8.py: the weight per channel in E4M3, cuBLASLt's _scaled_mm), at serving-concurrency rows
+(M = 64 ... 1024), Llama-3.1-8B's TP1 shapes, group 128 with zero points, bf16 activations, weights streamed
+from HBM (copies together over twice the L2, as kernels.wna16's load-time timing; device time from CUDA graph
+replays: wna16_gemm_sweep.py's method).
+
+Per shape and M: cuBLAS bf16 (us, TFLOPS); the W4A16 GEMM's best tiling; W8A8: the row quantize kernel alone,
+_scaled_mm on quantized rows, and fp8_linear (both); W4A8: every tiling on quantized rows (the FP8 engine's norms
+and activation quantize their output in the kernel that makes it), its best, best + the quantize kernel; errors:
+the W4A8 tilings' largest distance to ``w4a8_reference`` in output roundings (ulps) and their relative error
+(norm) against the reference and against the bf16 product of the dequantized weight (what the INT4 engine
+computes), and the same for W4A16 and W8A8. A tiling that fails to compile or run is recorded with its error and
+skipped; ``--budget-s`` stops the sweep (outputs written after every row count).
+
+    BENCH_COMMIT=$(git rev-parse --short HEAD) python benchmarks/quantization/w4a8_gemm_sweep.py --out sweep.json \
+        --md sweep.md [--rows 256,64,512,128,1024] [--shapes gate_up,o]
+    TRITON_INTERPRET=1 python benchmarks/quantization/w4a8_gemm_sweep.py --tiny --rows 40   # CPU rehearsal
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: engine, kernels, benchmarks
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from kernels import fp8, wna16, wna16_mma  # noqa: E402
+from kernels.fp8 import QuantizedRows  # noqa: E402
+from kernels.w4a8_gemm import supports, w4a8_matmul, w4a8_reference  # noqa: E402
+from kernels.wna16 import MMA_GEMM_VARIANTS, dequantize, quantize, unpack_codes  # noqa: E402
+
+SHAPES = {"gate_up": (28672, 4096), "down": (4096, 14336), "qkv": (6144, 4096), "o": (4096, 4096)}  # largest first
+TINY_SHAPES = {"tiny": (256, 512)}
+GROUP = 128
+# (block_n, block_m, num_warps, num_stages, split_k, block_k, weight first (the dot's A operand, in registers),
+# rescale (one tile of sums, the dots accumulating into it: kernels/w4a8_gemm.py)). The W4A16 sweeps' winners'
+# shapes (64-128 weight rows of 4 warps, 64 x 256 at 256+ rows, split-K for the narrow layers), 8-warp tiles, the
+# weight as B, four stages, 256-column steps (two groups a step).
+TILINGS = (
+    (64, 256, 4, 3, 1, 128, 1, 1), (64, 256, 4, 3, 1, 128, 1, 0), (128, 256, 8, 3, 1, 128, 1, 1),
+    (128, 128, 8, 3, 1, 128, 1, 1), (128, 128, 8, 3, 1, 128, 1, 0), (128, 128, 8, 3, 1, 128, 0, 1),
+    (64, 128, 4, 3, 1, 128, 1, 1), (128, 64, 4, 3, 1, 128, 1, 1), (128, 64, 4, 3, 1, 128, 1, 0),
+    (64, 64, 4, 3, 1, 128, 1, 1), (128, 64, 4, 3, 4, 128, 1, 1), (64, 128, 4, 3, 2, 128, 1, 1),
+    (128, 128, 8, 4, 1, 128, 1, 1), (256, 128, 8, 3, 1, 128, 1, 1), (64, 256, 4, 3, 1, 256, 1, 1),
+    (128, 256, 8, 3, 1, 128, 0, 1),
+)
+
+
+def tiling_options(tiling: tuple) -> dict:
+    """w4a8_matmul's keyword arguments for a TILINGS tuple."""
+    names = ("block_n", "block_m", "num_warps", "num_stages", "split_k", "block_k", "w_first", "rescale")
+    return dict(zip(names, tiling))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="w4a8_gemm_sweep.json")
+    parser.add_argument("--md", default=None)
+    parser.add_argument("--shapes", default=None, help="comma-separated names (default: all)")
+    parser.add_argument("--rows", default="256,64,512,128,1024")
+    parser.add_argument("--tilings", default=None, help="comma-separated indices into TILINGS (default: all)")
+    parser.add_argument("--budget-s", type=float, default=90.0, help="stop starting new rows after this")
+    parser.add_argument("--tiny", action="store_true", help="CPU rehearsal under TRITON_INTERPRET=1 (no timings)")
+    parser.add_argument("--warm-procs", type=int, default=8,
+                        help="compile the tilings first in this many processes at once (Triton's disk cache)")
+    parser.add_argument("--warm-slice", default=None, help=argparse.SUPPRESS)  # "i/P": a warming process's share
+    args = parser.parse_args()
+    start = time.time()
+    tilings = TILINGS if not args.tilings else tuple(TILINGS[int(i)] for i in args.tilings.split(","))
+    if args.warm_slice:
+        _warm(*map(int, args.warm_slice.split("/")), tilings)
+        return
+    if not args.tiny and args.warm_procs > 1:
+        procs = [subprocess.Popen([sys.executable, __file__, "--warm-slice", f"{i}/{args.warm_procs}"]
+                                  + (["--tilings", args.tilings] if args.tilings else []))
+                 for i in range(args.warm_procs)]
+        codes = [p.wait() for p in procs]
+        print(f"compiled in {args.warm_procs} processes in {time.time() - start:.0f} s (exit {codes})", flush=True)
+    device = "cpu" if args.tiny else "cuda"
+    shapes = TINY_SHAPES if args.tiny else SHAPES
+    names = args.shapes.split(",") if args.shapes else list(shapes)
+    rows_list = [int(r) for r in args.rows.split(",") if r]
+    dtype = torch.float16 if args.tiny else torch.bfloat16  # the interpreter truncates float32 -> bf16
+    machine = "CPU (TRITON_INTERPRET=1)" if args.tiny else torch.cuda.get_device_name()
+    commit = os.environ.get("BENCH_COMMIT", "unknown")
+    header = [f"# W4A8 GEMM sweep, {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, {machine}, commit {commit}",
+              f"Triton {_triton_version()}, torch {torch.__version__}; group {GROUP} with zero points; times in us "
+              "(device time from CUDA graph replays, weights streamed from HBM); speed = cuBLAS bf16 us / us.", "",
+              "| shape | M | cuBLAS bf16 us (TFLOPS) | W4A16 best us | W8A8 quant + mm us | quant us "
+              "| W4A8 best: tiling, us | W4A8 / cuBLAS | W4A8+quant / cuBLAS | W4A8 / W4A16 | W4A8 max ulps "
+              "| rel. err vs ref | rel. err vs bf16: W4A8, W4A16, W8A8 |",
+              "|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---|"]
+    lines = list(header)
+    results: dict = {"machine": machine, "commit": commit, "tilings": [list(t) for t in tilings], "shapes": {}}
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        for name in names:
+            if time.time() - start > args.budget_s:
+                print(f"budget reached before {name}", flush=True)
+                break
+            n, k = shapes[name]
+            stored, scale, zero = quantize(torch.randn(n, k, device=device) * 0.02, 4, GROUP, symmetric=False)
+            packed = wna16_mma.pack_mma_layout(unpack_codes(stored, 4), scale, zero)
+            exact = dequantize(stored, scale.half().float(), zero, 4)  # float32: (q - z) * s exactly
+            dense = exact.to(dtype)
+            w_q, w_scale = fp8.quantize_weight(dense)
+            gemm_kernel = {"mma_words": packed["words"], "mma_meta": packed["meta"]}
+            if args.tiny:
+                dense_copies, layouts, fp8_copies, gemm_layouts = [dense], [packed], [w_q], [gemm_kernel]
+            else:
+                dense_copies, fp8_copies = _copies(dense), _copies(w_q)
+                layouts = [{**packed, "words": w} for w in _copies(packed["words"])]
+                gemm_layouts = [{**gemm_kernel, "mma_words": w["words"]} for w in layouts]
+            turn = iter(range(1 << 40))
+            results["shapes"][name] = {}
+            for m in rows_list:
+                if time.time() - start > args.budget_s:
+                    print(f"budget reached at {name} M={m}", flush=True)
+                    break
+                x = torch.randn(m, k, device=device, dtype=dtype)
+                rows = QuantizedRows(*fp8.as_quantized_rows(x)[:2], dtype)
+                exact_out = (rows.values.double() @ exact.double().t()) * rows.scale.double()[:, None]
+                bf16_out = F.linear(x.float(), dense.float())  # the INT4 engine's product, in float32
+
+                def timed(fn):
+                    if args.tiny:
+                        fn()
+                        return float("nan")
+                    return 1e3 * _graph_time_ms(fn)
+
+                def pick(copies):
+                    return copies[next(turn) % len(copies)]
+
+                cublas = timed(lambda: F.linear(x, pick(dense_copies)))
+                quant = timed(lambda: fp8.as_quantized_rows(x))
+                scaled_mm = timed(lambda: fp8.fp8_linear(rows, pick(fp8_copies), w_scale))
+                w8a8 = timed(lambda: fp8.fp8_linear(x, pick(fp8_copies), w_scale))
+                w8a8_err = _rel(fp8.fp8_linear(x, w_q, w_scale), bf16_out)
+                w4a16, w4a16_err, failed = {}, float("nan"), {}
+                for variant in MMA_GEMM_VARIANTS:
+                    try:
+                        options = wna16.tile_options(variant)
+                        w4a16_err = _rel(wna16.wna16_matmul(x, gemm_kernel, n, 4, GROUP, **options), bf16_out)
+                        w4a16[str(variant)] = timed(lambda: wna16.wna16_matmul(x, pick(gemm_layouts), n, 4, GROUP,
+                                                                               **options))
+                    except Exception as error:  # noqa: BLE001 - a sweep records what failed and goes on
+                        failed[str(variant)] = f"{type(error).__name__}: {str(error)[:200]}"
+                w4a8, ulps, ref_err, bf16_err = {}, {}, {}, {}
+                for tiling in tilings:
+                    options = tiling_options(tiling)
+                    if not supports(k, GROUP, options["block_k"]):
+                        continue
+                    try:
+                        out = w4a8_matmul(rows, packed, n, GROUP, **options)
+                        ulps[str(tiling)] = ((out.double() - exact_out).abs() / _one_ulp(exact_out, dtype)).max().item()
+                        ref_err[str(tiling)] = _rel(out, exact_out)
+                        bf16_err[str(tiling)] = _rel(out, bf16_out)
+                        w4a8[str(tiling)] = timed(lambda: w4a8_matmul(rows, pick(layouts), n, GROUP, **options))
+                    except Exception as error:  # noqa: BLE001
+                        failed[str(tiling)] = f"{type(error).__name__}: {str(error)[:300]}"
+                        print(f"{name} M={m} {tiling}: {failed[str(tiling)]}", flush=True)
+                best = _best(w4a8)
+                best_w4a16 = _best(w4a16)
+                results["shapes"][name][m] = {
+                    "cublas_us": cublas, "quant_us": quant, "scaled_mm_us": scaled_mm, "w8a8_us": w8a8,
+                    "w8a8_rel_err_vs_bf16": w8a8_err, "w4a16_us": w4a16, "w4a16_best": best_w4a16,
+                    "w4a16_rel_err_vs_bf16": w4a16_err, "w4a8_us": w4a8, "w4a8_best": best, "w4a8_max_ulps": ulps,
+                    "w4a8_rel_err_vs_ref": ref_err, "w4a8_rel_err_vs_bf16": bf16_err, "failed": failed,
+                    "reference_check": _rel(w4a8_reference(rows, packed, n, GROUP), exact_out)
+                    if m == rows_list[0] else None}
+                best_us = w4a8.get(best, float("nan"))
+                w4a16_us = w4a16.get(best_w4a16, float("nan"))
+                tflops = 2 * m * n * k / cublas / 1e6
+                lines.append(
+                    f"| {name} ({n}, {k}) | {m} | {cublas:.1f} ({tflops:.0f}) | {w4a16_us:.1f} | {w8a8:.1f} | "
+                    f"{quant:.1f} | {best}, {best_us:.1f} ({2 * m * n * k / best_us / 1e6:.0f}) | "
+                    f"{cublas / best_us:.2f}x | {cublas / (best_us + quant):.2f}x | {w4a16_us / best_us:.2f}x | "
+                    f"{max(ulps.values(), default=float('nan')):.2f} | "
+                    f"{max(ref_err.values(), default=float('nan')):.1e} | "
+                    f"{bf16_err.get(best, float('nan')):.1e}, {w4a16_err:.1e}, {w8a8_err:.1e} |")
+                print(lines[-1], flush=True)
+                print("   W4A8 " + "  ".join(f"{v}: {t:.1f}" for v, t in sorted(w4a8.items(), key=lambda i: i[1])),
+                      flush=True)
+                print(f"   W4A16 best {best_w4a16}: {w4a16_us:.1f}; _scaled_mm alone {scaled_mm:.1f}", flush=True)
+                Path(args.out).write_text(json.dumps(results, indent=1))  # a timeout keeps what ran
+                if args.md:
+                    Path(args.md).write_text("\n".join(lines) + "\n")
+            del dense_copies, fp8_copies, layouts, gemm_layouts, exact, dense
+    print(f"done in {time.time() - start:.0f} s", flush=True)
+
+
+def _best(times: dict) -> str | None:
+    return min(times, key=lambda v: times[v] if times[v] == times[v] else 0.0) if times else None
+
+
+def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def _one_ulp(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    info = torch.finfo(dtype)
+    return torch.exp2(torch.floor(torch.log2(values.abs().clamp(min=info.tiny)))) * info.eps
+
+
+def _warm(index: int, count: int, tilings: tuple) -> None:
+    """Run this process's share of the W4A8 tilings and MMA_GEMM_VARIANTS (slice 0: the quantize kernel too) once on
+    the o shape, so that Triton compiles them into its disk cache (every shape here specializes alike)."""
+    n, k = SHAPES["o"]
+    with torch.inference_mode():
+        stored, scale, zero = quantize(torch.randn(n, k, device="cuda") * 0.02, 4, GROUP, symmetric=False)
+        packed = wna16_mma.pack_mma_layout(unpack_codes(stored, 4), scale, zero)
+        gemm_kernel = {"mma_words": packed["words"], "mma_meta": packed["meta"]}
+        x = torch.randn(64, k, device="cuda", dtype=torch.bfloat16)
+        rows = fp8.as_quantized_rows(x)
+        jobs = [("w4a8", t) for t in tilings] + [("w4a16", v) for v in MMA_GEMM_VARIANTS]
+        for i, (kind, variant) in enumerate(jobs):
+            if i % count != index:
+                continue
+            try:
+                if kind == "w4a8":
+                    w4a8_matmul(rows, packed, n, GROUP, **tiling_options(variant))
+                else:
+                    wna16.wna16_matmul(x, gemm_kernel, n, 4, GROUP, **wna16.tile_options(variant))
+            except Exception as error:  # noqa: BLE001 - the sweep itself records the failure
+                print(f"warm {kind} {variant}: {type(error).__name__}: {str(error)[:300]}", flush=True)
+        torch.cuda.synchronize()
+
+
+def _triton_version() -> str:
+    try:
+        import triton
+        return triton.__version__
+    except ImportError:
+        return "none"
+
+
+def _copies(t: torch.Tensor) -> list[torch.Tensor]:
+    from kernels.fp8 import l2_defeating_copies
+    return l2_defeating_copies(t)
+
+
+def _graph_time_ms(fn) -> float:
+    from kernels.linear import graph_time_ms
+    return graph_time_ms(fn)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,205 @@
+"""W4A8 GEMM (issue 52's idea, not in the engine's dispatch): INT4 weights held in the operand-order words of
+kernels/wna16_mma.py (the INT4 engine's one copy of the codes: no second weight layout), activations quantized
+per token to FP8 E4M3 (kernels/fp8.py's row quantizer), FP8 tensor-core dots (wgmma .e4m3 on Hopper: twice the
+bf16 rate).
+
+Why: the fused W4A16 GEMM (kernels/wna16_mma_gemm.py) takes about cuBLAS bf16's time plus its dequantization at
+256-512 rows (0.39-0.59x cuBLAS on an H200, benchmarks/results/quantization.md): the dequantization and the dots
+do not overlap. With FP8 dots the dots take half the time, and the dequantization is cheaper per code: no scale
+multiply on the weight (the group's scale is applied to the tile's partial sums instead), and the conversion to
+E4M3 packs two codes an instruction.
+
+Arithmetic, per (BLOCK_N, BLOCK_M) tile of out, for each K sub-step of one quantization group g:
+    p = dot(q - z, x_q)            (q - z in [-15, 15]: exact in E4M3; x_q E4M3; float32 sums)
+    acc += p * s[:, g]             (the group's float16 scale per weight row, exact in float32)
+and once in the epilogue out = acc * x_scale (per row) (+ bias), rounded once to x's dtype. So the product is
+that of the exact dequantized weight with x rounded to E4M3 per token (``w4a8_reference``): the FP8 scheme's
+accuracy trade (about 4% relative per activation value, kernels/fp8.py) is in x alone, the weight stays exact.
+
+``RESCALE`` (``rescale``): instead, acc is kept in units of the current group's scale and the dot accumulates
+into it, acc = dot(q - z, x_q, acc * s_prev / s): one tile of sums in registers, not two (64 x 256 tiles of 4
+warps spill with two), and the dot's accumulator chained as the W4A16 GEMM's is (what lets Triton keep a wgmma in
+flight). Each ratio is one more float32 rounding per group (~2^-24 relative, far inside one output rounding);
+a zero float16 scale counts as 1 (a group quantized from zeros holds q = z: exact; a checkpoint with s = 0 and
+q != z would be misread), and the accumulation runs in the FP8 wgmma's own accumulator over the whole K (Triton's
+default on sm_90: not promoted to float32), where the other mode starts each group's dot from zero.
+
+Tiling: a step of BLOCK_K = KB * 64 columns; groups of 64 columns (KB 2) take two sub-dots a step (``SUB_KB``),
+groups of BLOCK_K or more (or one a row) one. ``W_FIRST``: the weight the dot's A operand (registers; wgmma
+reads FP8 A from registers too), else the B operand (stored to shared memory). Split-K as kernels/wna16_layout's
+``finish_tile`` (the row scale is applied to each split's partial sums: linear, so the same up to rounding).
+"""
+from __future__ import annotations
+
+import torch
+
+from kernels import wna16_mma
+from kernels._triton import dense, jit, pdl_options, pdl_prologue, tl, triton, use_triton
+from kernels.fp8 import QuantizedRows, quantize_rows, quantize_rows_triton
+from kernels.linear import _arrival_counters
+from kernels.wna16_layout import finish_tile
+from kernels.wna16_mma_dense import _magic_nibble
+
+
+@jit
+def w4_code_tile(w_ptr, meta_ptr, t, b, N_PAD, GROUP, BLOCKS, TT: tl.constexpr, KB: tl.constexpr,
+                 ASM: tl.constexpr):
+    """Row tiles ``t`` (TT,) x k blocks ``b`` (KB,) of wna16_mma's layout -> (q - z) as E4M3 (TT * 16, KB * 64),
+    rows 16 t.. and columns 64 b.. in order: kernels/wna16_mma_dense.mma_weight_tile's decoding (nibbles by
+    tl.join; ASM: by inline PTX) without the scale, converted to E4M3 (exact: integers of magnitude <= 15)
+    before the permute, so a quarter of the bytes move between threads."""
+    word = (t.to(tl.int64)[:, None, None] * BLOCKS + b[None, :, None]) * 128 + tl.arange(0, 128)[None, None, :]
+    g = tl.arange(0, 8)
+    h = tl.arange(0, 2)
+    n_code = t[:, None, None, None] * 16 + g[None, None, :, None] + 8 * h[None, None, None, :]  # (TT, 1, 8, 2)
+    grp = (b * 64) // GROUP
+    meta = tl.load(meta_ptr + grp[None, :, None, None] * N_PAD + n_code)  # (TT, KB, 8, 2): t, b, g, h
+    zero = tl.reshape(((meta & 0xFF) | 0x4B000000).to(tl.float32, bitcast=True), (TT, KB, 8, 1, 1, 1, 1, 2))
+    words = tl.reshape(tl.load(w_ptr + word), (TT, KB, 8, 4, 4)).to(tl.uint32, bitcast=True)  # t, b, g, c, j
+    f0h0 = tl.join(_magic_nibble(words, 0, ASM), _magic_nibble(words, 4, ASM))
+    f1h0 = tl.join(_magic_nibble(words, 2, ASM), _magic_nibble(words, 6, ASM))
+    f0h1 = tl.join(_magic_nibble(words, 1, ASM), _magic_nibble(words, 5, ASM))
+    f1h1 = tl.join(_magic_nibble(words, 3, ASM), _magic_nibble(words, 7, ASM))
+    q = tl.join(tl.join(f0h0, f1h0), tl.join(f0h1, f1h1))  # 2^23 + q at [t, b, g, c, j, e, f, h]
+    w = (q - zero).to(tl.float8e4nv)  # q - z exactly
+    return tl.reshape(tl.permute(w, (0, 7, 2, 1, 4, 6, 3, 5)), (TT * 16, KB * 64))  # (t h g), (b j f c e)
+
+
+@jit
+def _group_scale(meta_ptr, n, b, N_PAD, GROUP):
+    """The float16 scales (as float32) of weight rows ``n`` in the group of k block ``b``."""
+    meta = tl.load(meta_ptr + ((b * 64) // GROUP) * N_PAD + n)
+    return (meta >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@jit(do_not_specialize=["M", "N", "N_PAD", "GROUP", "BLOCKS", "BLOCKS_PER_SPLIT"])
+def _w4a8_gemm_kernel(
+    x_ptr, x_scale_ptr, w_ptr, meta_ptr, bias_ptr, out_ptr, part_ptr, arrivals_ptr,
+    M, N, N_PAD, GROUP, BLOCKS, BLOCKS_PER_SPLIT, stride_xm, stride_om,
+    HAS_BIAS: tl.constexpr, TT: tl.constexpr, KB: tl.constexpr, SUB_KB: tl.constexpr, BLOCK_M: tl.constexpr,
+    SPLIT_K: tl.constexpr, W_FIRST: tl.constexpr, RESCALE: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
+):
+    """Program (tile, split): out rows [BLOCK_M i, +BLOCK_M) x columns [16 TT j, +16 TT) (tile = j * m_tiles + i)
+    over k blocks [split * BLOCKS_PER_SPLIT, +BLOCKS_PER_SPLIT), KB blocks a step in sub-dots of SUB_KB blocks
+    (one quantization group or part of one)."""
+    BLOCK_N: tl.constexpr = TT * 16
+    SUB_K: tl.constexpr = SUB_KB * 64
+    m_tiles = tl.cdiv(M, BLOCK_M)
+    tile = tl.program_id(0)
+    n_tile = tile // m_tiles
+    rows = (tile % m_tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)  # inside N_PAD (BLOCK_N divides it): scales read unmasked
+    row_ok = rows < M
+    col_ok = cols < N
+    t = n_tile * TT + tl.arange(0, TT)
+    kb_begin = tl.program_id(1) * BLOCKS_PER_SPLIT
+    kb_end = tl.minimum(kb_begin + BLOCKS_PER_SPLIT, BLOCKS)
+    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + tl.arange(0, SUB_K)[None, :]  # (BLOCK_M, SUB_K)
+    if W_FIRST:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    last = tl.full([BLOCK_N], 1.0, tl.float32)  # RESCALE: the scale acc is in units of (any, while acc is 0)
+    pdl_prologue(PDL)
+    for kb in range(kb_begin, kb_end, KB):
+        for s in tl.static_range(KB // SUB_KB):
+            b0 = kb + s * SUB_KB
+            x = tl.load(x_rows + b0 * 64, mask=row_ok[:, None], other=0.0)
+            w = w4_code_tile(w_ptr, meta_ptr, t, b0 + tl.arange(0, SUB_KB), N_PAD, GROUP, BLOCKS, TT, SUB_KB, ASM)
+            scale = _group_scale(meta_ptr, cols, b0, N_PAD, GROUP)
+            if RESCALE:  # acc in units of this group's scale, then the dot accumulates into it (one tile of sums)
+                scale = tl.where(scale == 0.0, 1.0, scale)
+                ratio = last / scale
+                last = scale
+                if W_FIRST:
+                    acc = tl.dot(w, tl.trans(x), acc * ratio[:, None])
+                else:
+                    acc = tl.dot(x, tl.trans(w), acc * ratio[None, :])
+            elif W_FIRST:
+                acc += tl.dot(w, tl.trans(x)) * scale[:, None]
+            else:
+                acc += tl.dot(x, tl.trans(w)) * scale[None, :]
+    if RESCALE:
+        if W_FIRST:
+            acc = acc * last[:, None]
+        else:
+            acc = acc * last[None, :]
+    if W_FIRST:
+        acc = tl.trans(acc)
+    acc = acc * tl.load(x_scale_ptr + rows, mask=row_ok, other=0.0)[:, None]
+    finish_tile(acc, rows, cols, row_ok, col_ok, bias_ptr, out_ptr, part_ptr, arrivals_ptr, M, N, stride_om, tile,
+                HAS_BIAS, BLOCK_M, BLOCK_N, SPLIT_K)
+
+
+def supports(in_features: int, group_size: int, block_k: int) -> bool:
+    """Whether a tiling's K step fits a layer: whole steps of whole 64-column blocks, and each sub-dot inside one
+    group (groups of whole steps, or steps of whole groups of 64+ columns, or one group a row)."""
+    if block_k % wna16_mma.KB_COLUMNS or in_features % block_k or in_features % wna16_mma.PAD_COLUMNS:
+        return False
+    return group_size == in_features or (group_size % wna16_mma.KB_COLUMNS == 0 and
+                                         (group_size % block_k == 0 or block_k % group_size == 0))
+
+
+def quantized_rows(x: torch.Tensor | QuantizedRows) -> QuantizedRows:
+    """x per token in E4M3 (itself when it already is): kernels/fp8.py's quantizer (one Triton kernel on CUDA;
+    the two agree bit for bit)."""
+    if isinstance(x, QuantizedRows):
+        return x
+    values, scale = quantize_rows_triton(x) if use_triton(x) and x.stride(1) == 1 else quantize_rows(x)
+    return QuantizedRows(values, scale, x.dtype)
+
+
+def w4a8_matmul(x: torch.Tensor | QuantizedRows, layout: dict[str, torch.Tensor], n: int, group_size: int,
+                bias: torch.Tensor | None = None, *, block_n: int = 128, block_m: int = 128, block_k: int = 128,
+                num_warps: int = 8, num_stages: int = 3, split_k: int = 1, w_first: bool = True,
+                rescale: bool = False, asm: bool = True) -> torch.Tensor:
+    """x (M, K) bf16/fp16 (quantized per token here) or QuantizedRows @ the weight (N, K) in ``layout``
+    ({"words", "meta"}: kernels/wna16_mma.py's).T (+ bias) -> (M, N) in x's dtype. Programs of (block_m,
+    block_n) out tiles, block_k columns a step, K split over ``split_k`` programs; ``w_first``: the weight the
+    dot's A operand; ``rescale``: the dots accumulate into one tile of sums (module docstring); ``asm``: the
+    nibbles by inline PTX (CUDA only). Runs wherever Triton runs (CUDA, or CPU tensors under TRITON_INTERPRET=1)."""
+    rows = quantized_rows(x)
+    m, k = rows.values.shape
+    assert rows.values.stride(1) == 1
+    n_pad = layout["meta"].shape[1]
+    blocks = layout["words"].numel() // (n_pad // 16) // 128
+    if blocks * wna16_mma.KB_COLUMNS != k or not supports(k, group_size, block_k):
+        raise ValueError(f"x's K = {k} with group size {group_size}, block_k {block_k} and a layout of {blocks} "
+                         f"64-column blocks: the W4A8 GEMM takes the layout's K in whole steps, each sub-dot in "
+                         f"one group (``supports``)")
+    if wna16_mma.PAD_ROWS % block_n:
+        raise ValueError(f"block_n {block_n} must divide the words' {wna16_mma.PAD_ROWS}-row padding")
+    out = torch.empty(m, n, dtype=rows.dtype, device=rows.values.device)
+    if m == 0:
+        return out
+    bias, = dense(bias)
+    kb = block_k // wna16_mma.KB_COLUMNS
+    sub_kb = kb if group_size == k or group_size >= block_k else group_size // wna16_mma.KB_COLUMNS
+    steps = k // block_k
+    split_k = max(1, min(split_k, steps))
+    per_split = triton.cdiv(steps, split_k)
+    split_k = triton.cdiv(steps, per_split)
+    tiles = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
+    part = torch.empty(split_k, m, n, dtype=torch.float32, device=out.device) if split_k > 1 else out
+    arrivals = _arrival_counters(out.device, tiles) if split_k > 1 else out
+    _w4a8_gemm_kernel[(tiles, split_k)](
+        rows.values, rows.scale, layout["words"], layout["meta"], bias if bias is not None else out, out, part,
+        arrivals, m, n, n_pad, group_size, blocks, per_split * kb, rows.values.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, TT=block_n // 16, KB=kb, SUB_KB=sub_kb, BLOCK_M=block_m, SPLIT_K=split_k,
+        W_FIRST=bool(w_first), RESCALE=bool(rescale), ASM=asm and out.is_cuda, num_warps=num_warps,
+        num_stages=num_stages, **pdl_options(out))
+    return out
+
+
+def w4a8_reference(x: torch.Tensor | QuantizedRows, layout: dict[str, torch.Tensor], n: int, group_size: int,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Plain torch: x quantized per token to E4M3 (kernels/fp8.quantize_rows), the layout's weight dequantized
+    exactly ((q - z) * s, float16 s: exact in float32; wna16_mma.mma_layout_weight), their product, the row
+    scales and the bias in float64, rounded once to x's dtype."""
+    rows = x if isinstance(x, QuantizedRows) else QuantizedRows(*quantize_rows(x), x.dtype)
+    k = rows.values.shape[1]
+    weight = wna16_mma.mma_layout_weight(layout, n, k, group_size).double()
+    out = (rows.values.double() @ weight.t()) * rows.scale.double()[:, None]
+    if bias is not None:
+        out = out + bias.double()
+    return out.to(rows.dtype)

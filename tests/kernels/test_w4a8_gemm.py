@@ -1,0 +1,167 @@
+"""kernels/w4a8_gemm.py: the W4A8 GEMM (INT4 operand-order words, activations per token in E4M3, FP8 dots).
+
+CPU (CI): which tilings fit a layer, the refusals, the reference's own arithmetic. TRITON_INTERPRET=1 (``device``
+fixture, skipped in CI): the kernel against ``w4a8_reference`` within one output rounding (float16 output only:
+the interpreter truncates float32 -> bfloat16 where the GPU rounds), groups of 128 and 64 (one and two sub-dots a
+step, and 64-column steps), per channel, zero points and symmetric codes, odd N, masked rows, both operand
+orders, both ways of applying the group scales (``rescale``), split-K, bias, zero scales, QuantizedRows input.
+CUDA: both dtypes, the sweep's tilings, and a CUDA graph.
+"""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+from kernel_testing import replayed
+
+from kernels import wna16_mma
+from kernels.fp8 import QuantizedRows, quantize_rows
+from kernels.w4a8_gemm import supports, w4a8_matmul, w4a8_reference
+from kernels.wna16 import dequantize, quantize, unpack_codes
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only")
+
+
+def layout_of(n, k, group_size, device, symmetric=False, seed=0):
+    """The operand-order layout of a random INT4 weight, and its dequantized weight (float16 scales, as held).
+    Rows 0-2's first group are zeros: a float16 scale of 0 (quantize's 1e-10 floor underflows) with q = z."""
+    torch.manual_seed(seed)
+    weight = torch.randn(n, k)
+    weight[:3, :group_size or k] = 0
+    stored, scale, zero = quantize(weight, 4, group_size or k, symmetric=symmetric)
+    assert (scale[:3, 0].half() == 0).all()
+    layout = wna16_mma.pack_mma_layout(unpack_codes(stored, 4), scale, zero)
+    weight = dequantize(stored, scale.half().float(), zero, 4)
+    return {name: t.to(device) for name, t in layout.items()}, weight.to(device)
+
+
+def one_ulp(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The spacing of ``dtype``'s values at |values| (float64; subnormals: the smallest normal's)."""
+    info = torch.finfo(dtype)
+    return torch.exp2(torch.floor(torch.log2(values.abs().double().clamp(min=info.tiny)))) * info.eps
+
+
+def assert_within_one_rounding(out, x, layout, n, group_size, bias=None):
+    """out is the float64 product of the reference's exact values rounded to out's dtype, or its neighbour
+    (the kernel sums in float32: an ulp off where the exact value lies near a rounding boundary)."""
+    rows = x if isinstance(x, QuantizedRows) else QuantizedRows(*quantize_rows(x), x.dtype)
+    k = rows.values.shape[1]
+    exact = (rows.values.double() @ wna16_mma.mma_layout_weight(layout, n, k, group_size).double().t()) \
+        * rows.scale.double()[:, None]
+    if bias is not None:
+        exact = exact + bias.double()
+    assert out.dtype == rows.dtype and out.shape == exact.shape
+    off = (out.double() - exact).abs() / one_ulp(exact, out.dtype)
+    assert off.max().item() <= 1.0, f"{off.max().item():.2f} ulps; {(off > 0.5).float().mean().item():.3f} past half"
+    return off
+
+
+def test_supports_whole_steps_with_each_sub_dot_in_one_group():
+    assert supports(4096, 128, 128) and supports(4096, 128, 64) and supports(4096, 128, 256)
+    assert supports(4096, 64, 128) and supports(4096, 4096, 256)  # two sub-dots a step; per channel
+    assert not supports(4096, 32, 64)  # a 64-column block holds one scale in the layout
+    assert not supports(4096, 192, 128)  # a 128-column step across two groups of 192
+    assert not supports(384, 128, 256)  # K not whole steps
+    assert not supports(4096, 128, 96)
+
+
+def test_a_layout_or_grouping_the_kernel_would_misread_is_refused():
+    """Refused before any launch (no Triton run): K not the layout's, a step across groups, block_n past the
+    words' padding."""
+    layout, _ = layout_of(32, 256, 64, "cpu")
+    with pytest.raises(ValueError, match="K = 128"):
+        w4a8_matmul(torch.zeros(4, 128, dtype=torch.float16), layout, 32, 64, block_k=64)
+    layout, _ = layout_of(32, 384, 192, "cpu")
+    with pytest.raises(ValueError, match="group size 192"):
+        w4a8_matmul(torch.zeros(4, 384, dtype=torch.float16), layout, 32, 192, block_k=128)
+    layout, _ = layout_of(32, 256, 128, "cpu")
+    with pytest.raises(ValueError, match="block_n 512"):
+        w4a8_matmul(torch.zeros(4, 256, dtype=torch.float16), layout, 32, 128, block_n=512)
+
+
+def test_the_reference_is_the_exact_weight_times_x_in_e4m3():
+    """The reference's weight is (q - z) * s exactly (the layout decoded against kernels.wna16.dequantize) and
+    its x is kernels/fp8.py's per-token E4M3 rounding: against the bf16-x product it differs by E4M3's rounding
+    (a few percent), not by the weight."""
+    n, k, group_size = 40, 256, 64
+    layout, weight = layout_of(n, k, group_size, "cpu")
+    assert torch.equal(wna16_mma.mma_layout_weight(layout, n, k, group_size), weight)
+    x = torch.randn(9, k, dtype=torch.float16)
+    x_q, x_scale = quantize_rows(x)
+    ref = w4a8_reference(x, layout, n, group_size)
+    want = ((x_q.double() * x_scale.double()[:, None]) @ weight.double().t()).half()
+    assert ref.dtype == torch.float16 and torch.equal(ref, want)
+    error = ((ref.double() - x.double() @ weight.double().t()).norm() / ref.double().norm()).item()
+    assert 1e-3 < error < 6e-2, error
+
+
+@pytest.mark.parametrize("n, k, group_size, m, symmetric, tiling", [
+    (151, 256, 128, 37, False, dict(block_n=64, block_m=32, block_k=128, w_first=True)),  # odd N, masked rows
+    (151, 256, 128, 37, False, dict(block_n=64, block_m=32, block_k=128, w_first=True, rescale=True)),
+    (151, 256, 128, 37, False, dict(block_n=64, block_m=32, block_k=128, w_first=False)),  # the weight as B
+    (96, 256, 64, 20, False, dict(block_n=32, block_m=16, block_k=128, split_k=2, rescale=True)),  # 2 sub-dots
+    (96, 256, 64, 20, True, dict(block_n=32, block_m=16, block_k=64, w_first=False)),  # symmetric, 64-column steps
+    (40, 256, None, 5, False, dict(block_n=16, block_m=16, block_k=128, rescale=True)),  # per channel
+    (70, 512, 128, 33, False, dict(block_n=64, block_m=16, block_k=256, split_k=2)),  # 2 groups a step, 1 a split
+])
+def test_kernel_is_within_one_rounding_of_the_reference(device, n, k, group_size, m, symmetric, tiling):
+    layout, _ = layout_of(n, k, group_size, device, symmetric=symmetric)
+    dtypes = (torch.bfloat16, torch.float16) if device == "cuda" else (torch.float16,)
+    for dtype in dtypes:
+        torch.manual_seed(1)
+        x = torch.randn(m, k, device=device, dtype=dtype)
+        bias = torch.randn(n, device=device, dtype=dtype)
+        out = w4a8_matmul(x, layout, n, group_size or k, bias, num_warps=4, num_stages=2, **tiling)
+        assert_within_one_rounding(out, x, layout, n, group_size or k, bias)
+
+
+def test_quantized_rows_in_give_the_same_product(device):
+    """x already quantized (a norm or activation that quantizes its output, kernels/fp8.py) gives the product of
+    quantizing it here, bit for bit; an all-zero row (scale 1e-12) gives zeros."""
+    n, k, group_size = 64, 256, 128
+    layout, _ = layout_of(n, k, group_size, device)
+    x = torch.randn(12, k, device=device, dtype=torch.float16)
+    x[3] = 0
+    tiling = dict(block_n=32, block_m=16, block_k=128, num_warps=4, num_stages=2)
+    out = w4a8_matmul(x, layout, n, group_size, **tiling)
+    rows = QuantizedRows(*quantize_rows(x), x.dtype)
+    assert torch.equal(w4a8_matmul(rows, layout, n, group_size, **tiling), out)
+    assert torch.equal(out[3], torch.zeros_like(out[3]))
+    assert_within_one_rounding(out, rows, layout, n, group_size)
+
+
+def _sweep_module():
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "quantization" / "w4a8_gemm_sweep.py"
+    spec = importlib.util.spec_from_file_location("w4a8_gemm_sweep", path)
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    return sweep
+
+
+@cuda
+@pytest.mark.parametrize("group_size", [128, 64])
+def test_the_sweeps_tilings_are_within_one_rounding(group_size):
+    """Every tiling the sweep times (compiled for the GPU: wgmma with FP8 operands) on N not whole 128-row tiles
+    and rows not whole tiles; group 64 where the tiling's step takes it."""
+    sweep = _sweep_module()
+    n, k = 528, 1024
+    layout, _ = layout_of(n, k, group_size, "cuda")
+    for m in (64, 150):
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        for tiling in sweep.TILINGS:
+            options = sweep.tiling_options(tiling)
+            if not supports(k, group_size, options["block_k"]):
+                continue
+            out = w4a8_matmul(x, layout, n, group_size, **options)
+            assert_within_one_rounding(out, x, layout, n, group_size)
+
+
+@cuda
+def test_a_cuda_graph_replays_the_quantize_and_the_product():
+    n, k = 384, 512
+    layout, _ = layout_of(n, k, 128, "cuda")
+    x = torch.randn(80, k, device="cuda", dtype=torch.bfloat16)
+    captured = replayed(lambda: w4a8_matmul(x, layout, n, 128, block_n=64, block_m=64), x)
+    assert_within_one_rounding(captured, x, layout, n, 128)
