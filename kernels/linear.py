@@ -180,7 +180,7 @@ def _skinny_gemm_kernel(
                                           SPLIT_K, ACTIVATION)
             tl.store(arrivals_ptr + tl.program_id(0), 0)
     else:
-        _skinny_epilogue(acc.to(tl.float32), acc_up.to(tl.float32), rows, cols, row_ok, col_ok, mask, bias_ptr,
+        product_epilogue(acc.to(tl.float32), acc_up.to(tl.float32), rows, cols, row_ok, col_ok, mask, bias_ptr,
                          scale_ptr, x_scale_ptr, out_ptr, N,
                          stride_om, HAS_BIAS, GATED, HAS_SCALE, X_SCALE, ACTIVATION)
 
@@ -232,18 +232,19 @@ def _skinny_sum_splits_and_finish(part_ptr, bias_ptr, scale_ptr, x_scale_ptr, ou
         acc += tl.load(part, mask=mask, other=0.0, cache_modifier=".cg")
         if GATED:
             acc_up += tl.load(part + N, mask=mask, other=0.0, cache_modifier=".cg")
-    _skinny_epilogue(acc.to(tl.float32), acc_up.to(tl.float32), rows, cols, rows < M, col_ok, mask, bias_ptr,
+    product_epilogue(acc.to(tl.float32), acc_up.to(tl.float32), rows, cols, rows < M, col_ok, mask, bias_ptr,
                      scale_ptr, x_scale_ptr, out_ptr, N,
                      stride_om, HAS_BIAS, GATED, HAS_SCALE, X_SCALE, ACTIVATION)
 
 
 @jit
-def _skinny_epilogue(acc, acc_up, rows, cols, row_ok, col_ok, mask, bias_ptr, scale_ptr, x_scale_ptr, out_ptr, N,
+def product_epilogue(acc, acc_up, rows, cols, row_ok, col_ok, mask, bias_ptr, scale_ptr, x_scale_ptr, out_ptr, N,
                      stride_om, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, HAS_SCALE: tl.constexpr,
                      X_SCALE: tl.constexpr, ACTIVATION: tl.constexpr):
     """Scale, bias, the gate's SiLU-and-mul or the activation, rounding to the output dtype, store:
-    (M_PAD, BLOCK_N) tiles. The row scale multiplies before the column scale: (sum * x_scale[m]) *
-    scale[n], the order of int8_linear_ref (float32 products are not associative)."""
+    (rows, BLOCK_N) float32 tiles (the skinny kernel's (M_PAD, BLOCK_N), kernels/int8_gemm.py's (BLOCK_M,
+    BLOCK_N): one epilogue, so every int8 path scales and rounds alike). The row scale multiplies before the
+    column scale: (sum * x_scale[m]) * scale[n], the order of int8_linear_ref (float32 products are not associative)."""
     if X_SCALE:
         row_scale = tl.load(x_scale_ptr + rows, mask=row_ok, other=0.0)[:, None]
         acc *= row_scale

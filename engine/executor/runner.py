@@ -38,6 +38,7 @@ from kernels.attention import KV_FP8_DTYPE
 from kernels.attention_metadata import AttentionMetadata, pack_tree_mask
 from kernels.triton_attention import prefill_tokens_per_tile
 from kernels.fp8 import FP8_DTYPE, choose_fp8_scaling, choose_fp8_skinny_variants
+from kernels.int8_gemm import choose_int8_gemm_tilings, int8_gemm_row_counts
 from kernels.int8_sq import choose_int8_skinny_variants
 from kernels.linear import choose_activated_weights, choose_gated_weights, choose_skinny_weights
 from kernels.moe_decode_tiles import choose_decode_tiles
@@ -408,6 +409,9 @@ class ModelRunner:
                       if isinstance(m, Linear) and m.int8 and not any(m.weight is g for g in int8_gate_ups)]
         int8 = choose_int8_skinny_variants(int8_plain, gated=int8_gate_ups)  # SmoothQuant W8A8 (int8_sq)
         self.gemm_choices.update({("int8",) + key: {"variant": variant} for key, variant in int8.items()})
+        int8_gemm = choose_int8_gemm_tilings(int8_plain, gated=int8_gate_ups, rows=int8_gemm_row_counts(
+            max(self.build_config.max_num_tokens, self.build_config.max_batch_size)))  # int8_sq past 16 rows
+        self.gemm_choices.update({("int8_gemm",) + key: {"tiling": tiling} for key, tiling in int8_gemm.items()})
         plain, gated = wide_row_weights(self.model)  # 17-128 rows (tree verify steps): the skinny kernel where faster
         wide = choose_wide_variants(plain, gated=gated, row_counts=wide_row_counts(
             max(self.build_config.max_num_tokens, self.build_config.max_batch_size)))

@@ -2,7 +2,8 @@
 reference (same codes, same scales), the scheme's reference against the dequantized float product,
 the decode-size skinny kernel (int8 dots, int32 sums; plain, with a bias, gated) against the reference
 (Triton's CPU interpreter with TRITON_INTERPRET=1, or the GPU), and the CUDA paths (the skinny kernel
-up to 16 rows, torch._int_mm past them) against the reference, eagerly and replayed from a CUDA graph."""
+up to 16 rows, kernels/int8_gemm.py's GEMM past them: tests/kernels/test_int8_gemm.py) against the reference,
+eagerly and replayed from a CUDA graph."""
 from __future__ import annotations
 
 import pytest
@@ -116,9 +117,9 @@ def test_skinny_kernel_sums_stay_exact_past_float32_integers(device):
 @pytest.mark.parametrize("m", [1, 3, 8, 16, 17])
 def test_cuda_int8_linear_takes_the_skinny_kernel_for_decode_rows(m):
     """int8_linear / int8_gated_linear on CUDA: up to 16 rows the skinny kernel (the same values as
-    int8_skinny_linear, and the reference's integers), at 17 torch._int_mm; both within one rounding of
-    the reference; and the same when captured in a CUDA graph and replayed on new rows. N = 270, 2 x 270:
-    not multiples of 8 (which only torch._int_mm needs; the reference takes those at 17 rows)."""
+    int8_skinny_linear, and the reference's integers), at 17 kernels/int8_gemm.py's GEMM; both within one
+    rounding of the reference; and the same when captured in a CUDA graph and replayed on new rows. N = 270,
+    2 x 270: not multiples of 8 (which only torch._int_mm, the path before the GEMM, needed)."""
     x, codes, scale, bias = _int8_problem(m, 2 * 270, 1000, "cuda", torch.bfloat16, seed=40 + m)
     plain_w, plain_s = codes[:270], scale[:270]
     got = int8_sq.int8_linear(x, plain_w, plain_s, bias[:270])
