@@ -71,10 +71,12 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 @jit
-def _silu_and_mul_quantized_kernel(x_ptr, q_ptr, scale_ptr, row_scale_ptr, col_scale_ptr, stride_x, stride_q, inter,
-                                   BLOCK: tl.constexpr, OUT_DTYPE: tl.constexpr, SCALED: tl.constexpr):
-    """One program per row: silu(gate) * up rounded to OUT_DTYPE (as _gated_and_mul_kernel stores
-    it), its absolute maximum over the row, then the row quantized to E4M3 (kernels/e4m3_rows.py).
+def _gated_and_mul_quantized_kernel(x_ptr, q_ptr, scale_ptr, row_scale_ptr, col_scale_ptr, stride_x, stride_q, inter,
+                                    BLOCK: tl.constexpr, OUT_DTYPE: tl.constexpr, SCALED: tl.constexpr,
+                                    ACTIVATION: tl.constexpr):
+    """One program per row: act(gate) * up (ACTIVATION: SILU or GELU_TANH) rounded to OUT_DTYPE (as
+    _gated_and_mul_kernel stores it), its absolute maximum over the row, then the row quantized to E4M3
+    (kernels/e4m3_rows.py).
     A row that fits one BLOCK is read once and kept in registers; a longer one is read twice (the
     second pass finds it in L2). SCALED: x is an unscaled FP8 product (kernels/fp8.py
     ScaledProduct); each value is first multiplied by its row's and column's scale and rounded to
@@ -83,33 +85,36 @@ def _silu_and_mul_quantized_kernel(x_ptr, q_ptr, scale_ptr, row_scale_ptr, col_s
     cols = tl.arange(0, BLOCK)
     row_scale = tl.load(row_scale_ptr + row) if SCALED else 1.0
     if BLOCK >= inter:
-        y = _silu_mul_chunk(x_ptr + row * stride_x, cols, inter, OUT_DTYPE, row_scale, col_scale_ptr, SCALED)
+        y = _gated_mul_chunk(x_ptr + row * stride_x, cols, inter, OUT_DTYPE, row_scale, col_scale_ptr, SCALED,
+                             ACTIVATION)
         scale = e4m3_row_scale(tl.max(tl.abs(y), 0))
         tl.store(scale_ptr + row, scale)
         tl.store(q_ptr + row * stride_q + cols, to_e4m3(y, scale), mask=cols < inter)
         return
     peak = tl.zeros([BLOCK], dtype=tl.float32)
     for k0 in range(0, inter, BLOCK):
-        peak = tl.maximum(peak, tl.abs(_silu_mul_chunk(x_ptr + row * stride_x, k0 + cols, inter, OUT_DTYPE,
-                                                       row_scale, col_scale_ptr, SCALED)))
+        peak = tl.maximum(peak, tl.abs(_gated_mul_chunk(x_ptr + row * stride_x, k0 + cols, inter, OUT_DTYPE,
+                                                        row_scale, col_scale_ptr, SCALED, ACTIVATION)))
     scale = e4m3_row_scale(tl.max(peak, 0))
     tl.store(scale_ptr + row, scale)
     for k0 in range(0, inter, BLOCK):
-        y = _silu_mul_chunk(x_ptr + row * stride_x, k0 + cols, inter, OUT_DTYPE, row_scale, col_scale_ptr, SCALED)
+        y = _gated_mul_chunk(x_ptr + row * stride_x, k0 + cols, inter, OUT_DTYPE, row_scale, col_scale_ptr, SCALED,
+                             ACTIVATION)
         tl.store(q_ptr + row * stride_q + k0 + cols, to_e4m3(y, scale), mask=k0 + cols < inter)
 
 
 @jit
-def _silu_mul_chunk(row_ptr, cols, inter, OUT_DTYPE: tl.constexpr, row_scale, col_scale_ptr, SCALED: tl.constexpr):
-    """silu(gate[cols]) * up[cols] of one [gate | up] row, rounded as _gated_and_mul_kernel rounds, in float32
-    (SCALED: gate and up scaled first, see _silu_and_mul_quantized_kernel)."""
+def _gated_mul_chunk(row_ptr, cols, inter, OUT_DTYPE: tl.constexpr, row_scale, col_scale_ptr, SCALED: tl.constexpr,
+                     ACTIVATION: tl.constexpr):
+    """act(gate[cols]) * up[cols] of one [gate | up] row, rounded as _gated_and_mul_kernel rounds, in float32
+    (SCALED: gate and up scaled first, see _gated_and_mul_quantized_kernel)."""
     mask = cols < inter
     gate = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(row_ptr + inter + cols, mask=mask, other=0.0).to(tl.float32)
     if SCALED:
         gate = (gate * row_scale * tl.load(col_scale_ptr + cols, mask=mask, other=0.0)).to(OUT_DTYPE).to(tl.float32)
         up = (up * row_scale * tl.load(col_scale_ptr + inter + cols, mask=mask, other=0.0)).to(OUT_DTYPE).to(tl.float32)
-    act = _activated_gate(gate, 0, OUT_DTYPE)  # silu
+    act = _activated_gate(gate, ACTIVATION, OUT_DTYPE)
     return (act * up).to(OUT_DTYPE).to(tl.float32)
 
 
@@ -120,6 +125,17 @@ def silu_and_mul_quantized_triton(x: torch.Tensor, x_scales: tuple[torch.Tensor,
     kernels.fp8.quantize_rows(silu_and_mul(x)) exactly, without writing the activation itself.
     ``x_scales`` = (row_scale (num_tokens,), col_scale (2 * inter,)) float32: x is an unscaled FP8
     product whose value [i, j] stands for x[i, j] * row_scale[i] * col_scale[j] (kernels/fp8.py)."""
+    return _gated_and_mul_quantized_triton(x, x_scales, SILU)
+
+
+def gelu_tanh_and_mul_quantized_triton(x: torch.Tensor, x_scales: tuple[torch.Tensor, torch.Tensor] | None = None
+                                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """silu_and_mul_quantized_triton for gelu_tanh(gate) * up (T5 v1.1's gated-GELU, Gemma's GeGLU): equal to
+    kernels.fp8.quantize_rows(gelu_tanh_and_mul(x)) exactly."""
+    return _gated_and_mul_quantized_triton(x, x_scales, GELU_TANH)
+
+
+def _gated_and_mul_quantized_triton(x: torch.Tensor, x_scales, activation: int) -> tuple[torch.Tensor, torch.Tensor]:
     num_tokens, width = x.shape
     inter = width // 2
     assert x.stride(1) == 1 and x.dtype in (torch.float16, torch.bfloat16)
@@ -131,10 +147,10 @@ def silu_and_mul_quantized_triton(x: torch.Tensor, x_scales: tuple[torch.Tensor,
         row_scale, col_scale = x_scales if x_scales is not None else (scale, scale)
         assert x_scales is None or (row_scale.is_contiguous() and col_scale.is_contiguous()
                                     and col_scale.numel() == width and row_scale.numel() == num_tokens)
-        _silu_and_mul_quantized_kernel[(num_tokens,)](
+        _gated_and_mul_quantized_kernel[(num_tokens,)](
             x, values, scale, row_scale, col_scale, x.stride(0), values.stride(0), inter, BLOCK=block,
             OUT_DTYPE=tl.bfloat16 if x.dtype == torch.bfloat16 else tl.float16, SCALED=x_scales is not None,
-            num_warps=num_warps)
+            ACTIVATION=activation, num_warps=num_warps)
     return values, scale
 
 

@@ -45,8 +45,8 @@ bf16 models only: an unscaled product of E4M3 values overflows fp16 (448^2 * K).
 
 Where the W8A8 path will run (``quantizes_activations``: on CUDA), the kernel that makes a product's input
 may quantize it on the way out and hand over ``QuantizedRows`` instead: ``rms_norm_quantized``
-(the norms before qkv and gate_up) and ``silu_and_mul_quantized`` (the activation before
-down_proj). That skips writing and re-reading the activations in the model dtype; the values are
+(the norms before qkv and gate_up) and ``silu_and_mul_quantized`` / ``gelu_tanh_and_mul_quantized`` (the
+activation before down_proj). That skips writing and re-reading the activations in the model dtype; the values are
 the same as quantizing the unfused output.
 """
 from __future__ import annotations
@@ -58,7 +58,8 @@ import torch
 
 from kernels import choice_cache
 from kernels._triton import HAVE_TRITON, jit, pdl_options, pdl_prologue, tl, triton, use_triton
-from kernels.activation import silu_and_mul, silu_and_mul_quantized_triton
+from kernels.activation import (gelu_tanh_and_mul, gelu_tanh_and_mul_quantized_triton, silu_and_mul,
+                                silu_and_mul_quantized_triton)
 from kernels.e4m3_rows import e4m3_row_scale, to_e4m3
 from kernels.linear import (MAX_SKINNY_ROWS, SKINNY_VARIANTS, graph_time_ms, skinny_linear_triton, variant_options,
                             wide_variant)
@@ -189,6 +190,14 @@ def silu_and_mul_quantized(x: torch.Tensor | ScaledProduct) -> QuantizedRows:
     if scales is not None:
         x = apply_scales(ScaledProduct(x, *scales))
     return as_quantized_rows(silu_and_mul(x))
+
+
+def gelu_tanh_and_mul_quantized(x: torch.Tensor) -> QuantizedRows:
+    """kernels.activation.gelu_tanh_and_mul with its output quantized per row in the same kernel (T5 v1.1's
+    gated-GELU before an FP8 down projection): the values quantize_rows gives on the unfused output."""
+    if use_triton(x):
+        return QuantizedRows(*gelu_tanh_and_mul_quantized_triton(x), x.dtype)
+    return as_quantized_rows(gelu_tanh_and_mul(x))
 
 
 def dequantize_rows(x_q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -8,8 +8,8 @@ import torch
 
 from kernels.fp8 import (FP8_DTYPE, FP8_MAX, QuantizedRows, dequantize_rows, fp8_gated_linear, fp8_linear,
                          fp8_linear_ref, fp8_linear_scaled_mm, quantize_rows, quantize_weight, rms_norm_quantized,
-                         silu_and_mul_quantized)
-from kernels.activation import silu_and_mul
+                         gelu_tanh_and_mul_quantized, silu_and_mul_quantized)
+from kernels.activation import gelu_tanh_and_mul, silu_and_mul
 from kernels.rmsnorm import rms_norm
 
 HALF_ULP = 2.0 ** -4  # E4M3 has 3 mantissa bits: rounding moves a normal value by at most 2^-4 of it
@@ -188,6 +188,8 @@ def test_prequantized_rows_take_the_same_product():
     gate_up = torch.randn(5, 128)
     assert torch.equal(fp8_linear(silu_and_mul_quantized(gate_up), w_q, w_scale),
                        fp8_linear_ref(silu_and_mul(gate_up), w_q, w_scale))
+    assert torch.equal(fp8_linear(gelu_tanh_and_mul_quantized(gate_up), w_q, w_scale),
+                       fp8_linear_ref(gelu_tanh_and_mul(gate_up), w_q, w_scale))
 
 
 @cuda

@@ -269,16 +269,32 @@ def assert_same_quantized_rows(got, want, device):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
 @pytest.mark.parametrize("rows,inter", [(1, 14336), (3, 1000), (2, 20000)])  # 20000: the two-pass form
-def test_quantized_silu_applies_deferred_fp8_scales_as_the_product_would(device, rows, inter):
-    """The gated MLP's [gate | up] product handed over unscaled: the SiLU-and-quantize kernel scales
-    gate and up in-kernel, bit for bit what it gives on the scaled product."""
-    from kernels.activation import silu_and_mul_quantized_triton
+def test_quantized_gated_activation_applies_deferred_fp8_scales_as_the_product_would(device, rows, inter, activation):
+    """The gated MLP's [gate | up] product handed over unscaled: the activation-and-quantize kernel (SiLU, or
+    T5 v1.1's gated-GELU) scales gate and up in-kernel, bit for bit what it gives on the scaled product."""
+    from kernels import activation as kernels
     from kernels.fp8 import ScaledProduct, apply_scales
 
+    quantized = getattr(kernels, f"{activation}_and_mul_quantized_triton")
     values = randn(rows, 2 * inter, dtype=torch.bfloat16, device=device, seed=21) * 3000
     row_scale = torch.rand(rows, generator=torch.Generator().manual_seed(22)).to(device) * 1e-3 + 1e-4
     col_scale = torch.rand(2 * inter, generator=torch.Generator().manual_seed(23)).to(device) * 1e-3 + 1e-4
-    got = silu_and_mul_quantized_triton(values, x_scales=(row_scale, col_scale))
-    want = silu_and_mul_quantized_triton(apply_scales(ScaledProduct(values, row_scale, col_scale)))
+    got = quantized(values, x_scales=(row_scale, col_scale))
+    want = quantized(apply_scales(ScaledProduct(values, row_scale, col_scale)))
     assert_same_quantized_rows(got, want, device)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows,inter", [(1, 5120), (3, 1000), (2, 20000)])  # 5120: Flan-T5-XL's; 20000: two passes
+def test_quantized_gelu_tanh_and_mul_is_the_activation_then_its_row_quantization(device, rows, inter):
+    """gelu_tanh_and_mul_quantized_triton (an FP8 T5 v1.1 decoder's gated-GELU before its down product) gives the
+    E4M3 rows that quantizing gelu_tanh_and_mul's output gives, without writing that output."""
+    from kernels.activation import gelu_tanh_and_mul_quantized_triton, gelu_tanh_and_mul_triton
+    from kernels.fp8 import quantize_rows_triton
+
+    x = randn(rows, 2 * inter, dtype=torch.bfloat16, device=device, seed=31) * 3
+    x[0, :inter // 2] = 0.0  # part of a row with gate 0: gelu(0) * up = 0
+    assert_same_quantized_rows(gelu_tanh_and_mul_quantized_triton(x), quantize_rows_triton(gelu_tanh_and_mul_triton(x)),
+                               device)
