@@ -18,12 +18,16 @@ first, as silu_and_mul(int8_linear(...)) rounds; the (M, 2N) product is never wr
 Programs are ordered in groups of GROUP_M row tiles (Triton's matmul tutorial's grouped order): consecutive
 programs share a weight column tile and a few row tiles, so both stay in L2 while a wave runs.
 
-Tilings, (block_m, block_n, block_k, num_warps, num_stages): INT8_GEMM_TILINGS (plain) and INT8_GATED_TILINGS
-(two accumulators and two weight tiles a stage, so at most 128 columns). They are timed at engine load per
-weight shape and per row bucket of INT8_GEMM_ROW_BUCKETS (``choose_int8_gemm_tilings``, through
-kernels/fp8.py choose_skinny_tilings / fastest_tiling and the persistent choice cache) and kept on the weight;
-the kernel does not specialize on M, so the compiles are per tiling, not per bucket, and the timings of a
-Llama-8B engine's five shapes are a few seconds. An untimed weight takes ``default_tiling(M)``.
+Tilings, (block_m, block_n, block_k, num_warps, num_stages[, tma]): INT8_GEMM_TILINGS (plain) and
+INT8_GATED_TILINGS (two accumulators and two weight tiles a stage, so at most 128 columns); tma: the tiles come
+through the tensor-memory accelerator (host-side descriptors) where the operands' alignment allows. They are
+timed at engine load per weight shape and per row bucket of INT8_GEMM_ROW_BUCKETS (``choose_int8_gemm_tilings``,
+through kernels/fp8.py choose_skinny_tilings / fastest_tiling and the persistent choice cache) and kept on the
+weight. Why timed and not a rule by M: the best tiling depends on how the (M / block_m) x (N / block_n) tiles
+fill the SMs' waves, per shape; and the kernel does not specialize on M, so the compiles are per tiling (16),
+shared by every bucket, and the timings themselves are ~10 s for a Llama-8B engine's four shapes at all nine
+buckets (estimated, not measured yet), once: the choice cache keeps them. An untimed weight takes
+``default_tiling(M)``.
 """
 from __future__ import annotations
 
@@ -31,20 +35,22 @@ import os
 
 import torch
 
-from kernels._triton import dense, jit, pdl_options, pdl_prologue, tl, triton
+from kernels._triton import TensorDescriptor, dense, jit, pdl_options, pdl_prologue, tl, triton
 from kernels.linear import product_epilogue
 
-# Candidate tilings (block_m, block_n, block_k, num_warps, num_stages). Shared memory a stage: block_m * block_k
-# + block_n * block_k bytes (gated: two weight tiles), at most ~160 KB over the stages (an H200 has 227 KB).
+# Candidate tilings (block_m, block_n, block_k, num_warps, num_stages[, tma]). Shared memory a stage: block_m *
+# block_k + block_n * block_k bytes (gated: two weight tiles), at most ~160 KB over the stages (an H200 has 227 KB).
+# tma 1: the tiles through TMA descriptors (Hopper's bulk copies) instead of per-thread loads.
 INT8_GEMM_TILINGS = ((64, 128, 128, 4, 4), (64, 256, 128, 4, 3), (128, 128, 128, 8, 3), (128, 128, 64, 4, 4),
-                     (128, 256, 128, 8, 3), (128, 256, 64, 8, 4))
+                     (128, 256, 128, 8, 3), (128, 256, 64, 8, 4),
+                     (64, 128, 128, 4, 4, 1), (128, 128, 128, 8, 4, 1), (128, 256, 128, 8, 3, 1))
 # Gated: each program's columns are twice its block_n (gate and up), so the accumulators of 128 x 128 tiles
 # need 8 warps (128 int32 registers a thread each).
 INT8_GATED_TILINGS = ((64, 128, 128, 4, 4), (64, 128, 64, 4, 4), (128, 128, 128, 8, 3), (128, 128, 64, 8, 4),
-                      (128, 64, 128, 4, 4))
+                      (128, 64, 128, 4, 4), (64, 128, 128, 4, 4, 1), (128, 128, 128, 8, 3, 1))
 GROUP_M = 8  # row tiles per group of the program order
 # Row counts timed at load; a product of M rows takes the tiling of the first bucket >= M (the last beyond it).
-INT8_GEMM_ROW_BUCKETS = (64, 256, 1024, 4096)
+INT8_GEMM_ROW_BUCKETS = (32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 INT8_GEMM_ATTR = "_int8_gemm_tilings"  # on a weight: {bucket: tiling} chosen at load
 INT8_GEMM_ENV = "TRITONLLM_INT8_GEMM"  # "0": rows past MAX_SKINNY_ROWS take torch._int_mm as before (A/B runs)
 
@@ -72,13 +78,16 @@ def tiling_for(weight: torch.Tensor, m: int, gated: bool) -> tuple:
 
 
 @jit(do_not_specialize=["M"])  # one compile for every row count
-def _int8_gemm_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, M, N, K,
+def _int8_gemm_kernel(x_ptr, w_ptr, x_desc, w_desc, x_scale_ptr, w_scale_ptr, bias_ptr, out_ptr, M, N, K,
                       stride_xm, stride_wn, stride_om,
                       HAS_BIAS: tl.constexpr, GATED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
+                      BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, TMA: tl.constexpr,
+                      PDL: tl.constexpr):
     """One program: the (BLOCK_M, BLOCK_N) output tile (pid_m, pid_n), in grouped order. Rows and columns past
     M and N are loaded as row / column 0 (in bounds, no masks in the K loop) and never stored; EVEN_K: K is a
-    multiple of BLOCK_K, so the K loop loads unmasked too."""
+    multiple of BLOCK_K, so the K loop loads unmasked too. TMA: the tiles come through the tensor-memory
+    accelerator (x_desc, w_desc: boxes (BLOCK_M, BLOCK_K) and (BLOCK_N, BLOCK_K); out-of-range rows and K
+    columns read as zeros) instead of per-thread loads."""
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(M, BLOCK_M)
     tiles_n = tl.cdiv(N, BLOCK_N)
@@ -100,17 +109,21 @@ def _int8_gemm_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, out_ptr,
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.int32)
     pdl_prologue(PDL)
     for k0 in range(0, K, BLOCK_K):
-        if EVEN_K:
+        if TMA:
+            x = x_desc.load([pid_m * BLOCK_M, k0])
+            w = w_desc.load([pid_n * BLOCK_N, k0])
+        elif EVEN_K:
             x = tl.load(x_ptrs)
             w = tl.load(w_ptrs)
         else:
-            k_ok = ks < K - k0
-            x = tl.load(x_ptrs, mask=k_ok[None, :], other=0)
-            w = tl.load(w_ptrs, mask=k_ok[None, :], other=0)
+            x = tl.load(x_ptrs, mask=(ks < K - k0)[None, :], other=0)
+            w = tl.load(w_ptrs, mask=(ks < K - k0)[None, :], other=0)
         # out_dtype named: tl.dot's default (float32) against an int32 acc fails to compile on the GPU
         acc = tl.dot(x, tl.trans(w), acc, out_dtype=tl.int32)
         if GATED:
-            if EVEN_K:
+            if TMA:  # (the last tile's gate rows past N are up rows, its up rows past 2N zeros: never stored)
+                w_up = w_desc.load([N + pid_n * BLOCK_N, k0])
+            elif EVEN_K:
                 w_up = tl.load(w_up_ptrs)
             else:
                 w_up = tl.load(w_up_ptrs, mask=(ks < K - k0)[None, :], other=0)
@@ -124,13 +137,22 @@ def _int8_gemm_kernel(x_ptr, w_ptr, x_scale_ptr, w_scale_ptr, bias_ptr, out_ptr,
                      HAS_BIAS, GATED, True, True, 0)
 
 
+def tma_readable(t: torch.Tensor) -> bool:
+    """Whether the TMA unit can read the 2-D int8 tensor ``t`` (rows x K) by descriptor: Triton's host-side
+    descriptors, a 16-byte aligned base and row stride (TMA's rules), unit column stride."""
+    return (TensorDescriptor is not None and t.stride(1) == 1 and t.stride(0) % 16 == 0
+            and t.data_ptr() % 16 == 0)
+
+
 def int8_gemm(codes: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
               bias: torch.Tensor | None = None, *, out_dtype: torch.dtype, gated: bool = False,
               tiling: tuple | None = None) -> torch.Tensor:
     """codes (M, K) int8 rows with per-row scales x_scale (M,) float32, @ the int8 weight (N, K) with per-column
     scales weight_scale (N,) float32 (+ bias (N,)) -> (M, N) in ``out_dtype``. ``gated``: weight (2N, K) =
     [gate | up], result silu(gate product) * (up product) (no bias). ``tiling``: (block_m, block_n, block_k,
-    num_warps, num_stages), default ``tiling_for(weight, M)``. Triton's: CUDA, or CPU under TRITON_INTERPRET=1."""
+    num_warps, num_stages[, tma]), default ``tiling_for(weight, M)``; tma (1) reads the tiles through TMA
+    descriptors where both operands allow it (tma_readable; else per-thread loads, the same values).
+    Triton's: CUDA, or CPU under TRITON_INTERPRET=1."""
     m, k = codes.shape
     n = weight.shape[0] // 2 if gated else weight.shape[0]
     assert codes.dtype == weight.dtype == torch.int8 and weight.shape[1] == k and not (gated and bias is not None)
@@ -138,13 +160,16 @@ def int8_gemm(codes: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, 
     out = torch.empty(m, n, dtype=out_dtype, device=codes.device)
     if m == 0:
         return out
-    block_m, block_n, block_k, num_warps, num_stages = tiling or tiling_for(weight, m, gated)
+    block_m, block_n, block_k, num_warps, num_stages, *tma = tiling or tiling_for(weight, m, gated)
+    tma = bool(tma and tma[0]) and tma_readable(codes) and tma_readable(weight)
+    x_desc = TensorDescriptor.from_tensor(codes, [block_m, block_k]) if tma else None
+    w_desc = TensorDescriptor.from_tensor(weight, [block_n, block_k]) if tma else None
     x_scale, weight_scale, bias = dense(x_scale, weight_scale, bias)  # read at ptr + row / + column
     grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
     _int8_gemm_kernel[grid](
-        codes, weight, x_scale, weight_scale, bias if bias is not None else weight_scale, out, m, n, k,
+        codes, weight, x_desc, w_desc, x_scale, weight_scale, bias if bias is not None else weight_scale, out, m, n, k,
         codes.stride(0), weight.stride(0), out.stride(0), HAS_BIAS=bias is not None, GATED=gated,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=GROUP_M, EVEN_K=k % block_k == 0,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=GROUP_M, EVEN_K=k % block_k == 0, TMA=tma,
         num_warps=num_warps, num_stages=num_stages, **pdl_options(codes))
     return out
 

@@ -12,8 +12,10 @@ from kernel_testing import TOLERANCE, relative_error, replayed
 from kernels import int8_gemm, int8_sq
 from kernels.activation import silu_and_mul
 
-# Interpreter tests run one small tiling (its time is per program and op, not per value); the GPU tests every one.
+# Interpreter tests run small tilings (their time is per program and op, not per value), per-thread loads and
+# TMA descriptors; the GPU tests every candidate.
 SMALL_TILING = (64, 128, 64, 4, 4)
+SMALL_TMA_TILING = (64, 128, 64, 4, 4, 1)
 
 
 def _problem(m: int, n: int, k: int, device: str, dtype: torch.dtype, seed: int):
@@ -34,41 +36,45 @@ def _dtypes(device: str) -> tuple[torch.dtype, ...]:
 
 
 @pytest.mark.parametrize("m", [17, 64, 130])
-def test_gemm_computes_the_reference_integers(device, m):
-    """K = 201 (not a multiple of BLOCK_K: the masked K loop), N = 37 and 2 x 37 (a partial column tile), rows
-    17, 64 (one full row tile), 130 (a partial third): without a bias the reference's integers scaled in its
-    order, equal bit for bit; with a bias one output rounding apart at most (the GPU may fuse the add into a
-    multiply-add; the interpreter does not, and is equal there too); gated: silu_and_mul of the reference's
-    product within one rounding (the SiLU's exp may differ by an ulp)."""
-    n, k = 37, 201
+@pytest.mark.parametrize("k, tiling", [(201, SMALL_TILING), (208, SMALL_TMA_TILING), (201, SMALL_TMA_TILING)])
+def test_gemm_computes_the_reference_integers(device, m, k, tiling):
+    """K = 201 (not a multiple of BLOCK_K: the masked K loop) or 208 (through TMA descriptors: rows 16-byte
+    aligned; its last K tile partly past K, read as zeros; at 201 the TMA tiling falls back to per-thread loads),
+    N = 37 and 2 x 37 (a partial column tile), rows 17, 64 (one full row tile), 130 (a partial third): without a
+    bias the reference's integers scaled in its order, equal bit for bit; with a bias one output rounding apart at
+    most (the GPU may fuse the add into a multiply-add; the interpreter does not, and is equal there too); gated:
+    silu_and_mul of the reference's product within one rounding (the SiLU's exp may differ by an ulp)."""
+    n = 37
     for dtype in _dtypes(device):
         rows, x, codes, scale, bias = _problem(m, 2 * n, k, device, dtype, seed=m)
         plain_w, plain_s = codes[:n], scale[:n]
         ref_x = x.to(device)
-        got = int8_gemm.int8_gemm(rows.values, rows.scale, plain_w, plain_s, out_dtype=dtype, tiling=SMALL_TILING)
+        assert int8_gemm.tma_readable(rows.values) == int8_gemm.tma_readable(codes) == (k % 16 == 0)
+        got = int8_gemm.int8_gemm(rows.values, rows.scale, plain_w, plain_s, out_dtype=dtype, tiling=tiling)
         assert torch.equal(got, int8_sq.int8_linear_ref(ref_x, plain_w, plain_s)), dtype
         got = int8_gemm.int8_gemm(rows.values, rows.scale, plain_w, plain_s, bias[:n], out_dtype=dtype,
-                                  tiling=SMALL_TILING)
+                                  tiling=tiling)
         want = int8_sq.int8_linear_ref(ref_x, plain_w, plain_s, bias[:n])
         if device == "cpu":
             assert torch.equal(got, want), dtype
         assert relative_error(got, want) < TOLERANCE[dtype], dtype
         got = int8_gemm.int8_gemm(rows.values, rows.scale, codes, scale, out_dtype=dtype, gated=True,
-                                  tiling=SMALL_TILING)
+                                  tiling=tiling)
         want = silu_and_mul(int8_sq.int8_linear_ref(ref_x, codes, scale))
         assert got.shape == (m, n) and relative_error(got, want) < TOLERANCE[dtype], dtype
 
 
-def test_grouped_program_order_covers_every_tile(device):
+@pytest.mark.parametrize("tiling", [SMALL_TILING, SMALL_TMA_TILING])
+def test_grouped_program_order_covers_every_tile(device, tiling):
     """600 rows are ten 64-row tiles, one group of GROUP_M = 8 and a partial group of 2; 300 columns three
     column tiles of 128: every output tile is written once, with its own rows and columns (equal to the
-    reference bit for bit, plain and gated)."""
+    reference bit for bit, plain and gated; per-thread loads and TMA)."""
     m, n, k = 600, 300, 64
     dtype = _dtypes(device)[0]
     rows, x, codes, scale, _ = _problem(m, 2 * n, k, device, dtype, seed=5)
-    got = int8_gemm.int8_gemm(rows.values, rows.scale, codes[:n], scale[:n], out_dtype=dtype, tiling=SMALL_TILING)
+    got = int8_gemm.int8_gemm(rows.values, rows.scale, codes[:n], scale[:n], out_dtype=dtype, tiling=tiling)
     assert torch.equal(got, int8_sq.int8_linear_ref(x.to(device), codes[:n], scale[:n]))
-    got = int8_gemm.int8_gemm(rows.values, rows.scale, codes, scale, out_dtype=dtype, gated=True, tiling=SMALL_TILING)
+    got = int8_gemm.int8_gemm(rows.values, rows.scale, codes, scale, out_dtype=dtype, gated=True, tiling=tiling)
     want = silu_and_mul(int8_sq.int8_linear_ref(x.to(device), codes, scale))
     assert relative_error(got, want) < TOLERANCE[dtype]
 
@@ -97,17 +103,19 @@ def test_gemm_sums_stay_exact_past_float32_integers(device):
 def test_row_buckets_and_the_rows_timed_at_load(monkeypatch):
     """A product of M rows takes the tiling of the first bucket >= M (the last beyond them); the load times the
     buckets that its steps reach, none for decode-only row counts or with the kernel off."""
-    assert [int8_gemm.row_bucket(m) for m in (17, 64, 65, 1024, 1025, 9000)] == [64, 64, 256, 1024, 4096, 4096]
+    assert [int8_gemm.row_bucket(m) for m in (17, 33, 64, 65, 1024, 1025, 8192, 9000)] == [
+        32, 64, 64, 128, 1024, 2048, 8192, 8192]
     assert int8_gemm.int8_gemm_row_counts(16) == ()
-    assert int8_gemm.int8_gemm_row_counts(100) == (64, 256)
+    assert int8_gemm.int8_gemm_row_counts(100) == (32, 64, 128)
     assert int8_gemm.int8_gemm_row_counts(8192) == int8_gemm.INT8_GEMM_ROW_BUCKETS
+    assert int8_gemm.int8_gemm_row_counts(20000) == int8_gemm.INT8_GEMM_ROW_BUCKETS
     monkeypatch.setenv(int8_gemm.INT8_GEMM_ENV, "0")
     assert int8_gemm.int8_gemm_row_counts(8192) == ()
     weight = torch.zeros(8, 8, dtype=torch.int8)
     assert int8_gemm.tiling_for(weight, 300, gated=False) == int8_gemm.default_tiling(300, False)
-    setattr(weight, int8_gemm.INT8_GEMM_ATTR, {1024: (128, 128, 64, 4, 4)})
+    setattr(weight, int8_gemm.INT8_GEMM_ATTR, {512: (128, 128, 64, 4, 4)})
     assert int8_gemm.tiling_for(weight, 300, gated=False) == (128, 128, 64, 4, 4)
-    assert int8_gemm.tiling_for(weight, 2000, gated=False) == int8_gemm.default_tiling(2000, False)
+    assert int8_gemm.tiling_for(weight, 600, gated=False) == int8_gemm.default_tiling(600, False)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="every tiling compiled on the GPU")
