@@ -24,6 +24,14 @@ a zero float16 scale counts as 1 (a group quantized from zeros holds q = z: exac
 q != z would be misread), and the accumulation runs in the FP8 wgmma's own accumulator over the whole K (Triton's
 default on sm_90: not promoted to float32), where the other mode starts each group's dot from zero.
 
+FRAGMENT ORDER (``in_fragment_order``): the words hold, for lane (g, c), the codes of columns 2c, 2c + 1, 2c + 8,
+2c + 9 of each 16-column slice (mma.m16n8k16's bf16 A fragment); the FP8 wgmma's A fragment wants 4c..4c+3 and
+16+4c.. of each 32 columns, so Triton exchanges the codes through shared memory (64 st.shared a 128 x 128 step on
+sm_90). A product is a sum over K: numbering the weight's columns so that each lane's codes land where the FP8
+fragment wants them, and x's columns the same way (``fragment_order``: within each 64-column block; a quantizer
+can write x so), gives the same sums with no exchange (sm_90 compile here: 0 st.shared, 128 x 128 of 8 warps
+128 registers against 210). One 64-column block a dot in this order (Triton tensors have at most 8 dimensions).
+
 Tiling: a step of BLOCK_K = KB * 64 columns; groups of 64 columns (KB 2) take two sub-dots a step (``SUB_KB``),
 groups of BLOCK_K or more (or one a row) one. ``W_FIRST``: the weight the dot's A operand (registers; wgmma
 reads FP8 A from registers too), else the B operand (stored to shared memory). Split-K as kernels/wna16_layout's
@@ -66,6 +74,29 @@ def w4_code_tile(w_ptr, meta_ptr, t, b, N_PAD, GROUP, BLOCKS, TT: tl.constexpr, 
 
 
 @jit
+def w4_code_block_in_fragment_order(w_ptr, meta_ptr, t, b, N_PAD, GROUP, BLOCKS, TT: tl.constexpr, ASM: tl.constexpr):
+    """Row tiles ``t`` (TT,) x one k block ``b`` -> (q - z) as E4M3 (TT * 16, 64) with the block's columns in
+    FRAGMENT ORDER: logical column 32 s + 16 f + 4 c + 2 jj + e holds the code of column 16 (2 s + jj) + 8 f + 2 c + e
+    (``fragment_order``). Lane (g, c)'s codes then sit where the FP8 wgmma's A fragment wants them (rows g, g + 8;
+    columns 4c..4c+3 and 16+4c.. of each 32), so no exchange between threads should be needed; x must come in the
+    same column order. One block a call (Triton tensors have at most 8 dimensions)."""
+    word = (t.to(tl.int64)[:, None] * BLOCKS + b) * 128 + tl.arange(0, 128)[None, :]
+    g = tl.arange(0, 8)
+    h = tl.arange(0, 2)
+    n_code = t[:, None, None] * 16 + g[None, :, None] + 8 * h[None, None, :]  # (TT, 8, 2)
+    meta = tl.load(meta_ptr + ((b * 64) // GROUP) * N_PAD + n_code)
+    zero = tl.reshape(((meta & 0xFF) | 0x4B000000).to(tl.float32, bitcast=True), (TT, 8, 1, 1, 1, 1, 1, 2))
+    words = tl.reshape(tl.load(w_ptr + word), (TT, 8, 4, 2, 2)).to(tl.uint32, bitcast=True)  # t, g, c, s, jj
+    f0h0 = tl.join(_magic_nibble(words, 0, ASM), _magic_nibble(words, 4, ASM))
+    f1h0 = tl.join(_magic_nibble(words, 2, ASM), _magic_nibble(words, 6, ASM))
+    f0h1 = tl.join(_magic_nibble(words, 1, ASM), _magic_nibble(words, 5, ASM))
+    f1h1 = tl.join(_magic_nibble(words, 3, ASM), _magic_nibble(words, 7, ASM))
+    q = tl.join(tl.join(f0h0, f1h0), tl.join(f0h1, f1h1))  # 2^23 + q at [t, g, c, s, jj, e, f, h]
+    w = (q - zero).to(tl.float8e4nv)
+    return tl.reshape(tl.permute(w, (0, 7, 1, 3, 6, 2, 4, 5)), (TT * 16, 64))  # (t h g), (s f c jj e)
+
+
+@jit
 def _group_scale(meta_ptr, n, b, N_PAD, GROUP):
     """The float16 scales (as float32) of weight rows ``n`` in the group of k block ``b``."""
     meta = tl.load(meta_ptr + ((b * 64) // GROUP) * N_PAD + n)
@@ -77,7 +108,8 @@ def _w4a8_gemm_kernel(
     x_ptr, x_scale_ptr, w_ptr, meta_ptr, bias_ptr, out_ptr, part_ptr, arrivals_ptr,
     M, N, N_PAD, GROUP, BLOCKS, BLOCKS_PER_SPLIT, stride_xm, stride_om,
     HAS_BIAS: tl.constexpr, TT: tl.constexpr, KB: tl.constexpr, SUB_KB: tl.constexpr, BLOCK_M: tl.constexpr,
-    SPLIT_K: tl.constexpr, W_FIRST: tl.constexpr, RESCALE: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
+    SPLIT_K: tl.constexpr, W_FIRST: tl.constexpr, RESCALE: tl.constexpr, FRAGMENT_ORDER: tl.constexpr,
+    ASM: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (tile, split): out rows [BLOCK_M i, +BLOCK_M) x columns [16 TT j, +16 TT) (tile = j * m_tiles + i)
     over k blocks [split * BLOCKS_PER_SPLIT, +BLOCKS_PER_SPLIT), KB blocks a step in sub-dots of SUB_KB blocks
@@ -95,6 +127,7 @@ def _w4a8_gemm_kernel(
     kb_begin = tl.program_id(1) * BLOCKS_PER_SPLIT
     kb_end = tl.minimum(kb_begin + BLOCKS_PER_SPLIT, BLOCKS)
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + tl.arange(0, SUB_K)[None, :]  # (BLOCK_M, SUB_K)
+    x_block = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + tl.arange(0, 64)[None, :]  # (BLOCK_M, 64)
     if W_FIRST:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     else:
@@ -104,21 +137,40 @@ def _w4a8_gemm_kernel(
     for kb in range(kb_begin, kb_end, KB):
         for s in tl.static_range(KB // SUB_KB):
             b0 = kb + s * SUB_KB
-            x = tl.load(x_rows + b0 * 64, mask=row_ok[:, None], other=0.0)
-            w = w4_code_tile(w_ptr, meta_ptr, t, b0 + tl.arange(0, SUB_KB), N_PAD, GROUP, BLOCKS, TT, SUB_KB, ASM)
             scale = _group_scale(meta_ptr, cols, b0, N_PAD, GROUP)
-            if RESCALE:  # acc in units of this group's scale, then the dot accumulates into it (one tile of sums)
+            if RESCALE:  # acc in units of this group's scale, then the dots accumulate into it (one tile of sums)
                 scale = tl.where(scale == 0.0, 1.0, scale)
                 ratio = last / scale
                 last = scale
                 if W_FIRST:
-                    acc = tl.dot(w, tl.trans(x), acc * ratio[:, None])
+                    part = acc * ratio[:, None]
                 else:
-                    acc = tl.dot(x, tl.trans(w), acc * ratio[None, :])
+                    part = acc * ratio[None, :]
             elif W_FIRST:
-                acc += tl.dot(w, tl.trans(x)) * scale[:, None]
+                part = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
             else:
-                acc += tl.dot(x, tl.trans(w)) * scale[None, :]
+                part = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            if FRAGMENT_ORDER:  # one 64-column block a dot, x in fragment order
+                for blk in tl.static_range(SUB_KB):
+                    x = tl.load(x_block + (b0 + blk) * 64, mask=row_ok[:, None], other=0.0)
+                    w = w4_code_block_in_fragment_order(w_ptr, meta_ptr, t, b0 + blk, N_PAD, GROUP, BLOCKS, TT, ASM)
+                    if W_FIRST:
+                        part = tl.dot(w, tl.trans(x), part)
+                    else:
+                        part = tl.dot(x, tl.trans(w), part)
+            else:
+                x = tl.load(x_rows + b0 * 64, mask=row_ok[:, None], other=0.0)
+                w = w4_code_tile(w_ptr, meta_ptr, t, b0 + tl.arange(0, SUB_KB), N_PAD, GROUP, BLOCKS, TT, SUB_KB, ASM)
+                if W_FIRST:
+                    part = tl.dot(w, tl.trans(x), part)
+                else:
+                    part = tl.dot(x, tl.trans(w), part)
+            if RESCALE:
+                acc = part
+            elif W_FIRST:
+                acc += part * scale[:, None]
+            else:
+                acc += part * scale[None, :]
     if RESCALE:
         if W_FIRST:
             acc = acc * last[:, None]
@@ -140,6 +192,17 @@ def supports(in_features: int, group_size: int, block_k: int) -> bool:
                                          (group_size % block_k == 0 or block_k % group_size == 0))
 
 
+def fragment_order(values: torch.Tensor) -> torch.Tensor:
+    """x's columns (..., K) permuted within each 64-column block into ``w4_code_block_in_fragment_order``'s order:
+    out[..., 64 b + 32 s + 16 f + 4 c + 2 jj + e] = values[..., 64 b + 16 (2 s + jj) + 8 f + 2 c + e]."""
+    logical = torch.arange(64, device=values.device)
+    s, f, c, jj, e = logical // 32, logical // 16 % 2, logical // 4 % 4, logical // 2 % 2, logical % 2
+    source = 16 * (2 * s + jj) + 8 * f + 2 * c + e
+    k = values.shape[-1]
+    index = (torch.arange(0, k, 64, device=values.device)[:, None] + source[None, :]).reshape(-1)
+    return values[..., index].contiguous()
+
+
 def quantized_rows(x: torch.Tensor | QuantizedRows) -> QuantizedRows:
     """x per token in E4M3 (itself when it already is): kernels/fp8.py's quantizer (one Triton kernel on CUDA;
     the two agree bit for bit)."""
@@ -152,13 +215,18 @@ def quantized_rows(x: torch.Tensor | QuantizedRows) -> QuantizedRows:
 def w4a8_matmul(x: torch.Tensor | QuantizedRows, layout: dict[str, torch.Tensor], n: int, group_size: int,
                 bias: torch.Tensor | None = None, *, block_n: int = 128, block_m: int = 128, block_k: int = 128,
                 num_warps: int = 8, num_stages: int = 3, split_k: int = 1, w_first: bool = True,
-                rescale: bool = False, asm: bool = True) -> torch.Tensor:
+                rescale: bool = False, in_fragment_order: bool = False, x_permuted: bool = False,
+                asm: bool = True) -> torch.Tensor:
     """x (M, K) bf16/fp16 (quantized per token here) or QuantizedRows @ the weight (N, K) in ``layout``
     ({"words", "meta"}: kernels/wna16_mma.py's).T (+ bias) -> (M, N) in x's dtype. Programs of (block_m,
     block_n) out tiles, block_k columns a step, K split over ``split_k`` programs; ``w_first``: the weight the
     dot's A operand; ``rescale``: the dots accumulate into one tile of sums (module docstring); ``asm``: the
-    nibbles by inline PTX (CUDA only). Runs wherever Triton runs (CUDA, or CPU tensors under TRITON_INTERPRET=1)."""
+    nibbles by inline PTX (CUDA only); ``in_fragment_order``: the weight made in the FP8 A fragment's column order
+    and x permuted to it (``fragment_order``; ``x_permuted``: x's values already are). Runs wherever Triton runs
+    (CUDA, or CPU tensors under TRITON_INTERPRET=1)."""
     rows = quantized_rows(x)
+    if in_fragment_order and not x_permuted:
+        rows = QuantizedRows(fragment_order(rows.values), rows.scale, rows.dtype)
     m, k = rows.values.shape
     assert rows.values.stride(1) == 1
     n_pad = layout["meta"].shape[1]
@@ -186,7 +254,8 @@ def w4a8_matmul(x: torch.Tensor | QuantizedRows, layout: dict[str, torch.Tensor]
         rows.values, rows.scale, layout["words"], layout["meta"], bias if bias is not None else out, out, part,
         arrivals, m, n, n_pad, group_size, blocks, per_split * kb, rows.values.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, TT=block_n // 16, KB=kb, SUB_KB=sub_kb, BLOCK_M=block_m, SPLIT_K=split_k,
-        W_FIRST=bool(w_first), RESCALE=bool(rescale), ASM=asm and out.is_cuda, num_warps=num_warps,
+        W_FIRST=bool(w_first), RESCALE=bool(rescale), FRAGMENT_ORDER=bool(in_fragment_order),
+        ASM=asm and out.is_cuda, num_warps=num_warps,
         num_stages=num_stages, **pdl_options(out))
     return out
 

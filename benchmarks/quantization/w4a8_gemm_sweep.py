@@ -7,7 +7,8 @@ replays: wna16_gemm_sweep.py's method).
 
 Per shape and M: cuBLAS bf16 (us, TFLOPS); the W4A16 GEMM's best tiling; W8A8: the row quantize kernel alone,
 _scaled_mm on quantized rows, and fp8_linear (both); W4A8: every tiling on quantized rows (the FP8 engine's norms
-and activation quantize their output in the kernel that makes it), its best, best + the quantize kernel; errors:
+and activation quantize their output in the kernel that makes it; the fragment-order tilings' rows permuted as such
+a kernel would write them), its best, best + the quantize kernel; errors:
 the W4A8 tilings' largest distance to ``w4a8_reference`` in output roundings (ulps) and their relative error
 (norm) against the reference and against the bf16 product of the dequantized weight (what the INT4 engine
 computes), and the same for W4A16 and W8A8. A tiling that fails to compile or run is recorded with its error and
@@ -35,29 +36,31 @@ import torch.nn.functional as F  # noqa: E402
 
 from kernels import fp8, wna16, wna16_mma  # noqa: E402
 from kernels.fp8 import QuantizedRows  # noqa: E402
-from kernels.w4a8_gemm import supports, w4a8_matmul, w4a8_reference  # noqa: E402
+from kernels.w4a8_gemm import fragment_order, supports, w4a8_matmul, w4a8_reference  # noqa: E402
 from kernels.wna16 import MMA_GEMM_VARIANTS, dequantize, quantize, unpack_codes  # noqa: E402
 
 SHAPES = {"gate_up": (28672, 4096), "down": (4096, 14336), "qkv": (6144, 4096), "o": (4096, 4096)}  # largest first
 TINY_SHAPES = {"tiny": (256, 512)}
 GROUP = 128
 # (block_n, block_m, num_warps, num_stages, split_k, block_k, weight first (the dot's A operand, in registers),
-# rescale (one tile of sums, the dots accumulating into it: kernels/w4a8_gemm.py)). The W4A16 sweeps' winners'
-# shapes (64-128 weight rows of 4 warps, 64 x 256 at 256+ rows, split-K for the narrow layers), 8-warp tiles, the
-# weight as B, four stages, 256-column steps (two groups a step).
+# rescale (one tile of sums, the dots accumulating into it), fragment order (the weight's codes made where the FP8
+# A fragment wants them, x's columns permuted alike: no exchange through shared memory); kernels/w4a8_gemm.py).
+# The W4A16 sweeps' winners' shapes (64-128 weight rows of 4 warps, 64 x 256 at 256+ rows, split-K for the narrow
+# layers), 8-warp tiles, four stages; the weight as B and three tilings without the fragment order as references.
 TILINGS = (
-    (64, 256, 4, 3, 1, 128, 1, 1), (64, 256, 4, 3, 1, 128, 1, 0), (128, 256, 8, 3, 1, 128, 1, 1),
-    (128, 128, 8, 3, 1, 128, 1, 1), (128, 128, 8, 3, 1, 128, 1, 0), (128, 128, 8, 3, 1, 128, 0, 1),
-    (64, 128, 4, 3, 1, 128, 1, 1), (128, 64, 4, 3, 1, 128, 1, 1), (128, 64, 4, 3, 1, 128, 1, 0),
-    (64, 64, 4, 3, 1, 128, 1, 1), (128, 64, 4, 3, 4, 128, 1, 1), (64, 128, 4, 3, 2, 128, 1, 1),
-    (128, 128, 8, 4, 1, 128, 1, 1), (256, 128, 8, 3, 1, 128, 1, 1), (64, 256, 4, 3, 1, 256, 1, 1),
-    (128, 256, 8, 3, 1, 128, 0, 1),
+    (64, 256, 4, 3, 1, 128, 1, 1, 1), (64, 256, 4, 3, 1, 128, 1, 0, 1), (128, 256, 8, 3, 1, 128, 1, 1, 1),
+    (128, 128, 8, 3, 1, 128, 1, 1, 1), (128, 128, 8, 3, 1, 128, 1, 0, 1), (64, 128, 4, 3, 1, 128, 1, 1, 1),
+    (128, 64, 4, 3, 1, 128, 1, 1, 1), (64, 64, 4, 3, 1, 128, 1, 1, 1), (128, 64, 4, 3, 4, 128, 1, 1, 1),
+    (64, 128, 4, 3, 2, 128, 1, 1, 1), (128, 128, 8, 4, 1, 128, 1, 1, 1), (256, 128, 8, 3, 1, 128, 1, 1, 1),
+    (128, 256, 8, 3, 1, 128, 0, 1, 0), (128, 128, 8, 3, 1, 128, 1, 1, 0), (64, 256, 4, 3, 1, 128, 1, 1, 0),
+    (128, 64, 4, 3, 1, 128, 1, 0, 0),
 )
 
 
 def tiling_options(tiling: tuple) -> dict:
     """w4a8_matmul's keyword arguments for a TILINGS tuple."""
-    names = ("block_n", "block_m", "num_warps", "num_stages", "split_k", "block_k", "w_first", "rescale")
+    names = ("block_n", "block_m", "num_warps", "num_stages", "split_k", "block_k", "w_first", "rescale",
+             "in_fragment_order")
     return dict(zip(names, tiling))
 
 
@@ -129,6 +132,7 @@ def main() -> None:
                     break
                 x = torch.randn(m, k, device=device, dtype=dtype)
                 rows = QuantizedRows(*fp8.as_quantized_rows(x)[:2], dtype)
+                permuted = QuantizedRows(fragment_order(rows.values), rows.scale, dtype)
                 exact_out = (rows.values.double() @ exact64.t()) * rows.scale.double()[:, None]
                 bf16_out = F.linear(x.float(), dense32)  # the INT4 engine's product, in float32
 
@@ -161,11 +165,13 @@ def main() -> None:
                     if not supports(k, GROUP, options["block_k"]):
                         continue
                     try:
-                        out = w4a8_matmul(rows, packed, n, GROUP, **options)
+                        given = permuted if options["in_fragment_order"] else rows  # as a quantizer would write it
+                        options["x_permuted"] = True
+                        out = w4a8_matmul(given, packed, n, GROUP, **options)
                         ulps[str(tiling)] = ((out.double() - exact_out).abs() / _one_ulp(exact_out, dtype)).max().item()
                         ref_err[str(tiling)] = _rel(out, exact_out)
                         bf16_err[str(tiling)] = _rel(out, bf16_out)
-                        w4a8[str(tiling)] = timed(lambda: w4a8_matmul(rows, pick(layouts), n, GROUP, **options))
+                        w4a8[str(tiling)] = timed(lambda: w4a8_matmul(given, pick(layouts), n, GROUP, **options))
                     except Exception as error:  # noqa: BLE001
                         failed[str(tiling)] = f"{type(error).__name__}: {str(error)[:300]}"
                         print(f"{name} M={m} {tiling}: {failed[str(tiling)]}", flush=True)

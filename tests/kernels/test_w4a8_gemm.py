@@ -4,7 +4,7 @@ CPU (CI): which tilings fit a layer, the refusals, the reference's own arithmeti
 fixture, skipped in CI): the kernel against ``w4a8_reference`` within one output rounding (float16 output only:
 the interpreter truncates float32 -> bfloat16 where the GPU rounds), groups of 128 and 64 (one and two sub-dots a
 step, and 64-column steps), per channel, zero points and symmetric codes, odd N, masked rows, both operand
-orders, both ways of applying the group scales (``rescale``), split-K, bias, zero scales, QuantizedRows input.
+orders, both ways of applying the group scales (``rescale``), the fragment order, split-K, bias, zero scales, QuantizedRows input.
 CUDA: both dtypes, the sweep's tilings, and a CUDA graph.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ from kernel_testing import replayed
 
 from kernels import wna16_mma
 from kernels.fp8 import QuantizedRows, quantize_rows
-from kernels.w4a8_gemm import supports, w4a8_matmul, w4a8_reference
+from kernels.w4a8_gemm import fragment_order, supports, w4a8_matmul, w4a8_reference
 from kernels.wna16 import dequantize, quantize, unpack_codes
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only")
@@ -105,6 +105,8 @@ def test_the_reference_is_the_exact_weight_times_x_in_e4m3():
     (96, 256, 64, 20, True, dict(block_n=32, block_m=16, block_k=64, w_first=False)),  # symmetric, 64-column steps
     (40, 256, None, 5, False, dict(block_n=16, block_m=16, block_k=128, rescale=True)),  # per channel
     (70, 512, 128, 33, False, dict(block_n=64, block_m=16, block_k=256, split_k=2)),  # 2 groups a step, 1 a split
+    (151, 256, 128, 37, False, dict(block_n=64, block_m=32, block_k=128, in_fragment_order=True)),
+    (96, 256, 64, 20, False, dict(block_n=32, block_m=16, block_k=128, split_k=2, rescale=True, in_fragment_order=True)),
 ])
 def test_kernel_is_within_one_rounding_of_the_reference(device, n, k, group_size, m, symmetric, tiling):
     layout, _ = layout_of(n, k, group_size, device, symmetric=symmetric)
@@ -115,6 +117,18 @@ def test_kernel_is_within_one_rounding_of_the_reference(device, n, k, group_size
         bias = torch.randn(n, device=device, dtype=dtype)
         out = w4a8_matmul(x, layout, n, group_size or k, bias, num_warps=4, num_stages=2, **tiling)
         assert_within_one_rounding(out, x, layout, n, group_size or k, bias)
+
+
+def test_fragment_order_permutes_each_64_column_block():
+    """Logical column 32 s + 16 f + 4 c + 2 jj + e of a block holds x's column 16 (2 s + jj) + 8 f + 2 c + e: lane
+    c's four columns of each 32 (4c..4c+3) are its words' 2c, 2c+1 of slices 2s and 2s+1."""
+    x = torch.arange(256).repeat(3, 1)
+    permuted = fragment_order(x)
+    assert torch.equal(permuted.sort(dim=-1).values, x)  # a permutation, within each 64-column block
+    assert torch.equal(permuted[:, :64] // 64, torch.zeros(3, 64, dtype=torch.long))
+    assert permuted[0, 4 * 3:4 * 3 + 4].tolist() == [6, 7, 22, 23]  # c = 3: slice 0's 2c, 2c+1, slice 1's
+    assert permuted[0, 64 + 32 + 16 + 4:64 + 32 + 16 + 8].tolist() == [64 + 32 + 8 + 2, 64 + 32 + 8 + 3,
+                                                                       64 + 48 + 8 + 2, 64 + 48 + 8 + 3]
 
 
 def test_quantized_rows_in_give_the_same_product(device):
