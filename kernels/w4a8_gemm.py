@@ -43,7 +43,8 @@ import torch
 
 from kernels import wna16_mma
 from kernels._triton import dense, jit, pdl_options, pdl_prologue, tl, triton, use_triton
-from kernels.fp8 import QuantizedRows, quantize_rows, quantize_rows_triton
+from kernels.e4m3_rows import e4m3_row_scale, to_e4m3
+from kernels.fp8 import FP8_DTYPE, QUANTIZE_ONE_PASS_MAX, QuantizedRows, quantize_rows, quantize_rows_triton
 from kernels.linear import _arrival_counters
 from kernels.wna16_layout import finish_tile
 from kernels.wna16_mma_dense import _magic_nibble
@@ -203,6 +204,45 @@ def fragment_order(values: torch.Tensor) -> torch.Tensor:
     return values[..., index].contiguous()
 
 
+@jit
+def _fragment_column(p):
+    """Where physical column ``p`` of x goes in fragment order (the inverse of ``fragment_order``'s gather)."""
+    j = (p % 64) // 16
+    return (p // 64) * 64 + (j // 2) * 32 + ((p // 8) % 2) * 16 + ((p // 2) % 4) * 4 + (j % 2) * 2 + p % 2
+
+
+@jit
+def _quantize_rows_in_fragment_order_kernel(x_ptr, q_ptr, scale_ptr, K, stride_x, stride_q, BLOCK: tl.constexpr,
+                                            PDL: tl.constexpr):
+    """kernels/fp8.py's one-pass row quantizer (the same scale and rounding: kernels/e4m3_rows.py) with each value
+    stored at its fragment-order column."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    pdl_prologue(PDL)
+    x = tl.load(x_ptr + row * stride_x + cols, mask=cols < K, other=0.0).to(tl.float32)
+    scale = e4m3_row_scale(tl.max(tl.abs(x), 0))
+    tl.store(scale_ptr + row, scale)
+    tl.store(q_ptr + row * stride_q + _fragment_column(cols), to_e4m3(x, scale), mask=cols < K)
+
+
+def quantize_rows_in_fragment_order(x: torch.Tensor) -> QuantizedRows:
+    """x (M, K) per token in E4M3 with its columns in fragment order: ``fragment_order`` of kernels/fp8.py's
+    quantize_rows, bit for bit; one Triton kernel (CUDA rows with unit column stride up to
+    fp8.QUANTIZE_ONE_PASS_MAX wide, or under TRITON_INTERPRET=1), else the two in torch."""
+    rows, cols = x.shape
+    if not (use_triton(x) and x.stride(1) == 1 and cols <= QUANTIZE_ONE_PASS_MAX and cols % 64 == 0):
+        values, scale = quantize_rows(x)
+        return QuantizedRows(fragment_order(values), scale, x.dtype)
+    values = torch.empty(rows, cols, dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty(rows, dtype=torch.float32, device=x.device)
+    if rows:
+        block = triton.next_power_of_2(cols)
+        _quantize_rows_in_fragment_order_kernel[(rows,)](x, values, scale, cols, x.stride(0), values.stride(0),
+                                                         BLOCK=block, num_warps=min(16, max(4, block // 512)),
+                                                         **pdl_options(x))
+    return QuantizedRows(values, scale, x.dtype)
+
+
 def quantized_rows(x: torch.Tensor | QuantizedRows) -> QuantizedRows:
     """x per token in E4M3 (itself when it already is): kernels/fp8.py's quantizer (one Triton kernel on CUDA;
     the two agree bit for bit)."""
@@ -224,9 +264,11 @@ def w4a8_matmul(x: torch.Tensor | QuantizedRows, layout: dict[str, torch.Tensor]
     nibbles by inline PTX (CUDA only); ``in_fragment_order``: the weight made in the FP8 A fragment's column order
     and x permuted to it (``fragment_order``; ``x_permuted``: x's values already are). Runs wherever Triton runs
     (CUDA, or CPU tensors under TRITON_INTERPRET=1)."""
-    rows = quantized_rows(x)
     if in_fragment_order and not x_permuted:
-        rows = QuantizedRows(fragment_order(rows.values), rows.scale, rows.dtype)
+        rows = quantize_rows_in_fragment_order(x) if not isinstance(x, QuantizedRows) else \
+            QuantizedRows(fragment_order(x.values), x.scale, x.dtype)
+    else:
+        rows = quantized_rows(x)
     m, k = rows.values.shape
     assert rows.values.stride(1) == 1
     n_pad = layout["meta"].shape[1]

@@ -8,10 +8,10 @@ replays: wna16_gemm_sweep.py's method).
 Per shape and M: cuBLAS bf16 (us, TFLOPS); the W4A16 GEMM's best tiling; W8A8: the row quantize kernel alone,
 _scaled_mm on quantized rows, and fp8_linear (both); W4A8: every tiling on quantized rows (the FP8 engine's norms
 and activation quantize their output in the kernel that makes it; the fragment-order tilings' rows permuted as such
-a kernel would write them), its best, best + the quantize kernel; errors:
-the W4A8 tilings' largest distance to ``w4a8_reference`` in output roundings (ulps) and their relative error
-(norm) against the reference and against the bf16 product of the dequantized weight (what the INT4 engine
-computes), and the same for W4A16 and W8A8. A tiling that fails to compile or run is recorded with its error and
+a kernel would write them), its best, best + the quantize kernel (for a fragment-order tiling kernels/w4a8_gemm.py's
+quantizer); errors: the W4A8 tilings' largest distance to ``w4a8_reference`` in output roundings (ulps) and their
+relative error (norm) against the reference and against the bf16 product of the dequantized weight (what the INT4
+engine computes), and the same for W4A16 and W8A8. A tiling that fails to compile or run is recorded with its error and
 skipped; ``--budget-s`` stops the sweep (outputs written after every row count).
 
     BENCH_COMMIT=$(git rev-parse --short HEAD) python benchmarks/quantization/w4a8_gemm_sweep.py --out sweep.json \
@@ -36,7 +36,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from kernels import fp8, wna16, wna16_mma  # noqa: E402
 from kernels.fp8 import QuantizedRows  # noqa: E402
-from kernels.w4a8_gemm import fragment_order, supports, w4a8_matmul, w4a8_reference  # noqa: E402
+from kernels.w4a8_gemm import quantize_rows_in_fragment_order, supports, w4a8_matmul, w4a8_reference  # noqa: E402
 from kernels.wna16 import MMA_GEMM_VARIANTS, dequantize, quantize, unpack_codes  # noqa: E402
 
 SHAPES = {"gate_up": (28672, 4096), "down": (4096, 14336), "qkv": (6144, 4096), "o": (4096, 4096)}  # largest first
@@ -98,7 +98,8 @@ def main() -> None:
     header = [f"# W4A8 GEMM sweep, {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, {machine}, commit {commit}",
               f"Triton {_triton_version()}, torch {torch.__version__}; group {GROUP} with zero points; times in us "
               "(device time from CUDA graph replays, weights streamed from HBM); speed = cuBLAS bf16 us / us.", "",
-              "| shape | M | cuBLAS bf16 us (TFLOPS) | W4A16 best us | W8A8 quant + mm us | quant us "
+              "| shape | M | cuBLAS bf16 us (TFLOPS) | W4A16 best us | W8A8 quant + mm us | quant us: plain / fragment "
+              "order "
               "| W4A8 best: tiling, us | W4A8 / cuBLAS | W4A8+quant / cuBLAS | W4A8 / W4A16 | W4A8 max ulps "
               "| rel. err vs ref | rel. err vs bf16: W4A8, W4A16, W8A8 |",
               "|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---|"]
@@ -132,7 +133,7 @@ def main() -> None:
                     break
                 x = torch.randn(m, k, device=device, dtype=dtype)
                 rows = QuantizedRows(*fp8.as_quantized_rows(x)[:2], dtype)
-                permuted = QuantizedRows(fragment_order(rows.values), rows.scale, dtype)
+                permuted = quantize_rows_in_fragment_order(x)
                 exact_out = (rows.values.double() @ exact64.t()) * rows.scale.double()[:, None]
                 bf16_out = F.linear(x.float(), dense32)  # the INT4 engine's product, in float32
 
@@ -147,6 +148,7 @@ def main() -> None:
 
                 cublas = timed(lambda: F.linear(x, pick(dense_copies)))
                 quant = timed(lambda: fp8.as_quantized_rows(x))
+                quant_frag = timed(lambda: quantize_rows_in_fragment_order(x))
                 scaled_mm = timed(lambda: fp8.fp8_linear(rows, pick(fp8_copies), w_scale))
                 w8a8 = timed(lambda: fp8.fp8_linear(x, pick(fp8_copies), w_scale))
                 w8a8_err = _rel(fp8.fp8_linear(x, w_q, w_scale), bf16_out)
@@ -178,19 +180,22 @@ def main() -> None:
                 best = _best(w4a8)
                 best_w4a16 = _best(w4a16)
                 results["shapes"][name][m] = {
-                    "cublas_us": cublas, "quant_us": quant, "scaled_mm_us": scaled_mm, "w8a8_us": w8a8,
+                    "cublas_us": cublas, "quant_us": quant, "quant_fragment_order_us": quant_frag,
+                    "scaled_mm_us": scaled_mm, "w8a8_us": w8a8,
                     "w8a8_rel_err_vs_bf16": w8a8_err, "w4a16_us": w4a16, "w4a16_best": best_w4a16,
                     "w4a16_rel_err_vs_bf16": w4a16_err, "w4a8_us": w4a8, "w4a8_best": best, "w4a8_max_ulps": ulps,
                     "w4a8_rel_err_vs_ref": ref_err, "w4a8_rel_err_vs_bf16": bf16_err, "failed": failed,
                     "reference_check": _rel(w4a8_reference(rows, packed, n, GROUP), exact_out)
                     if m == rows_list[0] else None}
                 best_us = w4a8.get(best, float("nan"))
+                best_quant = quant_frag if best and any(str(t) == best and t[8] for t in tilings) else quant
                 w4a16_us = w4a16.get(best_w4a16, float("nan"))
                 tflops = 2 * m * n * k / cublas / 1e6
                 lines.append(
                     f"| {name} ({n}, {k}) | {m} | {cublas:.1f} ({tflops:.0f}) | {w4a16_us:.1f} | {w8a8:.1f} | "
-                    f"{quant:.1f} | {best}, {best_us:.1f} ({2 * m * n * k / best_us / 1e6:.0f}) | "
-                    f"{cublas / best_us:.2f}x | {cublas / (best_us + quant):.2f}x | {w4a16_us / best_us:.2f}x | "
+                    f"{quant:.1f} / {quant_frag:.1f} | {best}, {best_us:.1f} "
+                    f"({2 * m * n * k / best_us / 1e6:.0f}) | "
+                    f"{cublas / best_us:.2f}x | {cublas / (best_us + best_quant):.2f}x | {w4a16_us / best_us:.2f}x | "
                     f"{max(ulps.values(), default=float('nan')):.2f} | "
                     f"{max(ref_err.values(), default=float('nan')):.1e} | "
                     f"{bf16_err.get(best, float('nan')):.1e}, {w4a16_err:.1e}, {w8a8_err:.1e} |")

@@ -4,8 +4,8 @@ CPU (CI): which tilings fit a layer, the refusals, the reference's own arithmeti
 fixture, skipped in CI): the kernel against ``w4a8_reference`` within one output rounding (float16 output only:
 the interpreter truncates float32 -> bfloat16 where the GPU rounds), groups of 128 and 64 (one and two sub-dots a
 step, and 64-column steps), per channel, zero points and symmetric codes, odd N, masked rows, both operand
-orders, both ways of applying the group scales (``rescale``), the fragment order, split-K, bias, zero scales, QuantizedRows input.
-CUDA: both dtypes, the sweep's tilings, and a CUDA graph.
+orders, both ways of applying the group scales (``rescale``), the fragment order and its quantizer, split-K, bias,
+zero scales, QuantizedRows input. CUDA: both dtypes, the sweep's tilings, and a CUDA graph.
 """
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ from kernel_testing import replayed
 
 from kernels import wna16_mma
 from kernels.fp8 import QuantizedRows, quantize_rows
-from kernels.w4a8_gemm import fragment_order, supports, w4a8_matmul, w4a8_reference
+from kernels.w4a8_gemm import (fragment_order, quantize_rows_in_fragment_order, supports, w4a8_matmul,
+                               w4a8_reference)
 from kernels.wna16 import dequantize, quantize, unpack_codes
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only")
@@ -106,7 +107,8 @@ def test_the_reference_is_the_exact_weight_times_x_in_e4m3():
     (40, 256, None, 5, False, dict(block_n=16, block_m=16, block_k=128, rescale=True)),  # per channel
     (70, 512, 128, 33, False, dict(block_n=64, block_m=16, block_k=256, split_k=2)),  # 2 groups a step, 1 a split
     (151, 256, 128, 37, False, dict(block_n=64, block_m=32, block_k=128, in_fragment_order=True)),
-    (96, 256, 64, 20, False, dict(block_n=32, block_m=16, block_k=128, split_k=2, rescale=True, in_fragment_order=True)),
+    (96, 256, 64, 20, False, dict(block_n=32, block_m=16, block_k=128, split_k=2, rescale=True,
+                                  in_fragment_order=True)),
 ])
 def test_kernel_is_within_one_rounding_of_the_reference(device, n, k, group_size, m, symmetric, tiling):
     layout, _ = layout_of(n, k, group_size, device, symmetric=symmetric)
@@ -129,6 +131,15 @@ def test_fragment_order_permutes_each_64_column_block():
     assert permuted[0, 4 * 3:4 * 3 + 4].tolist() == [6, 7, 22, 23]  # c = 3: slice 0's 2c, 2c+1, slice 1's
     assert permuted[0, 64 + 32 + 16 + 4:64 + 32 + 16 + 8].tolist() == [64 + 32 + 8 + 2, 64 + 32 + 8 + 3,
                                                                        64 + 48 + 8 + 2, 64 + 48 + 8 + 3]
+
+
+def test_the_fragment_order_quantizer_is_fragment_order_of_quantize_rows(device):
+    x = torch.randn(5, 384, device=device, dtype=torch.float16) * 3
+    x[2] = 0
+    got = quantize_rows_in_fragment_order(x)
+    values, scale = quantize_rows(x)
+    assert torch.equal(got.scale, scale) and got.dtype == torch.float16
+    assert torch.equal(got.values.view(torch.uint8), fragment_order(values).view(torch.uint8))
 
 
 def test_quantized_rows_in_give_the_same_product(device):
