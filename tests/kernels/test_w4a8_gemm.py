@@ -168,14 +168,16 @@ def _sweep_module():
 @cuda
 @pytest.mark.parametrize("group_size", [128, 64])
 def test_the_sweeps_tilings_are_within_one_rounding(group_size):
-    """Every tiling the sweep times (compiled for the GPU: wgmma with FP8 operands) on N not whole 128-row tiles
-    and rows not whole tiles; group 64 where the tiling's step takes it."""
+    """Every tiling the sweep times (compiled for the GPU: wgmma with FP8 operands; after a sweep, from Triton's
+    cache) on N not whole 128-row tiles and rows not whole tiles; group 64 (two sub-dots a step: new compiles) on
+    its first two and a tiling without the fragment order."""
     sweep = _sweep_module()
     n, k = 528, 1024
     layout, _ = layout_of(n, k, group_size, "cuda")
+    tilings = sweep.TILINGS if group_size == 128 else sweep.TILINGS[:2] + sweep.TILINGS[-1:]
     for m in (64, 150):
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        for tiling in sweep.TILINGS:
+        for tiling in tilings:
             options = sweep.tiling_options(tiling)
             if not supports(k, group_size, options["block_k"]):
                 continue
