@@ -45,9 +45,10 @@ bf16 models only: an unscaled product of E4M3 values overflows fp16 (448^2 * K).
 
 Where the W8A8 path will run (``quantizes_activations``: on CUDA), the kernel that makes a product's input
 may quantize it on the way out and hand over ``QuantizedRows`` instead: ``rms_norm_quantized``
-(the norms before qkv and gate_up) and ``silu_and_mul_quantized`` / ``gelu_tanh_and_mul_quantized`` (the
-activation before down_proj). That skips writing and re-reading the activations in the model dtype; the values are
-the same as quantizing the unfused output.
+(the norms before qkv and gate_up; ``layer_norm_quantized`` for LayerNorm stacks) and
+``silu_and_mul_quantized`` / ``gelu_tanh_and_mul_quantized`` (the activation before down_proj). That
+skips writing and re-reading the activations in the model dtype; the values are the same as
+quantizing the unfused output.
 """
 from __future__ import annotations
 
@@ -61,6 +62,7 @@ from kernels._triton import HAVE_TRITON, jit, pdl_options, pdl_prologue, tl, tri
 from kernels.activation import (gelu_tanh_and_mul, gelu_tanh_and_mul_quantized_triton, silu_and_mul,
                                 silu_and_mul_quantized_triton)
 from kernels.e4m3_rows import e4m3_row_scale, to_e4m3
+from kernels.layernorm import layer_norm_quantized_triton, layer_norm_ref
 from kernels.linear import (MAX_SKINNY_ROWS, SKINNY_VARIANTS, graph_time_ms, skinny_linear_triton, variant_options,
                             wide_variant)
 from kernels.rmsnorm import rms_norm_quantized_triton, rms_norm_ref
@@ -177,6 +179,19 @@ def rms_norm_quantized(x: torch.Tensor | ScaledProduct, weight: torch.Tensor, ep
         x = apply_scales(ScaledProduct(x, *scales))
     out, residual = rms_norm_ref(x, weight, eps, residual)
     return as_quantized_rows(out), residual
+
+
+def layer_norm_quantized(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float,
+                         residual: torch.Tensor | None = None) -> tuple[QuantizedRows, torch.Tensor]:
+    """kernels.layernorm.layer_norm of x + residual with its output quantized per row: (QuantizedRows,
+    x + residual (x itself when residual is None)). CUDA: one kernel; elsewhere the reference then
+    as_quantized_rows (the values quantize_rows gives on the plain output either way)."""
+    adds = () if residual is None else (residual,)
+    if use_triton(x):
+        values, scale, stream = layer_norm_quantized_triton(x, weight, bias, eps, adds)
+        return QuantizedRows(values, scale, x.dtype), stream
+    out, stream, _ = layer_norm_ref(x, weight, bias, eps, adds)
+    return as_quantized_rows(out), stream
 
 
 def silu_and_mul_quantized(x: torch.Tensor | ScaledProduct) -> QuantizedRows:

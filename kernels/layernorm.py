@@ -17,6 +17,10 @@ norms as separate kernels, each a launch on the step's critical path and a round
 
 Shapes: x and each add (num_tokens, hidden), rows contiguous; weight, bias (hidden,); outputs
 (num_tokens, hidden) in x's dtype. On CUDA one Triton program per row; elsewhere the reference.
+
+``layer_norm_quantized_triton``: ``out`` (one norm) quantized per row to E4M3 in the same pass, for a norm
+whose output only FP8 products read (kernels/fp8.py ``layer_norm_quantized``: an FP8 Whisper decoder step),
+the values kernels.fp8.quantize_rows gives on ``out`` (kernels/e4m3_rows.py).
 """
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels._triton import dense, jit, pdl_options, pdl_prologue, tl, triton, use_triton
+from kernels.e4m3_rows import e4m3_row_scale, to_e4m3
 
 Affine = tuple[torch.Tensor, torch.Tensor | None]  # (weight, bias or None), each (hidden,)
 
@@ -41,12 +46,15 @@ def layer_norm_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 @jit
 def _layer_norm_kernel(
-    x_ptr, add0_ptr, add1_ptr, w_ptr, b_ptr, w2_ptr, b2_ptr, out_ptr, out2_ptr, stream_ptr,
+    x_ptr, add0_ptr, add1_ptr, w_ptr, b_ptr, w2_ptr, b2_ptr, out_ptr, out2_ptr, stream_ptr, scale_ptr,
     stride_x, stride_a0, stride_a1, stride_o, stride_o2, stride_s, hidden, eps,
     NUM_ADDS: tl.constexpr, HAS_BIAS: tl.constexpr, SECOND: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
+    QUANTIZE: tl.constexpr = False,
 ):
     """One program per row: the adds (each rounded to x's dtype), the stream stored when anything
-    was added, then one or two affine LayerNorms of it (float32 statistics, one rounding each)."""
+    was added, then one or two affine LayerNorms of it (float32 statistics, one rounding each).
+    QUANTIZE (one norm): out is float8_e4m3fn, the normed row rounded to x's dtype then quantized
+    per row (its scale at scale_ptr + row)."""
     pdl_prologue(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -67,7 +75,13 @@ def _layer_norm_kernel(
     y = normed * tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_BIAS:
         y += tl.load(b_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+    if QUANTIZE:
+        y = y.to(x_ptr.dtype.element_ty).to(tl.float32)
+        scale = e4m3_row_scale(tl.max(tl.where(mask, tl.abs(y), 0.0), 0))
+        tl.store(scale_ptr + row, scale)
+        tl.store(out_ptr + row * stride_o + cols, to_e4m3(y, scale), mask=mask)
+    else:
+        tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
     if SECOND:
         y2 = normed * tl.load(w2_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         if HAS_BIAS:
@@ -95,12 +109,37 @@ def layer_norm_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     weight, bias, w2, b2 = dense(weight, bias, w2, b2)  # read at ptr + column
     _layer_norm_kernel[(num_tokens,)](
         x, add0, add1, weight, bias if bias is not None else weight, w2, b2 if b2 is not None else weight,
-        out, out2 if out2 is not None else out, stream,
+        out, out2 if out2 is not None else out, stream, out,
         x.stride(0), add0.stride(0), add1.stride(0), out.stride(0), out.stride(0), stream.stride(0), hidden, eps,
         NUM_ADDS=len(adds), HAS_BIAS=bias is not None, SECOND=second is not None, BLOCK=block,
         num_warps=min(16, max(1, block // 512)), **pdl_options(x),
     )
     return out, stream, out2
+
+
+def layer_norm_quantized_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float,
+                                adds: tuple[torch.Tensor, ...] = ()) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``layer_norm_triton`` (one norm) with its output quantized per row to E4M3 in the same launch:
+    (values (num_tokens, hidden) float8_e4m3fn, scale (num_tokens,) float32, stream); values * scale is
+    kernels.fp8.quantize_rows of layer_norm_triton's ``out`` exactly."""
+    num_tokens, hidden = x.shape
+    assert len(adds) <= 2 and x.stride(1) == 1 and all(t.stride(1) == 1 and t.shape == x.shape for t in adds)
+    values = torch.empty(num_tokens, hidden, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty(num_tokens, dtype=torch.float32, device=x.device)
+    stream = torch.empty_like(x) if adds else x
+    if num_tokens == 0:
+        return values, scale, stream
+    block = triton.next_power_of_2(hidden)
+    add0 = adds[0] if adds else x
+    add1 = adds[1] if len(adds) > 1 else add0
+    weight, bias = dense(weight, bias)
+    _layer_norm_kernel[(num_tokens,)](
+        x, add0, add1, weight, bias if bias is not None else weight, weight, weight, values, values, stream, scale,
+        x.stride(0), add0.stride(0), add1.stride(0), values.stride(0), values.stride(0), stream.stride(0), hidden, eps,
+        NUM_ADDS=len(adds), HAS_BIAS=bias is not None, SECOND=False, BLOCK=block, QUANTIZE=True,
+        num_warps=min(16, max(1, block // 512)), **pdl_options(x),
+    )
+    return values, scale, stream
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float,

@@ -24,10 +24,10 @@ runs fp8_linear for an E4M3 weight and kernels/linear.py's linear otherwise; the
 (``MLP.gate_up``, cross_kv.py's ``kv_weight``) carry their concatenated row scales beside them.
 Where the W8A8 path runs (CUDA), q, k and v's shared input is quantized per token once for the three
 (``Attention.qkv_heads``), not once in each product: the same values, two quantize passes fewer. In a
-T5 decoder step the RMS norms quantize their output in their own kernel, where they also do the
-previous sublayer's residual add (``Norm.add_and_norm``), and the gated-GELU quantizes the down
-product's input in its kernel: per layer three residual adds and four quantize kernels fewer (at
-Flan-T5-XL's batch 256 each ~2-4 us of a ~10 ms step's 24 layers).
+pre-norm decoder step (T5, Whisper) each norm does the previous sublayer's residual add in its own
+kernel and, FP8, quantizes its output there too (``Norm.add_and_norm``), and T5 v1.1's gated-GELU
+quantizes the down product's input in its kernel: per layer three residual adds and three (Whisper)
+or four (T5 v1.1) quantize kernels fewer (each ~2-4 us at batch 64-256).
 """
 from __future__ import annotations
 
@@ -45,7 +45,8 @@ from kernels.activation import gelu_tanh_and_mul
 from kernels.attention import paged_attention, write_kv_cache
 from kernels.attention_metadata import AttentionMetadata
 from kernels.fp8 import (FP8_DTYPE, QuantizedRows, as_quantized_rows, fp8_linear, gelu_tanh_and_mul_quantized,
-                         quantizes_activations, rms_norm_quantized)
+                         layer_norm_quantized, quantizes_activations, rms_norm_quantized)
+from kernels.layernorm import layer_norm
 from kernels.linear import linear, linear_activated, linear_float32_out
 from kernels.relative_position_bias import position_bias
 from kernels.rmsnorm import rms_norm
@@ -74,16 +75,20 @@ class Norm(nn.Module):
 
     def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor | None, *, quantize: bool = False
                      ) -> tuple[torch.Tensor | QuantizedRows, torch.Tensor]:
-        """(norm(residual + x), residual + x) of a decoder step's (num_tokens, d_model) rows (residual None:
-        x itself): a pre-norm sublayer's residual add done by the next norm. RMS (T5): one kernel
-        (kernels/rmsnorm.py) for the add and the norm, and with ``quantize`` (the norm's output feeds FP8
-        products on the W8A8 path) its output quantized per token in it too (QuantizedRows: the values
-        fp8_linear would make of the plain output). The same values as ``x + residual`` then ``forward``.
-        LayerNorm: that add and forward (``quantize`` is not asked for: no kernel of them would fuse it)."""
-        if self.rms and x.dtype == self.weight.dtype:
+        """(norm(x + residual), x + residual) of a decoder step's (num_tokens, d_model) rows (residual None:
+        x itself): a pre-norm sublayer's residual add done by the next norm, in one kernel on CUDA
+        (kernels/rmsnorm.py for T5's RMS norm, kernels/layernorm.py for Whisper's LayerNorm), and with
+        ``quantize`` (the norm's output feeds FP8 products on the W8A8 path) its output quantized per token
+        in it too (QuantizedRows: the values fp8_linear would make of the plain output). The CPU references
+        give the values of ``x + residual`` then ``forward`` exactly; the LayerNorm kernel is within an
+        output rounding of torch's F.layer_norm (its statistics summed in another order)."""
+        if x.dtype == self.weight.dtype:
+            if self.rms:
+                return (rms_norm_quantized if quantize else rms_norm)(x, self.weight, self.eps, residual)
             if quantize:
-                return rms_norm_quantized(x, self.weight, self.eps, residual)
-            return rms_norm(x, self.weight, self.eps, residual)
+                return layer_norm_quantized(x, self.weight, self.bias, self.eps, residual)
+            out, total, _ = layer_norm(x, self.weight, self.bias, self.eps, () if residual is None else (residual,))
+            return out, total
         total = x if residual is None else residual + x
         out = self(total)
         return (as_quantized_rows(out) if quantize else out), total
@@ -480,8 +485,8 @@ class Decoder(_Stack):
                 x, stats = fused_decode.layer_step(layer, x, stats, kv_cache[index], cross.pool[index], meta,
                                                    cross.meta)
             return x if self.final_norm is None else self.final_norm(x)
-        # Pre-norm (T5, Whisper): each sublayer's residual add is done by the next norm (Norm.add_and_norm: T5's
-        # RMS norm adds, normalizes and, FP8 on the W8A8 path, quantizes for the next products in one kernel).
+        # Pre-norm (T5, Whisper): each sublayer's residual add is done by the next norm (Norm.add_and_norm: it
+        # adds, normalizes and, FP8 on the W8A8 path, quantizes for the next products in one kernel).
         quantize = isinstance(self.layers[0].self_attn.q, Fp8Linear) and quantizes_activations(x.device)
         residual = None
         for index, layer in enumerate(self.layers):
@@ -509,7 +514,7 @@ class Decoder(_Stack):
                 continue
             for norm, sublayer in ((layer.self_norm, attend_self), (layer.cross_norm, attend_encoder),
                                    (layer.mlp_norm, layer.mlp.rows)):
-                h, residual = norm.add_and_norm(x, residual, quantize=quantize and norm.rms)
+                h, residual = norm.add_and_norm(x, residual, quantize=quantize)
                 x = sublayer(h)
         if residual is not None:  # (pre-norm: x is the last sublayer's output, not yet added)
             return x + residual if self.final_norm is None else self.final_norm.add_and_norm(x, residual)[0]

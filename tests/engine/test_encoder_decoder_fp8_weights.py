@@ -127,31 +127,31 @@ def test_fused_products_equal_the_unfused_fp8_products(engines):
 
 def test_inputs_quantized_before_the_products_leave_the_logits_unchanged(engines, monkeypatch):
     """Where the W8A8 path runs (CUDA), q, k and v's input is quantized per token once for the three products
-    (model.py Attention.qkv_heads), and in a T5 decoder step every norm (RMS: Norm.add_and_norm) hands its
-    products their input quantized in its own kernel with the residual add (rms_norm_quantized), the gated-GELU
-    the down product's (gelu_tanh_and_mul_quantized). Forced on here, on the CPU references: the logits are
-    exactly those of quantizing inside each product; every encoder self-attention took the shared path, and
-    the decoder's every layer took it (LayerNorm families) or quantized in its three norms (T5; its gated
-    MLP's activation too)."""
+    (model.py Attention.qkv_heads), and in a pre-norm decoder step (T5, Whisper) every norm (Norm.add_and_norm)
+    hands its products their input quantized in its own kernel with the residual add (rms_norm_quantized,
+    layer_norm_quantized), T5 v1.1's gated-GELU the down product's (gelu_tanh_and_mul_quantized). Forced on
+    here, on the CPU references: the logits are exactly those of quantizing inside each product; every
+    encoder self-attention took the shared path, and the decoder's every layer took it (BART: post-norm) or
+    quantized in its three norms (T5, Whisper; T5 v1.1's gated MLP's activation too)."""
     import engine.encoder_decoder.model as model
 
     family, _, fp8_dir = engines
     runner = EncDecRunner(fp8_dir)
     inside, _ = teacher_forced_logits(runner, family, "auto")
-    shared, normed, activated = [], [], []
-    quantize, quantize_norm, quantize_gelu = model.as_quantized_rows, model.rms_norm_quantized, \
-        model.gelu_tanh_and_mul_quantized
+    calls = {name: [] for name in ("as_quantized_rows", "rms_norm_quantized", "layer_norm_quantized",
+                                   "gelu_tanh_and_mul_quantized")}
     monkeypatch.setattr(model, "quantizes_activations", lambda device: True)
-    monkeypatch.setattr(model, "as_quantized_rows", lambda x: shared.append(x.shape) or quantize(x))
-    monkeypatch.setattr(model, "rms_norm_quantized", lambda *args: normed.append(args[0].shape) or quantize_norm(*args))
-    monkeypatch.setattr(model, "gelu_tanh_and_mul_quantized", lambda x: activated.append(x.shape) or quantize_gelu(x))
+    for name, made in calls.items():
+        original = getattr(model, name)
+        monkeypatch.setattr(model, name, lambda *args, made=made, original=original: made.append(1) or original(*args))
     once, _ = teacher_forced_logits(runner, family, "auto")
     assert torch.equal(once, inside)
     encoder_layers, decoder_layers = len(runner.encoder.layers), len(runner.model.layers)
-    t5 = family.startswith("t5")
-    assert len(shared) == encoder_layers + (0 if t5 else decoder_layers)
-    assert len(normed) == (3 * decoder_layers if t5 else 0)
-    assert len(activated) == (decoder_layers if family == "t5_v1_1" else 0)
+    counts = {name: len(made) for name, made in calls.items()}
+    assert counts == {"as_quantized_rows": encoder_layers + (decoder_layers if family == "bart" else 0),
+                      "rms_norm_quantized": 3 * decoder_layers if family.startswith("t5") else 0,
+                      "layer_norm_quantized": 3 * decoder_layers if family == "whisper" else 0,
+                      "gelu_tanh_and_mul_quantized": decoder_layers if family == "t5_v1_1" else 0}, family
 
 
 def _decode_step_weights_by_hand(decoder) -> list[torch.Tensor]:

@@ -8,8 +8,9 @@ import torch
 
 from kernels.fp8 import (FP8_DTYPE, FP8_MAX, QuantizedRows, dequantize_rows, fp8_gated_linear, fp8_linear,
                          fp8_linear_ref, fp8_linear_scaled_mm, quantize_rows, quantize_weight, rms_norm_quantized,
-                         gelu_tanh_and_mul_quantized, silu_and_mul_quantized)
+                         gelu_tanh_and_mul_quantized, layer_norm_quantized, silu_and_mul_quantized)
 from kernels.activation import gelu_tanh_and_mul, silu_and_mul
+from kernels.layernorm import layer_norm_ref
 from kernels.rmsnorm import rms_norm
 
 HALF_ULP = 2.0 ** -4  # E4M3 has 3 mantissa bits: rounding moves a normal value by at most 2^-4 of it
@@ -185,6 +186,11 @@ def test_prequantized_rows_take_the_same_product():
     normed, want_residual = rms_norm(x, norm_weight, 1e-5, residual)
     assert torch.equal(new_residual, want_residual)
     assert torch.equal(fp8_linear(normed_rows, w_q, w_scale), fp8_linear_ref(normed, w_q, w_scale))
+    norm_bias = torch.randn(64)
+    layer_normed_rows, stream = layer_norm_quantized(x, norm_weight, norm_bias, 1e-5, residual)
+    layer_normed, want_stream, _ = layer_norm_ref(x, norm_weight, norm_bias, 1e-5, (residual,))
+    assert torch.equal(stream, want_stream)
+    assert torch.equal(fp8_linear(layer_normed_rows, w_q, w_scale), fp8_linear_ref(layer_normed, w_q, w_scale))
     gate_up = torch.randn(5, 128)
     assert torch.equal(fp8_linear(silu_and_mul_quantized(gate_up), w_q, w_scale),
                        fp8_linear_ref(silu_and_mul(gate_up), w_q, w_scale))

@@ -120,6 +120,27 @@ def test_layer_norm_with_its_adds_and_second_norm(device, num_tokens, hidden):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens,hidden", [(1, 1280), (64, 1280), (3, 200)])  # 1280: Whisper large-v3's
+def test_quantized_layer_norm_is_the_norm_then_its_row_quantization(device, num_tokens, hidden):
+    """layer_norm_quantized_triton (an FP8 Whisper decoder step's norms): the stream as layer_norm_triton adds it,
+    and E4M3 rows equal to quantizing layer_norm_triton's output, with and without the residual add and bias."""
+    from kernels.fp8 import quantize_rows_triton
+    from kernels.layernorm import layer_norm_quantized_triton, layer_norm_triton
+
+    dtype = low_precision_dtypes(device)[0]
+    x, residual = (randn(num_tokens, hidden, dtype=dtype, device=device, seed=s) * 2 for s in (41, 42))
+    weight = (1 + 0.1 * randn(hidden, dtype=torch.float32, device=device, seed=43)).to(dtype)
+    bias = randn(hidden, dtype=dtype, device=device, seed=44)
+    for adds in ((), (residual,)):
+        for b in (bias, None):
+            values, scale, stream = layer_norm_quantized_triton(x, weight, b, 1e-5, adds)
+            out, want_stream, _ = layer_norm_triton(x, weight, b, 1e-5, adds)
+            assert torch.equal(stream, want_stream)
+            assert_same_quantized_rows((values, scale), quantize_rows_triton(out), device)
+    assert layer_norm_quantized_triton(x, weight, bias, 1e-5)[2] is x  # nothing added: the stream is x itself
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("is_neox", [True, False])
 @pytest.mark.parametrize("heads,head_dim", [((32, 8), 128), ((9, 3), 64)])
 def test_rotary_in_place_on_qkv_views(device, is_neox, heads, head_dim):
