@@ -227,12 +227,19 @@ def _quantize_rows_in_fragment_order_kernel(x_ptr, q_ptr, scale_ptr, K, stride_x
 
 def quantize_rows_in_fragment_order(x: torch.Tensor) -> QuantizedRows:
     """x (M, K) per token in E4M3 with its columns in fragment order: ``fragment_order`` of kernels/fp8.py's
-    quantize_rows, bit for bit; one Triton kernel (CUDA rows with unit column stride up to
-    fp8.QUANTIZE_ONE_PASS_MAX wide, or under TRITON_INTERPRET=1), else the two in torch."""
+    quantize_rows, bit for bit; one Triton kernel for CUDA rows with unit column stride up to
+    fp8.QUANTIZE_ONE_PASS_MAX wide (``quantize_rows_in_fragment_order_triton``), else the two in torch."""
+    if use_triton(x) and x.stride(1) == 1 and x.shape[1] <= QUANTIZE_ONE_PASS_MAX and x.shape[1] % 64 == 0:
+        return quantize_rows_in_fragment_order_triton(x)
+    values, scale = quantize_rows(x)
+    return QuantizedRows(fragment_order(values), scale, x.dtype)
+
+
+def quantize_rows_in_fragment_order_triton(x: torch.Tensor) -> QuantizedRows:
+    """The Triton kernel (x (M, K), K a multiple of 64 up to QUANTIZE_ONE_PASS_MAX, unit column stride; CUDA, or CPU
+    under TRITON_INTERPRET=1)."""
     rows, cols = x.shape
-    if not (use_triton(x) and x.stride(1) == 1 and cols <= QUANTIZE_ONE_PASS_MAX and cols % 64 == 0):
-        values, scale = quantize_rows(x)
-        return QuantizedRows(fragment_order(values), scale, x.dtype)
+    assert x.stride(1) == 1 and cols % 64 == 0 and cols <= QUANTIZE_ONE_PASS_MAX
     values = torch.empty(rows, cols, dtype=FP8_DTYPE, device=x.device)
     scale = torch.empty(rows, dtype=torch.float32, device=x.device)
     if rows:
