@@ -314,16 +314,16 @@ def moe_forward(x: torch.Tensor, router_logits: torch.Tensor, gate_up: torch.Ten
     """A sparse MLP after its router: route_tokens then fused_moe; one token on CUDA (batch-1
     decode) routes inside the gate_up launch (moe_single_token_triton). Biases, activation and
     ``sum_experts`` (then (T, H) or (T, K, H)): fused_moe's. With TRITONLLM_MOE_DECODE=fused, 1-16
-    tokens on CUDA take kernels/moe_decode.py's one launch instead (summed: (T, H)); else plain SiLU experts take
-    kernels/moe_gemv.py's two GEMV launches at the token counts the load-time choice marked on ``gate_up``."""
+    tokens on CUDA take kernels/moe_decode.py's one launch instead (summed: (T, H)); else gated experts (biases
+    and the clamped SwiGLU too) take kernels/moe_gemv.py's two GEMV launches at the token counts the load-time choice
+    marked on ``gate_up``."""
     epilogue = ExpertEpilogue(gate_up_bias, down_bias, activation, swiglu_limit)
     if use_triton(x) and fused_decode_enabled() and decode_supported(x, epilogue):  # opt-in (kernels/moe_decode.py)
         return moe_decode_triton(x, gate_up, down, top_k=top_k, router_logits=router_logits, renormalize=renormalize,
                                  epilogue=epilogue)
-    plain = gate_up_bias is None and down_bias is None and activation == "silu"
-    if use_triton(x) and plain and (tiles := gemv_tiles(gate_up, x.shape[0])) is not None:  # chosen at load
+    if use_triton(x) and epilogue.gated and (tiles := gemv_tiles(gate_up, x.shape[0])) is not None:  # chosen at load
         return moe_gemv_triton(x, gate_up, down, top_k=top_k, router_logits=router_logits, renormalize=renormalize,
-                               tiles=tiles, sum_experts=sum_experts)
+                               tiles=tiles, sum_experts=sum_experts, epilogue=epilogue)
     if use_triton(x) and x.shape[0] == 1 and activation != "relu2":
         config, down_config = getattr(gate_up, DECODE_TILES_ATTR, None) or (None, None)  # (moe_decode_tiles)
         return moe_single_token_triton(x, router_logits, gate_up, down, top_k, renormalize, epilogue=epilogue,

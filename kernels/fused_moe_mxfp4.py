@@ -65,6 +65,8 @@ from kernels.fused_moe import choose_block_m, fused_moe, fused_moe_ref, moe_alig
 from kernels.moe_blocks import (activation_tiles, block_rows, expert_block_launch, expert_block_tile,
                                  past_padded_blocks, routing_tensors, store_rows, tile_dot)
 from kernels.moe_epilogue import ACTIVATIONS, PLAIN_SILU, ExpertEpilogue
+from kernels.moe_gemv import gemv_tiles, moe_gemv_triton
+from kernels.mxfp4_codes import exponent_factor, high_codes, low_codes
 
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 VALUES_PER_SCALE = 32
@@ -170,24 +172,6 @@ def fused_moe_mxfp4_ref(x: torch.Tensor, gate_up: tuple[torch.Tensor, torch.Tens
 # ---- widening a tile in registers ------------------------------------------------------------
 
 @jit
-def _exponent_factor(scales):
-    """E8M0 exponents s (any integer type) -> 2^(s - 113) as float32 bits (s <= MAX_KERNEL_EXPONENT)."""
-    return ((scales.to(tl.int32) + 14) << 23).to(tl.float32, bitcast=True)
-
-
-@jit
-def _low_codes(packed):
-    """The low nibbles' E2M1 codes of ``packed`` (uint16) as float16 bits: sign -> 15, the rest -> 11-9."""
-    return ((packed & 0x8) << 12) | ((packed & 0x7) << 9)
-
-
-@jit
-def _high_codes(packed):
-    """The high nibbles' codes of ``packed`` (uint16, a byte a lane) as float16 bits."""
-    return ((packed & 0x80) << 8) | ((packed & 0x70) << 5)
-
-
-@jit
 def _widen(bits, factor, dtype: tl.constexpr):
     """float16 bits of codes (value * 2^-14) times factor (2^(s - 113)) -> the weights in ``dtype``."""
     return (bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32) * factor).to(dtype)
@@ -198,10 +182,10 @@ def _tile_factors(scale_base, first_group, rows, row_ok, num_rows, num_groups, B
     """Each row's factor over a tile of BLOCK_K (32 or 64) columns from group ``first_group``:
     (BLOCK_N, 1), or (BLOCK_N, 64) for two groups (the first 32 columns one, the rest the other;
     past the row's num_groups groups, an unread factor)."""
-    f0 = _exponent_factor(tl.load(scale_base + first_group * num_rows + rows, mask=row_ok, other=0))[:, None]
+    f0 = exponent_factor(tl.load(scale_base + first_group * num_rows + rows, mask=row_ok, other=0))[:, None]
     if BLOCK_K == 64:
         second = first_group + 1
-        f1 = _exponent_factor(tl.load(scale_base + second * num_rows + rows, mask=row_ok & (rows * 0 + second < num_groups),
+        f1 = exponent_factor(tl.load(scale_base + second * num_rows + rows, mask=row_ok & (rows * 0 + second < num_groups),
                                       other=0))
         return tl.where((tl.arange(0, BLOCK_K) < 32)[None, :], f0, f1[:, None])
     else:
@@ -216,8 +200,8 @@ def _mxfp4_dot(acc, a_lo, a_hi, w_rows, scale_base, rows, row_ok, k0, k, half_k,
     packed = tl.load(w_rows + k[None, :], mask=row_ok[:, None] & (k < half_k)[None, :], other=0).to(tl.uint16)
     f_lo = _tile_factors(scale_base, k0 // 32, rows, row_ok, num_rows, half_k // 16, BLOCK_K)
     f_hi = _tile_factors(scale_base, (half_k + k0) // 32, rows, row_ok, num_rows, half_k // 16, BLOCK_K)
-    acc = tile_dot(acc, _widen(_low_codes(packed), f_lo, a_lo.dtype), a_lo, SWAP_AB, DOT_PRECISION)
-    acc = tile_dot(acc, _widen(_high_codes(packed), f_hi, a_lo.dtype), a_hi, SWAP_AB, DOT_PRECISION)
+    acc = tile_dot(acc, _widen(low_codes(packed), f_lo, a_lo.dtype), a_lo, SWAP_AB, DOT_PRECISION)
+    acc = tile_dot(acc, _widen(high_codes(packed), f_hi, a_lo.dtype), a_hi, SWAP_AB, DOT_PRECISION)
     return acc
 
 
@@ -333,8 +317,8 @@ def _fma_partial(w_rows, scale_base, a_row, rows, row_ok, wk, wk_ok, groups, hal
     ok = row_ok[:, None, None] & wk_ok[None, :, :]
     words = tl.load(w_rows[:, :, None] + wk[None, :, :], mask=ok, other=0)
     f_ok = row_ok[:, None] & (groups < half_k // 32)[None, :]
-    f_lo = _exponent_factor(tl.load(scale_base + groups[None, :] * num_rows + rows[:, None], mask=f_ok, other=0))
-    f_hi = _exponent_factor(tl.load(scale_base + (half_k // 32 + groups)[None, :] * num_rows + rows[:, None],
+    f_lo = exponent_factor(tl.load(scale_base + groups[None, :] * num_rows + rows[:, None], mask=f_ok, other=0))
+    f_hi = exponent_factor(tl.load(scale_base + (half_k // 32 + groups)[None, :] * num_rows + rows[:, None],
                                     mask=f_ok, other=0))
     part_lo = tl.zeros(words.shape, dtype=tl.float32)
     part_hi = tl.zeros(words.shape, dtype=tl.float32)
@@ -480,8 +464,8 @@ def _dequantize_kernel(w_ptr, scale_ptr, out_ptr, num_rows, K, half_k, stride_we
     out_rows = out_ptr + expert * stride_oe + rows.to(tl.int64)[:, None] * stride_on
     dtype = out_ptr.dtype.element_ty
     in_half = row_ok[:, None] & (k < half_k)[None, :]
-    tl.store(out_rows + k[None, :], _widen(_low_codes(packed), f_lo, dtype), mask=in_half & (k < K)[None, :])
-    tl.store(out_rows + half_k + k[None, :], _widen(_high_codes(packed), f_hi, dtype),
+    tl.store(out_rows + k[None, :], _widen(low_codes(packed), f_lo, dtype), mask=in_half & (k < K)[None, :])
+    tl.store(out_rows + half_k + k[None, :], _widen(high_codes(packed), f_hi, dtype),
              mask=in_half & (half_k + k < K)[None, :])
 
 
@@ -555,11 +539,17 @@ def moe_forward_mxfp4(x: torch.Tensor, router_logits: torch.Tensor, gate_up: MXF
                       swiglu_limit: float | None = None) -> torch.Tensor:
     """kernels.fused_moe.moe_forward with MXFP4 experts: x (T, H) -> (T, H) in x's dtype; biases and
     activation as there. The Triton kernels where the experts are in the kernel layout (CUDA), else
-    the widened experts through kernels/fused_moe.py (on CPU its reference)."""
+    the widened experts through kernels/fused_moe.py (on CPU its reference). At the token counts the load-time
+    choice marked on the codes (kernels/moe_gemv_choice.py), kernels/moe_gemv.py's two GEMV launches."""
     if not (use_triton(x) and gate_up.kernel):
         return moe_forward(x, router_logits, gate_up.dense, down.dense, top_k, renormalize, gate_up_bias=gate_up_bias,
                            down_bias=down_bias, activation=activation, swiglu_limit=swiglu_limit)
     epilogue = ExpertEpilogue(gate_up_bias, down_bias, activation, swiglu_limit)
+    if (tiles := gemv_tiles(gate_up.kernel["codes"], x.shape[0])) is not None:  # chosen at load
+        return moe_gemv_triton(x, gate_up.kernel["codes"], down.kernel["codes"], top_k=top_k,
+                               router_logits=router_logits, renormalize=renormalize, tiles=tiles,
+                               gate_up_scale=gate_up.kernel["scales"], down_scale=down.kernel["scales"],
+                               epilogue=epilogue)
     if x.shape[0] == 1:
         return moe_single_token_mxfp4_triton(x, router_logits, gate_up, down, top_k, renormalize, epilogue=epilogue)
     topk_weights, topk_ids = route_tokens(router_logits, top_k, renormalize)

@@ -1,6 +1,6 @@
 """Decode-sized routed experts (1-8 tokens) as two GEMV launches that stream the chosen experts' weights:
-model-dtype, FP8 per-channel, FP8 128 x 128 block or 4-bit grouped experts, the weights widened in registers
-(W8A16 / W4A16).
+model-dtype, FP8 per-channel, FP8 128 x 128 block, 4-bit grouped or MXFP4 (gpt-oss) experts, the weights widened
+in registers (W8A16 / W4A16), with the experts' biases and clamped SwiGLU where the model has them (gpt-oss).
 
 Why: at one token the grouped path (kernels/fused_moe.py, fused_moe_fp8.py) pays ~26-29 us a Qwen3-30B-A3B
 layer whatever the bytes (H200, 2026-11-29: bf16 9.44 MB an expert at 2.57 TB/s, block-FP8 4.72 MB at 1.39):
@@ -13,7 +13,9 @@ Shapes (T tokens, H hidden, E experts, I expert width on this rank, K experts a 
     gate_up (E, 2I, H) rows [gate | up]; down (E, H, I); FP8 scales as kernels/fused_moe_fp8.py's:
     per channel (E, 2I) / (E, H), blocks (E, 2I / 128, ceil(H / 128)) / (E, ceil(H / 128), I / 128);
     4 bits: kernels/fused_moe_wna16.py's kernel layout, codes (E, 2I, H / 2) / (E, H, I / 2) (byte j of a row:
-    columns j and K / 2 + j), scale float32 and zero uint8 (E, K / G, N)
+    columns j and K / 2 + j), scale float32 and zero uint8 (E, K / G, N); MXFP4: kernels/fused_moe_mxfp4.py's
+    kernel layout, the same byte order of E2M1 codes, E8M0 exponents uint8 (E, K / 32, N) (K % 64 == 0: no padding);
+    epilogue (kernels/moe_epilogue.py ExpertEpilogue): gate_up bias (E, 2I), down bias (E, H), silu or swiglu_clamped
     -> out_k (T, K, H) in x's dtype (each token's K weighted expert rows), or their sum (T, H) in x's dtype
     (accumulated in float32, rounded once).
 
@@ -22,20 +24,21 @@ Shapes (T tokens, H hidden, E experts, I expert width on this rank, K experts a 
    weight for down), then streams rows [j * BLOCK_N, +BLOCK_N) of its expert's gate and up over all of H in
    BLOCK_K steps of unrolled pieces of up to 128 columns (every piece's loads issued before its FMAs): codes
    widened to float32 (FP8: two F2FP a 4-byte word, then HADD2.F32) and multiplied by x (float32, times the
-   piece's 128 x 128 block scale when blocked; 4 bits: (code - zero) * scale of the piece's group) into a
-   (BLOCK_N, piece) float32 accumulator, reduced over K once at the end; per channel the row scales multiply
-   the sums. SiLU(gate) * up in float32, rounded once: act (T * K, I).
+   piece's 128 x 128 block scale when blocked; 4 bits: (code - zero) * scale of the piece's group; MXFP4: the
+   code's value * 2^(exponent - 127) by kernels/mxfp4_codes.py's bits) into a (BLOCK_N, piece) float32
+   accumulator, reduced over K once at the end; per channel the row scales multiply the sums. The gate_up bias
+   joins the sums, then SiLU(gate) * up (or the clamped SwiGLU) in float32, rounded once: act (T * K, I).
 2. down: grid (T * K, ceil(H / BLOCK_N)): rows of expert e's down over all of I against act[a], the scales
-   likewise, times the routing weight in float32, rounded once: out_k[a].
+   likewise, plus the down bias, times the routing weight in float32, rounded once: out_k[a].
 
 Blocked scales need a tile's rows in one scale block: BLOCK_N divides 128 and I % 128 == 0
 (``gemv_supported``); 4-bit groups hold whole pieces (``int4_piece``). Tokens that share an expert read its rows once each (from L2 for all but the
 first); the load-time choice (kernels/moe_gemv_choice.py) keeps this path only at the token counts
 where it times faster than the grouped path. Nothing waits on the host: decode graphs capture it.
 
-Numerics (``moe_gemv_ref``): gate and up in float32 from x and the dequantized weights, SiLU times up
-in float32 rounded to x's dtype, down in float32 times the routing weight, rounded to x's dtype per
-(token, expert); the K rows summed in float32 by the consumer. FP8 experts are W8A16 (as
+Numerics (``moe_gemv_ref``): gate and up in float32 from x and the dequantized weights (plus the bias), the
+activation in float32 rounded to x's dtype, down in float32 (plus the bias) times the routing weight, rounded
+to x's dtype per (token, expert); the K rows summed in float32 by the consumer. FP8 experts are W8A16 (as
 kernels/moe_decode.py): a batch of <= 8 rounds differently from the W8A8 grouped path by about an E4M3
 step of the activations.
 """
@@ -50,10 +53,13 @@ from kernels._triton import jit, pdl_options, pdl_prologue, tl, triton
 from kernels.fp8 import FP8_DTYPE
 from kernels.fp8_block import BLOCK as SCALE_BLOCK
 from kernels.moe_decode import _dequantized  # (one expert's weight in float32: codes times scales)
+from kernels.moe_epilogue import ACTIVATIONS, PLAIN_SILU, SWIGLU_ALPHA, ExpertEpilogue
 from kernels.moe_routing import _top_k_of_row
+from kernels.mxfp4_codes import exponent_factor, high_codes, low_codes
 
 MAX_TOKENS = 8  # the token counts the load-time choice times (1, 2, 4, 8); more take the grouped path
-NO_SCALES, ROW_SCALES, BLOCK_SCALES, INT4_GROUPS = 0, 1, 2, 3
+NO_SCALES, ROW_SCALES, BLOCK_SCALES, INT4_GROUPS, MXFP4_GROUPS = 0, 1, 2, 3, 4
+MXFP4_GROUP = 32  # columns an E8M0 exponent scales
 
 # On a gate_up expert tensor: {tokens: (gate_up tiles, down tiles)} for the token counts at which the load-time
 # choice found this path faster (kernels/moe_gemv_choice.py); absent or a count missing: the grouped path.
@@ -74,15 +80,16 @@ assert all(t in GEMV_TILES for t in DEFAULT_TILES)
 def candidate_tiles(kind: int) -> tuple:
     """GEMV_TILES a weight kind compiles without spills (sm_90, Triton 3.9): 4-bit steps of at most 512 bytes
     (1,024 unrolls eight pieces of two activation slices each: 255 registers and a 184-byte stack)."""
-    return tuple(t for t in GEMV_TILES if kind != INT4_GROUPS or t[1] <= 512)
+    return tuple(t for t in GEMV_TILES if kind not in (INT4_GROUPS, MXFP4_GROUPS) or t[1] <= 512)
 
 
 @dataclass
 class GemvExperts:
     """One sparse layer's routed experts as this path and its load-time choice take them (a model's
     ``decode_experts``): gate_up / down and their scales and zeros as moe_gemv_triton's arguments, the experts a
-    token, the activations' dtype; ``wna16``: 4-bit experts' WNA16Experts pair (kernels/fused_moe_wna16.py), the
-    grouped path's arguments, which the choice times against."""
+    token, the activations' dtype; ``wna16``: 4-bit experts' WNA16Experts pair (kernels/fused_moe_wna16.py), or
+    ``mxfp4``: MXFP4 experts' MXFP4Experts pair (kernels/fused_moe_mxfp4.py), the grouped path's arguments, which
+    the choice times against; ``epilogue``: the experts' biases and activation (gpt-oss)."""
 
     gate_up: torch.Tensor
     down: torch.Tensor
@@ -93,20 +100,23 @@ class GemvExperts:
     gate_up_zero: torch.Tensor | None = None
     down_zero: torch.Tensor | None = None
     wna16: tuple | None = None
+    mxfp4: tuple | None = None
+    epilogue: ExpertEpilogue = PLAIN_SILU
 
     def quantization(self) -> dict:
-        """moe_gemv_triton's scale and zero keywords."""
+        """moe_gemv_triton's scale, zero and epilogue keywords."""
         return dict(gate_up_scale=self.gate_up_scale, down_scale=self.down_scale, gate_up_zero=self.gate_up_zero,
-                    down_zero=self.down_zero)
+                    down_zero=self.down_zero, epilogue=self.epilogue)
 
 
 def scale_kind(gate_up: torch.Tensor, gate_up_scale: torch.Tensor | None) -> int:
-    """NO_SCALES (model-dtype experts), ROW_SCALES (FP8 per channel), BLOCK_SCALES (FP8 128 x 128) or INT4_GROUPS
-    (4-bit codes in kernels/fused_moe_wna16.py's kernel layout, uint8)."""
+    """NO_SCALES (model-dtype experts), ROW_SCALES (FP8 per channel), BLOCK_SCALES (FP8 128 x 128), INT4_GROUPS
+    (4-bit codes in kernels/fused_moe_wna16.py's kernel layout, uint8, float32 scales) or MXFP4_GROUPS (E2M1 codes
+    in kernels/fused_moe_mxfp4.py's kernel layout, uint8 E8M0 exponents)."""
     if gate_up_scale is None:
         return NO_SCALES
     if gate_up.dtype == torch.uint8:
-        return INT4_GROUPS
+        return MXFP4_GROUPS if gate_up_scale.dtype == torch.uint8 else INT4_GROUPS
     assert gate_up.dtype == FP8_DTYPE, f"scaled GEMV experts are {FP8_DTYPE} or 4-bit codes, got {gate_up.dtype}"
     return ROW_SCALES if gate_up_scale.dim() == 2 else BLOCK_SCALES
 
@@ -123,11 +133,12 @@ def int4_piece(stored: int, group: int, block_k: int) -> int:
 
 
 def gemv_supported(x: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: torch.Tensor | None,
-                   down_scale: torch.Tensor | None = None, *, tiles: tuple = DEFAULT_TILES) -> bool:
-    """1..MAX_TOKENS tokens, gated experts in x's dtype, FP8 or 4 bits, and scales each of ``tiles`` (tile tuples:
-    a (gate_up, down) pair or the candidates) suits: blocked FP8
-    scales whose 128-row blocks the tiles do not straddle; 4-bit groups that hold whole pieces (int4_piece)."""
-    if not 1 <= x.shape[0] <= MAX_TOKENS:
+                   down_scale: torch.Tensor | None = None, *, tiles: tuple = DEFAULT_TILES,
+                   epilogue: ExpertEpilogue = PLAIN_SILU) -> bool:
+    """1..MAX_TOKENS tokens, gated experts in x's dtype, FP8, 4 bits or MXFP4, and scales each of ``tiles`` (tile
+    tuples: a (gate_up, down) pair or the candidates) suits: blocked FP8 scales whose 128-row blocks the tiles do
+    not straddle; 4-bit and MXFP4 groups that hold whole pieces (int4_piece); a gated activation (not relu2)."""
+    if not 1 <= x.shape[0] <= MAX_TOKENS or not epilogue.gated:
         return False
     if gate_up_scale is None:
         return gate_up.dtype == x.dtype
@@ -137,6 +148,8 @@ def gemv_supported(x: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: torch.
         if down_scale is None or hidden != 2 * stored_h or inter % 2:
             return False
         group, group_down = hidden // gate_up_scale.shape[1], inter // down_scale.shape[1]
+        if gate_up_scale.dtype == torch.uint8 and not (group == group_down == MXFP4_GROUP and inter % 64 == 0):
+            return False  # (MXFP4: K_pad == K, the layout's padding to 64 columns absent)
         return all(int4_piece(stored_h, group, t[1]) and int4_piece(inter // 2, group_down, t[1]) for t in tiles)
     if gate_up.dtype != FP8_DTYPE:
         return False
@@ -147,8 +160,9 @@ def gemv_supported(x: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: torch.
 
 def moe_gemv_ref(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_weights: torch.Tensor,
                  topk_ids: torch.Tensor, gate_up_scale: torch.Tensor | None = None,
-                 down_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """The module docstring's numerics, one (token, expert) at a time: out_k (T, K, H) in x's dtype."""
+                 down_scale: torch.Tensor | None = None, epilogue: ExpertEpilogue = PLAIN_SILU) -> torch.Tensor:
+    """The module docstring's numerics, one (token, expert) at a time: out_k (T, K, H) in x's dtype. 4-bit and
+    MXFP4 experts: pass them dequantized (their ``dense`` widening), no scales."""
     num_tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
     inter = gate_up.shape[1] // 2
@@ -157,10 +171,23 @@ def moe_gemv_ref(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top
         for k in range(top_k):
             e = int(topk_ids[t, k])
             h = x[t].float() @ _dequantized(gate_up[e], None if gate_up_scale is None else gate_up_scale[e]).T
-            act = (F.silu(h[:inter]) * h[inter:]).to(x.dtype)
+            if epilogue.gate_up_bias is not None:
+                h = h + epilogue.gate_up_bias[e].float()
+            act = _activation_ref(h[:inter], h[inter:], epilogue).to(x.dtype)
             y = act.float() @ _dequantized(down[e], None if down_scale is None else down_scale[e]).T
+            if epilogue.down_bias is not None:
+                y = y + epilogue.down_bias[e].float()
             out[t, k] = (y * float(topk_weights[t, k])).to(x.dtype)
     return out
+
+
+def _activation_ref(gate: torch.Tensor, up: torch.Tensor, epilogue: ExpertEpilogue) -> torch.Tensor:
+    """The gated activation in float32, unrounded (the kernels round it once, with the store)."""
+    if epilogue.activation == "silu":
+        return F.silu(gate) * up
+    limit = epilogue.swiglu_limit
+    gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return (up + 1.0) * gate * torch.sigmoid(SWIGLU_ALPHA * gate)
 
 
 # ---- Triton ----------------------------------------------------------------------------------
@@ -197,12 +224,14 @@ def _stream_rows(acc, acc_2, x_ptr, w_rows, w_rows_2, rows_ok, s_row, s_row_2, K
 
 @jit
 def _stream_int4_rows(acc, acc_2, x_ptr, w_rows, w_rows_2, rows, rows_2, rows_ok, s_ptr, z_ptr, stride_sg, KS, group,
-                      TWO: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr):
+                      TWO: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr,
+                      MXFP4: tl.constexpr):
     """_stream_rows for 4-bit codes in kernels/fused_moe_wna16.py's kernel layout: byte j of a row holds columns j
     (low nibble) and KS + j (high nibble), KS the stored bytes a row; scale / zero (groups, N) of the expert at
     s_ptr / z_ptr (group stride stride_sg), one pair a row a piece (SUB_K divides the group size and KS).
     A code becomes a float by its bits (0x4B000000 | code is 2^23 + code), less 2^23 + zero exactly, times the
-    scale: (code - zero) * scale as the reference dequantizes it, in float32."""
+    scale: (code - zero) * scale as the reference dequantizes it, in float32. MXFP4: E2M1 codes and E8M0 exponents
+    at s_ptr (no zeros), each code's value times 2^(exponent - 127) exactly (_mxfp4_products)."""
     zero_rows = tl.zeros([BLOCK_N, 1], dtype=tl.int32)
     for k0 in range(0, KS, BLOCK_K):
         for j in tl.static_range(BLOCK_K // SUB_K):
@@ -215,10 +244,16 @@ def _stream_int4_rows(acc, acc_2, x_ptr, w_rows, w_rows_2, rows, rows_2, rows_ok
             x_hi = tl.load(x_ptr + KS + zero_rows + k[None, :], mask=k_ok, other=0.0).to(tl.float32)
             g_lo = (kb // group) * stride_sg
             g_hi = ((KS + kb) // group) * stride_sg
-            acc += _int4_products(q, x_lo, x_hi, s_ptr, z_ptr, g_lo, g_hi, rows, piece_ok)
+            if MXFP4:
+                acc += _mxfp4_products(q, x_lo, x_hi, s_ptr, g_lo, g_hi, rows, piece_ok)
+            else:
+                acc += _int4_products(q, x_lo, x_hi, s_ptr, z_ptr, g_lo, g_hi, rows, piece_ok)
             if TWO:
                 q_2 = tl.load(w_rows_2 + k[None, :], mask=rows_ok[:, None] & k_ok, other=0).to(tl.int32)
-                acc_2 += _int4_products(q_2, x_lo, x_hi, s_ptr, z_ptr, g_lo, g_hi, rows_2, piece_ok)
+                if MXFP4:
+                    acc_2 += _mxfp4_products(q_2, x_lo, x_hi, s_ptr, g_lo, g_hi, rows_2, piece_ok)
+                else:
+                    acc_2 += _int4_products(q_2, x_lo, x_hi, s_ptr, z_ptr, g_lo, g_hi, rows_2, piece_ok)
     return acc, acc_2
 
 
@@ -236,12 +271,34 @@ def _int4_products(q, x_lo, x_hi, s_ptr, z_ptr, g_lo, g_hi, rows, ok):
 
 
 @jit
+def _mxfp4_products(q, x_lo, x_hi, s_ptr, g_lo, g_hi, rows, ok):
+    """(BLOCK_N, SUB_K) float32: both E2M1 nibbles of the bytes q as their values * 2^-14 (float16 bits), times
+    their columns of x scaled by 2^(exponent - 113) of their group and row: value * 2^(exponent - 127) * x, the
+    same float32 product as the dequantized weight's (scaling by powers of two is exact)."""
+    f_lo = exponent_factor(tl.load(s_ptr + g_lo + rows, mask=ok, other=0))[:, None]
+    f_hi = exponent_factor(tl.load(s_ptr + g_hi + rows, mask=ok, other=0))[:, None]
+    lo = low_codes(q).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    hi = high_codes(q).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    return lo * (x_lo * f_lo) + hi * (x_hi * f_hi)
+
+
+@jit
+def _activated(gate, up, ACTIVATION: tl.constexpr, SWIGLU_LIMIT: tl.constexpr):
+    """_activation_ref in float32: SiLU(gate) * up (ACTIVATION 0) or the clamped SwiGLU (1, gpt-oss)."""
+    if ACTIVATION == 0:
+        return gate / (1.0 + tl.exp(-gate)) * up
+    gate = tl.minimum(gate, SWIGLU_LIMIT)
+    up = tl.minimum(tl.maximum(up, -SWIGLU_LIMIT), SWIGLU_LIMIT)
+    return (up + 1.0) * gate / (1.0 + tl.exp(-1.702 * gate))  # SWIGLU_ALPHA
+
+
+@jit
 def _gemv_gate_up_kernel(
-    x_ptr, logits_ptr, ids_ptr, weights_ptr, w_ptr, s_ptr, z_ptr, act_ptr, num_experts, H, I, group,
-    stride_x, stride_l, stride_we, stride_wn, stride_se, stride_sn, stride_act,
+    x_ptr, logits_ptr, ids_ptr, weights_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, act_ptr, num_experts, H, I, group,
+    stride_x, stride_l, stride_we, stride_wn, stride_se, stride_sn, stride_be, stride_act,
     TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, ROUTE_IN_KERNEL: tl.constexpr,
     RENORMALIZE: tl.constexpr, SCALES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr,
-    PDL: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, SWIGLU_LIMIT: tl.constexpr, PDL: tl.constexpr,
 ):
     """act[a, rows] = SiLU(gate_e . x[t]) * (up_e . x[t]) for assignment a = program_id(0) (token t = a // TOP_K,
     expert e its slot's) and the BLOCK_N rows of tile program_id(1) (module docstring, step 1)."""
@@ -268,10 +325,10 @@ def _gemv_gate_up_kernel(
     s_gate = s_ptr + e64 * stride_se + ((tile * BLOCK_N) // 128) * stride_sn
     s_up = s_ptr + e64 * stride_se + ((tile * BLOCK_N + I) // 128) * stride_sn
     acc = tl.zeros([BLOCK_N, SUB_K], dtype=tl.float32)
-    if SCALES == 3:  # H counts stored bytes; scale / zero (E, groups, 2I): stride_sn is the group stride
+    if SCALES >= 3:  # H counts stored bytes; scale (/ zero) (E, groups, 2I): stride_sn is the group stride
         acc, acc_up = _stream_int4_rows(acc, acc, x_row, gate_rows, gate_rows + I * stride_wn, rows, rows + I, rows_ok,
                                         s_ptr + e64 * stride_se, z_ptr + e64 * stride_se, stride_sn, H, group, True,
-                                        BLOCK_N, BLOCK_K, SUB_K)
+                                        BLOCK_N, BLOCK_K, SUB_K, SCALES == 4)
     else:
         acc, acc_up = _stream_rows(acc, acc, x_row, gate_rows, gate_rows + I * stride_wn, rows_ok, s_gate, s_up, H,
                                    True, SCALES == 2, BLOCK_N, BLOCK_K, SUB_K)
@@ -280,15 +337,19 @@ def _gemv_gate_up_kernel(
     if SCALES == 1:
         gate *= tl.load(s_ptr + e64 * stride_se + rows, mask=rows_ok, other=0.0)
         up *= tl.load(s_ptr + e64 * stride_se + I + rows, mask=rows_ok, other=0.0)
-    act = gate / (1.0 + tl.exp(-gate)) * up
+    if HAS_BIAS:  # (E, 2I) rows [gate | up]
+        gate += tl.load(bias_ptr + e64 * stride_be + rows, mask=rows_ok, other=0.0).to(tl.float32)
+        up += tl.load(bias_ptr + e64 * stride_be + I + rows, mask=rows_ok, other=0.0).to(tl.float32)
+    act = _activated(gate, up, ACTIVATION, SWIGLU_LIMIT)
     tl.store(act_ptr + a.to(tl.int64) * stride_act + rows, act.to(act_ptr.dtype.element_ty), mask=rows_ok)
 
 
 @jit
 def _gemv_down_kernel(
-    act_ptr, ids_ptr, weights_ptr, w_ptr, s_ptr, z_ptr, out_ptr, H, I, group,
-    stride_act, stride_we, stride_wn, stride_se, stride_sn, stride_o,
-    SCALES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, PDL: tl.constexpr,
+    act_ptr, ids_ptr, weights_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, H, I, group,
+    stride_act, stride_we, stride_wn, stride_se, stride_sn, stride_be, stride_o,
+    SCALES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """out_k[a, rows] = w_a * (down_e[rows] . act[a]) for assignment a = program_id(0) and the BLOCK_N rows of
     tile program_id(1) (module docstring, step 2)."""
@@ -302,15 +363,18 @@ def _gemv_down_kernel(
     s_rows = s_ptr + e64 * stride_se + ((tile * BLOCK_N) // 128) * stride_sn
     acc = tl.zeros([BLOCK_N, SUB_K], dtype=tl.float32)
     act_row = act_ptr + a.to(tl.int64) * stride_act
-    if SCALES == 3:  # I counts stored bytes; scale / zero (E, groups, H)
+    if SCALES >= 3:  # I counts stored bytes; scale (/ zero) (E, groups, H)
         acc, _ = _stream_int4_rows(acc, acc, act_row, w_rows, w_rows, rows, rows, rows_ok, s_ptr + e64 * stride_se,
-                                   z_ptr + e64 * stride_se, stride_sn, I, group, False, BLOCK_N, BLOCK_K, SUB_K)
+                                   z_ptr + e64 * stride_se, stride_sn, I, group, False, BLOCK_N, BLOCK_K, SUB_K,
+                                   SCALES == 4)
     else:
         acc, _ = _stream_rows(acc, acc, act_row, w_rows, w_rows, rows_ok, s_rows, s_rows, I, False, SCALES == 2,
                               BLOCK_N, BLOCK_K, SUB_K)
     y = tl.sum(acc, 1)
     if SCALES == 1:
         y *= tl.load(s_ptr + e64 * stride_se + rows, mask=rows_ok, other=0.0)
+    if HAS_BIAS:  # (E, H): the expert's row joins before its routing weight scales it
+        y += tl.load(bias_ptr + e64 * stride_be + rows, mask=rows_ok, other=0.0).to(tl.float32)
     y *= tl.load(weights_ptr + a)
     tl.store(out_ptr + a.to(tl.int64) * stride_o + rows, y.to(out_ptr.dtype.element_ty), mask=rows_ok)
 
@@ -320,27 +384,31 @@ def moe_gemv_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, 
                     topk_weights: torch.Tensor | None = None, topk_ids: torch.Tensor | None = None,
                     gate_up_scale: torch.Tensor | None = None, down_scale: torch.Tensor | None = None,
                     gate_up_zero: torch.Tensor | None = None, down_zero: torch.Tensor | None = None,
-                    tiles: tuple | None = None, sum_experts: bool = True) -> torch.Tensor:
+                    tiles: tuple | None = None, sum_experts: bool = True,
+                    epilogue: ExpertEpilogue = PLAIN_SILU) -> torch.Tensor:
     """The two launches: out_k (T, K, H), or summed over K (T, H) with ``sum_experts`` (in x's dtype, accumulated in
     float32). Routing from ``router_logits`` (T, E) inside gate_up's launch, or ``topk_weights`` / ``topk_ids``
     (T, K) given.
     ``tiles``: (gate_up's, down's) (BLOCK_N, BLOCK_K, num_warps, num_stages), else DEFAULT_TILES. 4-bit experts:
     gate_up / down uint8 (E, 2I, H / 2) / (E, H, I / 2), scales float32 and zeros uint8 (E, K / G, N)
-    (kernels/fused_moe_wna16.py's kernel layout); BLOCK_K counts stored bytes."""
+    (kernels/fused_moe_wna16.py's kernel layout); MXFP4 experts: the same codes' shapes, E8M0 exponents uint8
+    (E, K / 32, N) (kernels/fused_moe_mxfp4.py's kernel layout), no zeros; BLOCK_K counts stored bytes.
+    ``epilogue``: biases (gate_up (E, 2I), down (E, H), x's dtype) and the activation (silu, swiglu_clamped)."""
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = gate_up.shape
     inter = two_inter // 2
     kind = scale_kind(gate_up, gate_up_scale)
     tiles = tiles or DEFAULT_TILES
-    assert gemv_supported(x, gate_up, gate_up_scale, down_scale, tiles=tiles) and x.stride(1) == 1
-    k_gate_up, k_down = (hidden // 2, inter // 2) if kind == INT4_GROUPS else (hidden, inter)  # columns or bytes a row
+    assert gemv_supported(x, gate_up, gate_up_scale, down_scale, tiles=tiles, epilogue=epilogue) and x.stride(1) == 1
+    packed = kind in (INT4_GROUPS, MXFP4_GROUPS)
+    k_gate_up, k_down = (hidden // 2, inter // 2) if packed else (hidden, inter)  # columns or bytes a row
     assert gate_up.is_contiguous() and down.is_contiguous() and down.shape == (num_experts, hidden, k_down)
     (gn, gk, gw, gs), (dn, dk, dw, ds) = tiles
     group = group_down = 0
     gate_up_piece, down_piece = min(gk, 128), min(dk, 128)
-    if kind == INT4_GROUPS:
+    if packed:
         assert gate_up_scale.is_contiguous() and down_scale.is_contiguous()
-        assert gate_up_zero.shape == gate_up_scale.shape and down_zero.shape == down_scale.shape
+        assert kind == MXFP4_GROUPS or (gate_up_zero.shape == gate_up_scale.shape and down_zero.shape == down_scale.shape)
         group, group_down = hidden // gate_up_scale.shape[1], inter // down_scale.shape[1]
         gate_up_piece, down_piece = int4_piece(k_gate_up, group, gk), int4_piece(k_down, group_down, dk)
     route = router_logits is not None
@@ -353,22 +421,28 @@ def moe_gemv_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, 
         weights = topk_weights.reshape(-1).float().contiguous()
     gu_s, d_s = (gate_up_scale, down_scale) if kind else (weights, weights)  # (unread without scales)
     gu_z, d_z = (gate_up_zero, down_zero) if kind == INT4_GROUPS else (gate_up, down)  # (unread without zeros)
+    gu_b, d_b = epilogue.gate_up_bias, epilogue.down_bias
+    limit = float(epilogue.swiglu_limit) if epilogue.swiglu_limit is not None else 0.0
     gu_s3 = gu_s[..., None] if kind == ROW_SCALES else gu_s  # (per channel: the row index is added in the kernel)
     d_s3 = d_s[..., None] if kind == ROW_SCALES else d_s
     act = torch.empty(num_tokens * top_k, inter, dtype=x.dtype, device=x.device)
     pdl = pdl_options(x)
     _gemv_gate_up_kernel[(num_tokens * top_k, triton.cdiv(inter, gn))](
-        x, router_logits if route else x, ids, weights, gate_up, gu_s, gu_z, act, num_experts, k_gate_up, inter, group,
-        x.stride(0), router_logits.stride(0) if route else 0, gate_up.stride(0), gate_up.stride(1),
-        gu_s3.stride(0) if kind else 0, gu_s3.stride(1) if kind else 0, act.stride(0),
+        x, router_logits if route else x, ids, weights, gate_up, gu_s, gu_z, x if gu_b is None else gu_b, act,
+        num_experts, k_gate_up, inter, group, x.stride(0), router_logits.stride(0) if route else 0, gate_up.stride(0),
+        gate_up.stride(1), gu_s3.stride(0) if kind else 0, gu_s3.stride(1) if kind else 0,
+        0 if gu_b is None else gu_b.stride(0), act.stride(0),
         TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), E_PAD=triton.next_power_of_2(num_experts),
         ROUTE_IN_KERNEL=route, RENORMALIZE=renormalize, SCALES=kind, BLOCK_N=gn, BLOCK_K=gk, SUB_K=gate_up_piece,
+        HAS_BIAS=gu_b is not None, ACTIVATION=ACTIVATIONS[epilogue.activation], SWIGLU_LIMIT=limit,
         num_warps=gw, num_stages=gs, **pdl)
     out_k = torch.empty(num_tokens * top_k, hidden, dtype=x.dtype, device=x.device)
     _gemv_down_kernel[(num_tokens * top_k, triton.cdiv(hidden, dn))](
-        act, ids, weights, down, d_s, d_z, out_k, hidden, k_down, group_down, act.stride(0), down.stride(0),
-        down.stride(1), d_s3.stride(0) if kind else 0, d_s3.stride(1) if kind else 0, out_k.stride(0),
-        SCALES=kind, BLOCK_N=dn, BLOCK_K=dk, SUB_K=down_piece, num_warps=dw, num_stages=ds, **pdl)
+        act, ids, weights, down, d_s, d_z, act if d_b is None else d_b, out_k, hidden, k_down, group_down,
+        act.stride(0), down.stride(0), down.stride(1), d_s3.stride(0) if kind else 0, d_s3.stride(1) if kind else 0,
+        0 if d_b is None else d_b.stride(0), out_k.stride(0),
+        SCALES=kind, BLOCK_N=dn, BLOCK_K=dk, SUB_K=down_piece, HAS_BIAS=d_b is not None, num_warps=dw, num_stages=ds,
+        **pdl)
     out_k = out_k.view(num_tokens, top_k, hidden)
     return out_k.sum(dim=1) if sum_experts else out_k  # (torch sums half types in float32, rounds once)
 

@@ -2,9 +2,10 @@
 layer's routed experts, per token count (1, 2, 4, 8), by timing both as the engine calls them.
 
 For each count T: the grouped path (kernels/fused_moe.py moe_forward, fused_moe_fp8.py moe_forward_fp8 for FP8
-experts or fused_moe_wna16.py moe_forward_wna16 for 4-bit ones, with whatever tiles are marked already) and the
+experts, fused_moe_wna16.py moe_forward_wna16 for 4-bit ones or fused_moe_mxfp4.py moe_forward_mxfp4 for MXFP4
+ones, the experts' biases and activation included, with whatever tiles are marked already) and the
 GEMV path with each of GEMV_TILES for gate_up (down at the default), then each for down (gate_up at its best),
-all from router logits to the unsummed (T, K, H) rows (4 bits: summed, as moe_forward_wna16 returns them).
+all from router logits to the unsummed (T, K, H) rows (4 bits and MXFP4: summed, as their grouped paths return them).
 CUDA-graph replays alternate up to four sets of experts, so the weights come from HBM as a decode step's do
 (one token's eight Qwen3-30B-A3B block-FP8 experts, 38 MB, would fit in the H200's L2). The GEMV pair is marked
 (kernels/moe_gemv.py mark_gemv) where it times at least 2% faster than the grouped path.
@@ -18,7 +19,7 @@ import os
 
 import torch
 
-from kernels import choice_cache, fused_moe, fused_moe_fp8, fused_moe_wna16, moe_gemv
+from kernels import choice_cache, fused_moe, fused_moe_fp8, fused_moe_mxfp4, fused_moe_wna16, moe_gemv
 from kernels._triton import use_triton
 from kernels.moe_gemv import (DEFAULT_TILES, GEMV_ATTR, GEMV_TILES, GemvExperts, candidate_tiles, gemv_supported,
                               mark_gemv, moe_gemv_triton)
@@ -49,27 +50,35 @@ def choose_gemv(experts: GemvExperts) -> dict | None:
     gate_up, dtype = experts.gate_up, experts.dtype
     if (os.environ.get(GEMV_ENV, "1").strip() == "0" or gate_up.device.type != "cuda" or not use_triton(gate_up)
             or dtype not in (torch.float16, torch.bfloat16)
-            or (gate_up.dtype == torch.uint8 and experts.wna16 is None)):
+            or (gate_up.dtype == torch.uint8 and experts.wna16 is None and experts.mxfp4 is None)):
         return None
     probe = torch.empty(1, experts.down.shape[1], dtype=dtype, device=gate_up.device)  # (one token's activations)
-    if not gemv_supported(probe, gate_up, experts.gate_up_scale, experts.down_scale, tiles=GEMV_TILES):
+    if not gemv_supported(probe, gate_up, experts.gate_up_scale, experts.down_scale, tiles=GEMV_TILES,
+                          epilogue=experts.epilogue):
         return None
     if hasattr(gate_up, GEMV_ATTR):
         delattr(gate_up, GEMV_ATTR)  # (the grouped path is timed as itself)
     report = choice_cache.timed_report(
         "moe_gemv", gemv_key(experts), gate_up.device, lambda: time_gemv(experts),
-        sources=(__file__, moe_gemv.__file__, fused_moe.__file__, fused_moe_fp8.__file__, fused_moe_wna16.__file__),
+        sources=(__file__, moe_gemv.__file__, fused_moe.__file__, fused_moe_fp8.__file__, fused_moe_wna16.__file__,
+                 fused_moe_mxfp4.__file__),
         candidates=GEMV_TILES, valid=lambda r: set(r.get("tiles", {})) == set(TIMED_TOKENS))
     mark_gemv(gate_up, report["tiles"])
     return report
 
 
 def gemv_key(experts: GemvExperts) -> tuple:
-    """What a choice depends on: the experts' shapes and dtypes, their scales' shape, K and the activations' dtype."""
-    scale = experts.gate_up_scale
-    return (*experts.gate_up.shape, *experts.down.shape[1:], experts.top_k,
-            str(experts.gate_up.dtype).removeprefix("torch."), None if scale is None else tuple(scale.shape[1:]),
-            str(experts.dtype).removeprefix("torch."))
+    """What a choice depends on: the experts' shapes and dtypes, their scales' shape and dtype, K, the activations'
+    dtype and the epilogue (which biases, which activation)."""
+    scale, epilogue = experts.gate_up_scale, experts.epilogue
+    key = (*experts.gate_up.shape, *experts.down.shape[1:], experts.top_k,
+           str(experts.gate_up.dtype).removeprefix("torch."), None if scale is None else tuple(scale.shape[1:]),
+           str(experts.dtype).removeprefix("torch."))
+    if scale is not None and scale.dtype == torch.uint8:
+        key += ("e8m0",)
+    if epilogue.activation != "silu" or epilogue.gate_up_bias is not None or epilogue.down_bias is not None:
+        key += (epilogue.activation, epilogue.gate_up_bias is not None, epilogue.down_bias is not None)
+    return key
 
 
 def time_gemv(experts: GemvExperts) -> dict:
@@ -91,18 +100,25 @@ def time_gemv(experts: GemvExperts) -> dict:
             turn[0] += 1
             return sets[turn[0] % len(sets)]
 
+        epilogue = experts.epilogue
+        biases = dict(gate_up_bias=epilogue.gate_up_bias, down_bias=epilogue.down_bias,
+                      activation=epilogue.activation, swiglu_limit=epilogue.swiglu_limit)
+
         def grouped() -> None:
             if experts.wna16 is not None:
                 fused_moe_wna16.moe_forward_wna16(x, logits(), *experts.wna16, top_k, True)
+            elif experts.mxfp4 is not None:
+                fused_moe_mxfp4.moe_forward_mxfp4(x, logits(), *experts.mxfp4, top_k, True, **biases)
             elif experts.gate_up_scale is None:
-                fused_moe.moe_forward(x, logits(), gate_up, down, top_k, True, sum_experts=False)
+                fused_moe.moe_forward(x, logits(), gate_up, down, top_k, True, sum_experts=False, **biases)
             else:
                 fused_moe_fp8.moe_forward_fp8(x, logits(), gate_up, experts.gate_up_scale, down, experts.down_scale,
                                               top_k, True, sum_experts=False)
 
         def gemv(tiles: tuple) -> None:
             moe_gemv_triton(x, gate_up, down, top_k=top_k, router_logits=logits(), renormalize=True, tiles=tiles,
-                            sum_experts=experts.wna16 is not None, **experts.quantization())
+                            sum_experts=experts.wna16 is not None or experts.mxfp4 is not None,
+                            **experts.quantization())
 
         def timed(tiles: tuple) -> float | None:
             try:

@@ -43,6 +43,8 @@ from engine.models.llama import LlamaForCausalLM, LlamaLayer
 from kernels.attention_metadata import AttentionMetadata
 from kernels.fused_moe import moe_forward, warm_up_token_counts
 from kernels.fused_moe_mxfp4 import MXFP4Experts, moe_forward_mxfp4, mxfp4_warm_up_token_counts, prepare_mxfp4_experts
+from kernels.moe_epilogue import ExpertEpilogue
+from kernels.moe_gemv import GemvExperts
 from kernels.rope_attention import rope_paged_attention
 
 
@@ -89,10 +91,29 @@ class GptOssExperts(nn.Module):
             for name in ("gate_up_proj", "gate_up_proj_scale", "down_proj", "down_proj_scale"):
                 setattr(self, name, nn.Parameter(getattr(self, name).new_empty(0), requires_grad=False))
 
+    def epilogue(self) -> ExpertEpilogue:
+        """The experts' biases (the down bias on rank 0 only) and clamped SwiGLU."""
+        return ExpertEpilogue(self.gate_up_bias, self.down_bias if self.adds_down_bias else None, "swiglu_clamped",
+                              self.swiglu_limit)
+
+    def gemv_experts(self) -> GemvExperts:
+        """These experts as kernels/moe_gemv_choice.py times them (the runner's load-time choice between the
+        grouped path and the GEMV launches at 1-8 tokens): MXFP4 codes in their kernel layout, or model-dtype."""
+        if self.mxfp4:
+            self.prepare_weights()
+            gate_up, down = self.experts
+            if gate_up.kernel:
+                return GemvExperts(gate_up.kernel["codes"], down.kernel["codes"], self.top_k, self.dtype,
+                                   gate_up.kernel["scales"], down.kernel["scales"], mxfp4=self.experts,
+                                   epilogue=self.epilogue())
+            return GemvExperts(gate_up.dense, down.dense, self.top_k, self.dtype, epilogue=self.epilogue())
+        return GemvExperts(self.gate_up_proj, self.down_proj, self.top_k, self.dtype, epilogue=self.epilogue())
+
     def routed(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's partial sum of the chosen experts' outputs (num_tokens, hidden)."""
-        epilogue = dict(gate_up_bias=self.gate_up_bias, down_bias=self.down_bias if self.adds_down_bias else None,
-                        activation="swiglu_clamped", swiglu_limit=self.swiglu_limit)
+        ep = self.epilogue()
+        epilogue = dict(gate_up_bias=ep.gate_up_bias, down_bias=ep.down_bias, activation=ep.activation,
+                        swiglu_limit=ep.swiglu_limit)
         if self.mxfp4:
             self.prepare_weights()
             return moe_forward_mxfp4(x, self.router(x), *self.experts, self.top_k, True, **epilogue)
@@ -152,6 +173,12 @@ class GptOssForCausalLM(LlamaForCausalLM):
         super().init_buffers(device)
         for layer in self.layers:
             layer.moe.prepare_weights()
+
+    def decode_experts(self) -> list[GemvExperts]:
+        """Each layer's routed experts for the runner's load-time choice (engine/executor/runner.py choose_kernels,
+        kernels/moe_decode_tiles.py): per decode token count, the grouped path or kernels/moe_gemv.py's GEMV
+        launches (MXFP4 codes read as 4 bits, biases and the clamped SwiGLU in their epilogues)."""
+        return [layer.moe.gemv_experts() for layer in self.layers]
 
     @torch.inference_mode()
     def warm_up_kernels(self, max_tokens: int = 8192) -> None:

@@ -22,8 +22,8 @@ from test_moe_decode import experts as moe_decode_experts
 from kernels.fused_moe import fused_moe_ref, route_tokens_ref
 from kernels.fused_moe_fp8 import fused_moe_fp8_ref
 from kernels.moe_decode_tiles import choose_decode_tiles
-from kernels.moe_gemv import (BLOCK_SCALES, GEMV_ATTR, GEMV_TILES, INT4_GROUPS, MAX_TOKENS, NO_SCALES, ROW_SCALES,
-                              GemvExperts, candidate_tiles, gemv_supported, gemv_tiles, mark_gemv, moe_gemv_ref,
+from kernels.moe_gemv import (BLOCK_SCALES, GEMV_ATTR, GEMV_TILES, INT4_GROUPS, MAX_TOKENS, MXFP4_GROUPS, NO_SCALES,
+                              ROW_SCALES, GemvExperts, candidate_tiles, gemv_supported, gemv_tiles, mark_gemv, moe_gemv_ref,
                               moe_gemv_triton)
 
 HIDDEN, INTER, EXPERTS, TOP_K = 256, 128, 8, 2
@@ -101,6 +101,55 @@ def test_int4_experts_equal_the_dequantized_reference(device, num_tokens):
                           top_k=TOP_K, router_logits=logits.to(device), renormalize=True, tiles=TILES,
                           sum_experts=False, **quantization)
     assert relative_error(out, ref) < TOLERANCES[torch.float32]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 3])
+@pytest.mark.parametrize("activation", ["silu", "swiglu_clamped"])
+def test_mxfp4_experts_with_biases_equal_the_widened_reference(device, num_tokens, activation):
+    """MXFP4 experts (gpt-oss) in kernels/fused_moe_mxfp4.py's kernel layout, with both biases (the down bias on
+    the expert's row before its routing weight) and silu or the clamped SwiGLU, routed in the kernel: the
+    reference on the experts widened exactly (float32: the same products in another order)."""
+    from test_fused_moe_mxfp4 import problem
+
+    from kernels.fused_moe_mxfp4 import prepare_mxfp4_experts
+    from kernels.moe_epilogue import ExpertEpilogue
+
+    hidden, inter = 128, 64  # K % 64 == 0 for both products (the kernel layout unpadded)
+    x, logits, gate_up_stored, down_stored, (gu_bias, d_bias) = problem(num_tokens, hidden, inter, EXPERTS, seed=70)
+    limit = 0.4 if activation == "swiglu_clamped" else None  # (small: the clamp bites on these products)
+    epilogue = ExpertEpilogue(gu_bias, d_bias, activation, limit)
+    widened = [prepare_mxfp4_experts(*stored, torch.float32, for_kernel=False).dense
+               for stored in (gate_up_stored, down_stored)]
+    weights, ids = route_tokens_ref(logits, TOP_K, True)
+    ref = moe_gemv_ref(x, *widened, weights, ids, epilogue=epilogue)
+    kernel = [prepare_mxfp4_experts(*[t.to(device) for t in stored], torch.float32, for_kernel=True).kernel
+              for stored in (gate_up_stored, down_stored)]
+    on_device = ExpertEpilogue(gu_bias.to(device), d_bias.to(device), activation, limit)
+    tiles = ((32, 64, 4, 2), (32, 32, 4, 2))
+    assert gemv_supported(x, kernel[0]["codes"], kernel[0]["scales"], kernel[1]["scales"], tiles=tiles,
+                          epilogue=epilogue)
+    out = moe_gemv_triton(x.to(device), kernel[0]["codes"], kernel[1]["codes"], top_k=TOP_K,
+                          router_logits=logits.to(device), renormalize=True, tiles=tiles, sum_experts=False,
+                          gate_up_scale=kernel[0]["scales"], down_scale=kernel[1]["scales"], epilogue=on_device)
+    assert relative_error(out, ref) < TOLERANCES[torch.float32]
+    if activation == "swiglu_clamped":  # the clamp and the biases matter: a plain-SiLU reference is far off
+        assert relative_error(out, moe_gemv_ref(x, *widened, weights, ids)) > 0.1
+
+
+def test_mxfp4_support_needs_unpadded_halves_and_a_gated_activation():
+    """gemv_supported for MXFP4 experts: K a multiple of 64 in both products (no layout padding), groups of 32,
+    and a gated activation (relu2 experts are not gated)."""
+    from kernels.moe_epilogue import ExpertEpilogue
+
+    x = torch.zeros(1, 128)
+    codes, scales = torch.zeros(EXPERTS, 128, 64, dtype=torch.uint8), torch.zeros(EXPERTS, 4, 128, dtype=torch.uint8)
+    down_scales = torch.zeros(EXPERTS, 2, 128, dtype=torch.uint8)
+    assert gemv_supported(x, codes, scales, down_scales, tiles=((32, 64, 4, 2), (32, 32, 4, 2)))
+    assert not gemv_supported(x, codes, scales, down_scales, tiles=((32, 64, 4, 2), (32, 32, 4, 2)),
+                              epilogue=ExpertEpilogue(activation="relu2"))
+    narrow = torch.zeros(EXPERTS, 2 * 48, 64, dtype=torch.uint8)  # I = 48: its down half would be padded
+    assert not gemv_supported(x, narrow, scales[:, :, :96], torch.zeros(EXPERTS, 1, 128, dtype=torch.uint8))
 
 
 @pytest.mark.gpu
@@ -207,6 +256,42 @@ def test_int4_choice_and_dispatch(monkeypatch, tmp_path):
     assert relative_error(moe_forward_wna16(x, logits, *kernel, TOP_K, True), ref) < TOLERANCES[torch.bfloat16]
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the entries dispatch to Triton on CUDA tensors only")
+def test_mxfp4_choice_and_dispatch(monkeypatch, tmp_path):
+    """MXFP4 experts with biases and the clamped SwiGLU (gpt-oss's GptOssExperts.gemv_experts): the choice times
+    against moe_forward_mxfp4 and marks the codes; a forced mark makes moe_forward_mxfp4 give this path's (summed)
+    result, equal to the widened experts' reference. Two GEMV candidates."""
+    from test_fused_moe_mxfp4 import problem
+
+    from kernels import choice_cache, moe_gemv_choice
+    from kernels.fused_moe_mxfp4 import moe_forward_mxfp4, prepare_mxfp4_experts
+    from kernels.moe_epilogue import ExpertEpilogue
+
+    monkeypatch.setenv(choice_cache.CACHE_ENV, str(tmp_path))
+    monkeypatch.setattr(moe_gemv_choice, "candidate_tiles", lambda kind: GEMV_TILES[:2])
+    hidden, inter = 256, 128
+    x, logits, gate_up_stored, down_stored, biases = problem(3, hidden, inter, EXPERTS, seed=80)
+    kernel = [prepare_mxfp4_experts(*[t.cuda() for t in stored], torch.bfloat16, for_kernel=True)
+              for stored in (gate_up_stored, down_stored)]
+    dense = [prepare_mxfp4_experts(*stored, torch.float32, for_kernel=False).dense
+             for stored in (gate_up_stored, down_stored)]
+    gu_bias, d_bias = (b.to("cuda", torch.bfloat16) for b in biases)
+    epilogue = ExpertEpilogue(gu_bias, d_bias, "swiglu_clamped", 0.4)
+    entry = GemvExperts(kernel[0].kernel["codes"], kernel[1].kernel["codes"], TOP_K, torch.bfloat16,
+                        kernel[0].kernel["scales"], kernel[1].kernel["scales"], mxfp4=tuple(kernel), epilogue=epilogue)
+    (report,) = [r for key, r in choose_decode_tiles([entry]).items() if key[0] == "gemv"]
+    assert set(report["tiles"]) == {1, 2, 4, 8}
+    mark_gemv(entry.gate_up, {t: ((16, 256, 4, 2), (32, 256, 4, 2)) for t in (1, 2, 4, 8)})
+    x, logits = x.to("cuda", torch.bfloat16), logits.to("cuda", torch.bfloat16)
+    weights, ids = route_tokens_ref(logits, TOP_K, True)
+    ref_epilogue = ExpertEpilogue(gu_bias.float(), d_bias.float(), "swiglu_clamped", 0.4)
+    ref = moe_gemv_ref(x.float(), *[d.cuda() for d in dense], weights, ids, epilogue=ref_epilogue).sum(dim=1)
+    out = moe_forward_mxfp4(x, logits, *kernel, TOP_K, True, gate_up_bias=gu_bias, down_bias=d_bias,
+                            activation="swiglu_clamped", swiglu_limit=0.4)
+    assert relative_error(out, ref) < TOLERANCES[torch.bfloat16]
+
+
 # ---- ahead of time for sm_90 on the CPU (TRITONLLM_AOT_SM90=1) ---------------------------------
 
 AOT = pytest.mark.skipif(os.environ.get("TRITONLLM_AOT_SM90") != "1",
@@ -214,12 +299,12 @@ AOT = pytest.mark.skipif(os.environ.get("TRITONLLM_AOT_SM90") != "1",
 
 
 @AOT
-@pytest.mark.parametrize("kind", [NO_SCALES, ROW_SCALES, BLOCK_SCALES, INT4_GROUPS])
+@pytest.mark.parametrize("kind", [NO_SCALES, ROW_SCALES, BLOCK_SCALES, INT4_GROUPS, MXFP4_GROUPS])
 @pytest.mark.parametrize("which", ["gate_up", "down"])
 @pytest.mark.parametrize("tiles", GEMV_TILES)
 def test_compiles_for_sm90_without_spills(kind, which, tiles, tmp_path):
-    """Triton's compiler and ptxas (no GPU) on the Qwen3-30B-A3B shape's kernels for every candidate: no local
-    memory (spills)."""
+    """Triton's compiler and ptxas (no GPU) on the Qwen3-30B-A3B shape's kernels for every candidate (MXFP4:
+    gpt-oss's, with its biases and clamped SwiGLU): no local memory (spills)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -230,17 +315,20 @@ def test_compiles_for_sm90_without_spills(kind, which, tiles, tmp_path):
     if tiles not in candidate_tiles(kind):
         pytest.skip("not a candidate of this weight kind (candidate_tiles)")
     block_n, block_k, warps, stages = tiles
-    w = {NO_SCALES: "*bf16", INT4_GROUPS: "*u8"}.get(kind, "*fp8e4nv")
-    pointers = dict(x_ptr="*bf16", logits_ptr="*bf16", ids_ptr="*i32", weights_ptr="*fp32", w_ptr=w, s_ptr="*fp32",
-                    z_ptr="*u8", act_ptr="*bf16", out_ptr="*bf16")
-    const = dict(TOP_K=8, K_PAD=8, E_PAD=128, ROUTE_IN_KERNEL=True, RENORMALIZE=True, SCALES=kind, BLOCK_N=block_n,
-                 BLOCK_K=block_k, SUB_K=min(block_k, 128), PDL=True)
+    w = {NO_SCALES: "*bf16", INT4_GROUPS: "*u8", MXFP4_GROUPS: "*u8"}.get(kind, "*fp8e4nv")
+    mxfp4 = kind == MXFP4_GROUPS
+    pointers = dict(x_ptr="*bf16", logits_ptr="*bf16", ids_ptr="*i32", weights_ptr="*fp32", w_ptr=w,
+                    s_ptr="*u8" if mxfp4 else "*fp32", z_ptr="*u8", bias_ptr="*bf16", act_ptr="*bf16", out_ptr="*bf16")
+    const = dict(TOP_K=4 if mxfp4 else 8, K_PAD=4 if mxfp4 else 8, E_PAD=32 if mxfp4 else 128, ROUTE_IN_KERNEL=True,
+                 RENORMALIZE=True, SCALES=kind, BLOCK_N=block_n, BLOCK_K=block_k,
+                 SUB_K=32 if mxfp4 else min(block_k, 128), HAS_BIAS=mxfp4, ACTIVATION=int(mxfp4),
+                 SWIGLU_LIMIT=7.0 if mxfp4 else 0.0, PDL=True)
     names = fn.arg_names
     const = {n: v for n, v in const.items() if n in names}
     signature = {n: pointers.get(n, "constexpr" if n in const else "i32") for n in names}
     aligned = [n for n in names if n in pointers or n in ("H", "I", "group", "stride_x", "stride_l", "stride_we",
                                                           "stride_wn", "stride_act", "stride_o", "stride_se",
-                                                          "stride_sn")]
+                                                          "stride_sn", "stride_be")]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=const, attrs=attrs),
                               target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
