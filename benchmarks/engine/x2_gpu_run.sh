@@ -19,7 +19,7 @@
 # 5, 6 session 16's retries (run). 7 (~250 s on two GPUs, ~450 s with LANES=1) session 17's one-GPU jobs in two lanes (LANES=1 on one GPU);
 #    8 (~270 s) the KV pull and NIXL GPU tests, PP 2 with stage graphs and with two steps in flight;
 #    9 (~430 s) disagg_bench at 6 and 10 req/s, then with the context executor in its own process.
-# 10-12 session 17's later calls, 13-16 session 18's, 17 session 19's first, 18 session 20's first, 19 its plan for the next session, 20 session 21's first bench call, 21 what call 20 lost, 22 session 22's (each case's comment says what it runs and
+# 10-12 session 17's later calls, 13-16 session 18's, 17 session 19's first, 18 session 20's first, 19 its plan for the next session, 20 session 21's first bench call, 21 what call 20 lost, 22 session 22's, 23 session 23's middle call (each case's comment says what it runs and
 # how long).
 #
 # Everything goes to /tmp/x2_call$CALL; at the end OUT gets call$CALL.tgz (all logs and JSON), summary.txt (what
@@ -27,7 +27,7 @@
 # each job's exit status and its result lines, so the call's output_tail alone is enough to read.
 set -u
 script=$(realpath "$0")
-call=${1:?usage: x2_gpu_run.sh 1-22 [OUT]}
+call=${1:?usage: x2_gpu_run.sh 1-23 [OUT]}
 out=$(realpath -m "${2:-${OUT:-/tmp/x2_gpu_run}}")
 mkdir -p "$out"
 if [ -z "${X2_UNDER_TEE:-}" ]; then  # the console also in $out/summary.txt, complete when the call returns
@@ -45,6 +45,7 @@ smoke=${SMOKE:-0}
 if [ "$smoke" != 1 ]; then
   need=2; [ "$call" = 7 ] && [ "${LANES:-2}" = 1 ] && need=1  # call 7's lanes run one after the other on one GPU
   [ "$call" = 22 ] && [ -n "${ONLY:-}" ] && [[ ",$ONLY," != *,pp,* ]] && need=1  # call 22 without its PP part
+  [ "$call" = 23 ] && need=1  # (two lanes where two GPUs are, else one after the other)
   "$PYTHON" -c "import torch; n = torch.cuda.device_count(); assert n >= $need, f'{n} GPU(s): this call needs $need'" || exit 1
 fi
 
@@ -560,7 +561,7 @@ case $call in
     nvidia-smi --query-gpu=index,clocks_throttle_reasons.active --format=csv,noheader -lms 100 > "$w/pp_reasons.csv" 2>&1 &
     smi="$smi $!"
   fi
-  job pp_trace 80 "$PYTHON" "${P[@]}" --phases perf_pp2 --phase_timeout 75 --trace_steps 20 --trace_skip 60 --trace_warm 5 \
+  job pp_trace 170 "$PYTHON" "${P[@]}" --phases perf_pp2 --phase_timeout 160 --trace_steps 20 --trace_skip 60 --trace_warm 5 \
     --trace_dir "$w/traces" --out "$w/pp_trace.json" "${tiny_tp[@]}"
   [ "$smoke" != 1 ] && kill $smi 2>/dev/null
   [ -f "$w/pp_reasons.csv" ] && { echo "clock event reasons (samples):"; sort "$w/pp_reasons.csv" | uniq -c | sort -rn | head -8; }
@@ -633,7 +634,46 @@ PY
   [ -f "$w/sq_kernels.log" ] && { echo "== sq_kernels"; grep -v Warning "$w/sq_kernels.log" | tail -25 | cut -c1-300; }
   for q in bf16 int8_sq; do [ -f "$w/sq_$q.log" ] && { echo "== sq_$q"; grep -E "^\| (batch-1|offline|\.\.\.)|Error|Traceback" "$w/sq_$q.log" | cut -c1-300; }; done
   ;;
-*) echo "x2_gpu_run.sh: CALL must be 1 to 22, got '$call'"; exit 2 ;;
+23)
+  # Session 23's middle call (~300 s, two lanes; one GPU: one after the other). GPU 0: the int8_sq GPU tests after
+  # ab59289 / fde908a (never passed on a GPU), the sampling kernels' variant test, helper sq9's int8 GEMM tests and
+  # first sweep (/tmp/notes/sq9.md), then gpt-oss-20b's shape with bf16 experts (batch-1 decode). GPU 1: helper w4a8's
+  # W4A8 sweep and tests (/tmp/notes/w4a8.md), the MXFP4 GEMV tests, then gpt-oss-20b with MXFP4 experts (the GEMV
+  # path for 1-8 tokens, 62341d9; issue 53's goal: batch 1 >= 1.3x its bf16-expert figure).
+  lane1_gpu=1
+  [ "$smoke" = 1 ] || [ "$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())')" -lt 2 ] && lane1_gpu=0
+  G=(benchmarks/engine/engine_bench.py --sections bandwidth,decode --max-batch-size 16)
+  (
+    CUDA_VISIBLE_DEVICES=0 job verify_tests 120 "$PYTHON" -m pytest -q -rfEs -p no:cacheprovider tests/kernels/test_int8_sq.py \
+      tests/kernels/test_kernel_sampling.py tests/engine/test_int8_sq_engine.py
+    CUDA_VISIBLE_DEVICES=0 job sq9_gemm_tests 85 "$PYTHON" -m pytest -q -rfEs -p no:cacheprovider tests/kernels/test_int8_gemm.py
+    on_gpu 0 sq9_bench 30 "$PYTHON" -u benchmarks/quantization/int8_gemm_bench.py --rows 512 8192 --shapes gate_up down \
+      --out "$w/int8_gemm_first.md" --json "$w/int8_gemm_first.json"
+    on_gpu 0 gptoss_bf16 150 "$PYTHON" "${G[@]}" --model gpt_oss_20b --out "$w/gptoss_bf16.json" --results-md "$w/gptoss_bf16.md"
+  ) &
+  lane0=$!
+  [ "$lane1_gpu" = 0 ] && wait "$lane0"
+  mkdir -p "$w/w4a8"
+  on_gpu $lane1_gpu w4a8_sweep 70 "$PYTHON" benchmarks/quantization/w4a8_gemm_sweep.py --budget-s 45 --warm-procs 8 \
+    --out "$w/w4a8/sweep.json" --md "$w/w4a8/sweep.md"
+  CUDA_VISIBLE_DEVICES=$lane1_gpu job w4a8_tests 50 "$PYTHON" -m pytest -q -rfEs --tb=short -p no:cacheprovider -n 4 \
+    tests/kernels/test_w4a8_gemm.py
+  CUDA_VISIBLE_DEVICES=$lane1_gpu job mxfp4_tests 60 "$PYTHON" -m pytest -q -rfEs -p no:cacheprovider tests/kernels/test_moe_gemv.py \
+    tests/kernels/test_fused_moe_mxfp4.py -k "mxfp4 or MXFP4"
+  on_gpu $lane1_gpu gptoss_mxfp4 150 "$PYTHON" "${G[@]}" --model gpt_oss_20b_mxfp4 --out "$w/gptoss_mxfp4.json" \
+    --results-md "$w/gptoss_mxfp4.md"
+  wait
+  for f in verify_tests sq9_gemm_tests w4a8_tests mxfp4_tests; do
+    echo "== $f"; grep -E "passed|failed|FAILED|ERROR|Error" "$w/$f.log" | tail -8 | cut -c1-300
+  done
+  echo "== sq9_bench"; grep -v Warning "$w/sq9_bench.log" | tail -14 | cut -c1-400
+  echo "== w4a8"; tail -30 "$w/w4a8_tests.log" | cut -c1-300; cat "$w/w4a8/sweep.md" 2>/dev/null
+  grep -v "^|" "$w/w4a8_sweep.log" | grep -v Warning | head -60 | cut -c1-300
+  for f in gptoss_bf16 gptoss_mxfp4; do
+    echo "== $f"; grep -E "^\| (batch-1|bandwidth|\.\.\.)|moe_gemv|gemv|Error|Traceback|^\[load" "$w/$f.log" | cut -c1-400 | head -20
+  done
+  ;;
+*) echo "x2_gpu_run.sh: CALL must be 1 to 23, got '$call'"; exit 2 ;;
 esac
 tar czf "$out/call$call.tgz" -C /tmp "x2_call$call"
 for md in "$w"/*.md; do [ -f "$md" ] && cp "$md" "$out/"; done
