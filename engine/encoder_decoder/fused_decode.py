@@ -80,22 +80,9 @@ def takes(decoder, x: torch.Tensor, meta) -> bool:
 
 
 def fuse_qkv(attn: nn.Module) -> None:
-    """One [q | k | v] weight (and bias: a zero k bias where k has none) of ``attn``; q, k, v views of it."""
-    if hasattr(attn, "qkv_weight"):
-        return
-    weights = [attn.q.weight, attn.k.weight, attn.v.weight]
-    attn.qkv_weight = torch.cat([w.detach() for w in weights])
-    inner = weights[0].shape[0]
-    for index, proj in enumerate((attn.q, attn.k, attn.v)):
-        proj.weight = nn.Parameter(attn.qkv_weight[index * inner:(index + 1) * inner], requires_grad=False)
-    biases = [p.bias for p in (attn.q, attn.k, attn.v)]
-    attn.qkv_bias = None
-    if any(b is not None for b in biases):
-        attn.qkv_bias = torch.cat([torch.zeros(inner, dtype=attn.qkv_weight.dtype, device=attn.qkv_weight.device)
-                                   if b is None else b.detach() for b in biases])
-        for index, proj in enumerate((attn.q, attn.k, attn.v)):
-            if proj.bias is not None:
-                proj.bias = nn.Parameter(attn.qkv_bias[index * inner:(index + 1) * inner], requires_grad=False)
+    """One [q | k | v] weight (and bias: a zero k bias where k has none) of ``attn``; q, k, v views of it
+    (model.py Attention.fuse_qkv, which the runner runs at load anyway)."""
+    attn.fuse_qkv()
 
 
 def prepare(decoder: nn.Module) -> list[torch.Tensor]:

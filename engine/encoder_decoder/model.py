@@ -160,6 +160,37 @@ class Attention(nn.Module):
         self.k = _linear(spec.d_model, inner, spec.bias and spec.key_bias, dtype, device, quantization)
         self.v = _linear(spec.d_model, inner, spec.bias, dtype, device, quantization)
         self.o = _linear(inner, spec.d_model, spec.bias, dtype, device, quantization)
+        # [q | k | v] as one product once fuse_qkv ran (a decoder's self-attention): weight, bias, FP8 row scales
+        self.qkv_weight: torch.Tensor | None = None
+        self.qkv_bias: torch.Tensor | None = None
+        self.qkv_scale: torch.Tensor | None = None
+
+    def fuse_qkv(self) -> None:
+        """q's, k's and v's weights become the thirds of one (3 * inner, d_model) tensor (their Parameters views of
+        it: no extra memory, state dicts unchanged), so q, k and v take one product (``qkv_heads``) instead of
+        three: at a decode step's 64-256 rows each product is a few microseconds of launch-bound GEMM whatever
+        its width. Biases likewise, a zero k bias where k has none (BART's, Whisper's k); FP8 weights' per-row
+        scales concatenate exactly (``qkv_scale``). Idempotent."""
+        if self.qkv_weight is not None:
+            return
+        projections = (self.q, self.k, self.v)
+        inner = self.q.weight.shape[0]
+        self.qkv_weight = torch.cat([p.weight.detach() for p in projections])
+        for index, proj in enumerate(projections):
+            proj.weight = nn.Parameter(self.qkv_weight[index * inner:(index + 1) * inner], requires_grad=False)
+        if isinstance(self.q, Fp8Linear):
+            self.qkv_scale = torch.cat([p.weight_scale.detach() for p in projections])
+            for index, proj in enumerate(projections):
+                proj.weight_scale = nn.Parameter(self.qkv_scale[index * inner:(index + 1) * inner],
+                                                 requires_grad=False)
+        biases = [p.bias for p in projections]
+        if any(b is not None for b in biases):
+            dtype, device = next(b for b in biases if b is not None).dtype, self.qkv_weight.device
+            self.qkv_bias = torch.cat([torch.zeros(inner, dtype=dtype, device=device) if b is None else b.detach()
+                                       for b in biases])
+            for index, proj in enumerate(projections):
+                if proj.bias is not None:
+                    proj.bias = nn.Parameter(self.qkv_bias[index * inner:(index + 1) * inner], requires_grad=False)
 
     def heads_of(self, proj: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return proj(x).view(*x.shape[:-1], self.heads, self.head_dim)
@@ -168,6 +199,9 @@ class Attention(nn.Module):
         """(q, k, v), each (..., heads, head_dim), of x (..., d_model) through ``product``. FP8 weights where
         the W8A8 path runs (CUDA: kernels/fp8.py quantizes_activations): x quantized per token once for the
         three products (QuantizedRows: the values each would make itself), not once in each."""
+        if self.qkv_weight is not None:  # (a decoder's rows, (num_tokens, d_model) or QuantizedRows): one product
+            qkv = product(x, self.qkv_weight, self.qkv_bias, self.qkv_scale)
+            return qkv.view(-1, 3, self.heads, self.head_dim).unbind(1)
         if isinstance(x, QuantizedRows):  # (a decoder step's rows, quantized by their norm: Norm.add_and_norm)
             return tuple(project(p, x).view(-1, self.heads, self.head_dim) for p in (self.q, self.k, self.v))
         lead = x.shape[:-1]
@@ -248,6 +282,13 @@ class MLP(nn.Module):
         if isinstance(self.up, Fp8Linear):
             return project(self.down, self.activation(project(self.up, x)))
         return project(self.down, linear_activated(x, self.up.weight, self.up.bias, self.activation_name))
+
+
+def fuse_self_attention_qkv(decoder: nn.Module) -> nn.Module:
+    """Attention.fuse_qkv on every decoder layer's self-attention (after its weights are loaded); returns it."""
+    for layer in decoder.layers:
+        layer.self_attn.fuse_qkv()
+    return decoder
 
 
 def fuse_gated_mlps(stack: nn.Module) -> nn.Module:
@@ -462,14 +503,16 @@ class Decoder(_Stack):
 
     def decode_step_weights(self) -> list[torch.Tensor]:
         """The weights a decode step multiplies through kernels/linear.py's linear / linear_float32_out or
-        kernels/fp8.py's fp8_linear, each once: every layer's self-attention q, k, v, o, cross-attention q, o
+        kernels/fp8.py's fp8_linear, each once: every layer's self-attention q, k, v (one [q | k | v] weight once
+        fused: Attention.fuse_qkv), o, cross-attention q, o
         (its k and v are projected at encode time, fused: cross_kv.py), the MLP's products ([gate | up] in
         place of its two halves once fused: its GELU is not the SiLU of the skinny kernel's gated form, so
         it is a plain product here) and the LM head. What the runner times its load-time tilings for."""
         weights = []
         for layer in self.layers:
-            weights += [p.weight for p in (layer.self_attn.q, layer.self_attn.k, layer.self_attn.v,
-                                           layer.self_attn.o, layer.cross_attn.q, layer.cross_attn.o)]
+            attn = layer.self_attn
+            weights += [attn.qkv_weight] if attn.qkv_weight is not None else [p.weight for p in (attn.q, attn.k, attn.v)]
+            weights += [p.weight for p in (attn.o, layer.cross_attn.q, layer.cross_attn.o)]
             mlp = layer.mlp
             halves = [mlp.gate_up] if mlp.gate_up is not None else [m.weight for m in (mlp.gate, mlp.up) if m is not None]
             weights += halves + [mlp.down.weight]

@@ -39,7 +39,7 @@ from engine.encoder_decoder.convert import check_complete
 from engine.encoder_decoder.cross_kv import cross_pool_dtype, fuse_cross_kv, project_into_pool, require_fp8
 from engine.encoder_decoder.decode_graphs import EncDecDecodeGraphs
 from engine.encoder_decoder.model import (CrossAttentionBatch, Decoder, Encoder, Fp8Linear, cross_metadata,
-                                          fuse_gated_mlps)
+                                          fuse_gated_mlps, fuse_self_attention_qkv)
 from engine.encoder_decoder.spec import EncDecSpec
 from engine.executor.overlap import resolve_placeholders
 from engine.executor.random_weights import has_random_weights, materialize_random_weights
@@ -84,7 +84,7 @@ class EncDecRunner(ModelRunner):
         self.max_encoder_input_len = int(extra["max_encoder_input_len"])
         self.encoder_dir = encoder_engine_dir(engine_dir, extra, self._encoder_dir_override)
         self.encoder = self._load_stack(Encoder, self.encoder_dir)
-        return fuse_cross_kv(self._load_stack(Decoder, engine_dir))
+        return fuse_self_attention_qkv(fuse_cross_kv(self._load_stack(Decoder, engine_dir)))
 
     def _load_stack(self, cls, directory: str) -> torch.nn.Module:
         module = cls(self.spec, dtype=self.dtype, device="meta", quantization=self.build_config.quantization)
@@ -178,8 +178,7 @@ class EncDecRunner(ModelRunner):
                                       for key, variant in choose_fp8_skinny_variants(fp8).items()})
         else:
             ups = [layer.mlp.up.weight for layer in layers] if layers[0].mlp.gate is None else []
-            plain = [m.weight for m in self.model.modules() if isinstance(m, torch.nn.Linear)
-                     and not any(m.weight is up for up in ups)] + list(extra_weights)
+            plain = [w for w in self.model.decode_step_weights() if not any(w is up for up in ups)] + list(extra_weights)
             self.gemm_choices = choose_skinny_weights(plain)
             if ups:
                 activation = layers[0].mlp.activation_name

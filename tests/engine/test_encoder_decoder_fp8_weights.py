@@ -109,11 +109,18 @@ def test_fp8_weights_keep_teacher_forced_logits(engines):
 
 
 def test_fused_products_equal_the_unfused_fp8_products(engines):
-    """The fused [k | v] cross product and (T5 v1.1) [gate | up] product give the per-projection FP8
-    products' values: per-row scales concatenate exactly."""
+    """The fused [k | v] cross product, the decoder self-attention's [q | k | v] product (a zero k bias where k has
+    none) and (T5 v1.1) [gate | up] product give the per-projection FP8 products' values: per-row scales
+    concatenate exactly."""
     family, _, fp8_dir = engines
     runner = EncDecRunner(fp8_dir)
     rows = torch.randn(5, runner.spec.d_model, generator=torch.Generator().manual_seed(1))
+    self_attn = runner.model.layers[1].self_attn
+    assert self_attn.qkv_weight.dtype == FP8_DTYPE and self_attn.qkv_scale.shape == (3 * self_attn.q.weight.shape[0],)
+    q, k, v = self_attn.qkv_heads(rows)
+    for heads, proj in zip((q, k, v), (self_attn.q, self_attn.k, self_attn.v)):
+        torch.testing.assert_close(heads.flatten(1), fp8_linear_ref(rows, proj.weight, proj.weight_scale, proj.bias),
+                                   rtol=0, atol=0)
     attn = runner.model.layers[1].cross_attn
     fused = product(rows, attn.kv_weight, attn.kv_bias, attn.kv_scale)
     k, v = (fp8_linear_ref(rows, p.weight, p.weight_scale, p.bias) for p in (attn.k, attn.v))
@@ -131,8 +138,9 @@ def test_inputs_quantized_before_the_products_leave_the_logits_unchanged(engines
     hands its products their input quantized in its own kernel with the residual add (rms_norm_quantized,
     layer_norm_quantized), T5 v1.1's gated-GELU the down product's (gelu_tanh_and_mul_quantized). Forced on
     here, on the CPU references: the logits are exactly those of quantizing inside each product; every
-    encoder self-attention took the shared path, and the decoder's every layer took it (BART: post-norm) or
-    quantized in its three norms (T5, Whisper; T5 v1.1's gated MLP's activation too)."""
+    encoder self-attention took the shared path, and the decoder's every layer quantized in its three norms
+    (T5, Whisper; T5 v1.1's gated MLP's activation too) or (BART: post-norm) q, k and v's input once in their
+    one fused product (Attention.fuse_qkv), not through the shared path."""
     import engine.encoder_decoder.model as model
 
     family, _, fp8_dir = engines
@@ -148,21 +156,23 @@ def test_inputs_quantized_before_the_products_leave_the_logits_unchanged(engines
     assert torch.equal(once, inside)
     encoder_layers, decoder_layers = len(runner.encoder.layers), len(runner.model.layers)
     counts = {name: len(made) for name, made in calls.items()}
-    assert counts == {"as_quantized_rows": encoder_layers + (decoder_layers if family == "bart" else 0),
+    assert counts == {"as_quantized_rows": encoder_layers,
                       "rms_norm_quantized": 3 * decoder_layers if family.startswith("t5") else 0,
                       "layer_norm_quantized": 3 * decoder_layers if family == "whisper" else 0,
                       "gelu_tanh_and_mul_quantized": decoder_layers if family == "t5_v1_1" else 0}, family
 
 
 def _decode_step_weights_by_hand(decoder) -> list[torch.Tensor]:
-    """What a decode step multiplies, listed from the layers: self q k v o, cross q o, the MLP's products
-    ([gate | up] once fused, never its halves), down, the LM head; never cross k / v (projected at encode)."""
+    """What a decode step multiplies, listed from the layers: self [q | k | v] (fused at load: q, k, v views of it)
+    and o, cross q o, the MLP's products ([gate | up] once fused, never its halves), down, the LM head; never
+    cross k / v (projected at encode)."""
     weights = []
     for layer in decoder.layers:
-        mlp = layer.mlp
+        mlp, attn = layer.mlp, layer.self_attn
+        assert attn.k.weight.data_ptr() == attn.qkv_weight[attn.q.weight.shape[0]:].data_ptr()
         ups = [mlp.gate_up] if mlp.gate_up is not None else [m.weight for m in (mlp.gate, mlp.up) if m is not None]
-        weights += [getattr(attn, p).weight for attn, names in ((layer.self_attn, "qkvo"), (layer.cross_attn, "qo"))
-                    for p in names] + ups + [mlp.down.weight]
+        weights += [attn.qkv_weight, attn.o.weight, layer.cross_attn.q.weight, layer.cross_attn.o.weight]
+        weights += ups + [mlp.down.weight]
     return weights + [decoder.lm_head.weight]
 
 
@@ -172,13 +182,14 @@ def test_load_time_choices_cover_every_fp8_weight_of_a_decode_step_at_17_to_128_
     max_batch_size 64: 32 and 64), and the FP8 ones (no cross k / v: projected at encode) to the skinny W8A8
     tilings. Before 2026-11-30 it made no wide-row choice, so every FP8 product of a 17-128-row step ran
     torch._scaled_mm, slower there than the bf16 engine's cuBLAS products, its bias an extra kernel (H200,
-    Whisper large-v3 at batch 64: 7.63 ms a step against 6.05 with bf16 weights). The timings themselves need
-    CUDA (the CUDA test below runs them): here what each choice is handed is recorded."""
+    Whisper large-v3 at batch 64: 7.63 ms a step against 6.05 with bf16 weights). The same for the model-dtype
+    engine. The timings themselves need CUDA (the CUDA test below runs them): here what each choice is handed
+    is recorded."""
     import dataclasses
 
     import engine.encoder_decoder.runner as runner_module
 
-    family, _, fp8_dir = engines
+    family, reference_dir, fp8_dir = engines
     runner = EncDecRunner(fp8_dir)
     runner.build_config = dataclasses.replace(runner.build_config, max_batch_size=64)
     handed = {}
@@ -194,6 +205,18 @@ def test_load_time_choices_cover_every_fp8_weight_of_a_decode_step_at_17_to_128_
     assert all(w.dtype == FP8_DTYPE for w in handed["fp8"]) and runner.model.lm_head.weight.dtype == torch.float32
     if family == "t5_v1_1":
         assert any(w is runner.model.layers[0].mlp.gate_up for w in handed["fp8"])
+    # The model-dtype engine: the same weights to the wide-row choice; to the skinny tilings all but the
+    # non-gated MLP's up weights (timed with their activation: choose_activated_weights), the fused [q | k | v]
+    # and [gate | up] among them (before 2026-11-30 only nn.Linear modules' weights: never the fused ones).
+    runner = EncDecRunner(reference_dir)
+    runner.build_config = dataclasses.replace(runner.build_config, max_batch_size=64)
+    monkeypatch.setattr(runner_module, "choose_skinny_weights", lambda weights: handed.update(skinny=weights) or {})
+    monkeypatch.setattr(runner_module, "choose_activated_weights", lambda weights, activation: {})
+    runner.choose_kernels()
+    expected = _decode_step_weights_by_hand(runner.model)
+    ups = {id(layer.mlp.up.weight) for layer in runner.model.layers if layer.mlp.gate is None}
+    assert [id(w) for w in handed["wide"]] == [id(w) for w in expected]
+    assert [id(w) for w in handed["skinny"]] == [id(w) for w in expected if id(w) not in ups]
 
 
 def test_executor_serves_fp8_weights_with_an_fp8_cross_pool(engines):
