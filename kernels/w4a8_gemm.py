@@ -31,6 +31,9 @@ sm_90). A product is a sum over K: numbering the weight's columns so that each l
 fragment wants them, and x's columns the same way (``fragment_order``: within each 64-column block; a quantizer
 can write x so), gives the same sums with no exchange (sm_90 compile here: 0 st.shared, 128 x 128 of 8 warps
 128 registers against 210). One 64-column block a dot in this order (Triton tensors have at most 8 dimensions).
+HALF2 (``half2``, CUDA only): the codes of that order by inline PTX, each asm output one 32-bit register of the A
+fragment (two codes a LOP3 into float16 halves 1024 + q, an HSUB2 of 1024 + z, a CVT e4m3x2.f16x2; exact): a
+128 x 128 step's loop 392 instructions on sm_90 against 496 (W4A16 GEMM: 477).
 
 Tiling: a step of BLOCK_K = KB * 64 columns; groups of 64 columns (KB 2) take two sub-dots a step (``SUB_KB``),
 groups of BLOCK_K or more (or one a row) one. ``W_FIRST``: the weight the dot's A operand (registers; wgmma
@@ -74,6 +77,57 @@ def w4_code_tile(w_ptr, meta_ptr, t, b, N_PAD, GROUP, BLOCKS, TT: tl.constexpr, 
     return tl.reshape(tl.permute(w, (0, 7, 2, 1, 4, 6, 3, 5)), (TT * 16, KB * 64))  # (t h g), (b j f c e)
 
 
+def _pair_asm(p: int) -> str:
+    """PTX: words $1 (slice 2s) and $2 (slice 2s + 1), fp16x2 (1024 + z, 1024 + z) $3 -> $0: 4 E4M3 bytes, q - z of
+    nibbles p and p + 4 of $1, then of $2: with p = h + 2f, row g + 8h, columns 4c..4c+3 of the 16 f.. of their 32 in
+    fragment order, i.e. one register of the FP8 A fragment. Per two codes a LOP3 into float16 halves (1024 + q), an
+    HSUB2 and a CVT."""
+    return ("{ .reg .b32 a, b, t; .reg .b16 lo, hi; "
+            f"shr.b32 t, $1, {4 * p}; lop3.b32 a, t, 0x000f000f, 0x64006400, 0xea; "
+            f"shr.b32 t, $2, {4 * p}; lop3.b32 b, t, 0x000f000f, 0x64006400, 0xea; "
+            "sub.f16x2 a, a, $3; sub.f16x2 b, b, $3; "
+            "cvt.rn.satfinite.e4m3x2.f16x2 lo, a; cvt.rn.satfinite.e4m3x2.f16x2 hi, b; mov.b32 $0, {lo, hi}; }")
+
+
+if tl is not None:  # Triton reads module globals that are constexprs
+    _PAIR_ASM_0 = tl.constexpr(_pair_asm(0))
+    _PAIR_ASM_1 = tl.constexpr(_pair_asm(1))
+    _PAIR_ASM_2 = tl.constexpr(_pair_asm(2))
+    _PAIR_ASM_3 = tl.constexpr(_pair_asm(3))
+
+
+@jit
+def _quad_bytes(quads):
+    """int32 (...) -> their 4 bytes as uint8 (..., e, jj): byte 2 jj + e."""
+    b0 = (quads & 0xFF).to(tl.uint8)
+    b1 = ((quads >> 8) & 0xFF).to(tl.uint8)
+    b2 = ((quads >> 16) & 0xFF).to(tl.uint8)
+    b3 = ((quads >> 24) & 0xFF).to(tl.uint8)
+    return tl.join(tl.join(b0, b1), tl.join(b2, b3))
+
+
+@jit
+def w4_code_block_half2(w_ptr, meta_ptr, t, b, N_PAD, GROUP, BLOCKS, TT: tl.constexpr):
+    """``w4_code_block_in_fragment_order`` by inline PTX on float16 pairs (``_pair_asm``: CUDA only), each output
+    register one register of the FP8 A fragment."""
+    word = (t.to(tl.int64)[:, None] * BLOCKS + b) * 128 + tl.arange(0, 128)[None, :]
+    g = tl.arange(0, 8)
+    h = tl.arange(0, 2)
+    n_code = t[:, None, None] * 16 + g[None, :, None] + 8 * h[None, None, :]  # (TT, 8, 2)
+    meta = tl.load(meta_ptr + ((b * 64) // GROUP) * N_PAD + n_code)
+    zero_h0, zero_h1 = tl.split(((meta & 0xFF) | 0x6400) * 0x10001)  # fp16x2 (1024 + z) per row g, g + 8
+    even, odd = tl.split(tl.reshape(tl.load(w_ptr + word), (TT, 8, 4, 2, 2)))  # t, g, c, s (jj split off)
+    zero_h0 = tl.broadcast_to(tl.reshape(zero_h0, (TT, 8, 1, 1)), (TT, 8, 4, 2))
+    zero_h1 = tl.broadcast_to(tl.reshape(zero_h1, (TT, 8, 1, 1)), (TT, 8, 4, 2))
+    r0 = tl.inline_asm_elementwise(_PAIR_ASM_0, "=r,r,r,r", [even, odd, zero_h0], dtype=tl.int32, is_pure=True, pack=1)
+    r1 = tl.inline_asm_elementwise(_PAIR_ASM_1, "=r,r,r,r", [even, odd, zero_h1], dtype=tl.int32, is_pure=True, pack=1)
+    r2 = tl.inline_asm_elementwise(_PAIR_ASM_2, "=r,r,r,r", [even, odd, zero_h0], dtype=tl.int32, is_pure=True, pack=1)
+    r3 = tl.inline_asm_elementwise(_PAIR_ASM_3, "=r,r,r,r", [even, odd, zero_h1], dtype=tl.int32, is_pure=True, pack=1)
+    regs = tl.join(tl.join(r0, r1), tl.join(r2, r3))  # [t, g, c, s, h, f]
+    w = _quad_bytes(regs).to(tl.float8e4nv, bitcast=True)  # [t, g, c, s, h, f, e, jj]
+    return tl.reshape(tl.permute(w, (0, 4, 1, 3, 5, 2, 7, 6)), (TT * 16, 64))  # (t h g), (s f c jj e)
+
+
 @jit
 def w4_code_block_in_fragment_order(w_ptr, meta_ptr, t, b, N_PAD, GROUP, BLOCKS, TT: tl.constexpr, ASM: tl.constexpr):
     """Row tiles ``t`` (TT,) x one k block ``b`` -> (q - z) as E4M3 (TT * 16, 64) with the block's columns in
@@ -110,7 +164,7 @@ def _w4a8_gemm_kernel(
     M, N, N_PAD, GROUP, BLOCKS, BLOCKS_PER_SPLIT, stride_xm, stride_om,
     HAS_BIAS: tl.constexpr, TT: tl.constexpr, KB: tl.constexpr, SUB_KB: tl.constexpr, BLOCK_M: tl.constexpr,
     SPLIT_K: tl.constexpr, W_FIRST: tl.constexpr, RESCALE: tl.constexpr, FRAGMENT_ORDER: tl.constexpr,
-    ASM: tl.constexpr, PDL: tl.constexpr,
+    HALF2: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (tile, split): out rows [BLOCK_M i, +BLOCK_M) x columns [16 TT j, +16 TT) (tile = j * m_tiles + i)
     over k blocks [split * BLOCKS_PER_SPLIT, +BLOCKS_PER_SPLIT), KB blocks a step in sub-dots of SUB_KB blocks
@@ -154,7 +208,11 @@ def _w4a8_gemm_kernel(
             if FRAGMENT_ORDER:  # one 64-column block a dot, x in fragment order
                 for blk in tl.static_range(SUB_KB):
                     x = tl.load(x_block + (b0 + blk) * 64, mask=row_ok[:, None], other=0.0)
-                    w = w4_code_block_in_fragment_order(w_ptr, meta_ptr, t, b0 + blk, N_PAD, GROUP, BLOCKS, TT, ASM)
+                    if HALF2:
+                        w = w4_code_block_half2(w_ptr, meta_ptr, t, b0 + blk, N_PAD, GROUP, BLOCKS, TT)
+                    else:
+                        w = w4_code_block_in_fragment_order(w_ptr, meta_ptr, t, b0 + blk, N_PAD, GROUP, BLOCKS, TT,
+                                                            ASM)
                     if W_FIRST:
                         part = tl.dot(w, tl.trans(x), part)
                     else:
@@ -263,13 +321,14 @@ def w4a8_matmul(x: torch.Tensor | QuantizedRows, layout: dict[str, torch.Tensor]
                 bias: torch.Tensor | None = None, *, block_n: int = 128, block_m: int = 128, block_k: int = 128,
                 num_warps: int = 8, num_stages: int = 3, split_k: int = 1, w_first: bool = True,
                 rescale: bool = False, in_fragment_order: bool = False, x_permuted: bool = False,
-                asm: bool = True) -> torch.Tensor:
+                half2: bool = False, asm: bool = True) -> torch.Tensor:
     """x (M, K) bf16/fp16 (quantized per token here) or QuantizedRows @ the weight (N, K) in ``layout``
     ({"words", "meta"}: kernels/wna16_mma.py's).T (+ bias) -> (M, N) in x's dtype. Programs of (block_m,
     block_n) out tiles, block_k columns a step, K split over ``split_k`` programs; ``w_first``: the weight the
     dot's A operand; ``rescale``: the dots accumulate into one tile of sums (module docstring); ``asm``: the
     nibbles by inline PTX (CUDA only); ``in_fragment_order``: the weight made in the FP8 A fragment's column order
-    and x permuted to it (``fragment_order``; ``x_permuted``: x's values already are). Runs wherever Triton runs
+    and x permuted to it (``fragment_order``; ``x_permuted``: x's values already are); ``half2``: in fragment order on
+    CUDA, the codes by inline PTX on float16 pairs (``w4_code_block_half2``). Runs wherever Triton runs
     (CUDA, or CPU tensors under TRITON_INTERPRET=1)."""
     if in_fragment_order and not x_permuted:
         rows = quantize_rows_in_fragment_order(x) if not isinstance(x, QuantizedRows) else \
@@ -304,6 +363,7 @@ def w4a8_matmul(x: torch.Tensor | QuantizedRows, layout: dict[str, torch.Tensor]
         arrivals, m, n, n_pad, group_size, blocks, per_split * kb, rows.values.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, TT=block_n // 16, KB=kb, SUB_KB=sub_kb, BLOCK_M=block_m, SPLIT_K=split_k,
         W_FIRST=bool(w_first), RESCALE=bool(rescale), FRAGMENT_ORDER=bool(in_fragment_order),
+        HALF2=bool(half2) and bool(in_fragment_order) and out.is_cuda,
         ASM=asm and out.is_cuda, num_warps=num_warps,
         num_stages=num_stages, **pdl_options(out))
     return out

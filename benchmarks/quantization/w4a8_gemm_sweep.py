@@ -44,23 +44,25 @@ TINY_SHAPES = {"tiny": (256, 512)}
 GROUP = 128
 # (block_n, block_m, num_warps, num_stages, split_k, block_k, weight first (the dot's A operand, in registers),
 # rescale (one tile of sums, the dots accumulating into it), fragment order (the weight's codes made where the FP8
-# A fragment wants them, x's columns permuted alike: no exchange through shared memory); kernels/w4a8_gemm.py).
+# A fragment wants them, x's columns permuted alike: no exchange through shared memory), half2 (those codes by
+# inline PTX on float16 pairs: 392 instructions a 128 x 128 step's loop on sm_90 against 496); kernels/w4a8_gemm.py).
 # The W4A16 sweeps' winners' shapes (64-128 weight rows of 4 warps, 64 x 256 at 256+ rows, split-K for the narrow
-# layers), 8-warp tiles, four stages; the weight as B and three tilings without the fragment order as references.
+# layers), 8-warp tiles, four stages; as references two without half2, two without the fragment order, the weight
+# as B.
 TILINGS = (
-    (64, 256, 4, 3, 1, 128, 1, 1, 1), (64, 256, 4, 3, 1, 128, 1, 0, 1), (128, 256, 8, 3, 1, 128, 1, 1, 1),
-    (128, 128, 8, 3, 1, 128, 1, 1, 1), (128, 128, 8, 3, 1, 128, 1, 0, 1), (64, 128, 4, 3, 1, 128, 1, 1, 1),
-    (128, 64, 4, 3, 1, 128, 1, 1, 1), (64, 64, 4, 3, 1, 128, 1, 1, 1), (128, 64, 4, 3, 4, 128, 1, 1, 1),
-    (64, 128, 4, 3, 2, 128, 1, 1, 1), (128, 128, 8, 4, 1, 128, 1, 1, 1), (256, 128, 8, 3, 1, 128, 1, 1, 1),
-    (128, 256, 8, 3, 1, 128, 0, 1, 0), (128, 128, 8, 3, 1, 128, 1, 1, 0), (64, 256, 4, 3, 1, 128, 1, 1, 0),
-    (128, 64, 4, 3, 1, 128, 1, 0, 0),
+    (64, 256, 4, 3, 1, 128, 1, 1, 1, 1), (128, 256, 8, 3, 1, 128, 1, 1, 1, 1), (128, 128, 8, 3, 1, 128, 1, 1, 1, 1),
+    (128, 128, 8, 3, 1, 128, 1, 0, 1, 1), (64, 128, 4, 3, 1, 128, 1, 1, 1, 1), (128, 64, 4, 3, 1, 128, 1, 1, 1, 1),
+    (64, 64, 4, 3, 1, 128, 1, 1, 1, 1), (128, 64, 4, 3, 4, 128, 1, 1, 1, 1), (64, 128, 4, 3, 2, 128, 1, 1, 1, 1),
+    (128, 128, 8, 4, 1, 128, 1, 1, 1, 1), (256, 128, 8, 3, 1, 128, 1, 1, 1, 1),
+    (64, 256, 4, 3, 1, 128, 1, 1, 1, 0), (128, 128, 8, 3, 1, 128, 1, 1, 1, 0),
+    (128, 128, 8, 3, 1, 128, 1, 1, 0, 0), (128, 64, 4, 3, 1, 128, 1, 0, 0, 0), (128, 256, 8, 3, 1, 128, 0, 1, 0, 0),
 )
 
 
 def tiling_options(tiling: tuple) -> dict:
     """w4a8_matmul's keyword arguments for a TILINGS tuple."""
     names = ("block_n", "block_m", "num_warps", "num_stages", "split_k", "block_k", "w_first", "rescale",
-             "in_fragment_order")
+             "in_fragment_order", "half2")
     return dict(zip(names, tiling))
 
 

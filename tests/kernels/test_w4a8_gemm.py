@@ -106,9 +106,9 @@ def test_the_reference_is_the_exact_weight_times_x_in_e4m3():
     (96, 256, 64, 20, True, dict(block_n=32, block_m=16, block_k=64, w_first=False)),  # symmetric, 64-column steps
     (40, 256, None, 5, False, dict(block_n=16, block_m=16, block_k=128, rescale=True)),  # per channel
     (70, 512, 128, 33, False, dict(block_n=64, block_m=16, block_k=256, split_k=2)),  # 2 groups a step, 1 a split
-    (151, 256, 128, 37, False, dict(block_n=64, block_m=32, block_k=128, in_fragment_order=True)),
+    (151, 256, 128, 37, False, dict(block_n=64, block_m=32, block_k=128, in_fragment_order=True, half2=True)),
     (96, 256, 64, 20, False, dict(block_n=32, block_m=16, block_k=128, split_k=2, rescale=True,
-                                  in_fragment_order=True)),
+                                  in_fragment_order=True, half2=True)),  # half2: CUDA only (inline PTX)
 ])
 def test_kernel_is_within_one_rounding_of_the_reference(device, n, k, group_size, m, symmetric, tiling):
     layout, _ = layout_of(n, k, group_size, device, symmetric=symmetric)
