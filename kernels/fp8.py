@@ -207,11 +207,17 @@ def silu_and_mul_quantized(x: torch.Tensor | ScaledProduct) -> QuantizedRows:
     return as_quantized_rows(silu_and_mul(x))
 
 
-def gelu_tanh_and_mul_quantized(x: torch.Tensor) -> QuantizedRows:
+def gelu_tanh_and_mul_quantized(x: torch.Tensor | ScaledProduct) -> QuantizedRows:
     """kernels.activation.gelu_tanh_and_mul with its output quantized per row in the same kernel (T5 v1.1's
-    gated-GELU before an FP8 down projection): the values quantize_rows gives on the unfused output."""
+    gated-GELU before an FP8 down projection): the values quantize_rows gives on the unfused output. A
+    ScaledProduct x has its scales applied in the same kernel."""
+    scales = None
+    if isinstance(x, ScaledProduct):
+        x, scales = x.values, (x.row_scale, x.col_scale)
     if use_triton(x):
-        return QuantizedRows(*gelu_tanh_and_mul_quantized_triton(x), x.dtype)
+        return QuantizedRows(*gelu_tanh_and_mul_quantized_triton(x, x_scales=scales), x.dtype)
+    if scales is not None:
+        x = apply_scales(ScaledProduct(x, *scales))
     return as_quantized_rows(gelu_tanh_and_mul(x))
 
 

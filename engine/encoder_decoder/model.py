@@ -44,8 +44,8 @@ from engine.models.tables import uninitialized_table
 from kernels.activation import gelu_tanh_and_mul
 from kernels.attention import paged_attention, write_kv_cache
 from kernels.attention_metadata import AttentionMetadata
-from kernels.fp8 import (FP8_DTYPE, QuantizedRows, as_quantized_rows, fp8_linear, gelu_tanh_and_mul_quantized,
-                         layer_norm_quantized, quantizes_activations, rms_norm_quantized)
+from kernels.fp8 import (FP8_DTYPE, QuantizedRows, ScaledProduct, apply_scales, as_quantized_rows, fp8_linear,
+                         gelu_tanh_and_mul_quantized, layer_norm_quantized, quantizes_activations, rms_norm_quantized)
 from kernels.layernorm import layer_norm
 from kernels.linear import linear, linear_activated, linear_float32_out
 from kernels.relative_position_bias import position_bias
@@ -82,6 +82,10 @@ class Norm(nn.Module):
         in it too (QuantizedRows: the values fp8_linear would make of the plain output). The CPU references
         give the values of ``x + residual`` then ``forward`` exactly; the LayerNorm kernel is within an
         output rounding of torch's F.layer_norm (its statistics summed in another order)."""
+        if isinstance(x, ScaledProduct):  # an FP8 product's deferred scales: the quantizing RMS norm applies them
+            if self.rms and quantize:
+                return rms_norm_quantized(x, self.weight, self.eps, residual)
+            x = apply_scales(x)
         if x.dtype == self.weight.dtype:
             if self.rms:
                 return (rms_norm_quantized if quantize else rms_norm)(x, self.weight, self.eps, residual)
@@ -98,26 +102,29 @@ QUANTIZATIONS = (None, "fp8")  # what these stacks' linears take (build.py refus
 
 
 def product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-            scale: torch.Tensor | None = None) -> torch.Tensor:
+            scale: torch.Tensor | None = None, *, defer_scales: bool = False) -> torch.Tensor | ScaledProduct:
     """x (..., K) @ weight (N, K).T (+ bias): the one product every linear of these stacks takes. An
     E4M3 weight (an FP8 engine) with its per-output-channel ``scale`` runs kernels/fp8.py's fp8_linear
     over x's rows (CUDA: the W8A8 kernels, skinny for decode rows; CPU: its plain-torch reference); a
     weight in the model dtype runs kernels/linear.py's linear (F.linear, or the skinny kernel chosen
     at load). An E4M3 weight without a scale is refused, never multiplied as raw codes. x may be
-    QuantizedRows (rows already quantized per token for FP8 products: ``Attention.qkv_heads``)."""
+    QuantizedRows (rows already quantized per token for FP8 products: ``Attention.qkv_heads``).
+    ``defer_scales`` (FP8, (rows, K) x): the reader takes a ScaledProduct (kernels/fp8.py "Deferred scales": the
+    quantizing RMS norm, the quantizing gated-GELU); one comes back where the runner's load-time timing
+    (choose_fp8_scaling) found the tensor-wise product faster at this many rows."""
     if weight.dtype == FP8_DTYPE:
         if scale is None:
             raise ValueError(f"an FP8 weight {tuple(weight.shape)} needs its per-output-channel scale")
-        if isinstance(x, QuantizedRows):
-            return fp8_linear(x, weight, scale, bias)
+        if isinstance(x, QuantizedRows) or defer_scales:
+            return fp8_linear(x, weight, scale, bias, defer_scales=defer_scales)
         rows = x.reshape(-1, x.shape[-1])
         return fp8_linear(rows, weight, scale, bias).view(*x.shape[:-1], weight.shape[0])
     return linear(x, weight, bias)
 
 
-def project(proj: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def project(proj: nn.Module, x: torch.Tensor, *, defer_scales: bool = False) -> torch.Tensor | ScaledProduct:
     """``product`` through a linear module (nn.Linear or Fp8Linear)."""
-    return product(x, proj.weight, proj.bias, getattr(proj, "weight_scale", None))
+    return product(x, proj.weight, proj.bias, getattr(proj, "weight_scale", None), defer_scales=defer_scales)
 
 
 class Fp8Linear(nn.Module):
@@ -264,23 +271,28 @@ class MLP(nn.Module):
             return self.down(self.activation(self.gate(x)) * self.up(x))
         return self.down(self.activation(self.up(x)))
 
-    def rows(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
+    def rows(self, x: torch.Tensor | QuantizedRows, *, defer_scales: bool = False) -> torch.Tensor | ScaledProduct:
         """forward for a decoder step's (num_tokens, d_model) rows (or QuantizedRows: Norm.add_and_norm)
         through kernels/linear.py: the up product, its bias and activation one skinny kernel where the
         runner chose it at load (not for FP8 weights: linear_activated takes weights in the model dtype
         only, so an FP8 up product is fp8_linear then the activation). FP8 [gate | up] with the gated-GELU
         on the W8A8 path: the activation's output quantized per token in its kernel for the down product
-        (gelu_tanh_and_mul_quantized: the values fp8_linear would make of it, one kernel fewer)."""
+        (gelu_tanh_and_mul_quantized: the values fp8_linear would make of it, one kernel fewer); then the
+        [gate | up] product may defer its scales to that kernel, and with ``defer_scales`` the down product
+        its own to the reader (``product``)."""
         if self.gate_up is not None:
-            h = product(x, self.gate_up, scale=self.gate_up_scale)
+            values = x.values if isinstance(x, QuantizedRows) else x
             if (self.gate_up_scale is not None and self.activation_name == "gelu_tanh"
-                    and quantizes_activations(h.device)):
-                return project(self.down, gelu_tanh_and_mul_quantized(h))
+                    and quantizes_activations(values.device)):
+                h = product(x, self.gate_up, scale=self.gate_up_scale, defer_scales=True)
+                return project(self.down, gelu_tanh_and_mul_quantized(h), defer_scales=defer_scales)
+            h = product(x, self.gate_up, scale=self.gate_up_scale)
             return project(self.down, self._gated(h))
         if self.gate is not None:
-            return project(self.down, self.activation(project(self.gate, x)) * project(self.up, x))
+            return project(self.down, self.activation(project(self.gate, x)) * project(self.up, x),
+                           defer_scales=defer_scales)
         if isinstance(self.up, Fp8Linear):
-            return project(self.down, self.activation(project(self.up, x)))
+            return project(self.down, self.activation(project(self.up, x)), defer_scales=defer_scales)
         return project(self.down, linear_activated(x, self.up.weight, self.up.bias, self.activation_name))
 
 
@@ -531,9 +543,12 @@ class Decoder(_Stack):
         # Pre-norm (T5, Whisper): each sublayer's residual add is done by the next norm (Norm.add_and_norm: it
         # adds, normalizes and, FP8 on the W8A8 path, quantizes for the next products in one kernel).
         quantize = isinstance(self.layers[0].self_attn.q, Fp8Linear) and quantizes_activations(x.device)
+        # FP8 products read by a quantizing RMS norm (T5's o, cross o and down but the last layer's, which the
+        # final norm reads) may hand it their scales to apply (kernels/fp8.py "Deferred scales", chosen at load)
+        defers = quantize and self.spec.norm == "rms"
         residual = None
         for index, layer in enumerate(self.layers):
-            def attend_self(h, layer=layer, index=index):
+            def attend_self(h, layer=layer, index=index, defer_scales=False):
                 attn = layer.self_attn
                 q, k, v = attn.qkv_heads(h)
                 k_cache, v_cache = kv_cache[index, 0], kv_cache[index, 1]
@@ -542,25 +557,29 @@ class Decoder(_Stack):
                 else:  # T5 (t5_attention.py)
                     write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
                     out = decoder_self_attention(self, q, k_cache, v_cache, meta, attn.scale)
-                return project(attn.o, out.flatten(1))
+                return project(attn.o, out.flatten(1), defer_scales=defer_scales)
 
-            def attend_encoder(h, layer=layer, index=index):
+            def attend_encoder(h, layer=layer, index=index, defer_scales=False):
                 attn = layer.cross_attn
                 out = paged_attention(attn.rows_of(attn.q, h), cross.pool[index, 0], cross.pool[index, 1],
                                       cross.meta, attn.scale)
-                return project(attn.o, out.flatten(1))
+                return project(attn.o, out.flatten(1), defer_scales=defer_scales)
 
             if not layer.pre_norm:  # BART: norm(x + sublayer(x))
                 x = _sublayer(layer.self_norm, False, x, attend_self)
                 x = _sublayer(layer.cross_norm, False, x, attend_encoder)
                 x = _sublayer(layer.mlp_norm, False, x, layer.mlp.rows)
                 continue
-            for norm, sublayer in ((layer.self_norm, attend_self), (layer.cross_norm, attend_encoder),
-                                   (layer.mlp_norm, layer.mlp.rows)):
+            last = index == len(self.layers) - 1
+            for norm, sublayer, defer in ((layer.self_norm, attend_self, defers),
+                                          (layer.cross_norm, attend_encoder, defers),
+                                          (layer.mlp_norm, layer.mlp.rows, defers and not last)):
                 h, residual = norm.add_and_norm(x, residual, quantize=quantize)
-                x = sublayer(h)
+                x = sublayer(h, defer_scales=defer)
         if residual is not None:  # (pre-norm: x is the last sublayer's output, not yet added)
-            return x + residual if self.final_norm is None else self.final_norm.add_and_norm(x, residual)[0]
+            if self.final_norm is None:
+                return apply_scales(x) + residual
+            return self.final_norm.add_and_norm(x, residual)[0]
         return x if self.final_norm is None else self.final_norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -43,9 +43,10 @@ from engine.encoder_decoder.model import (CrossAttentionBatch, Decoder, Encoder,
 from engine.encoder_decoder.spec import EncDecSpec
 from engine.executor.overlap import resolve_placeholders
 from engine.executor.random_weights import has_random_weights, materialize_random_weights
-from engine.executor.runner import ForwardBatch, ModelRunner, keep_or_cast, load_rank_weights
+from engine.executor.cuda_graphs import default_buckets
+from engine.executor.runner import MAX_DEFERRED_SCALING_ROWS, ForwardBatch, ModelRunner, keep_or_cast, load_rank_weights
 from kernels.attention import KV_FP8_DTYPE
-from kernels.fp8 import FP8_DTYPE, choose_fp8_skinny_variants
+from kernels.fp8 import FP8_DTYPE, choose_fp8_scaling, choose_fp8_skinny_variants
 from kernels.linear import choose_activated_weights, choose_skinny_weights
 from kernels.wide_rows import choose_wide_variants, wide_row_counts
 
@@ -147,7 +148,8 @@ class EncDecRunner(ModelRunner):
         # Never for FP8 engines: the fused layer's products take weights in the model dtype (fused_decode.py)
         fused = (fused_decode.fusable(self.spec) and self.build_config.quantization is None
                  and fused_decode.enabled(fused_decode.FUSED_ENV))
-        self.choose_kernels(extra_weights=fused_decode.prepare(self.model) if fused else ())
+        self.choose_kernels(default_buckets(self.build_config.max_batch_size),
+                            extra_weights=fused_decode.prepare(self.model) if fused else ())
         if fused:
             fused_decode.mark_tilings(self.model, self.gemm_choices)
         build = self.build_config
@@ -168,7 +170,9 @@ class EncDecRunner(ModelRunner):
         tiling where it beats cuBLAS / cuBLASLt at that many rows. Without it every FP8 product of such a
         step ran torch._scaled_mm, slower than the bf16 engine's cuBLAS products at these rows, with its
         bias added by a kernel of its own (Whisper large-v3, batch 64 on an H200, 2026-11-30: a decode
-        step 6.05 ms with bf16 weights, 7.63 with FP8)."""
+        step 6.05 ms with bf16 weights, 7.63 with FP8). Last, for a bf16 FP8 T5 (RMS norms), kernels/fp8.py's
+        choose_fp8_scaling at ``decode_batches`` (the graphs' buckets) up to MAX_DEFERRED_SCALING_ROWS: the
+        products whose reader applies deferred scales (model.py Decoder.forward) run tensor-wise where faster."""
         layers = self.model.layers
         if isinstance(layers[0].mlp.down, Fp8Linear):
             fp8 = [w for w in self.model.decode_step_weights() if w.dtype == FP8_DTYPE]
@@ -187,6 +191,13 @@ class EncDecRunner(ModelRunner):
         wide = choose_wide_variants(self.model.decode_step_weights(),
                                     row_counts=wide_row_counts(self.build_config.max_batch_size))
         self.gemm_choices.update({("wide",) + key: report for key, report in wide.items()})
+        if isinstance(layers[0].mlp.down, Fp8Linear) and self.spec.norm == "rms" and self.dtype == torch.bfloat16:
+            # T5's products read by its quantizing RMS norms and gated-GELU (model.py Decoder.forward) may defer
+            # their scales at the batch buckets' row counts past MAX_SKINNY_ROWS where tensor-wise is faster
+            scaling = choose_fp8_scaling([w for w in self.model.decode_step_weights() if w.dtype == FP8_DTYPE],
+                                         [b for b in decode_batches or () if b <= MAX_DEFERRED_SCALING_ROWS])
+            self.gemm_choices[("fp8_deferred_scales",)] = {
+                "deferred": sorted(key for key, deferred in scaling.items() if deferred)}  # (rows, N, K)
 
     def warmup(self) -> None:
         pass

@@ -162,6 +162,36 @@ def test_inputs_quantized_before_the_products_leave_the_logits_unchanged(engines
                       "gelu_tanh_and_mul_quantized": decoder_layers if family == "t5_v1_1" else 0}, family
 
 
+def test_t5_products_deferring_their_scales_to_the_quantizing_readers_keep_the_logits(engines, monkeypatch):
+    """A T5 FP8 decode step where the load-time timing chose the tensor-wise product (kernels/fp8.py "Deferred
+    scales": choose_fp8_scaling) hands o's, cross o's and down's unscaled products to the next quantizing RMS norm
+    and [gate | up]'s to the quantizing gated-GELU, which apply the scales; the last layer's down product, read
+    by the final norm, keeps its own. Forced here on the CPU references (W8A8 on, every product deferrable): the
+    logits are those of the row-wise products up to float32 rounding, and each reader got its unscaled product."""
+    import engine.encoder_decoder.model as model
+    import kernels.fp8 as fp8
+
+    family, _, fp8_dir = engines
+    if not family.startswith("t5"):
+        pytest.skip("T5's RMS norms take deferred scales")
+    runner = EncDecRunner(fp8_dir)
+    monkeypatch.setattr(model, "quantizes_activations", lambda device: True)
+    row_wise, _ = teacher_forced_logits(runner, family, "auto")
+    monkeypatch.setattr(fp8, "_defers_scales", lambda x, weight: True)
+    monkeypatch.setitem(fp8._UNIT_SCALES, torch.device("cpu"), torch.ones((), dtype=torch.float32))
+    unscaled = {"rms_norm_quantized": 0, "gelu_tanh_and_mul_quantized": 0}
+    for name in unscaled:
+        def counting(*args, name=name, original=getattr(model, name)):
+            unscaled[name] += isinstance(args[0], fp8.ScaledProduct)
+            return original(*args)
+        monkeypatch.setattr(model, name, counting)
+    deferred, _ = teacher_forced_logits(runner, family, "auto")
+    torch.testing.assert_close(deferred, row_wise, rtol=1e-4, atol=1e-4)
+    layers = len(runner.model.layers)
+    assert unscaled == {"rms_norm_quantized": 3 * layers - 1,
+                        "gelu_tanh_and_mul_quantized": layers if family == "t5_v1_1" else 0}, family
+
+
 def _decode_step_weights_by_hand(decoder) -> list[torch.Tensor]:
     """What a decode step multiplies, listed from the layers: self [q | k | v] (fused at load: q, k, v views of it)
     and o, cross q o, the MLP's products ([gate | up] once fused, never its halves), down, the LM head; never
