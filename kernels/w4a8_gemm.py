@@ -42,6 +42,8 @@ reads FP8 A from registers too), else the B operand (stored to shared memory). S
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from kernels import wna16_mma
@@ -381,3 +383,40 @@ def w4a8_reference(x: torch.Tensor | QuantizedRows, layout: dict[str, torch.Tens
     if bias is not None:
         out = out + bias.double()
     return out.to(rows.dtype)
+
+
+# ---- the engine's opt-in (kernels/wna16.wna16_linear) ------------------------------------------------------------
+
+ENV = "TRITONLLM_W4A8"  # "1": INT4 operand-order layers multiply MIN_ROWS+ rows here (x rounded to E4M3 per token)
+MIN_ROWS = 64
+# (most rows, least N, tiling): the first entry with M <= most rows and N >= least N.
+ENGINE_TILINGS = (
+    (128, 8192, dict(block_n=128, block_m=64, num_warps=4, split_k=1)),
+    (128, 0, dict(block_n=64, block_m=64, num_warps=4, split_k=2)),
+    (1 << 62, 0, dict(block_n=128, block_m=128, num_warps=8, split_k=1)),
+)
+
+
+def enabled() -> bool:
+    """$TRITONLLM_W4A8 is "1" (read at every call, as kernels/wna16's switches): off by default, since rounding the
+    activations to E4M3 is an accuracy trade (a few percent per product, kernels/fp8.py) the user chooses."""
+    return os.environ.get(ENV, "") == "1"
+
+
+def takes(rows: torch.Tensor, in_features: int, group_size: int) -> bool:
+    """Whether an INT4 operand-order layer's product of ``rows`` runs here when enabled: MIN_ROWS+ rows of 16-bit
+    activations on CUDA, K whole 128-column steps with groups the steps take."""
+    return (rows.shape[0] >= MIN_ROWS and rows.dtype in (torch.bfloat16, torch.float16) and use_triton(rows)
+            and supports(in_features, group_size, 128))
+
+
+def engine_tiling(m: int, n: int) -> dict:
+    """ENGINE_TILINGS' tiling for M rows and N outputs: fragment order, half2, rescale, the weight first."""
+    tiling = next(t for most, least, t in ENGINE_TILINGS if m <= most and n >= least)
+    return dict(tiling, num_stages=3, block_k=128, w_first=True, rescale=True, in_fragment_order=True, half2=True)
+
+
+def w4a8_linear(rows: torch.Tensor, layout: dict[str, torch.Tensor], n: int, group_size: int,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """rows (M, K) quantized per token in fragment order (one kernel), then the GEMM by ``engine_tiling``."""
+    return w4a8_matmul(rows, layout, n, group_size, bias, **engine_tiling(rows.shape[0], n))

@@ -194,3 +194,34 @@ def test_a_cuda_graph_replays_the_quantize_and_the_product():
     x = torch.randn(80, k, device="cuda", dtype=torch.bfloat16)
     captured = replayed(lambda: w4a8_matmul(x, layout, n, 128, block_n=64, block_m=64), x)
     assert_within_one_rounding(captured, x, layout, n, 128)
+
+
+def test_the_engine_opt_in_routes_64_rows_and_more_of_an_int4_layer(device, monkeypatch):
+    """$TRITONLLM_W4A8=1: wna16_linear of an operand-order INT4 layer runs the W4A8 GEMM from 64 rows (the same
+    product as w4a8_linear, within one rounding of the reference), and the W4A16 paths below 64 rows or when unset
+    (its default). On CPU the dispatch's CUDA test is patched so the interpreter runs the GEMM."""
+    from kernels import w4a8_gemm, wna16
+
+    n, k = 80, 256
+    layout, _ = layout_of(n, k, 128, device)
+    weight = wna16.WNA16Weight(n, k, 4, 128, torch.float16, kernel={"mma_words": layout["words"],
+                                                                    "mma_meta": layout["meta"]})
+    assert weight.mma_only
+    if device == "cpu":  # the interpreter's float32 -> E4M3 rounds unlike torch: the torch quantizer here
+        monkeypatch.setattr(w4a8_gemm, "use_triton", lambda t: True)
+        monkeypatch.setattr(w4a8_gemm, "quantize_rows_in_fragment_order",
+                            lambda x: QuantizedRows(fragment_order(quantize_rows(x)[0]), quantize_rows(x)[1], x.dtype))
+        monkeypatch.setattr(w4a8_gemm, "engine_tiling", lambda m, n: dict(block_n=16, block_m=64, num_warps=4,
+                                                                          in_fragment_order=True, rescale=True))
+    w4a16 = torch.zeros(1, n, device=device, dtype=torch.float16)  # a marker only the W4A16 paths return
+    monkeypatch.setattr(wna16, "_product", lambda rows, *args, **kwargs: w4a16.expand(rows.shape[0], n))
+    x = torch.randn(2, 40, k, device=device, dtype=torch.float16)  # 80 rows
+    monkeypatch.delenv(w4a8_gemm.ENV, raising=False)
+    assert wna16.wna16_linear(x, weight).data_ptr() == w4a16.data_ptr()
+    monkeypatch.setenv(w4a8_gemm.ENV, "1")
+    out = wna16.wna16_linear(x, weight)
+    assert out.shape == (2, 40, n)
+    rows = x.reshape(80, k)
+    assert torch.equal(out.reshape(80, n), w4a8_gemm.w4a8_linear(rows, layout, n, 128))
+    assert_within_one_rounding(out.reshape(80, n), rows, layout, n, 128)
+    assert wna16.wna16_linear(x[:, :20], weight).data_ptr() == w4a16.data_ptr()  # 40 rows
