@@ -387,14 +387,16 @@ def w4a8_reference(x: torch.Tensor | QuantizedRows, layout: dict[str, torch.Tens
 
 # ---- the engine's opt-in (kernels/wna16.wna16_linear) ------------------------------------------------------------
 
-ENV = "TRITONLLM_W4A8"  # "1": INT4 operand-order layers multiply MIN_ROWS+ rows here (x rounded to E4M3 per token)
-MIN_ROWS = 64
-# (most rows, least N, tiling): the first entry with M <= most rows and N >= least N.
-ENGINE_TILINGS = (
-    (128, 8192, dict(block_n=128, block_m=64, num_warps=4, split_k=1)),
-    (128, 0, dict(block_n=64, block_m=64, num_warps=4, split_k=2)),
-    (1 << 62, 0, dict(block_n=128, block_m=128, num_warps=8, split_k=1)),
-)
+ENV = "TRITONLLM_W4A8"  # "1": INT4 operand-order layers of MIN_OUT_FEATURES+ outputs multiply MIN_ROWS+ rows here
+# Where the first H200 sweep (2026-11-30, benchmarks/results/quantization.md) found W4A8 faster than the W4A16 paths:
+# from 256 rows on the wide layers (gate_up 1.30x the W4A16 GEMM, qkv 1.20x); at 64-128 rows within a few percent
+# of it (the row quantize kernel then eats the gain), and on the 4096-output layers (o, down) at 256 rows even or
+# slower (down 104 us against 91).
+MIN_ROWS = 129
+MIN_OUT_FEATURES = 6144
+# The tiling for every such product: the sweep's fastest at 256-1024 rows on gate_up and qkv.
+ENGINE_TILING = dict(block_n=64, block_m=256, num_warps=4, num_stages=3, split_k=1, block_k=128, w_first=True,
+                     rescale=True, in_fragment_order=False)
 
 
 def enabled() -> bool:
@@ -403,20 +405,19 @@ def enabled() -> bool:
     return os.environ.get(ENV, "") == "1"
 
 
-def takes(rows: torch.Tensor, in_features: int, group_size: int) -> bool:
+def takes(rows: torch.Tensor, out_features: int, in_features: int, group_size: int) -> bool:
     """Whether an INT4 operand-order layer's product of ``rows`` runs here when enabled: MIN_ROWS+ rows of 16-bit
-    activations on CUDA, K whole 128-column steps with groups the steps take."""
-    return (rows.shape[0] >= MIN_ROWS and rows.dtype in (torch.bfloat16, torch.float16) and use_triton(rows)
-            and supports(in_features, group_size, 128))
+    activations on CUDA, MIN_OUT_FEATURES+ outputs, K whole 128-column steps with groups the steps take."""
+    return (rows.shape[0] >= MIN_ROWS and out_features >= MIN_OUT_FEATURES and use_triton(rows)
+            and rows.dtype in (torch.bfloat16, torch.float16) and supports(in_features, group_size, 128))
 
 
 def engine_tiling(m: int, n: int) -> dict:
-    """ENGINE_TILINGS' tiling for M rows and N outputs: fragment order, half2, rescale, the weight first."""
-    tiling = next(t for most, least, t in ENGINE_TILINGS if m <= most and n >= least)
-    return dict(tiling, num_stages=3, block_k=128, w_first=True, rescale=True, in_fragment_order=True, half2=True)
+    """The tiling of the engine's products (ENGINE_TILING; by rows and outputs once measurements differ)."""
+    return dict(ENGINE_TILING)
 
 
 def w4a8_linear(rows: torch.Tensor, layout: dict[str, torch.Tensor], n: int, group_size: int,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
-    """rows (M, K) quantized per token in fragment order (one kernel), then the GEMM by ``engine_tiling``."""
+    """rows (M, K) quantized per token (one kernel), then the GEMM by ``engine_tiling``."""
     return w4a8_matmul(rows, layout, n, group_size, bias, **engine_tiling(rows.shape[0], n))

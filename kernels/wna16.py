@@ -41,9 +41,9 @@ this off), and ``wna16_linear`` runs:
   dequantized once per tile) is timed there too (MMA_GEMM_VARIANTS, then beside ROWS_BESIDE_GEMM alone of the
   rows kernel's; $TRITONLLM_WNA16_MMA_GEMM=0: not).
 
-$TRITONLLM_W4A8=1 (off by default: an accuracy trade): operand-order layers multiply 64+ rows by
+$TRITONLLM_W4A8=1 (off by default: an accuracy trade): operand-order layers of 6144+ outputs multiply 129+ rows by
 kernels/w4a8_gemm.py instead (the same words; x rounded to E4M3 per token; FP8 tensor-core dots), whatever the
-timing chose.
+timing chose (w4a8_gemm.takes: where an H200 sweep found it faster).
 
 Otherwise (8 bits, other groupings, the operand order turned off) the weight stays packed in
 kernels/wna16_layout.py's layout (no dequantized copy: the point is memory and bandwidth), and
@@ -361,7 +361,8 @@ def wna16_linear(x: torch.Tensor, weight: WNA16Weight, bias: torch.Tensor | None
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(1) != 1:
         rows = rows.contiguous()
-    if weight.mma_only and w4a8_gemm.enabled() and w4a8_gemm.takes(rows, weight.in_features, weight.group_size):
+    if weight.mma_only and w4a8_gemm.enabled() and \
+            w4a8_gemm.takes(rows, weight.out_features, weight.in_features, weight.group_size):
         out = w4a8_gemm.w4a8_linear(rows, _mma_layout(weight.kernel), weight.out_features, weight.group_size, bias)
         return out.reshape(*x.shape[:-1], weight.out_features)
     out = _product(rows, weight, weight.kernel, tiling_for(weight, rows.shape[0]), bias)

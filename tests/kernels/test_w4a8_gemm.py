@@ -1,8 +1,9 @@
 """kernels/w4a8_gemm.py: the W4A8 GEMM (INT4 operand-order words, activations per token in E4M3, FP8 dots).
 
 CPU (CI): which tilings fit a layer, the refusals, the reference's own arithmetic. TRITON_INTERPRET=1 (``device``
-fixture, skipped in CI): the kernel against ``w4a8_reference`` within one output rounding (float16 output only:
-the interpreter truncates float32 -> bfloat16 where the GPU rounds), groups of 128 and 64 (one and two sub-dots a
+fixture, skipped in CI): the kernel against ``w4a8_reference`` within one output rounding (float16 output only: the
+interpreter truncates float32 -> bfloat16 where the GPU rounds; on CUDA W8A8's relative RMS bound, the FP8 dots'
+accumulation being reduced-precision: ``assert_matches_reference``), groups of 128 and 64 (one and two sub-dots a
 step, and 64-column steps), per channel, zero points and symmetric codes, odd N, masked rows, both operand
 orders, both ways of applying the group scales (``rescale``), the fragment order and its quantizer, split-K, bias,
 zero scales, QuantizedRows input. CUDA: both dtypes, the sweep's tilings, and a CUDA graph.
@@ -44,9 +45,12 @@ def one_ulp(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.exp2(torch.floor(torch.log2(values.abs().double().clamp(min=info.tiny)))) * info.eps
 
 
-def assert_within_one_rounding(out, x, layout, n, group_size, bias=None):
-    """out is the float64 product of the reference's exact values rounded to out's dtype, or its neighbour
-    (the kernel sums in float32: an ulp off where the exact value lies near a rounding boundary)."""
+def assert_matches_reference(out, x, layout, n, group_size, bias=None):
+    """Under the interpreter: out is the float64 product of the reference's exact values rounded to out's dtype, or
+    its neighbour (the kernel sums in float32: an ulp off where the exact value lies near a rounding boundary). On
+    CUDA the FP8 wgmma accumulates each dot in its own reduced precision (Triton's default on sm_90, as cuBLASLt's
+    fast accumulation in kernels/fp8.py's W8A8): tens to thousands of ulps on outputs near cancellation (H200,
+    2026-11-30), so there the bound is W8A8's, a relative RMS error under 5e-3 (test_fp8's fast accumulation)."""
     rows = x if isinstance(x, QuantizedRows) else QuantizedRows(*quantize_rows(x), x.dtype)
     k = rows.values.shape[1]
     exact = (rows.values.double() @ wna16_mma.mma_layout_weight(layout, n, k, group_size).double().t()) \
@@ -54,9 +58,12 @@ def assert_within_one_rounding(out, x, layout, n, group_size, bias=None):
     if bias is not None:
         exact = exact + bias.double()
     assert out.dtype == rows.dtype and out.shape == exact.shape
+    if out.is_cuda:
+        rms = ((out.double() - exact).pow(2).mean() / exact.pow(2).mean()).sqrt().item()
+        assert rms < 5e-3, rms
+        return
     off = (out.double() - exact).abs() / one_ulp(exact, out.dtype)
     assert off.max().item() <= 1.0, f"{off.max().item():.2f} ulps; {(off > 0.5).float().mean().item():.3f} past half"
-    return off
 
 
 def test_supports_whole_steps_with_each_sub_dot_in_one_group():
@@ -110,7 +117,7 @@ def test_the_reference_is_the_exact_weight_times_x_in_e4m3():
     (96, 256, 64, 20, False, dict(block_n=32, block_m=16, block_k=128, split_k=2, rescale=True,
                                   in_fragment_order=True, half2=True)),  # half2: CUDA only (inline PTX)
 ])
-def test_kernel_is_within_one_rounding_of_the_reference(device, n, k, group_size, m, symmetric, tiling):
+def test_kernel_matches_the_reference(device, n, k, group_size, m, symmetric, tiling):
     layout, _ = layout_of(n, k, group_size, device, symmetric=symmetric)
     dtypes = (torch.bfloat16, torch.float16) if device == "cuda" else (torch.float16,)
     for dtype in dtypes:
@@ -118,7 +125,7 @@ def test_kernel_is_within_one_rounding_of_the_reference(device, n, k, group_size
         x = torch.randn(m, k, device=device, dtype=dtype)
         bias = torch.randn(n, device=device, dtype=dtype)
         out = w4a8_matmul(x, layout, n, group_size or k, bias, num_warps=4, num_stages=2, **tiling)
-        assert_within_one_rounding(out, x, layout, n, group_size or k, bias)
+        assert_matches_reference(out, x, layout, n, group_size or k, bias)
 
 
 def test_fragment_order_permutes_each_64_column_block():
@@ -156,7 +163,7 @@ def test_quantized_rows_in_give_the_same_product(device):
     rows = QuantizedRows(*quantize_rows(x), x.dtype)
     assert torch.equal(w4a8_matmul(rows, layout, n, group_size, **tiling), out)
     assert torch.equal(out[3], torch.zeros_like(out[3]))
-    assert_within_one_rounding(out, rows, layout, n, group_size)
+    assert_matches_reference(out, rows, layout, n, group_size)
 
 
 def _sweep_module():
@@ -169,7 +176,7 @@ def _sweep_module():
 
 @cuda
 @pytest.mark.parametrize("group_size", [128, 64])
-def test_the_sweeps_tilings_are_within_one_rounding(group_size):
+def test_the_sweeps_tilings_match_the_reference(group_size):
     """Every tiling the sweep times (compiled for the GPU: wgmma with FP8 operands; after a sweep, from Triton's
     cache) on N not whole 128-row tiles and rows not whole tiles; group 64 (two sub-dots a step: new compiles) on
     its first two and a tiling without the fragment order."""
@@ -184,7 +191,7 @@ def test_the_sweeps_tilings_are_within_one_rounding(group_size):
             if not supports(k, group_size, options["block_k"]):
                 continue
             out = w4a8_matmul(x, layout, n, group_size, **options)
-            assert_within_one_rounding(out, x, layout, n, group_size)
+            assert_matches_reference(out, x, layout, n, group_size)
 
 
 @cuda
@@ -193,13 +200,28 @@ def test_a_cuda_graph_replays_the_quantize_and_the_product():
     layout, _ = layout_of(n, k, 128, "cuda")
     x = torch.randn(80, k, device="cuda", dtype=torch.bfloat16)
     captured = replayed(lambda: w4a8_matmul(x, layout, n, 128, block_n=64, block_m=64), x)
-    assert_within_one_rounding(captured, x, layout, n, 128)
+    assert_matches_reference(captured, x, layout, n, 128)
 
 
-def test_the_engine_opt_in_routes_64_rows_and_more_of_an_int4_layer(device, monkeypatch):
-    """$TRITONLLM_W4A8=1: wna16_linear of an operand-order INT4 layer runs the W4A8 GEMM from 64 rows (the same
-    product as w4a8_linear, within one rounding of the reference), and the W4A16 paths below 64 rows or when unset
-    (its default). On CPU the dispatch's CUDA test is patched so the interpreter runs the GEMM."""
+def test_the_engine_takes_wide_layers_from_129_rows(monkeypatch):
+    """What the opt-in sends here (where the H200 sweep found W4A8 faster): 129+ rows, 6144+ outputs, 16-bit x on
+    CUDA (patched here: no kernel runs), groups a 128-column step takes."""
+    from kernels import w4a8_gemm
+
+    monkeypatch.setattr(w4a8_gemm, "use_triton", lambda t: True)
+    rows = torch.zeros(129, 4096, dtype=torch.bfloat16)
+    assert w4a8_gemm.takes(rows, 6144, 4096, 128) and w4a8_gemm.takes(rows, 28672, 4096, 64)
+    assert not w4a8_gemm.takes(rows[:128], 6144, 4096, 128)
+    assert not w4a8_gemm.takes(rows, 4096, 4096, 128)  # o, down: not faster at 256 rows
+    assert not w4a8_gemm.takes(rows, 6144, 4096, 32)
+    assert not w4a8_gemm.takes(rows.float(), 6144, 4096, 128)
+
+
+def test_the_engine_opt_in_routes_an_int4_layer_s_products(device, monkeypatch):
+    """$TRITONLLM_W4A8=1: wna16_linear of an operand-order INT4 layer that ``takes`` accepts runs the W4A8 GEMM (the
+    same product as w4a8_linear, matching the reference), and the W4A16 paths otherwise or when unset (its default).
+    The thresholds are lowered so that a small layer runs; on CPU the dispatch's CUDA test is patched so the
+    interpreter runs the GEMM."""
     from kernels import w4a8_gemm, wna16
 
     n, k = 80, 256
@@ -207,12 +229,12 @@ def test_the_engine_opt_in_routes_64_rows_and_more_of_an_int4_layer(device, monk
     weight = wna16.WNA16Weight(n, k, 4, 128, torch.float16, kernel={"mma_words": layout["words"],
                                                                     "mma_meta": layout["meta"]})
     assert weight.mma_only
+    monkeypatch.setattr(w4a8_gemm, "MIN_ROWS", 64)
+    monkeypatch.setattr(w4a8_gemm, "MIN_OUT_FEATURES", 80)
     if device == "cpu":  # the interpreter's float32 -> E4M3 rounds unlike torch: the torch quantizer here
         monkeypatch.setattr(w4a8_gemm, "use_triton", lambda t: True)
-        monkeypatch.setattr(w4a8_gemm, "quantize_rows_in_fragment_order",
-                            lambda x: QuantizedRows(fragment_order(quantize_rows(x)[0]), quantize_rows(x)[1], x.dtype))
-        monkeypatch.setattr(w4a8_gemm, "engine_tiling", lambda m, n: dict(block_n=16, block_m=64, num_warps=4,
-                                                                          in_fragment_order=True, rescale=True))
+        monkeypatch.setattr(w4a8_gemm, "quantized_rows", lambda x: QuantizedRows(*quantize_rows(x), x.dtype))
+        monkeypatch.setattr(w4a8_gemm, "ENGINE_TILING", dict(block_n=16, block_m=64, num_warps=4, rescale=True))
     w4a16 = torch.zeros(1, n, device=device, dtype=torch.float16)  # a marker only the W4A16 paths return
     monkeypatch.setattr(wna16, "_product", lambda rows, *args, **kwargs: w4a16.expand(rows.shape[0], n))
     x = torch.randn(2, 40, k, device=device, dtype=torch.float16)  # 80 rows
@@ -223,5 +245,5 @@ def test_the_engine_opt_in_routes_64_rows_and_more_of_an_int4_layer(device, monk
     assert out.shape == (2, 40, n)
     rows = x.reshape(80, k)
     assert torch.equal(out.reshape(80, n), w4a8_gemm.w4a8_linear(rows, layout, n, 128))
-    assert_within_one_rounding(out.reshape(80, n), rows, layout, n, 128)
+    assert_matches_reference(out.reshape(80, n), rows, layout, n, 128)
     assert wna16.wna16_linear(x[:, :20], weight).data_ptr() == w4a16.data_ptr()  # 40 rows
