@@ -63,8 +63,8 @@ from kernels.activation import (gelu_tanh_and_mul, gelu_tanh_and_mul_quantized_t
                                 silu_and_mul_quantized_triton)
 from kernels.e4m3_rows import e4m3_row_scale, to_e4m3
 from kernels.layernorm import layer_norm_quantized_triton, layer_norm_ref
-from kernels.linear import (MAX_SKINNY_ROWS, SKINNY_VARIANTS, graph_time_ms, skinny_linear_triton, variant_options,
-                            wide_variant)
+from kernels.linear import (MAX_SKINNY_ROWS, SKINNY_VARIANTS, activation_ref, graph_time_ms, skinny_linear_triton,
+                            variant_options, wide_variant)
 from kernels.rmsnorm import rms_norm_quantized_triton, rms_norm_ref
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -299,12 +299,25 @@ def _wide_variant(x: torch.Tensor | QuantizedRows, weight: torch.Tensor) -> tupl
 
 
 def _skinny_w8a8(x: QuantizedRows, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None,
-                 *, gated: bool = False, variant: tuple | None = None, out_dtype: torch.dtype | None = None
-                 ) -> torch.Tensor:
+                 *, gated: bool = False, variant: tuple | None = None, out_dtype: torch.dtype | None = None,
+                 activation: str | None = None) -> torch.Tensor:
     variant = variant or getattr(weight, "_fp8_skinny_variant", FP8_SKINNY_DEFAULT)
     return skinny_linear_triton(x.values, weight, bias, weight_scale=weight_scale, x_scale=x.scale,
                                 out_dtype=out_dtype or x.dtype,
-                                gated=gated, **variant_options(variant))
+                                gated=gated, activation=activation, **variant_options(variant))
+
+
+def fp8_linear_activated(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, weight_scale: torch.Tensor,
+                         bias: torch.Tensor | None, activation: str) -> torch.Tensor:
+    """act(fp8_linear(x, weight, weight_scale, bias)), act one of kernels.linear.ACTIVATIONS (a non-gated MLP's
+    up product: Whisper's fc1, T5 v1.0's wi): where the skinny kernel takes the rows (decode rows, or 17-128
+    with a wide-row tiling chosen at load) the bias and the activation in its epilogue, one kernel instead of
+    two; elsewhere the product then kernels.linear.activation_ref. The same rounding either way (the product
+    rounded to the output dtype, the activation in float32 of it, rounded again)."""
+    wide = _wide_variant(x, weight)
+    if wide is not None or _takes_skinny_kernel(x):
+        return _skinny_w8a8(as_quantized_rows(x), weight, weight_scale, bias, variant=wide, activation=activation)
+    return activation_ref(fp8_linear(x, weight, weight_scale, bias), activation)
 
 
 def fp8_gated_linear(x: torch.Tensor | QuantizedRows, weight: torch.Tensor, weight_scale: torch.Tensor,

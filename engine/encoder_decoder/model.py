@@ -45,7 +45,8 @@ from kernels.activation import gelu_tanh_and_mul
 from kernels.attention import paged_attention, write_kv_cache
 from kernels.attention_metadata import AttentionMetadata
 from kernels.fp8 import (FP8_DTYPE, QuantizedRows, ScaledProduct, apply_scales, as_quantized_rows, fp8_linear,
-                         gelu_tanh_and_mul_quantized, layer_norm_quantized, quantizes_activations, rms_norm_quantized)
+                         fp8_linear_activated, gelu_tanh_and_mul_quantized, layer_norm_quantized, quantizes_activations,
+                         rms_norm_quantized)
 from kernels.layernorm import layer_norm
 from kernels.linear import linear, linear_activated, linear_float32_out
 from kernels.relative_position_bias import position_bias
@@ -274,8 +275,8 @@ class MLP(nn.Module):
     def rows(self, x: torch.Tensor | QuantizedRows, *, defer_scales: bool = False) -> torch.Tensor | ScaledProduct:
         """forward for a decoder step's (num_tokens, d_model) rows (or QuantizedRows: Norm.add_and_norm)
         through kernels/linear.py: the up product, its bias and activation one skinny kernel where the
-        runner chose it at load (not for FP8 weights: linear_activated takes weights in the model dtype
-        only, so an FP8 up product is fp8_linear then the activation). FP8 [gate | up] with the gated-GELU
+        runner chose it at load (FP8 weights: kernels/fp8.py's fp8_linear_activated, the same fusion in the
+        W8A8 skinny kernel, also at 17-128 rows with a wide-row tiling). FP8 [gate | up] with the gated-GELU
         on the W8A8 path: the activation's output quantized per token in its kernel for the down product
         (gelu_tanh_and_mul_quantized: the values fp8_linear would make of it, one kernel fewer); then the
         [gate | up] product may defer its scales to that kernel, and with ``defer_scales`` the down product
@@ -291,8 +292,9 @@ class MLP(nn.Module):
         if self.gate is not None:
             return project(self.down, self.activation(project(self.gate, x)) * project(self.up, x),
                            defer_scales=defer_scales)
-        if isinstance(self.up, Fp8Linear):
-            return project(self.down, self.activation(project(self.up, x)), defer_scales=defer_scales)
+        if isinstance(self.up, Fp8Linear):  # (the activation in the skinny kernel's epilogue where it runs)
+            up = fp8_linear_activated(x, self.up.weight, self.up.weight_scale, self.up.bias, self.activation_name)
+            return project(self.down, up, defer_scales=defer_scales)
         return project(self.down, linear_activated(x, self.up.weight, self.up.bias, self.activation_name))
 
 
@@ -523,10 +525,12 @@ class Decoder(_Stack):
         weights = []
         for layer in self.layers:
             attn = layer.self_attn
-            weights += [attn.qkv_weight] if attn.qkv_weight is not None else [p.weight for p in (attn.q, attn.k, attn.v)]
+            qkv = [attn.qkv_weight] if attn.qkv_weight is not None else [p.weight for p in (attn.q, attn.k, attn.v)]
+            weights += qkv
             weights += [p.weight for p in (attn.o, layer.cross_attn.q, layer.cross_attn.o)]
             mlp = layer.mlp
-            halves = [mlp.gate_up] if mlp.gate_up is not None else [m.weight for m in (mlp.gate, mlp.up) if m is not None]
+            halves = [mlp.gate_up] if mlp.gate_up is not None else [
+                m.weight for m in (mlp.gate, mlp.up) if m is not None]
             weights += halves + [mlp.down.weight]
         return weights + [self.lm_head.weight]
 

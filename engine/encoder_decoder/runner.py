@@ -182,7 +182,8 @@ class EncDecRunner(ModelRunner):
                                       for key, variant in choose_fp8_skinny_variants(fp8).items()})
         else:
             ups = [layer.mlp.up.weight for layer in layers] if layers[0].mlp.gate is None else []
-            plain = [w for w in self.model.decode_step_weights() if not any(w is up for up in ups)] + list(extra_weights)
+            plain = [w for w in self.model.decode_step_weights() if not any(w is up for up in ups)]
+            plain += list(extra_weights)
             self.gemm_choices = choose_skinny_weights(plain)
             if ups:
                 activation = layers[0].mlp.activation_name

@@ -407,3 +407,32 @@ def test_fp8_linear_takes_the_wide_tiling_chosen_at_load(rows, monkeypatch):
     gated_want = silu_and_mul(fp8_linear_ref(x.float(), w_q, w_scale)).float()
     got = fp8_gated_linear(x, gate_up, w_scale).float()
     assert ((got - gated_want).norm() / gated_want.norm()).item() < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("activation", ["gelu", "relu", "gelu_tanh"])
+@pytest.mark.parametrize("rows", [8, 40])  # 8: the skinny decode tiling; 40: a wide-row tiling marked on the weight
+def test_activated_fp8_product_fuses_bias_and_activation_into_the_skinny_kernel(device, rows, activation):
+    """The skinny W8A8 kernel with the bias and an activation in its epilogue (kernels/fp8.py _skinny_w8a8's
+    ``activation``) gives the activation of its plain product (the product's rounding kept); fp8_linear_activated
+    (a non-gated MLP's up product: Whisper's fc1) takes that kernel where it runs the rows (CUDA: the decode
+    tiling, or a wide-row tiling marked on the weight) and the product then the activation elsewhere. A GELU
+    computed after the product instead of in the epilogue fails on CUDA (the exact equality below)."""
+    from kernels.fp8 import _skinny_w8a8, as_quantized_rows, fp8_linear_activated
+    from kernels.linear import WIDE_ATTR, activation_ref
+    from kernels.wide_rows import WIDE_TILINGS
+
+    generator = torch.Generator().manual_seed(9)
+    w_q, w_scale = (t.to(device) for t in quantize_weight(torch.randn(96, 64, generator=generator) * 0.1))
+    bias = torch.randn(96, generator=generator).to(device)
+    x = as_quantized_rows((torch.randn(rows, 64, generator=generator) * 2).to(device))
+    variant = tuple(WIDE_TILINGS[1][0]) + (1, 1) if rows > 16 else None
+    if variant is not None:
+        setattr(w_q, WIDE_ATTR, {64: variant})
+    fused = _skinny_w8a8(x, w_q, w_scale, bias, variant=variant, activation=activation)
+    # (float32 outputs: the kernel's erf / tanh against torch's, an ulp or two apart)
+    torch.testing.assert_close(fused, activation_ref(_skinny_w8a8(x, w_q, w_scale, bias, variant=variant), activation),
+                               rtol=1e-5, atol=1e-5)
+    takes_kernel = device == "cuda" or variant is not None  # (a weight marked wide takes it whatever the device)
+    want = fused if takes_kernel else activation_ref(fp8_linear(x, w_q, w_scale, bias), activation)
+    torch.testing.assert_close(fp8_linear_activated(x, w_q, w_scale, bias, activation), want, rtol=0, atol=0)
