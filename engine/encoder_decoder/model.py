@@ -359,23 +359,43 @@ class EncoderLayer(nn.Module):
         """x: (B, L, d); bias: (B or 1, heads or 1, L or 1, L), -inf at padded keys, or None (no
         padding, no position bias). CPU: float32 scores (bias float32); CUDA: torch's fused
         attention in the model dtype (bias in it too), as transformers' sdpa attention runs it.
-        ``t5`` (T5 on CUDA): (stack, lengths) for t5_attention.encoder_attention instead of ``bias``."""
-        def attend(h):
-            q, k, v = self.attn.qkv_heads(h)
-            if t5 is not None:
-                return self.attn.o(encoder_attention(t5[0], q, k, v, t5[1], self.attn.scale).flatten(2))
-            if h.is_cuda:
-                out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                     attn_mask=bias, scale=self.attn.scale).transpose(1, 2)
-                return self.attn.o(out.flatten(2))
-            q, k, v = q.float(), k.float(), v.float()
-            scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * self.attn.scale
-            if bias is not None:
-                scores = scores + bias
-            out = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(scores, dim=-1), v).to(h.dtype)
-            return self.attn.o(out.flatten(2))
-        x = _sublayer(self.attn_norm, self.pre_norm, x, attend)
+        ``t5`` (T5 on CUDA): (stack, lengths) for t5_attention.encoder_attention instead of ``bias``.
+        (Pre-norm stacks run ``pre_norm_step`` instead: Encoder.encode.)"""
+        x = _sublayer(self.attn_norm, self.pre_norm, x, lambda h: self.attend(h, bias, t5))
         return _sublayer(self.mlp_norm, self.pre_norm, x, self.mlp)
+
+    def attend(self, h: torch.Tensor | QuantizedRows, bias: torch.Tensor | None, t5=None,
+               shape: torch.Size | None = None) -> torch.Tensor:
+        """The self-attention sublayer (forward's bias and t5) of h (B, L, d), or with ``shape`` (B, L, d) of its
+        (B * L, d) rows, a tensor or QuantizedRows (Norm.add_and_norm) -> (B, L, d)."""
+        q, k, v = self.attn.qkv_heads(h)
+        if shape is not None:
+            q, k, v = (t.view(*shape[:2], self.attn.heads, self.attn.head_dim) for t in (q, k, v))
+        if t5 is not None:
+            return self.attn.o(encoder_attention(t5[0], q, k, v, t5[1], self.attn.scale).flatten(2))
+        if q.is_cuda:
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                 attn_mask=bias, scale=self.attn.scale).transpose(1, 2)
+            return self.attn.o(out.flatten(2))
+        dtype = q.dtype
+        q, k, v = q.float(), k.float(), v.float()
+        scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * self.attn.scale
+        if bias is not None:
+            scores = scores + bias
+        out = torch.einsum("bhqk,bkhd->bqhd", torch.softmax(scores, dim=-1), v).to(dtype)
+        return self.attn.o(out.flatten(2))
+
+    def pre_norm_step(self, x: torch.Tensor, residual: torch.Tensor | None, bias: torch.Tensor | None, t5,
+                      shape: torch.Size, quantize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """A pre-norm layer over the (B * L, d) rows of a (B, L, d) = ``shape`` batch, the decoder step's way:
+        (this layer's last sublayer output, the residual stream without it). Each norm does the residual add
+        before it and, ``quantize`` (FP8 on the W8A8 path), quantizes its output for the products after it in
+        its kernel (Norm.add_and_norm); the MLP runs as MLP.rows (T5 v1.1's gated-GELU quantizing the down
+        product's input). The same values as forward's (up to the kernels' rounding on CUDA)."""
+        h, residual = self.attn_norm.add_and_norm(x, residual, quantize=quantize)
+        x = self.attend(h, bias, t5, shape).reshape(-1, shape[-1])
+        h, residual = self.mlp_norm.add_and_norm(x, residual, quantize=quantize)
+        return self.mlp.rows(h), residual
 
 
 class Encoder(_Stack):
@@ -439,10 +459,18 @@ class Encoder(_Stack):
         else:
             bias, t5 = self._attention_bias(positions, lengths, x.dtype if x.is_cuda else torch.float32,
                                             padded=min(sizes) < longest), None
-        for layer in self.layers:
-            x = layer(x, bias, t5)
-        if self.final_norm is not None:
-            x = self.final_norm(x)
+        if self.spec.pre_norm:  # T5, Whisper: the residual adds in the norms (EncoderLayer.pre_norm_step)
+            shape = x.shape
+            quantize = isinstance(self.layers[0].attn.q, Fp8Linear) and quantizes_activations(x.device)
+            x, residual = x.reshape(-1, shape[-1]), None
+            for layer in self.layers:
+                x, residual = layer.pre_norm_step(x, residual, bias, t5, shape, quantize)
+            x = (x + residual if self.final_norm is None else self.final_norm.add_and_norm(x, residual)[0]).view(shape)
+        else:
+            for layer in self.layers:
+                x = layer(x, bias, t5)
+            if self.final_norm is not None:
+                x = self.final_norm(x)
         return [x[i, :length] for i, length in enumerate(sizes)]
 
 
