@@ -197,28 +197,27 @@ def layer_norm_quantized(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
 def silu_and_mul_quantized(x: torch.Tensor | ScaledProduct) -> QuantizedRows:
     """kernels.activation.silu_and_mul with its output quantized per row; a ScaledProduct x has its
     scales applied in the same kernel."""
-    scales = None
-    if isinstance(x, ScaledProduct):
-        x, scales = x.values, (x.row_scale, x.col_scale)
-    if use_triton(x):
-        return QuantizedRows(*silu_and_mul_quantized_triton(x, x_scales=scales), x.dtype)
-    if scales is not None:
-        x = apply_scales(ScaledProduct(x, *scales))
-    return as_quantized_rows(silu_and_mul(x))
+    return _gated_quantized(x, silu_and_mul_quantized_triton, silu_and_mul)
 
 
 def gelu_tanh_and_mul_quantized(x: torch.Tensor | ScaledProduct) -> QuantizedRows:
     """kernels.activation.gelu_tanh_and_mul with its output quantized per row in the same kernel (T5 v1.1's
     gated-GELU before an FP8 down projection): the values quantize_rows gives on the unfused output. A
     ScaledProduct x has its scales applied in the same kernel."""
+    return _gated_quantized(x, gelu_tanh_and_mul_quantized_triton, gelu_tanh_and_mul)
+
+
+def _gated_quantized(x: torch.Tensor | ScaledProduct, fused, unfused) -> QuantizedRows:
+    """A gated activation quantized per row: ``fused`` (its Triton kernel, the product's scales applied inside)
+    on CUDA, else ``unfused`` then the row quantizer (the scales applied first)."""
     scales = None
     if isinstance(x, ScaledProduct):
         x, scales = x.values, (x.row_scale, x.col_scale)
     if use_triton(x):
-        return QuantizedRows(*gelu_tanh_and_mul_quantized_triton(x, x_scales=scales), x.dtype)
+        return QuantizedRows(*fused(x, x_scales=scales), x.dtype)
     if scales is not None:
         x = apply_scales(ScaledProduct(x, *scales))
-    return as_quantized_rows(gelu_tanh_and_mul(x))
+    return as_quantized_rows(unfused(x))
 
 
 def dequantize_rows(x_q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -99,12 +99,10 @@ def layer_norm_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     assert second is None or (second[1] is None) == (bias is None)
     out = torch.empty_like(x)
     out2 = torch.empty_like(x) if second is not None else None
-    stream = torch.empty_like(x) if adds else x
+    stream, add0, add1 = _stream_and_adds(x, adds)
     if num_tokens == 0:
         return out, stream, out2
     block = triton.next_power_of_2(hidden)
-    add0 = adds[0] if adds else x
-    add1 = adds[1] if len(adds) > 1 else add0
     w2, b2 = second if second is not None else (weight, bias)
     weight, bias, w2, b2 = dense(weight, bias, w2, b2)  # read at ptr + column
     _layer_norm_kernel[(num_tokens,)](
@@ -117,6 +115,13 @@ def layer_norm_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     return out, stream, out2
 
 
+def _stream_and_adds(x: torch.Tensor, adds: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """The kernel's residual-stream output (x itself when nothing is added) and its two add operands (unread
+    ones alias the last given, or x)."""
+    add0 = adds[0] if adds else x
+    return (torch.empty_like(x) if adds else x), add0, (adds[1] if len(adds) > 1 else add0)
+
+
 def layer_norm_quantized_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float,
                                 adds: tuple[torch.Tensor, ...] = ()) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``layer_norm_triton`` (one norm) with its output quantized per row to E4M3 in the same launch:
@@ -126,12 +131,10 @@ def layer_norm_quantized_triton(x: torch.Tensor, weight: torch.Tensor, bias: tor
     assert len(adds) <= 2 and x.stride(1) == 1 and all(t.stride(1) == 1 and t.shape == x.shape for t in adds)
     values = torch.empty(num_tokens, hidden, dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty(num_tokens, dtype=torch.float32, device=x.device)
-    stream = torch.empty_like(x) if adds else x
+    stream, add0, add1 = _stream_and_adds(x, adds)
     if num_tokens == 0:
         return values, scale, stream
     block = triton.next_power_of_2(hidden)
-    add0 = adds[0] if adds else x
-    add1 = adds[1] if len(adds) > 1 else add0
     weight, bias = dense(weight, bias)
     _layer_norm_kernel[(num_tokens,)](
         x, add0, add1, weight, bias if bias is not None else weight, weight, weight, values, values, stream, scale,
