@@ -19,7 +19,7 @@
 # 5, 6 session 16's retries (run). 7 (~250 s on two GPUs, ~450 s with LANES=1) session 17's one-GPU jobs in two lanes (LANES=1 on one GPU);
 #    8 (~270 s) the KV pull and NIXL GPU tests, PP 2 with stage graphs and with two steps in flight;
 #    9 (~430 s) disagg_bench at 6 and 10 req/s, then with the context executor in its own process.
-# 10-12 session 17's later calls, 13-16 session 18's, 17 session 19's first, 18 session 20's first, 19 its plan for the next session, 20 session 21's first bench call, 21 what call 20 lost, 22 session 22's, 23 session 23's middle call (each case's comment says what it runs and
+# 10-12 session 17's later calls, 13-16 session 18's, 17 session 19's first, 18 session 20's first, 19 its plan for the next session, 20 session 21's first bench call, 21 what call 20 lost, 22 session 22's, 23 session 23's middle call, 24 its last (each case's comment says what it runs and
 # how long).
 #
 # Everything goes to /tmp/x2_call$CALL; at the end OUT gets call$CALL.tgz (all logs and JSON), summary.txt (what
@@ -27,7 +27,7 @@
 # each job's exit status and its result lines, so the call's output_tail alone is enough to read.
 set -u
 script=$(realpath "$0")
-call=${1:?usage: x2_gpu_run.sh 1-23 [OUT]}
+call=${1:?usage: x2_gpu_run.sh 1-24 [OUT]}
 out=$(realpath -m "${2:-${OUT:-/tmp/x2_gpu_run}}")
 mkdir -p "$out"
 if [ -z "${X2_UNDER_TEE:-}" ]; then  # the console also in $out/summary.txt, complete when the call returns
@@ -45,7 +45,7 @@ smoke=${SMOKE:-0}
 if [ "$smoke" != 1 ]; then
   need=2; [ "$call" = 7 ] && [ "${LANES:-2}" = 1 ] && need=1  # call 7's lanes run one after the other on one GPU
   [ "$call" = 22 ] && [ -n "${ONLY:-}" ] && [[ ",$ONLY," != *,pp,* ]] && need=1  # call 22 without its PP part
-  [ "$call" = 23 ] && need=1  # (two lanes where two GPUs are, else one after the other)
+  { [ "$call" = 23 ] || [ "$call" = 24 ]; } && need=1  # (two lanes where two GPUs are, else one after the other)
   "$PYTHON" -c "import torch; n = torch.cuda.device_count(); assert n >= $need, f'{n} GPU(s): this call needs $need'" || exit 1
 fi
 
@@ -673,7 +673,43 @@ PY
     echo "== $f"; grep -E "^\| (batch-1|bandwidth|\.\.\.)|moe_gemv|gemv|Error|Traceback|^\[load" "$w/$f.log" | cut -c1-400 | head -20
   done
   ;;
-*) echo "x2_gpu_run.sh: CALL must be 1 to 23, got '$call'"; exit 2 ;;
+24)
+  # Session 23's last call (~400 s, two lanes; one GPU: one after the other). GPU 0: helper sq9's int8 GEMM (rows past 16,
+  # /tmp/notes/sq9.md), then engine_bench bf16 against int8_sq (batch-1 and 128/128 offline, issue 52's >= 1.3x), then
+  # the VLM offline runs after the sampling kernels' fix (fde908a: the first image run's long step launch).
+  # GPU 1: helper w4a8's W4A8 GEMM (/tmp/notes/w4a8.md), helper enc23's encoder-decoder tests and encdec_bench
+  # (/tmp/notes/enc23.md), helper t5attn's T5 decode self-attention (/tmp/notes/t5attn.md).
+  lane1_gpu=1
+  [ "$smoke" = 1 ] || [ "$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())')" -lt 2 ] && lane1_gpu=0
+  (
+    if [ -f benchmarks/engine/gpu24_sq9.sh ]; then CUDA_VISIBLE_DEVICES=0 job sq9 160 bash benchmarks/engine/gpu24_sq9.sh "$w/sq9"; fi
+    for q in bf16 int8_sq; do
+      on_gpu 0 "sq_$q" 120 "$PYTHON" benchmarks/engine/engine_bench.py --sections decode,offline --offline 128x128x1024 \
+        --max-batch-size 512 $([ "$q" = int8_sq ] && echo --quantization int8_sq) --out "$w/sq_$q.json" \
+        --results-md "$w/sq_$q.md"
+    done
+    on_gpu 0 vlm 130 "$PYTHON" benchmarks/engine/vlm_bench.py --sections offline --hf-batches= --encode-batch 32 \
+      --also-encode-batches 32 --offline-variants fp8-tower --sync-watch --out "$w/vlm.json" --results-md "$w/vlm.md"
+  ) &
+  lane0=$!
+  [ "$lane1_gpu" = 0 ] && wait "$lane0"
+  if [ -f benchmarks/engine/gpu24_w4a8.sh ]; then CUDA_VISIBLE_DEVICES=$lane1_gpu job w4a8 160 bash benchmarks/engine/gpu24_w4a8.sh "$w/w4a8"; fi
+  CUDA_VISIBLE_DEVICES=$lane1_gpu job enc_tests 60 "$PYTHON" -m pytest -q -rfEs -s -p no:cacheprovider -m gpu \
+    tests/engine/test_encoder_decoder_fp8_weights.py tests/engine/test_encoder_decoder.py tests/engine/test_whisper_fused_decode.py \
+    tests/kernels/test_kernel_elementwise.py tests/kernels/test_fp8.py -k "cuda or fused_graphs_equal_unfused or \
+activated_fp8_product or quantized_gated_activation or quantized_gelu_tanh or quantized_layer_norm or layer_norm_with_its_adds"
+  if [ -f benchmarks/engine/gpu24_t5attn.sh ]; then CUDA_VISIBLE_DEVICES=$lane1_gpu job t5attn 95 bash benchmarks/engine/gpu24_t5attn.sh "$w/t5attn"; fi
+  on_gpu $lane1_gpu enc_bench 100 "$PYTHON" -u benchmarks/engine/encdec_bench.py --sections whisper,t5 --hf-whisper-batches "" \
+    --hf-t5-batches "" --cross-kv-cache-dtype fp8 --quantization none,fp8 --out "$w/enc.json" --results-md "$w/enc.md"
+  wait
+  for f in sq9 w4a8 t5attn; do [ -f "$w/$f.log" ] && { echo "== $f"; grep -v -i warning "$w/$f.log" | tail -40 | cut -c1-400; }; done
+  for q in bf16 int8_sq; do [ -f "$w/sq_$q.log" ] && { echo "== sq_$q"; grep -E "^\| (batch-1|offline|\.\.\.)|Error|Traceback" "$w/sq_$q.log" | cut -c1-300; }; done
+  echo "== enc_tests"; grep -E "CUDA: FP8|passed|failed|Error|assert" "$w/enc_tests.log" | tail -12 | cut -c1-300
+  echo "== enc_bench"; grep -vi warning "$w/enc_bench.log" | grep -E "whisper|t5|audio|tok/s|Error|Traceback|run:" | cut -c1-400 | head -24
+  echo "== vlm"; grep -E "^offline |Error|Traceback" "$w/vlm.log" | cut -c1-600
+  [ -f "$w/vlm.md" ] && grep -E "^\|" "$w/vlm.md" | cut -c1-300
+  ;;
+*) echo "x2_gpu_run.sh: CALL must be 1 to 24, got '$call'"; exit 2 ;;
 esac
 tar czf "$out/call$call.tgz" -C /tmp "x2_call$call"
 for md in "$w"/*.md; do [ -f "$md" ] && cp "$md" "$out/"; done
