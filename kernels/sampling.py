@@ -144,13 +144,15 @@ def _warm_other_variants(logits: torch.Tensor) -> None:
         return
     _warmed.add(key)
     width, stride = key[0], key[1]
-    many = 2 * num_sms(logits.device) + 1  # past this many rows each row is one program
-    for rows in (1, many):
-        dummy = torch.zeros(rows, stride, dtype=logits.dtype, device=logits.device)[:, :width]
-        zeros = torch.zeros(rows, dtype=torch.int64, device=logits.device)
-        if rows <= GREEDY_SPLIT_MAX_ROWS:
-            _best_per_row(dummy, None)
-        _best_per_row(dummy, (torch.ones(rows, device=logits.device), zeros, zeros))
+    # One row of the same width and stride (a large batch's logits would take hundreds of MB of a device whose
+    # KV pool was sized to its limit): split over many programs, and walking the row in one program, which is
+    # the variant of every batch past 2 * SMs rows (sampled ones: greedy ones that large take torch.argmax).
+    dummy = torch.zeros(1, stride, dtype=logits.dtype, device=logits.device)[:, :width]
+    zeros = torch.zeros(1, dtype=torch.int64, device=logits.device)
+    gumbel = (torch.ones(1, device=logits.device), zeros, zeros)
+    _best_per_row(dummy, None, programs=2 * num_sms(logits.device))
+    for programs in (2 * num_sms(logits.device), 1):
+        _best_per_row(dummy, gumbel, programs=programs)
 
 
 def _best_per_row(logits: torch.Tensor, gumbel: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,

@@ -682,6 +682,7 @@ PY
   lane1_gpu=1
   [ "$smoke" = 1 ] || [ "$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())')" -lt 2 ] && lane1_gpu=0
   (
+    CUDA_VISIBLE_DEVICES=0 job sampling_tests 40 "$PYTHON" -m pytest -q -rfEs -p no:cacheprovider tests/kernels/test_kernel_sampling.py
     if [ -f benchmarks/engine/gpu24_sq9.sh ]; then CUDA_VISIBLE_DEVICES=0 job sq9 160 bash benchmarks/engine/gpu24_sq9.sh "$w/sq9"; fi
     for q in bf16 int8_sq; do
       on_gpu 0 "sq_$q" 120 "$PYTHON" benchmarks/engine/engine_bench.py --sections decode,offline --offline 128x128x1024 \
@@ -702,6 +703,7 @@ activated_fp8_product or quantized_gated_activation or quantized_gelu_tanh or qu
   on_gpu $lane1_gpu enc_bench 100 "$PYTHON" -u benchmarks/engine/encdec_bench.py --sections whisper,t5 --hf-whisper-batches "" \
     --hf-t5-batches "" --cross-kv-cache-dtype fp8 --quantization none,fp8 --out "$w/enc.json" --results-md "$w/enc.md"
   wait
+  echo "== sampling_tests"; grep -E "passed|failed|FAILED" "$w/sampling_tests.log" | tail -3
   for f in sq9 w4a8 t5attn; do [ -f "$w/$f.log" ] && { echo "== $f"; grep -v -i warning "$w/$f.log" | tail -40 | cut -c1-400; }; done
   for q in bf16 int8_sq; do [ -f "$w/sq_$q.log" ] && { echo "== sq_$q"; grep -E "^\| (batch-1|offline|\.\.\.)|Error|Traceback" "$w/sq_$q.log" | cut -c1-300; }; done
   echo "== enc_tests"; grep -E "CUDA: FP8|passed|failed|Error|assert" "$w/enc_tests.log" | tail -12 | cut -c1-300
