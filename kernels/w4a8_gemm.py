@@ -56,6 +56,7 @@ from kernels.e4m3_rows import e4m3_row_scale, to_e4m3
 from kernels.fp8 import FP8_DTYPE, QUANTIZE_ONE_PASS_MAX, QuantizedRows, quantize_rows, quantize_rows_triton
 from kernels.linear import _arrival_counters
 from kernels.wna16_layout import finish_tile
+from kernels.wna16_mma_gemm import gemm_program
 from kernels.wna16_mma_dense import _magic_nibble
 
 
@@ -177,16 +178,8 @@ def _w4a8_gemm_kernel(
     (one quantization group or part of one)."""
     BLOCK_N: tl.constexpr = TT * 16
     SUB_K: tl.constexpr = SUB_KB * 64
-    m_tiles = tl.cdiv(M, BLOCK_M)
-    tile = tl.program_id(0)
-    n_tile = tile // m_tiles
-    rows = (tile % m_tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)  # inside N_PAD (BLOCK_N divides it): scales read unmasked
-    row_ok = rows < M
-    col_ok = cols < N
-    t = n_tile * TT + tl.arange(0, TT)
-    kb_begin = tl.program_id(1) * BLOCKS_PER_SPLIT
-    kb_end = tl.minimum(kb_begin + BLOCKS_PER_SPLIT, BLOCKS)
+    # cols inside N_PAD (BLOCK_N divides it): the scales are read unmasked
+    tile, rows, cols, row_ok, col_ok, t, kb_begin, kb_end = gemm_program(M, N, BLOCKS, BLOCKS_PER_SPLIT, TT, BLOCK_M)
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + tl.arange(0, SUB_K)[None, :]  # (BLOCK_M, SUB_K)
     x_block = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + tl.arange(0, 64)[None, :]  # (BLOCK_M, 64)
     if W_FIRST:

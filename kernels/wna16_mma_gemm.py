@@ -50,6 +50,24 @@ def takes(in_features: int, block_n: int, block_k: int) -> bool:
     return block_k % wna16_mma.KB_COLUMNS == 0 and in_features % block_k == 0 and wna16_mma.PAD_ROWS % block_n == 0
 
 
+@jit
+def gemm_program(M, N, BLOCKS, BLOCKS_PER_SPLIT, TT: tl.constexpr, BLOCK_M: tl.constexpr):
+    """What program (tile, split) of a GEMM over the operand-order words covers (this one's and
+    kernels/w4a8_gemm.py's): out rows [BLOCK_M i, +BLOCK_M) x columns [16 TT j, +16 TT) (tile = j * m_tiles + i: the
+    programs of one weight tile run together), k blocks [split * BLOCKS_PER_SPLIT, +BLOCKS_PER_SPLIT). Returns
+    (tile, rows, cols, row_ok, col_ok, t: the weight's 16-row tiles (inside N_PAD: BLOCK_N divides it), kb_begin,
+    kb_end)."""
+    m_tiles = tl.cdiv(M, BLOCK_M)
+    tile = tl.program_id(0)
+    n_tile = tile // m_tiles
+    rows = (tile % m_tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = n_tile * (TT * 16) + tl.arange(0, TT * 16)
+    t = n_tile * TT + tl.arange(0, TT)
+    kb_begin = tl.program_id(1) * BLOCKS_PER_SPLIT
+    kb_end = tl.minimum(kb_begin + BLOCKS_PER_SPLIT, BLOCKS)
+    return tile, rows, cols, rows < M, cols < N, t, kb_begin, kb_end
+
+
 # Sizes unspecialized (one compile serves every layer and batch: Triton would otherwise compile again for each
 # size's divisibility by 16); the strides stay specialized (16-byte row starts let x and out move in vectors).
 @jit(do_not_specialize=["M", "N", "N_PAD", "GROUP", "BLOCKS", "BLOCKS_PER_SPLIT"])
@@ -64,16 +82,7 @@ def _mma_gemm_kernel(
     +BLOCKS_PER_SPLIT) (a multiple of KB), KB blocks (KB * 64 columns) a step."""
     BLOCK_N: tl.constexpr = TT * 16
     BLOCK_K: tl.constexpr = KB * 64
-    m_tiles = tl.cdiv(M, BLOCK_M)
-    tile = tl.program_id(0)
-    n_tile = tile // m_tiles
-    rows = (tile % m_tiles) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < M
-    col_ok = cols < N
-    t = n_tile * TT + tl.arange(0, TT)  # the weight's 16-row tiles (inside N_PAD: BLOCK_N divides it)
-    kb_begin = tl.program_id(1) * BLOCKS_PER_SPLIT
-    kb_end = tl.minimum(kb_begin + BLOCKS_PER_SPLIT, BLOCKS)
+    tile, rows, cols, row_ok, col_ok, t, kb_begin, kb_end = gemm_program(M, N, BLOCKS, BLOCKS_PER_SPLIT, TT, BLOCK_M)
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + tl.arange(0, BLOCK_K)[None, :]  # (BLOCK_M, BLOCK_K)
     if W_FIRST:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)

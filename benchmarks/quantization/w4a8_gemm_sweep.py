@@ -21,10 +21,8 @@ skipped; ``--budget-s`` stops the sweep (outputs written after every row count).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from datetime import datetime, timezone
@@ -35,13 +33,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: en
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from benchmarks.quantization.int4_sweep_shared import SHAPES, Sweep, sweep_arguments, warm_in_processes  # noqa: E402
 from kernels import fp8, wna16, wna16_mma  # noqa: E402
 from kernels.fp8 import QuantizedRows  # noqa: E402
 from kernels.w4a8_gemm import quantize_rows_in_fragment_order, supports, w4a8_matmul, w4a8_reference  # noqa: E402
 from kernels.wna16 import MMA_GEMM_VARIANTS, dequantize, quantize, unpack_codes  # noqa: E402
 
-SHAPES = {"gate_up": (28672, 4096), "down": (4096, 14336), "qkv": (6144, 4096), "o": (4096, 4096)}  # largest first
-TINY_SHAPES = {"tiny": (256, 512)}
 GROUP = 128
 # (block_n, block_m, num_warps, num_stages, split_k, block_k, weight first (the dot's A operand, in registers),
 # rescale (one tile of sums, the dots accumulating into it), fragment order (the weight's codes made where the FP8
@@ -68,34 +65,17 @@ def tiling_options(tiling: tuple) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default="w4a8_gemm_sweep.json")
-    parser.add_argument("--md", default=None)
-    parser.add_argument("--shapes", default=None, help="comma-separated names (default: all)")
-    parser.add_argument("--rows", default="256,64,512,128,1024")
+    parser = sweep_arguments(__doc__, "w4a8_gemm_sweep.json", "256,64,512,128,1024", 90.0, 8)
     parser.add_argument("--tilings", default=None, help="comma-separated indices into TILINGS (default: all)")
-    parser.add_argument("--budget-s", type=float, default=90.0, help="stop starting new rows after this")
-    parser.add_argument("--tiny", action="store_true", help="CPU rehearsal under TRITON_INTERPRET=1 (no timings)")
-    parser.add_argument("--warm-procs", type=int, default=8,
-                        help="compile the tilings first in this many processes at once (Triton's disk cache)")
-    parser.add_argument("--warm-slice", default=None, help=argparse.SUPPRESS)  # "i/P": a warming process's share
     args = parser.parse_args()
     start = time.time()
     tilings = TILINGS if not args.tilings else tuple(TILINGS[int(i)] for i in args.tilings.split(","))
     if args.warm_slice:
         _warm(*map(int, args.warm_slice.split("/")), tilings)
         return
-    if not args.tiny and args.warm_procs > 1:
-        procs = [subprocess.Popen([sys.executable, __file__, "--warm-slice", f"{i}/{args.warm_procs}"]
-                                  + (["--tilings", args.tilings] if args.tilings else []))
-                 for i in range(args.warm_procs)]
-        codes = [p.wait() for p in procs]
-        print(f"compiled in {args.warm_procs} processes in {time.time() - start:.0f} s (exit {codes})", flush=True)
-    device = "cpu" if args.tiny else "cuda"
-    shapes = TINY_SHAPES if args.tiny else SHAPES
-    names = args.shapes.split(",") if args.shapes else list(shapes)
-    rows_list = [int(r) for r in args.rows.split(",") if r]
-    dtype = torch.float16 if args.tiny else torch.bfloat16  # the interpreter truncates float32 -> bf16
+    warm_in_processes(__file__, args, start, ["--tilings", args.tilings] if args.tilings else [])
+    sweep = Sweep.from_args(args)
+    device, dtype = sweep.device, sweep.dtype
     machine = "CPU (TRITON_INTERPRET=1)" if args.tiny else torch.cuda.get_device_name()
     commit = os.environ.get("BENCH_COMMIT", "unknown")
     header = [f"# W4A8 GEMM sweep, {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, {machine}, commit {commit}",
@@ -110,11 +90,7 @@ def main() -> None:
     results: dict = {"machine": machine, "commit": commit, "tilings": [list(t) for t in tilings], "shapes": {}}
     torch.manual_seed(0)
     with torch.inference_mode():
-        for name in names:
-            if time.time() - start > args.budget_s:
-                print(f"budget reached before {name}", flush=True)
-                break
-            n, k = shapes[name]
+        for name, (n, k) in sweep.shapes_in_budget(start, args.budget_s):
             stored, scale, zero = quantize(torch.randn(n, k, device=device) * 0.02, 4, GROUP, symmetric=False)
             packed = wna16_mma.pack_mma_layout(unpack_codes(stored, 4), scale, zero)
             exact = dequantize(stored, scale.half().float(), zero, 4)  # float32: (q - z) * s exactly
@@ -122,29 +98,19 @@ def main() -> None:
             exact64, dense32 = exact.double(), dense.float()
             w_q, w_scale = fp8.quantize_weight(dense)
             gemm_kernel = {"mma_words": packed["words"], "mma_meta": packed["meta"]}
-            if args.tiny:
-                dense_copies, layouts, fp8_copies, gemm_layouts = [dense], [packed], [w_q], [gemm_kernel]
-            else:
-                dense_copies, fp8_copies = _copies(dense), _copies(w_q)
-                layouts = [{**packed, "words": w} for w in _copies(packed["words"])]
-                gemm_layouts = [{**gemm_kernel, "mma_words": w["words"]} for w in layouts]
+            dense_copies, fp8_copies = sweep.copies(dense), sweep.copies(w_q)
+            layouts = [{**packed, "words": w} for w in sweep.copies(packed["words"])]
+            gemm_layouts = [{**gemm_kernel, "mma_words": w["words"]} for w in layouts]
             turn = iter(range(1 << 40))
             results["shapes"][name] = {}
-            for m in rows_list:
-                if time.time() - start > args.budget_s:
-                    print(f"budget reached at {name} M={m}", flush=True)
-                    break
+            for m in sweep.rows_in_budget(name, start, args.budget_s):
                 x = torch.randn(m, k, device=device, dtype=dtype)
                 rows = QuantizedRows(*fp8.as_quantized_rows(x)[:2], dtype)
                 permuted = quantize_rows_in_fragment_order(x)
                 exact_out = (rows.values.double() @ exact64.t()) * rows.scale.double()[:, None]
                 bf16_out = F.linear(x.float(), dense32)  # the INT4 engine's product, in float32
 
-                def timed(fn):
-                    if args.tiny:
-                        fn()
-                        return float("nan")
-                    return 1e3 * _graph_time_ms(fn)
+                timed = sweep.time_us
 
                 def pick(copies):
                     return copies[next(turn) % len(copies)]
@@ -191,7 +157,7 @@ def main() -> None:
                     "w4a8_share_within_one_rounding": ulps,
                     "w4a8_rel_err_vs_ref": ref_err, "w4a8_rel_err_vs_bf16": bf16_err, "failed": failed,
                     "reference_check": _rel(w4a8_reference(rows, packed, n, GROUP), exact_out)
-                    if m == rows_list[0] else None}
+                    if m == sweep.rows[0] else None}
                 best_us = w4a8.get(best, float("nan"))
                 best_quant = quant_frag if best and any(str(t) == best and t[8] for t in tilings) else quant
                 w4a16_us = w4a16.get(best_w4a16, float("nan"))
@@ -258,16 +224,6 @@ def _triton_version() -> str:
         return triton.__version__
     except ImportError:
         return "none"
-
-
-def _copies(t: torch.Tensor) -> list[torch.Tensor]:
-    from kernels.fp8 import l2_defeating_copies
-    return l2_defeating_copies(t)
-
-
-def _graph_time_ms(fn) -> float:
-    from kernels.linear import graph_time_ms
-    return graph_time_ms(fn)
 
 
 if __name__ == "__main__":

@@ -14,9 +14,7 @@ recorded with its error and skipped; ``--budget-s`` stops the sweep (outputs wri
 """
 from __future__ import annotations
 
-import argparse
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,12 +24,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: en
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from benchmarks.quantization.int4_sweep_shared import SHAPES, Sweep, sweep_arguments, warm_in_processes  # noqa: E402
 from kernels import wna16  # noqa: E402
 from kernels.wna16 import (DENSE, MMA_GEMM_KIND, MMA_GEMM_VARIANTS, dequantized_weight, prepare_wna16,  # noqa: E402
                            quantize)
 
-SHAPES = {"gate_up": (28672, 4096), "down": (4096, 14336), "qkv": (6144, 4096), "o": (4096, 4096)}  # largest first
-TINY_SHAPES = {"tiny": (256, 512)}
 # The rows kernel's best tiling at 64-256 rows (benchmarks/results/quantization.md, 2026-11-29 16:18).
 ROWS_REFERENCE = (128, 32, 4, 3, 1, wna16.MMA_ROWS_KIND)
 # (block_n, block_m, num_warps, num_stages, split_k, MMA_GEMM_KIND, block_k, weight first, nibbles: 2 joined by
@@ -46,31 +43,14 @@ TILINGS = MMA_GEMM_VARIANTS + tuple((bn, bm, w, s, sk, MMA_GEMM_KIND, bk, 1, j) 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default="wna16_gemm_sweep.json")
-    parser.add_argument("--md", default=None)
-    parser.add_argument("--shapes", default=None, help="comma-separated names (default: all)")
-    parser.add_argument("--rows", default="256,64,128,512")
-    parser.add_argument("--budget-s", type=float, default=140.0, help="stop starting new shapes/rows after this")
-    parser.add_argument("--tiny", action="store_true", help="CPU rehearsal under TRITON_INTERPRET=1 (no timings)")
-    parser.add_argument("--warm-procs", type=int, default=4,
-                        help="compile the tilings first in this many processes at once (Triton's disk cache)")
-    parser.add_argument("--warm-slice", default=None, help=argparse.SUPPRESS)  # "i/P": a warming process's share
-    args = parser.parse_args()
+    args = sweep_arguments(__doc__, "wna16_gemm_sweep.json", "256,64,128,512", 140.0, 4).parse_args()
     start = time.time()
     if args.warm_slice:
         _warm(*map(int, args.warm_slice.split("/")))
         return
-    if not args.tiny and args.warm_procs > 1:
-        procs = [subprocess.Popen([sys.executable, __file__, "--warm-slice", f"{i}/{args.warm_procs}"])
-                 for i in range(args.warm_procs)]
-        codes = [p.wait() for p in procs]
-        print(f"compiled in {args.warm_procs} processes in {time.time() - start:.0f} s (exit {codes})", flush=True)
-    device = "cpu" if args.tiny else "cuda"
-    shapes = TINY_SHAPES if args.tiny else SHAPES
-    names = args.shapes.split(",") if args.shapes else list(shapes)
-    rows_list = [int(r) for r in args.rows.split(",") if r]
-    dtype = torch.float16 if args.tiny else torch.bfloat16  # the interpreter's bf16 dots are wrong
+    warm_in_processes(__file__, args, start)
+    sweep = Sweep.from_args(args)
+    device, dtype = sweep.device, sweep.dtype
     torch.manual_seed(0)
     lines = ["| shape | M | cuBLAS bf16 us (TFLOPS) | dequant + cuBLAS us | rows kernel us "
              "| fused GEMM best: tiling, us "
@@ -78,11 +58,7 @@ def main() -> None:
              "|---|---:|---:|---:|---:|---|---:|---:|---:|"]
     results: dict = {"tilings": [list(t) for t in TILINGS], "shapes": {}}
     with torch.inference_mode():
-        for name in names:
-            if time.time() - start > args.budget_s:
-                print(f"budget reached before {name}", flush=True)
-                break
-            n, k = shapes[name]
+        for name, (n, k) in sweep.shapes_in_budget(start, args.budget_s):
             stored, scale, zero = quantize(torch.randn(n, k, device=device) * 0.02, 4, 128, symmetric=False)
             if args.tiny:
                 from kernels import wna16_mma
@@ -93,23 +69,15 @@ def main() -> None:
                 weight = prepare_wna16(stored, scale, zero, 4, dtype, mma=True)
             assert weight.mma_only
             dense = dequantized_weight(weight, dtype)
-            copies = [dense] if args.tiny else _copies(dense)
-            layouts = [weight.kernel] if args.tiny else [{**weight.kernel, "mma_words": w}
-                                                         for w in _copies(weight.kernel["mma_words"])]
+            copies = sweep.copies(dense)
+            layouts = [{**weight.kernel, "mma_words": w} for w in sweep.copies(weight.kernel["mma_words"])]
             turn = iter(range(1 << 40))
             results["shapes"][name] = {}
-            for m in rows_list:
-                if time.time() - start > args.budget_s:
-                    print(f"budget reached at {name} M={m}", flush=True)
-                    break
+            for m in sweep.rows_in_budget(name, start, args.budget_s):
                 x = torch.randn(m, k, device=device, dtype=dtype)
                 ref = F.linear(x.float(), dense.float())
 
-                def timed(fn):
-                    if args.tiny:
-                        fn()
-                        return float("nan")
-                    return 1e3 * _graph_time_ms(fn)
+                timed = sweep.time_us
 
                 def product(variant, layout):
                     return wna16.wna16_matmul(x, layout, n, 4, 128, **wna16.tile_options(variant))
@@ -162,16 +130,6 @@ def _warm(index: int, count: int) -> None:
             except Exception as error:  # noqa: BLE001 - the sweep itself records the failure
                 print(f"warm {variant}: {type(error).__name__}: {str(error)[:200]}", flush=True)
         torch.cuda.synchronize()
-
-
-def _copies(t: torch.Tensor) -> list[torch.Tensor]:
-    from kernels.fp8 import l2_defeating_copies
-    return l2_defeating_copies(t)
-
-
-def _graph_time_ms(fn) -> float:
-    from kernels.linear import graph_time_ms
-    return graph_time_ms(fn)
 
 
 if __name__ == "__main__":
