@@ -13,6 +13,16 @@ Flan-T5-XL heads (32 x 64, bf16), random data:
 
 Each shape also checks the kernel against the float32 reference (max abs error printed) and times
 the tilings of DENSE_SWEEP / PAGED_SWEEP.
+
+- decode paths (``--paths``, "" skips): the decode kernel (``_t5_decode_kernel``, one query row per
+  head, DECODE_TILING and DECODE_SWEEP) against the tensor-core path it replaced
+  (``decode_kernel=False``) at ``--paths-batches`` x ``--paths-contexts`` over bf16 and FP8 E4M3
+  pools (head-major, as the runner allocates them), every row the full context. Device time from
+  CUDA-graph replays of one call per pool copy (benchmarks/common.py ``graph_call_us``; enough
+  copies that they do not fit in L2), and the K/V bytes read per second. Markdown (date, machine,
+  commit) printed and written to ``--md``::
+
+    python benchmarks/kernels/t5_attention_bench.py --encoder "" --decode "" --md t5_decode.md
 """
 from __future__ import annotations
 
@@ -26,16 +36,20 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.common import cuda_time_ms, machine_summary, utc_now  # noqa: E402
+from benchmarks.common import (command_line, cuda_time_ms, git_commit, graph_call_us, machine_summary,  # noqa: E402
+                               utc_now)
 from kernels.attention_metadata import AttentionMetadata  # noqa: E402
 from kernels.relative_position_bias import decode_attention_bias, position_bias  # noqa: E402
-from kernels.t5_bias_attention import (distance_bias, t5_dense_attention_ref, t5_dense_attention_triton,  # noqa: E402
-                                       t5_paged_attention_ref, t5_paged_attention_triton)
+from kernels.t5_bias_attention import (DECODE_TILING, distance_bias, t5_dense_attention_ref,  # noqa: E402
+                                       t5_dense_attention_triton, t5_paged_attention_ref, t5_paged_attention_triton)
 
 HEADS, DIM, BUCKETS, MAX_DISTANCE, PAGE = 32, 64, 32, 128, 32
 # tilings timed beside the defaults: encoder (BLOCK_M, BLOCK_N, warps, stages), decode (BLOCK_N, warps, stages)
 DENSE_SWEEP = [(128, 64, 8, 2), (128, 64, 4, 3), (128, 128, 8, 2), (64, 64, 4, 2), (64, 64, 4, 3), (128, 32, 4, 3)]
 PAGED_SWEEP = [(64, 4, 2), (32, 2, 3), (64, 2, 3), (32, 4, 2), (128, 4, 2)]
+# decode kernel tilings timed beside DECODE_TILING: (HEADS_PER_PROGRAM, BLOCK_N, warps, stages)
+DECODE_SWEEP = [(1, 64, 4, 1), (1, 128, 4, 1), (2, 64, 4, 2), (4, 32, 4, 1), (4, 64, 8, 1), (8, 32, 8, 1)]
+L2_BYTES = 60 << 20  # pools this large in all are read from HBM (H200: 50 MB of L2)
 
 
 def encoder_case(batch: int, length: int, device) -> dict:
@@ -102,25 +116,107 @@ def decode_case(num_seqs: int, context: int, width: int, device) -> dict:
     return entry
 
 
+def decode_paths_case(num_seqs: int, context: int, pool_dtype: torch.dtype, device) -> dict:
+    """The decode kernel against the tensor-core path: ``num_seqs`` rows of ``context`` keys each."""
+    pages_each = -(-context // PAGE)
+    num_blocks = num_seqs * pages_each + 1
+    kv_bytes = 2 * num_seqs * context * HEADS * DIM * torch.empty(0, dtype=pool_dtype).element_size()
+    copies = max(1, min(8, -(-L2_BYTES // kv_bytes)))
+    table = torch.randn(BUCKETS, HEADS, device=device, dtype=torch.bfloat16)
+    bias = distance_bias(table, bidirectional=False, max_distance=MAX_DISTANCE)
+    contexts = [context] * num_seqs
+    inputs = []
+    for _ in range(copies):
+        k_cache, v_cache = (torch.randn(num_blocks, HEADS, PAGE, DIM, device=device, dtype=torch.bfloat16)
+                            .to(pool_dtype).transpose(1, 2) for _ in range(2))  # head-major, like the runner's pool
+        tables = torch.randperm(num_blocks - 1, device=device)[:num_seqs * pages_each].view(num_seqs, pages_each) + 1
+        meta = AttentionMetadata(
+            slot_mapping=torch.empty(0, dtype=torch.int64, device=device), block_tables=tables.to(torch.int32),
+            cu_seqlens_q=torch.arange(num_seqs + 1, dtype=torch.int32, device=device),
+            context_lens=torch.tensor(contexts, dtype=torch.int32, device=device), max_seqlen_q=1,
+            max_context_len=context, is_decode_only=True, cu_seqlens_q_host=list(range(num_seqs + 1)),
+            context_lens_host=contexts)
+        q = torch.randn(num_seqs, HEADS, DIM, device=device, dtype=torch.bfloat16)
+        inputs.append((q, k_cache, v_cache, meta))
+    q, k_cache, v_cache, meta = inputs[0]
+    rows = min(num_seqs, 16)
+    ref = t5_paged_attention_ref(q.float(), k_cache.float(), v_cache.float(), meta, 1.0, table, MAX_DISTANCE)[:rows]
+
+    def timed(**options) -> tuple[float, float]:
+        out = t5_paged_attention_triton(q, k_cache, v_cache, meta, 1.0, bias, **options)
+        err = (out[:rows].float() - ref).abs().max().item()
+        us = graph_call_us(lambda *a: t5_paged_attention_triton(*a, 1.0, bias, **options), inputs)
+        return us, err
+
+    old_us, old_err = timed(decode_kernel=False)
+    new_us, new_err = timed()
+    entry = {"seqs": num_seqs, "context": context, "pool": str(pool_dtype).replace("torch.", ""),
+             "kv_mb": kv_bytes / 1e6, "copies": copies, "old_us": old_us, "old_max_abs_err": old_err,
+             "new_us": new_us, "new_max_abs_err": new_err, "tilings_us": {}}
+    for tiling in DECODE_SWEEP:
+        entry["tilings_us"][str(tiling)] = timed(decode_tiling=tiling)[0]
+    return entry
+
+
+def decode_paths_markdown(entries: list[dict], argv: list[str] | None) -> str:
+    gbs = lambda e, us: e["kv_mb"] * 1e6 / (us * 1e-6) / 1e9  # noqa: E731
+    lines = [f"### T5 decode self-attention: decode kernel vs tensor-core path ({utc_now()})", "",
+             f"{machine_summary('cuda')}, commit {git_commit()}, `{command_line(__file__, argv)}`. "
+             f"Flan-T5-XL heads ({HEADS} x {DIM}), pages of {PAGE}, every row the full context, "
+             f"one new token a row; us from CUDA-graph replays (pool copies past L2); GB/s = K/V bytes / time. "
+             f"Decode tiling {DECODE_TILING} (heads a program, keys a step, warps, stages).", "",
+             "| rows | context | pool | K/V MB | tensor-core us | GB/s | decode kernel us | GB/s | speedup "
+             "| best sweep tiling (us) | max abs err old / new |",
+             "|---:|---:|---|---:|---:|---:|---:|---:|---:|---|---|"]
+    for e in entries:
+        best = min(e["tilings_us"].items(), key=lambda kv: kv[1])
+        lines.append(f"| {e['seqs']} | {e['context']} | {e['pool']} | {e['kv_mb']:.1f} | {e['old_us']:.1f} "
+                     f"| {gbs(e, e['old_us']):.0f} | {e['new_us']:.1f} | {gbs(e, e['new_us']):.0f} "
+                     f"| {e['old_us'] / e['new_us']:.2f}x | {best[0]} ({best[1]:.1f}) "
+                     f"| {e['old_max_abs_err']:.1e} / {e['new_max_abs_err']:.1e} |")
+    lines += ["", "Sweep (us): " + "; ".join(
+        f"{e['seqs']}x{e['context']} {e['pool']}: " + ", ".join(f"{t} {us:.1f}" for t, us in e["tilings_us"].items())
+        for e in entries), ""]
+    return "\n".join(lines)
+
+
+def shapes(text: str) -> list[tuple[int, ...]]:
+    return [tuple(int(n) for n in shape.split("x")) for shape in text.split(",") if shape]
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--encoder", default="8x512,64x512", help="batch x length shapes of the encoder attention")
     p.add_argument("--decode", default="256x64x160,256x128x160,64x128x160",
                    help="sequences x context x table width of the decode self-attention")
+    p.add_argument("--paths", default="bf16,fp8", help="pool dtypes of the decode paths section (\"\" skips it)")
+    p.add_argument("--paths-batches", default="64,256", help="rows of the decode paths section")
+    p.add_argument("--paths-contexts", default="32,128", help="contexts of the decode paths section")
     p.add_argument("--out", default="t5_attention.json")
+    p.add_argument("--md", default=None, help="also write the decode paths section's markdown here")
     args = p.parse_args(argv)
     device = torch.device("cuda")
     torch.manual_seed(0)
-    results = {"date": utc_now(), "machine": machine_summary("cuda"), "encoder": [], "decode": []}
-    for shape in args.encoder.split(","):
-        batch, length = (int(n) for n in shape.split("x"))
+    results = {"date": utc_now(), "machine": machine_summary("cuda"), "commit": git_commit(), "encoder": [],
+               "decode": [], "decode_paths": []}
+    for batch, length in shapes(args.encoder):
         results["encoder"].append(encoder_case(batch, length, device))
         print(results["encoder"][-1], flush=True)
-    for shape in args.decode.split(","):
-        seqs, context, width = (int(n) for n in shape.split("x"))
+    for seqs, context, width in shapes(args.decode):
         results["decode"].append(decode_case(seqs, context, width, device))
         print(results["decode"][-1], flush=True)
+    pools = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
+    for name in (n for n in args.paths.split(",") if n):
+        for seqs in (int(n) for n in args.paths_batches.split(",")):
+            for context in (int(n) for n in args.paths_contexts.split(",")):
+                results["decode_paths"].append(decode_paths_case(seqs, context, pools[name], device))
+                print(results["decode_paths"][-1], flush=True)
     Path(args.out).write_text(json.dumps(results, indent=2))
+    if results["decode_paths"]:
+        markdown = decode_paths_markdown(results["decode_paths"], argv)
+        print(markdown)
+        if args.md:
+            Path(args.md).write_text(markdown)
     return results
 
 

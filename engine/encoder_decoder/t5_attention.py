@@ -12,6 +12,9 @@ bidirectional and the decoder's causal, made once per table weight and kept on t
 
 $TRITONLLM_T5_KERNELS=0 keeps the torch paths on CUDA too (the encoder's fused attention with a
 dense bias, the decoder's batched torch decode attention): an A/B switch, read at every call.
+$TRITONLLM_T5_DECODE_KERNEL=0 runs decode steps through the paged kernel's tensor-core path
+instead of its decode kernel (kernels/t5_bias_attention.py): an A/B switch too, read at every call
+(a CUDA graph keeps the path it was captured with).
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ from kernels.relative_position_bias import decode_attention_bias, paged_attentio
 from kernels.t5_bias_attention import distance_bias, t5_dense_attention_triton, t5_paged_attention_triton
 
 T5_KERNELS_ENV = "TRITONLLM_T5_KERNELS"
+T5_DECODE_KERNEL_ENV = "TRITONLLM_T5_DECODE_KERNEL"
 
 
 def kernels_enabled(x: torch.Tensor) -> bool:
@@ -50,7 +54,8 @@ def decoder_self_attention(stack: torch.nn.Module, q: torch.Tensor, k_cache: tor
     """q: (num_tokens, heads, head_dim) of a decoder step whose K/V are in the pool -> same shape."""
     if kernels_enabled(q):
         return t5_paged_attention_triton(q, k_cache, v_cache, meta, scale,
-                                         stack_distance_bias(stack, bidirectional=False))
+                                         stack_distance_bias(stack, bidirectional=False),
+                                         decode_kernel=os.environ.get(T5_DECODE_KERNEL_ENV, "1") != "0")
     table, distance = stack.position_bias.weight, stack.spec.relative_max_distance
     if meta.is_decode_only:  # batched, device tensors only: CUDA-graph safe
         return decode_attention_bias(q, k_cache, v_cache, meta, scale, table, distance)

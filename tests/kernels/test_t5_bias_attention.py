@@ -1,13 +1,14 @@
 """kernels/t5_bias_attention.py: the distance tables against transformers' buckets, and the Triton
 kernels (GPU, or TRITON_INTERPRET=1 on CPU) against the torch references: the decoder's paged causal
-attention (a prompt chunk after a cached prefix, decode rows, contexts past max_distance) and the
-encoder's padded bidirectional attention (inputs of several lengths)."""
+attention (a prompt chunk after a cached prefix, decode rows, contexts past max_distance; decode
+steps through both the decode kernel and the tensor-core path) and the encoder's padded
+bidirectional attention (inputs of several lengths)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernel_testing import TOLERANCE, low_precision_dtypes, relative_error
+from kernel_testing import TOLERANCE, low_precision_dtypes, relative_error, replayed
 from kernels.attention_metadata import AttentionMetadata
 from kernels.t5_bias_attention import (bias_of_distances, distance_bias, t5_dense_attention_ref,
                                        t5_dense_attention_triton, t5_paged_attention_ref, t5_paged_attention_triton)
@@ -50,24 +51,90 @@ def paged_batch(device, dtype, *, decode_only: bool):
     return q, k_cache, v_cache, meta, torch.randn(8, heads, device=device)
 
 
-@pytest.mark.parametrize("decode_only", [False, True])
-def test_paged_kernel_equals_reference(device, decode_only):
+@pytest.mark.parametrize("decode_only, decode_kernel", [(False, True), (True, True), (True, False)])
+def test_paged_kernel_equals_reference(device, decode_only, decode_kernel):
+    """Prompt chunks; decode rows through the decode kernel (default tiling: 3 heads in one program
+    of 4) and through the tensor-core path it replaced."""
     for dtype in low_precision_dtypes(device):
         q, k_cache, v_cache, meta, table = paged_batch(device, dtype, decode_only=decode_only)
         bias = distance_bias(table, bidirectional=False, max_distance=10)
-        out = t5_paged_attention_triton(q, k_cache, v_cache, meta, 1.0, bias)
+        out = t5_paged_attention_triton(q, k_cache, v_cache, meta, 1.0, bias, decode_kernel=decode_kernel)
         ref = t5_paged_attention_ref(q.float(), k_cache.float(), v_cache.float(), meta, 1.0, table, 10)
         assert relative_error(out, ref) < TOLERANCE[dtype], dtype
 
 
+def decode_batch(device, dtype, *, heads: int, contexts: list[int], pad_rows: int = 0):
+    """One new token per sequence over shuffled pages of 4 (head dim 16, max_distance 10), the rows
+    ``contexts`` long; ``pad_rows`` more rows as a CUDA-graph bucket pads a decode step (context 1
+    over block 0, engine/encoder_decoder/decode_graphs.py) and one of context 0 (no keys) last."""
+    torch.manual_seed(2)
+    dim, page, blocks = 16, 4, 64
+    width = max(-(-c // page) for c in contexts)
+    k_cache = torch.randn(blocks, page, heads, dim, device=device).to(dtype)
+    v_cache = torch.randn(blocks, page, heads, dim, device=device).to(dtype)
+    tables = torch.zeros(len(contexts) + pad_rows + (1 if pad_rows else 0), width, dtype=torch.int32, device=device)
+    tables[:len(contexts)] = torch.randperm(blocks - 1, device=device)[:len(contexts) * width].view(-1, width) + 1
+    all_contexts = contexts + [1] * pad_rows + ([0] if pad_rows else [])
+    rows = len(all_contexts)
+    meta = AttentionMetadata(
+        slot_mapping=torch.empty(0, dtype=torch.int64, device=device), block_tables=tables,
+        cu_seqlens_q=torch.arange(rows + 1, dtype=torch.int32, device=device),
+        context_lens=torch.tensor(all_contexts, dtype=torch.int32, device=device), max_seqlen_q=1,
+        max_context_len=max(all_contexts), is_decode_only=True, cu_seqlens_q_host=list(range(rows + 1)),
+        context_lens_host=all_contexts)
+    q = torch.randn(rows, heads, dim, device=device).to(dtype)
+    return q, k_cache, v_cache, meta, torch.randn(8, heads, device=device)
+
+
+@pytest.mark.parametrize("heads, decode_tiling", [(5, (2, 8, 4, 1)), (7, (4, 16, 2, 2)), (2, (4, 8, 1, 1))])
+def test_decode_kernel_groups_of_heads_equal_reference(device, heads, decode_tiling):
+    """Heads per program not dividing the head count (5 in groups of 2, 7 of 4) or above it (2 of 4,
+    capped), contexts of 1 key, exactly BLOCK_N, past it over several tiles and past max_distance 10."""
+    for dtype in low_precision_dtypes(device):
+        q, k_cache, v_cache, meta, table = decode_batch(device, dtype, heads=heads, contexts=[1, 8, 9, 16, 23, 40])
+        bias = distance_bias(table, bidirectional=False, max_distance=10)
+        out = t5_paged_attention_triton(q, k_cache, v_cache, meta, 0.7, bias, decode_tiling=decode_tiling)
+        ref = t5_paged_attention_ref(q.float(), k_cache.float(), v_cache.float(), meta, 0.7, table, 10)
+        assert relative_error(out, ref) < TOLERANCE[dtype], dtype
+        for row in range(q.shape[0]):  # every row and head written (no group left out)
+            assert relative_error(out[row], ref[row]) < TOLERANCE[dtype], (dtype, row)
+
+
+def test_decode_kernel_on_padding_rows(device):
+    """A graph bucket's padding rows (context 1 over block 0) get their one key's value; a row of
+    context 0 (no keys) gets zeros, never NaN; the real rows are unaffected."""
+    for dtype in low_precision_dtypes(device):
+        q, k_cache, v_cache, meta, table = decode_batch(device, dtype, heads=3, contexts=[12, 5], pad_rows=2)
+        bias = distance_bias(table, bidirectional=False, max_distance=10)
+        out = t5_paged_attention_triton(q, k_cache, v_cache, meta, 1.0, bias, decode_tiling=(2, 8, 4, 1))
+        ref = t5_paged_attention_ref(q[:4].float(), k_cache.float(), v_cache.float(), meta, 1.0, table, 10)
+        assert relative_error(out[:4], ref[:4]) < TOLERANCE[dtype], dtype
+        assert torch.equal(out[2], v_cache[0, 0].to(out.dtype)) and torch.equal(out[3], v_cache[0, 0].to(out.dtype))
+        assert torch.equal(out[4], torch.zeros_like(out[4])), dtype
+
+
 @pytest.mark.gpu
-def test_paged_kernel_reads_an_fp8_pool(device):
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA graph capture")
+def test_decode_kernel_replays_in_a_cuda_graph(device):
+    """Captured once, replayed after the queries change: the grid depends only on the batch size."""
+    q, k_cache, v_cache, meta, table = decode_batch(device, torch.bfloat16, heads=5, contexts=[3, 30, 70], pad_rows=1)
+    bias = distance_bias(table, bidirectional=False, max_distance=10)
+    t5_paged_attention_triton(q, k_cache, v_cache, meta, 1.0, bias)  # compiled before the capture
+    out = replayed(lambda: t5_paged_attention_triton(q, k_cache, v_cache, meta, 1.0, bias), q)
+    ref = t5_paged_attention_ref(q.float(), k_cache.float(), v_cache.float(), meta, 1.0, table, 10)
+    assert relative_error(out[:4], ref[:4]) < TOLERANCE[torch.bfloat16]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("decode_only", [False, True])
+def test_paged_kernel_reads_an_fp8_pool(device, decode_only):
     """An E4M3 KV pool (kv_cache_dtype fp8; scale 1): the kernel widens it as it loads and equals the
     reference over the same FP8 values widened in torch (bf16 under TRITON_INTERPRET is wrong with any
-    pool: the interpreter's bf16 dots, kernel_testing.low_precision_dtypes; the CPU checks fp32 queries)."""
+    pool: the interpreter's bf16 dots, kernel_testing.low_precision_dtypes; the CPU checks fp32 queries).
+    Prompt chunks (tensor-core path) and decode rows (decode kernel)."""
     fp8 = torch.float8_e4m3fn
     for dtype in low_precision_dtypes(device):
-        q, k_cache, v_cache, meta, table = paged_batch(device, dtype, decode_only=False)
+        q, k_cache, v_cache, meta, table = paged_batch(device, dtype, decode_only=decode_only)
         k8, v8 = k_cache.float().to(fp8), v_cache.float().to(fp8)
         out = t5_paged_attention_triton(q, k8, v8, meta, 1.0, distance_bias(table, bidirectional=False, max_distance=10))
         ref = t5_paged_attention_ref(q.float(), k8.float(), v8.float(), meta, 1.0, table, 10)
