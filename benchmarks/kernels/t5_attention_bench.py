@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from pathlib import Path
 
@@ -139,8 +140,12 @@ def decode_paths_case(num_seqs: int, context: int, pool_dtype: torch.dtype, devi
         q = torch.randn(num_seqs, HEADS, DIM, device=device, dtype=torch.bfloat16)
         inputs.append((q, k_cache, v_cache, meta))
     q, k_cache, v_cache, meta = inputs[0]
-    rows = min(num_seqs, 16)
-    ref = t5_paged_attention_ref(q.float(), k_cache.float(), v_cache.float(), meta, 1.0, table, MAX_DISTANCE)[:rows]
+    rows = min(num_seqs, 16)  # the reference loops over sequences in Python: checked on the first rows
+    head = AttentionMetadata(
+        slot_mapping=meta.slot_mapping, block_tables=meta.block_tables[:rows], cu_seqlens_q=meta.cu_seqlens_q[:rows + 1],
+        context_lens=meta.context_lens[:rows], max_seqlen_q=1, max_context_len=context, is_decode_only=True,
+        cu_seqlens_q_host=list(range(rows + 1)), context_lens_host=contexts[:rows])
+    ref = t5_paged_attention_ref(q[:rows].float(), k_cache.float(), v_cache.float(), head, 1.0, table, MAX_DISTANCE)
 
     def timed(**options) -> tuple[float, float]:
         out = t5_paged_attention_triton(q, k_cache, v_cache, meta, 1.0, bias, **options)
@@ -160,8 +165,9 @@ def decode_paths_case(num_seqs: int, context: int, pool_dtype: torch.dtype, devi
 
 def decode_paths_markdown(entries: list[dict], argv: list[str] | None) -> str:
     gbs = lambda e, us: e["kv_mb"] * 1e6 / (us * 1e-6) / 1e9  # noqa: E731
+    quoted = [shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)]  # "" stays visible
     lines = [f"### T5 decode self-attention: decode kernel vs tensor-core path ({utc_now()})", "",
-             f"{machine_summary('cuda')}, commit {git_commit()}, `{command_line(__file__, argv)}`. "
+             f"{machine_summary('cuda')}, commit {git_commit()}, `{command_line(__file__, quoted)}`. "
              f"Flan-T5-XL heads ({HEADS} x {DIM}), pages of {PAGE}, every row the full context, "
              f"one new token a row; us from CUDA-graph replays (pool copies past L2); GB/s = K/V bytes / time. "
              f"Decode tiling {DECODE_TILING} (heads a program, keys a step, warps, stages).", "",
@@ -211,12 +217,11 @@ def main(argv=None) -> dict:
             for context in (int(n) for n in args.paths_contexts.split(",")):
                 results["decode_paths"].append(decode_paths_case(seqs, context, pools[name], device))
                 print(results["decode_paths"][-1], flush=True)
+                if args.md:  # after every case: a run cut short keeps what it measured
+                    Path(args.md).write_text(decode_paths_markdown(results["decode_paths"], argv))
     Path(args.out).write_text(json.dumps(results, indent=2))
     if results["decode_paths"]:
-        markdown = decode_paths_markdown(results["decode_paths"], argv)
-        print(markdown)
-        if args.md:
-            Path(args.md).write_text(markdown)
+        print(decode_paths_markdown(results["decode_paths"], argv))
     return results
 
 
