@@ -260,10 +260,12 @@ def _t5_decode_kernel(
              out.to(out_ptr.dtype.element_ty), mask=hd_mask)
 
 
-# Decode steps' tiling (HEADS_PER_PROGRAM, BLOCK_N keys, warps, stages): not measured yet, a first
-# guess (a program's K and V tiles 2 x 64 x 64 float32 each over 4 warps: 64 registers a thread;
-# one stage: contexts of up to ~128 keys are one or two steps, and no shared-memory stages keeps
-# more programs on an SM); benchmarks/kernels/t5_attention_bench.py sweeps DECODE_SWEEP.
+# Decode steps' tiling (HEADS_PER_PROGRAM, BLOCK_N keys, warps, stages): not timed yet, a first
+# guess. A program's K and V tiles are 2 x 64 x 64 each over 4 warps, fetched as 16-byte loads all
+# issued before the math; compiled for sm_90 on a CPU (Triton 3.x, ptxas) it takes 96 registers a
+# thread with a bf16 pool, 128 with an FP8 one, no spills (5 or 4 programs an SM), and Triton
+# stages none of these loads in shared memory (2 stages compile the same). Contexts of up to ~128
+# keys are one or two steps. benchmarks/kernels/t5_attention_bench.py sweeps DECODE_SWEEP.
 DECODE_TILING = (2, 64, 4, 1)
 # Default tilings: decode rows / prompt chunks (BLOCK_N, warps, stages); encoder inputs of at least
 # 128 tokens (BLOCK_M, BLOCK_N, warps, stages), shorter ones 64 x 64 over 4 warps.
