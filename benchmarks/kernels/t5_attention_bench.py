@@ -17,7 +17,8 @@ the tilings of DENSE_SWEEP / PAGED_SWEEP.
 - decode paths (``--paths``, "" skips): the decode kernel (``_t5_decode_kernel``, one query row per
   head, DECODE_TILING and DECODE_SWEEP) against the tensor-core path it replaced
   (``decode_kernel=False``) at ``--paths-batches`` x ``--paths-contexts`` over bf16 and FP8 E4M3
-  pools (head-major, as the runner allocates them), every row the full context. Device time from
+  pools (head-major, as the runner allocates them), every row the full context; the sweep on the
+  ``--sweep-pools`` only. Device time from
   CUDA-graph replays of one call per pool copy (benchmarks/common.py ``graph_call_us``; enough
   copies that they do not fit in L2), and the K/V bytes read per second. Markdown (date, machine,
   commit) printed and written to ``--md``::
@@ -118,8 +119,9 @@ def decode_case(num_seqs: int, context: int, width: int, device) -> dict:
     return entry
 
 
-def decode_paths_case(num_seqs: int, context: int, pool_dtype: torch.dtype, device) -> dict:
-    """The decode kernel against the tensor-core path: ``num_seqs`` rows of ``context`` keys each."""
+def decode_paths_case(num_seqs: int, context: int, pool_dtype: torch.dtype, device, *, sweep: bool = True) -> dict:
+    """The decode kernel against the tensor-core path: ``num_seqs`` rows of ``context`` keys each;
+    ``sweep``: the DECODE_SWEEP tilings too."""
     pages_each = -(-context // PAGE)
     num_blocks = num_seqs * pages_each + 1
     kv_bytes = 2 * num_seqs * context * HEADS * DIM * torch.empty(0, dtype=pool_dtype).element_size()
@@ -159,7 +161,7 @@ def decode_paths_case(num_seqs: int, context: int, pool_dtype: torch.dtype, devi
     entry = {"seqs": num_seqs, "context": context, "pool": str(pool_dtype).replace("torch.", ""),
              "kv_mb": kv_bytes / 1e6, "copies": copies, "old_us": old_us, "old_max_abs_err": old_err,
              "new_us": new_us, "new_max_abs_err": new_err, "tilings_us": {}}
-    for tiling in DECODE_SWEEP:
+    for tiling in DECODE_SWEEP if sweep else []:
         entry["tilings_us"][str(tiling)] = timed(decode_tiling=tiling)[0]
     return entry
 
@@ -176,14 +178,14 @@ def decode_paths_markdown(entries: list[dict], argv: list[str] | None) -> str:
              "| best sweep tiling (us) | max abs err old / new |",
              "|---:|---:|---|---:|---:|---:|---:|---:|---:|---|---|"]
     for e in entries:
-        best = min(e["tilings_us"].items(), key=lambda kv: kv[1])
+        best = min(e["tilings_us"].items(), key=lambda kv: kv[1], default=("-", float("nan")))
         lines.append(f"| {e['seqs']} | {e['context']} | {e['pool']} | {e['kv_mb']:.1f} | {e['old_us']:.1f} "
                      f"| {gbs(e, e['old_us']):.0f} | {e['new_us']:.1f} | {gbs(e, e['new_us']):.0f} "
                      f"| {e['old_us'] / e['new_us']:.2f}x | {best[0]} ({best[1]:.1f}) "
                      f"| {e['old_max_abs_err']:.1e} / {e['new_max_abs_err']:.1e} |")
     lines += ["", "Sweep (us): " + "; ".join(
         f"{e['seqs']}x{e['context']} {e['pool']}: " + ", ".join(f"{t} {us:.1f}" for t, us in e["tilings_us"].items())
-        for e in entries), ""]
+        for e in entries if e["tilings_us"]), ""]
     return "\n".join(lines)
 
 
@@ -199,6 +201,8 @@ def main(argv=None) -> dict:
     p.add_argument("--paths", default="bf16,fp8", help="pool dtypes of the decode paths section (\"\" skips it)")
     p.add_argument("--paths-batches", default="64,256", help="rows of the decode paths section")
     p.add_argument("--paths-contexts", default="32,128", help="contexts of the decode paths section")
+    p.add_argument("--sweep-pools", default="bf16", help="pools whose decode paths cases time DECODE_SWEEP too "
+                   "(each tiling compiles once a pool dtype)")
     p.add_argument("--out", default="t5_attention.json")
     p.add_argument("--md", default=None, help="also write the decode paths section's markdown here")
     args = p.parse_args(argv)
@@ -216,7 +220,8 @@ def main(argv=None) -> dict:
     for name in (n for n in args.paths.split(",") if n):
         for seqs in (int(n) for n in args.paths_batches.split(",")):
             for context in (int(n) for n in args.paths_contexts.split(",")):
-                results["decode_paths"].append(decode_paths_case(seqs, context, pools[name], device))
+                results["decode_paths"].append(decode_paths_case(seqs, context, pools[name], device,
+                                                                 sweep=name in args.sweep_pools.split(",")))
                 print(results["decode_paths"][-1], flush=True)
                 if args.md:  # after every case: a run cut short keeps what it measured
                     Path(args.md).write_text(decode_paths_markdown(results["decode_paths"], argv))
