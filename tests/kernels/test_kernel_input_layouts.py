@@ -144,6 +144,23 @@ def t5_dense_attention(device, view):
 
 
 @case
+def t5_paged_decode_attention(device, view):
+    from kernels.t5_bias_attention import distance_bias, t5_paged_attention_triton
+
+    k_cache, v_cache = (torch.randn(6, 4, 3, 16, generator=gen(i)).to(device) for i in (1, 2))
+    q = torch.randn(3, 3, 16, generator=gen(3)).to(device)
+    bias = distance_bias(torch.randn(8, 3, generator=gen(4)).to(device), bidirectional=False, max_distance=10)
+    contexts = [7, 1, 12]
+    meta = AttentionMetadata(
+        slot_mapping=torch.empty(0, dtype=torch.int64, device=device),
+        block_tables=view(torch.tensor([[3, 1, 5], [2, 0, 0], [4, 0, 1]], dtype=torch.int32, device=device), 5),
+        cu_seqlens_q=view(torch.arange(4, dtype=torch.int32, device=device), 0),
+        context_lens=view(torch.tensor(contexts, dtype=torch.int32, device=device), 9), max_seqlen_q=1,
+        max_context_len=12, is_decode_only=True, cu_seqlens_q_host=[0, 1, 2, 3], context_lens_host=contexts)
+    return (t5_paged_attention_triton(q, k_cache, v_cache, meta, 1.0, bias, decode_tiling=(2, 8, 4, 1)),)
+
+
+@case
 def causal_conv1d_decode(device, view):
     from kernels.causal_conv1d import causal_conv1d_decode_triton
 
