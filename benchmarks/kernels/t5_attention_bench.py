@@ -50,7 +50,7 @@ HEADS, DIM, BUCKETS, MAX_DISTANCE, PAGE = 32, 64, 32, 128, 32
 DENSE_SWEEP = [(128, 64, 8, 2), (128, 64, 4, 3), (128, 128, 8, 2), (64, 64, 4, 2), (64, 64, 4, 3), (128, 32, 4, 3)]
 PAGED_SWEEP = [(64, 4, 2), (32, 2, 3), (64, 2, 3), (32, 4, 2), (128, 4, 2)]
 # decode kernel tilings timed beside DECODE_TILING: (HEADS_PER_PROGRAM, BLOCK_N, warps, stages)
-# (one-warp programs reduce over keys without shared memory; sm_90 registers of each: 70-132, no spills)
+# (one-warp programs: their key reductions stay in the warp; sm_90 registers of each: 70-132, no spills)
 DECODE_SWEEP = [(1, 64, 4, 1), (1, 128, 4, 1), (1, 32, 2, 1), (2, 32, 2, 1), (4, 32, 4, 1), (4, 64, 8, 1),
                 (2, 128, 8, 1), (1, 32, 1, 1), (2, 16, 1, 1)]
 L2_BYTES = 60 << 20  # pools this large in all are read from HBM (H200: 50 MB of L2)
