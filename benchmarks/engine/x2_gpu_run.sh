@@ -685,7 +685,8 @@ PY
     CUDA_VISIBLE_DEVICES=0 job sampling_tests 40 "$PYTHON" -m pytest -q -rfEs -p no:cacheprovider tests/kernels/test_kernel_sampling.py
     if [ -f benchmarks/engine/gpu24_sq9.sh ]; then CUDA_VISIBLE_DEVICES=0 job sq9 160 bash benchmarks/engine/gpu24_sq9.sh "$w/sq9"; fi
     for q in bf16 int8_sq; do
-      on_gpu 0 "sq_$q" 120 "$PYTHON" benchmarks/engine/engine_bench.py --sections decode,offline --offline 128x128x1024 \
+      on_gpu 0 "sq_$q" 120 "$PYTHON" benchmarks/engine/engine_bench.py --sections decode,offline$([ "$q" = bf16 ] && \
+        echo ,executor_decode --executor-decode-batches 256) --offline 128x128x1024 \
         --max-batch-size 512 $([ "$q" = int8_sq ] && echo --quantization int8_sq) --out "$w/sq_$q.json" \
         --results-md "$w/sq_$q.md"
     done
@@ -694,17 +695,36 @@ PY
   ) &
   lane0=$!
   [ "$lane1_gpu" = 0 ] && wait "$lane0"
-  if [ -f benchmarks/engine/gpu24_w4a8.sh ]; then CUDA_VISIBLE_DEVICES=$lane1_gpu job w4a8 160 bash benchmarks/engine/gpu24_w4a8.sh "$w/w4a8"; fi
+  # helper w4a8 (/tmp/notes/w4a8.md): the sweep, the CUDA tests, the INT4 engine at 256 requests with TRITONLLM_W4A8=1
+  # (bf16's executor_decode at 256 runs in lane 0's sq_bf16, same lease)
+  mkdir -p "$w/w4a8"
+  on_gpu $lane1_gpu w4a8_sweep 45 "$PYTHON" benchmarks/quantization/w4a8_gemm_sweep.py --budget-s 30 --warm-procs 8 \
+    --rows 256,64,1024,128,512 --out "$w/w4a8/sweep.json" --md "$w/w4a8/sweep.md"
+  CUDA_VISIBLE_DEVICES=$lane1_gpu job w4a8_tests 30 "$PYTHON" -m pytest -q -rfEs --tb=short -p no:cacheprovider -n 4 \
+    tests/kernels/test_w4a8_gemm.py
+  TRITONLLM_W4A8=1 on_gpu $lane1_gpu w4a8_engine 70 "$PYTHON" benchmarks/engine/engine_bench.py --sections executor_decode \
+    --executor-decode-batches 256 --max-batch-size 256 --quantization int4_wo --out "$w/w4a8/eng_w4a8.json"
   CUDA_VISIBLE_DEVICES=$lane1_gpu job enc_tests 60 "$PYTHON" -m pytest -q -rfEs -s -p no:cacheprovider -m gpu \
     tests/engine/test_encoder_decoder_fp8_weights.py tests/engine/test_encoder_decoder.py tests/engine/test_whisper_fused_decode.py \
     tests/kernels/test_kernel_elementwise.py tests/kernels/test_fp8.py -k "cuda or fused_graphs_equal_unfused or \
 activated_fp8_product or quantized_gated_activation or quantized_gelu_tanh or quantized_layer_norm or layer_norm_with_its_adds"
-  if [ -f benchmarks/engine/gpu24_t5attn.sh ]; then CUDA_VISIBLE_DEVICES=$lane1_gpu job t5attn 95 bash benchmarks/engine/gpu24_t5attn.sh "$w/t5attn"; fi
+  # helper t5attn (/tmp/notes/t5attn.md): the T5 decode kernel's tests and its bench against the tensor-core path
+  CUDA_VISIBLE_DEVICES=$lane1_gpu job t5attn_tests 35 "$PYTHON" -m pytest -q -x -n 4 -p no:cacheprovider \
+    tests/kernels/test_t5_bias_attention.py tests/kernels/test_kernel_input_layouts.py -k t5
+  on_gpu $lane1_gpu t5attn_bench 55 "$PYTHON" benchmarks/kernels/t5_attention_bench.py --encoder "" --decode "" \
+    --out "$w/t5_decode_paths.json" --md "$w/t5_decode_paths.md"
   on_gpu $lane1_gpu enc_bench 100 "$PYTHON" -u benchmarks/engine/encdec_bench.py --sections whisper,t5 --hf-whisper-batches "" \
     --hf-t5-batches "" --cross-kv-cache-dtype fp8 --quantization none,fp8 --out "$w/enc.json" --results-md "$w/enc.md"
+  TRITONLLM_T5_DECODE_KERNEL=0 on_gpu $lane1_gpu enc_t5_old 50 "$PYTHON" -u benchmarks/engine/encdec_bench.py --sections t5 \
+    --hf-t5-batches "" --cross-kv-cache-dtype fp8 --quantization fp8 --out "$w/enc_t5_old.json" --results-md "$w/enc_t5_old.md"
   wait
   echo "== sampling_tests"; grep -E "passed|failed|FAILED" "$w/sampling_tests.log" | tail -3
-  for f in sq9 w4a8 t5attn; do [ -f "$w/$f.log" ] && { echo "== $f"; grep -v -i warning "$w/$f.log" | tail -40 | cut -c1-400; }; done
+  for f in sq9 w4a8_tests t5attn_tests; do [ -f "$w/$f.log" ] && { echo "== $f"; grep -v -i warning "$w/$f.log" | tail -14 | cut -c1-400; }; done
+  echo "== w4a8 sweep"; cat "$w/w4a8/sweep.md" 2>/dev/null | cut -c1-400; grep -v "^|" "$w/w4a8_sweep.log" | grep -v "W4A16 best" | head -30 | cut -c1-300
+  echo "== w4a8 engine"; tail -6 "$w/w4a8_engine.log" | cut -c1-400
+  grep -hE "executor_decode|256" "$w/sq_bf16.log" | grep -iE "tok/s|step" | head -4 | cut -c1-300
+  echo "== t5attn bench"; cat "$w/t5_decode_paths.md" 2>/dev/null | cut -c1-400
+  echo "== enc_t5_old (TRITONLLM_T5_DECODE_KERNEL=0)"; grep -vi warning "$w/enc_t5_old.log" 2>/dev/null | grep -E "t5|tok/s|run:" | cut -c1-400 | head -8
   for q in bf16 int8_sq; do [ -f "$w/sq_$q.log" ] && { echo "== sq_$q"; grep -E "^\| (batch-1|offline|\.\.\.)|Error|Traceback" "$w/sq_$q.log" | cut -c1-300; }; done
   echo "== enc_tests"; grep -E "CUDA: FP8|passed|failed|Error|assert" "$w/enc_tests.log" | tail -12 | cut -c1-300
   echo "== enc_bench"; grep -vi warning "$w/enc_bench.log" | grep -E "whisper|t5|audio|tok/s|Error|Traceback|run:" | cut -c1-400 | head -24
