@@ -674,24 +674,28 @@ PY
   done
   ;;
 24)
-  # Session 23's last call (~400 s, two lanes; one GPU: one after the other). GPU 0: helper sq9's int8 GEMM (rows past 16,
+  # Session 23's last call (~440 s, two lanes; one GPU: one after the other). GPU 0: helper sq9's int8 GEMM (rows past 16,
   # /tmp/notes/sq9.md), then engine_bench bf16 against int8_sq (batch-1 and 128/128 offline, issue 52's >= 1.3x), then
-  # the VLM offline runs after the sampling kernels' fix (fde908a: the first image run's long step launch).
-  # GPU 1: helper w4a8's W4A8 GEMM (/tmp/notes/w4a8.md), helper enc23's encoder-decoder tests and encdec_bench
-  # (/tmp/notes/enc23.md), helper t5attn's T5 decode self-attention (/tmp/notes/t5attn.md).
+  # T5 with the old decode attention (TRITONLLM_T5_DECODE_KERNEL=0). GPU 1: helper w4a8's W4A8 GEMM (/tmp/notes/w4a8.md),
+  # helper t5attn's T5 decode self-attention (/tmp/notes/t5attn.md), helper enc23's encoder-decoder tests and
+  # encdec_bench (/tmp/notes/enc23.md), then the VLM offline runs after the sampling kernels' fix (fde908a, ae11360).
   lane1_gpu=1
   [ "$smoke" = 1 ] || [ "$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())')" -lt 2 ] && lane1_gpu=0
   (
     CUDA_VISIBLE_DEVICES=0 job sampling_tests 40 "$PYTHON" -m pytest -q -rfEs -p no:cacheprovider tests/kernels/test_kernel_sampling.py
-    if [ -f benchmarks/engine/gpu24_sq9.sh ]; then CUDA_VISIBLE_DEVICES=0 job sq9 160 bash benchmarks/engine/gpu24_sq9.sh "$w/sq9"; fi
+    # helper sq9 (/tmp/notes/sq9.md): the int8 GEMM's tests, the int8_sq engine's CUDA tests, the per-shape bench
+    CUDA_VISIBLE_DEVICES=0 job sq9_tests 90 "$PYTHON" -m pytest -q -rfEs -p no:cacheprovider tests/kernels/test_int8_gemm.py
+    CUDA_VISIBLE_DEVICES=0 job sq9_engine 45 "$PYTHON" -m pytest -q -rfEs -p no:cacheprovider -k cuda \
+      tests/engine/test_int8_sq_engine.py tests/kernels/test_int8_sq.py::test_cuda_path_matches_the_reference
+    on_gpu 0 sq9_bench 65 "$PYTHON" -u benchmarks/quantization/int8_gemm_bench.py --out "$w/int8_gemm.md" --json "$w/int8_gemm.json"
     for q in bf16 int8_sq; do
-      on_gpu 0 "sq_$q" 120 "$PYTHON" benchmarks/engine/engine_bench.py --sections decode,offline$([ "$q" = bf16 ] && \
+      on_gpu 0 "sq_$q" 110 "$PYTHON" benchmarks/engine/engine_bench.py --sections decode,offline$([ "$q" = bf16 ] && \
         echo ,executor_decode --executor-decode-batches 256) --offline 128x128x1024 \
         --max-batch-size 512 $([ "$q" = int8_sq ] && echo --quantization int8_sq) --out "$w/sq_$q.json" \
         --results-md "$w/sq_$q.md"
     done
-    on_gpu 0 vlm 130 "$PYTHON" benchmarks/engine/vlm_bench.py --sections offline --hf-batches= --encode-batch 32 \
-      --also-encode-batches 32 --offline-variants fp8-tower --sync-watch --out "$w/vlm.json" --results-md "$w/vlm.md"
+    TRITONLLM_T5_DECODE_KERNEL=0 on_gpu 0 enc_t5_old 60 "$PYTHON" -u benchmarks/engine/encdec_bench.py --sections t5 \
+      --hf-t5-batches "" --cross-kv-cache-dtype fp8 --quantization fp8 --out "$w/enc_t5_old.json" --results-md "$w/enc_t5_old.md"
   ) &
   lane0=$!
   [ "$lane1_gpu" = 0 ] && wait "$lane0"
@@ -715,11 +719,12 @@ activated_fp8_product or quantized_gated_activation or quantized_gelu_tanh or qu
     --out "$w/t5_decode_paths.json" --md "$w/t5_decode_paths.md"
   on_gpu $lane1_gpu enc_bench 100 "$PYTHON" -u benchmarks/engine/encdec_bench.py --sections whisper,t5 --hf-whisper-batches "" \
     --hf-t5-batches "" --cross-kv-cache-dtype fp8 --quantization none,fp8 --out "$w/enc.json" --results-md "$w/enc.md"
-  TRITONLLM_T5_DECODE_KERNEL=0 on_gpu $lane1_gpu enc_t5_old 50 "$PYTHON" -u benchmarks/engine/encdec_bench.py --sections t5 \
-    --hf-t5-batches "" --cross-kv-cache-dtype fp8 --quantization fp8 --out "$w/enc_t5_old.json" --results-md "$w/enc_t5_old.md"
+  on_gpu $lane1_gpu vlm 120 "$PYTHON" benchmarks/engine/vlm_bench.py --sections offline --hf-batches= --encode-batch 32 \
+    --also-encode-batches 32 --offline-variants fp8-tower --sync-watch --out "$w/vlm.json" --results-md "$w/vlm.md"
   wait
   echo "== sampling_tests"; grep -E "passed|failed|FAILED" "$w/sampling_tests.log" | tail -3
-  for f in sq9 w4a8_tests t5attn_tests; do [ -f "$w/$f.log" ] && { echo "== $f"; grep -v -i warning "$w/$f.log" | tail -14 | cut -c1-400; }; done
+  for f in sq9_tests sq9_engine w4a8_tests t5attn_tests; do [ -f "$w/$f.log" ] && { echo "== $f"; grep -v -i warning "$w/$f.log" | tail -14 | cut -c1-400; }; done
+  echo "== sq9_bench"; grep -v Warning "$w/sq9_bench.log" | tail -26 | cut -c1-400
   echo "== w4a8 sweep"; cat "$w/w4a8/sweep.md" 2>/dev/null | cut -c1-400; grep -v "^|" "$w/w4a8_sweep.log" | grep -v "W4A16 best" | head -30 | cut -c1-300
   echo "== w4a8 engine"; tail -6 "$w/w4a8_engine.log" | cut -c1-400
   grep -hE "executor_decode|256" "$w/sq_bf16.log" | grep -iE "tok/s|step" | head -4 | cut -c1-300
