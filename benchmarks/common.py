@@ -245,6 +245,24 @@ def print_table(table: str, path: str | None) -> None:
             f.write("\n" + table)
 
 
+def json_ready(entry: dict) -> dict:
+    """A result row for json.dumps: tuple values (kernel tilings) as their str."""
+    return {key: str(v) if isinstance(v, tuple) else v for key, v in entry.items()}
+
+
+def write_json_rows(path: str | None, rows: list[dict]) -> None:
+    """Write ``rows`` (json_ready each) to ``path`` as one JSON list, when a path is given."""
+    if path:
+        import json
+
+        Path(path).write_text(json.dumps([json_ready(row) for row in rows], indent=1))
+
+
+def relative_difference(out, want) -> float:
+    """||out - want|| / ||want|| of two tensors, in float64 (a zero ``want`` counts as 1e-30)."""
+    return float((out.double() - want.double()).norm() / want.double().norm().clamp_min(1e-30))
+
+
 def insert_before_marker(path: str, table: str, marker: str) -> None:
     """Insert the table just before ``marker`` in ``path`` (the end of one benchmark's section, so
     the sections after it stay whole), or append it when the page has no such marker."""

@@ -60,11 +60,14 @@ def int8_gemm_enabled() -> bool:
 
 
 def default_tiling(m: int, gated: bool) -> tuple:
-    """The tiling of an M-row product whose weight was not timed at load: 64-row tiles up to 128 rows (more
-    programs to cover the SMs), else 128-row tiles with the widest column tile of the candidates."""
-    if m <= 128:
-        return (64, 128, 128, 4, 4)
-    return (128, 128, 128, 8, 3) if gated else (128, 256, 128, 8, 3)
+    """The tiling of an M-row product whose weight was not timed at load: the fastest of the candidates on an
+    H200 (2026-11-30, benchmarks/quantization/int8_gemm_bench.py, Llama-8B shapes): gated 128 x 128 x 128 tiles
+    through TMA (gate_up at 512 / 8192 rows: 127.8 / 1757 us); plain 64 x 128 x 128 through TMA up to 1,024 rows
+    (down_proj at 512: 51.7 us, 117.3 for 128 x 256), 128 x 128 x 128 by per-thread loads past them (down at
+    8192: 697.5 us, 957.5 for 128 x 256)."""
+    if gated:
+        return (128, 128, 128, 8, 3, 1)
+    return (64, 128, 128, 4, 4, 1) if m <= 1024 else (128, 128, 128, 8, 3)
 
 
 def row_bucket(m: int) -> int:

@@ -33,15 +33,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: en
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from benchmarks.common import command_line, git_commit, machine_summary, utc_now  # noqa: E402
+from benchmarks.common import (command_line, git_commit, json_ready, machine_summary, print_table,  # noqa: E402
+                               relative_difference, utc_now, write_json_rows)
+from benchmarks.quantization.int8_skinny_bench import SHAPES, product_cells  # noqa: E402  (Llama-3.1-8B's)
 from kernels import int8_gemm, int8_sq  # noqa: E402
 from kernels.activation import silu_and_mul  # noqa: E402
 from kernels.fp8 import fp8_gated_linear, fp8_linear, l2_defeating_copies, quantize_weight  # noqa: E402
 from kernels.linear import graph_time_ms  # noqa: E402
 
-# (name, N, K, gated): Llama-3.1-8B's products (gate_up's N is both halves: 2 x 14336).
-SHAPES = (("qkv", 6144, 4096, False), ("o_proj", 4096, 4096, False), ("gate_up", 28672, 4096, True),
-          ("down", 4096, 14336, False))
 CALLS = 10  # calls a CUDA graph (the 8,192-row gate_up takes milliseconds each)
 DEVICE = "cuda"  # a CPU smoke test of the bookkeeping sets "cpu" (TRITON_INTERPRET=1, timings stubbed)
 
@@ -88,7 +87,7 @@ def time_shape(name: str, n: int, k: int, gated: bool, rows: list[int]) -> list[
             except Exception as error:  # noqa: BLE001 (a tiling that does not compile here: reported, skipped)
                 print(f"{name} {tiling}: {type(error).__name__}: {str(error)[:200]}", flush=True)
                 continue
-            errors[tiling] = rel(out, want)
+            errors[tiling] = relative_difference(out, want)
             times[tiling] = time_us(lambda: int8_gemm.int8_gemm(q_codes, q_scale, pick(), scale, out_dtype=x.dtype,
                                                                   gated=gated, tiling=tiling))
         tiling = min(times, key=times.get)
@@ -99,7 +98,7 @@ def time_shape(name: str, n: int, k: int, gated: bool, rows: list[int]) -> list[
                      default_us=times.get(int8_gemm.default_tiling(m, gated)))
         entry["gemm_quantized_us"] = time_us(lambda: gemm_path(x, pick(), scale, gated, tiling))
         entry["int_mm_us"] = time_us(lambda: int_mm_path(x, pick(), scale, gated))
-        entry["int_mm_rel"] = rel(int_mm_path(x, codes, scale, gated), want)
+        entry["int_mm_rel"] = relative_difference(int_mm_path(x, codes, scale, gated), want)
         del copies
         copies = l2_defeating_copies(fp8_w)
         entry["fp8_us"] = time_us(lambda: (fp8_gated_linear(x, pick(copies), fp8_s) if gated
@@ -111,16 +110,13 @@ def time_shape(name: str, n: int, k: int, gated: bool, rows: list[int]) -> list[
         del copies
         if DEVICE == "cuda":
             torch.cuda.empty_cache()
-        print(json.dumps({key: str(v) if isinstance(v, tuple) else v for key, v in entry.items()}), flush=True)
+        print(json.dumps(json_ready(entry)), flush=True)
         results.append(entry)
     return results
 
 
 BIT_EQUAL = {True: "yes", False: "no", None: "gated"}
 
-
-def rel(out: torch.Tensor, want: torch.Tensor) -> float:
-    return float((out.double() - want.double()).norm() / want.double().norm().clamp_min(1e-30))
 
 
 def tflops(e: dict, us: float) -> float:
@@ -151,20 +147,13 @@ def main() -> None:
     for e in results:
         default = f"{e['default_us']:.1f}" if e["default_us"] else "-"
         lines.append(
-            f"| {e['name']} {e['n']}x{e['k']}{' gated' if e['gated'] else ''} | {e['rows']} "
-            f"| {e['gemm_us']:.1f} {e['gemm_tiling']} | {tflops(e, e['gemm_us']):.0f} | {default} "
+            f"{product_cells(e)} | {e['gemm_us']:.1f} {e['gemm_tiling']} | {tflops(e, e['gemm_us']):.0f} | {default} "
             f"| {e['gemm_quantized_us']:.1f} | {e['int_mm_us']:.1f} | {e['int_mm_us'] / e['gemm_quantized_us']:.2f}x "
             f"| {e['bf16_us']:.1f} | {tflops(e, e['bf16_us']):.0f} | {e['fp8_us']:.1f} | {tflops(e, e['fp8_us']):.0f} "
             f"| {e['bf16_us'] / e['gemm_quantized_us']:.2f}x | {e['gemm_rel']:.1e} ({BIT_EQUAL[e['gemm_equal']]};"
             f" _int_mm {e['int_mm_rel']:.1e}) |")
-    table = "\n".join(lines) + "\n"
-    print(table)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write("\n" + table)
-    if args.json:
-        Path(args.json).write_text(json.dumps(
-            [{key: str(v) if isinstance(v, tuple) else v for key, v in e.items()} for e in results], indent=1))
+    print_table("\n".join(lines) + "\n", args.out)
+    write_json_rows(args.json, results)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: en
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from benchmarks.common import command_line, git_commit, machine_summary, utc_now  # noqa: E402
+from benchmarks.common import (command_line, git_commit, json_ready, machine_summary, print_table,  # noqa: E402
+                               relative_difference, utc_now, write_json_rows)
 from kernels import int8_sq  # noqa: E402
 from kernels.activation import silu_and_mul  # noqa: E402
 from kernels.fp8 import (FP8_SKINNY_DEFAULT, QuantizedRows, _skinny_w8a8, l2_defeating_copies,  # noqa: E402
@@ -90,10 +91,11 @@ def time_shape(name: str, n: int, k: int, gated: bool, rows: list[int], args) ->
                 want = int8_sq.int8_linear_ref(x, codes, scale)
                 want = silu_and_mul(want) if gated else want
                 entry["int_mm_us"] = graph_time_ms(lambda: int_mm_path(x, pick(), scale, gated)) * 1e3
-                entry["int_mm_rel"] = rel(int_mm_path(x, codes, scale, gated), want)
+                entry["int_mm_rel"] = relative_difference(int_mm_path(x, codes, scale, gated), want)
                 times, errors = {}, {}
                 for tiling in args.int8_tilings:
-                    errors[tiling] = rel(int8_sq.int8_skinny_linear(x, codes, scale, gated=gated, variant=tiling), want)
+                    errors[tiling] = relative_difference(
+                        int8_sq.int8_skinny_linear(x, codes, scale, gated=gated, variant=tiling), want)
                     times[tiling] = graph_time_ms(lambda: int8_sq.int8_skinny_linear(
                         x, pick(), scale, gated=gated, variant=tiling)) * 1e3
                 entry["int8_tiling"], entry["int8_us"] = best(times)
@@ -118,12 +120,14 @@ def time_shape(name: str, n: int, k: int, gated: bool, rows: list[int], args) ->
         if DEVICE == "cuda":
             torch.cuda.empty_cache()
     for e in results:
-        print(json.dumps({key: str(v) if isinstance(v, tuple) else v for key, v in e.items()}), flush=True)
+        print(json.dumps(json_ready(e)), flush=True)
     return results
 
 
-def rel(out: torch.Tensor, want: torch.Tensor) -> float:
-    return float((out.double() - want.double()).norm() / want.double().norm().clamp_min(1e-30))
+
+def product_cells(e: dict) -> str:
+    """A table row's first two cells: the product (name, N x K, gated) and its rows (int8_gemm_bench's too)."""
+    return f"| {e['name']} {e['n']}x{e['k']}{' gated' if e['gated'] else ''} | {e['rows']}"
 
 
 def tilings(text: str) -> tuple:
@@ -155,18 +159,12 @@ def main() -> None:
     for e in results:
         tb = e["n"] * e["k"] / (e["int8_us"] * 1e6)
         lines.append(
-            f"| {e['name']} {e['n']}x{e['k']}{' gated' if e['gated'] else ''} | {e['rows']} "
-            f"| {e['int8_us']:.1f} {e['int8_tiling']} | {e['int_mm_us']:.1f} | {e['int_mm_us'] / e['int8_us']:.2f}x "
+            f"{product_cells(e)} | {e['int8_us']:.1f} {e['int8_tiling']} | {e['int_mm_us']:.1f} "
+            f"| {e['int_mm_us'] / e['int8_us']:.2f}x "
             f"| {e['bf16_us']:.1f} {e['bf16_tiling']} | {e['cublas_us']:.1f} | {e['fp8_us']:.1f} {e['fp8_tiling']} "
             f"| {tb:.2f} | {e['int8_rel']:.1e} (_int_mm {e['int_mm_rel']:.1e}) |")
-    table = "\n".join(lines) + "\n"
-    print(table)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write("\n" + table)
-    if args.json:
-        Path(args.json).write_text(json.dumps(
-            [{key: str(v) if isinstance(v, tuple) else v for key, v in e.items()} for e in results], indent=1))
+    print_table("\n".join(lines) + "\n", args.out)
+    write_json_rows(args.json, results)
 
 
 if __name__ == "__main__":

@@ -146,7 +146,7 @@ def test_cuda_int8_linear_takes_the_gemm_past_decode_rows(m, monkeypatch):
     graph and replayed on new rows; with TRITONLLM_INT8_GEMM=0 torch._int_mm within a rounding."""
     n, k = 272, 1024
     _, x, codes, scale, bias = _problem(m, 2 * n, k, "cuda", torch.bfloat16, seed=30 + m)
-    x = x.cuda()
+    x, bias = x.cuda(), bias[:n]
     plain_w, plain_s = codes[:n], scale[:n]
     rows = int8_sq.as_int8_rows(x)
     got = int8_sq.int8_linear(x, plain_w, plain_s, bias)
@@ -175,16 +175,16 @@ def test_cuda_int8_linear_takes_the_gemm_past_decode_rows(m, monkeypatch):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the load-time choice times on a CUDA device")
 def test_load_time_choice_marks_each_weight_per_row_bucket():
-    """choose_int8_gemm_tilings (the engine's load, engine/executor/runner.py choose_kernels): per shape (plain
-    and gated apart) and row bucket one candidate, kept on every weight of that shape as {bucket: tiling};
+    """choose_int8_gemm_tilings (the engine's load, engine/executor/runner.py choose_kernels): per shape (gated
+    [gate | up] weights under ("gated", 2N, K)) and row bucket one candidate, kept on every weight of that shape as {bucket: tiling};
     int8_linear and int8_gated_linear then run it (the same values as int8_gemm with that tiling)."""
     plain = [int8_sq.quantize_weight_int8(torch.randn(384, 512, device="cuda"))[0] for _ in range(2)]
     gate_up, gate_up_scale = int8_sq.quantize_weight_int8(torch.randn(2 * 384, 512, device="cuda"))
     chosen = int8_gemm.choose_int8_gemm_tilings(plain, gated=[gate_up], rows=(64, 256))
-    assert set(chosen) == {(64, 384, 512), (256, 384, 512), (64, "gated", 384, 512), (256, "gated", 384, 512)}
+    assert set(chosen) == {(64, 384, 512), (256, 384, 512), (64, "gated", 768, 512), (256, "gated", 768, 512)}
     for bucket in (64, 256):
         assert chosen[(bucket, 384, 512)] in int8_gemm.INT8_GEMM_TILINGS
-        assert chosen[(bucket, "gated", 384, 512)] in int8_gemm.INT8_GATED_TILINGS
+        assert chosen[(bucket, "gated", 768, 512)] in int8_gemm.INT8_GATED_TILINGS
     assert all(getattr(w, int8_gemm.INT8_GEMM_ATTR) == {b: chosen[(b, 384, 512)] for b in (64, 256)} for w in plain)
     x = torch.randn(200, 512, device="cuda", dtype=torch.bfloat16)
     rows = int8_sq.as_int8_rows(x)
@@ -193,4 +193,4 @@ def test_load_time_choice_marks_each_weight_per_row_bucket():
         rows.values, rows.scale, plain[0], scale, out_dtype=torch.bfloat16, tiling=chosen[(256, 384, 512)]))
     assert torch.equal(int8_sq.int8_gated_linear(x, gate_up, gate_up_scale), int8_gemm.int8_gemm(
         rows.values, rows.scale, gate_up, gate_up_scale, out_dtype=torch.bfloat16, gated=True,
-        tiling=chosen[(256, "gated", 384, 512)]))
+        tiling=chosen[(256, "gated", 768, 512)]))

@@ -38,7 +38,7 @@ def test_reference_is_the_dequantized_product():
     assert torch.allclose(int8_sq.int8_linear_ref(x, codes, scale, bias), expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("cols", [40, 5000])  # one block, and several (the kernel's loop)
+@pytest.mark.parametrize("cols", [40, 5000, 20000])  # read once (up to 16384), and in 4096-wide blocks twice
 def test_quantize_kernel_matches_the_reference(device, cols):
     x = (torch.randn(3, cols) * torch.tensor([[1.0], [1e-3], [0.0]])).to(device)  # an all-zero row too
     codes, scale = int8_sq.quantize_rows_int8_triton(x)
