@@ -50,8 +50,13 @@ if [ "$smoke" != 1 ]; then
 fi
 
 job() {  # NAME LIMIT_S CMD...: one guarded job, its output in $w/NAME.log, one status line
-  local name=$1 limit=$2 start rc
+  local name=$1 limit=$2 start rc left
   shift 2
+  if [ -n "${X2_DEADLINE_S:-}" ]; then  # the call's own deadline (s after its start): the report and the archive
+    left=$(( t0 + X2_DEADLINE_S - $(date +%s) ))  # must be written before the device tool's timeout ends the call
+    if [ "$left" -lt 10 ]; then echo "[x2] $name: not run (X2_DEADLINE_S)"; return; fi
+    [ "$left" -lt "$limit" ] && limit=$left
+  fi
   start=$(date +%s)
   timeout -k 10 "$limit" "$@" > "$w/$name.log" 2>&1
   rc=$?
@@ -675,10 +680,9 @@ PY
   ;;
 24)
   # Session 23's last call (~440 s, two lanes; one GPU: one after the other). GPU 0: helper sq9's int8 GEMM (rows past 16,
-  # /tmp/notes/sq9.md), then engine_bench bf16 against int8_sq (batch-1 and 128/128 offline, issue 52's >= 1.3x), then
-  # T5 with the old decode attention (TRITONLLM_T5_DECODE_KERNEL=0). GPU 1: helper w4a8's W4A8 GEMM (/tmp/notes/w4a8.md),
-  # helper t5attn's T5 decode self-attention (/tmp/notes/t5attn.md), helper enc23's encoder-decoder tests and
-  # encdec_bench (/tmp/notes/enc23.md), then the VLM offline runs after the sampling kernels' fix (fde908a, ae11360).
+  # /tmp/notes/sq9.md), engine_bench bf16 against int8_sq (batch-1 and 128/128 offline, issue 52's >= 1.3x), helper
+  # enc23's encoder-decoder GPU tests. GPU 1: helper w4a8's W4A8 GEMM (/tmp/notes/w4a8.md), helper t5attn's T5 decode
+  # self-attention (/tmp/notes/t5attn.md), encdec_bench (/tmp/notes/enc23.md), then the VLM offline runs after the sampling kernels' fix (fde908a, ae11360).
   lane1_gpu=1
   [ "$smoke" = 1 ] || [ "$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())')" -lt 2 ] && lane1_gpu=0
   (
@@ -694,8 +698,10 @@ PY
         --max-batch-size 512 $([ "$q" = int8_sq ] && echo --quantization int8_sq) --out "$w/sq_$q.json" \
         --results-md "$w/sq_$q.md"
     done
-    TRITONLLM_T5_DECODE_KERNEL=0 on_gpu 0 enc_t5_old 60 "$PYTHON" -u benchmarks/engine/encdec_bench.py --sections t5 \
-      --hf-t5-batches "" --cross-kv-cache-dtype fp8 --quantization fp8 --out "$w/enc_t5_old.json" --results-md "$w/enc_t5_old.md"
+    CUDA_VISIBLE_DEVICES=0 job enc_tests 60 "$PYTHON" -m pytest -q -rfEs -s -p no:cacheprovider -m gpu \
+      tests/engine/test_encoder_decoder_fp8_weights.py tests/engine/test_encoder_decoder.py tests/engine/test_whisper_fused_decode.py \
+      tests/kernels/test_kernel_elementwise.py tests/kernels/test_fp8.py -k "cuda or fused_graphs_equal_unfused or \
+activated_fp8_product or quantized_gated_activation or quantized_gelu_tanh or quantized_layer_norm or layer_norm_with_its_adds"
   ) &
   lane0=$!
   [ "$lane1_gpu" = 0 ] && wait "$lane0"
@@ -708,10 +714,6 @@ PY
     tests/kernels/test_w4a8_gemm.py
   TRITONLLM_W4A8=1 on_gpu $lane1_gpu w4a8_engine 70 "$PYTHON" benchmarks/engine/engine_bench.py --sections executor_decode \
     --executor-decode-batches 256 --max-batch-size 256 --quantization int4_wo --out "$w/w4a8/eng_w4a8.json"
-  CUDA_VISIBLE_DEVICES=$lane1_gpu job enc_tests 60 "$PYTHON" -m pytest -q -rfEs -s -p no:cacheprovider -m gpu \
-    tests/engine/test_encoder_decoder_fp8_weights.py tests/engine/test_encoder_decoder.py tests/engine/test_whisper_fused_decode.py \
-    tests/kernels/test_kernel_elementwise.py tests/kernels/test_fp8.py -k "cuda or fused_graphs_equal_unfused or \
-activated_fp8_product or quantized_gated_activation or quantized_gelu_tanh or quantized_layer_norm or layer_norm_with_its_adds"
   # helper t5attn (/tmp/notes/t5attn.md): the T5 decode kernel's tests and its bench against the tensor-core path
   CUDA_VISIBLE_DEVICES=$lane1_gpu job t5attn_tests 35 "$PYTHON" -m pytest -q -x -n 4 -p no:cacheprovider \
     tests/kernels/test_t5_bias_attention.py tests/kernels/test_kernel_input_layouts.py -k t5
@@ -719,7 +721,7 @@ activated_fp8_product or quantized_gated_activation or quantized_gelu_tanh or qu
     --out "$w/t5_decode_paths.json" --md "$w/t5_decode_paths.md"
   on_gpu $lane1_gpu enc_bench 100 "$PYTHON" -u benchmarks/engine/encdec_bench.py --sections whisper,t5 --hf-whisper-batches "" \
     --hf-t5-batches "" --cross-kv-cache-dtype fp8 --quantization none,fp8 --out "$w/enc.json" --results-md "$w/enc.md"
-  on_gpu $lane1_gpu vlm 120 "$PYTHON" benchmarks/engine/vlm_bench.py --sections offline --hf-batches= --encode-batch 32 \
+  on_gpu $lane1_gpu vlm 110 "$PYTHON" benchmarks/engine/vlm_bench.py --sections offline --hf-batches= --encode-batch 32 \
     --also-encode-batches 32 --offline-variants fp8-tower --sync-watch --out "$w/vlm.json" --results-md "$w/vlm.md"
   wait
   echo "== sampling_tests"; grep -E "passed|failed|FAILED" "$w/sampling_tests.log" | tail -3
@@ -729,7 +731,6 @@ activated_fp8_product or quantized_gated_activation or quantized_gelu_tanh or qu
   echo "== w4a8 engine"; tail -6 "$w/w4a8_engine.log" | cut -c1-400
   grep -hE "executor_decode|256" "$w/sq_bf16.log" | grep -iE "tok/s|step" | head -4 | cut -c1-300
   echo "== t5attn bench"; cat "$w/t5_decode_paths.md" 2>/dev/null | cut -c1-400
-  echo "== enc_t5_old (TRITONLLM_T5_DECODE_KERNEL=0)"; grep -vi warning "$w/enc_t5_old.log" 2>/dev/null | grep -E "t5|tok/s|run:" | cut -c1-400 | head -8
   for q in bf16 int8_sq; do [ -f "$w/sq_$q.log" ] && { echo "== sq_$q"; grep -E "^\| (batch-1|offline|\.\.\.)|Error|Traceback" "$w/sq_$q.log" | cut -c1-300; }; done
   echo "== enc_tests"; grep -E "CUDA: FP8|passed|failed|Error|assert" "$w/enc_tests.log" | tail -12 | cut -c1-300
   echo "== enc_bench"; grep -vi warning "$w/enc_bench.log" | grep -E "whisper|t5|audio|tok/s|Error|Traceback|run:" | cut -c1-400 | head -24
