@@ -260,13 +260,13 @@ def _t5_decode_kernel(
              out.to(out_ptr.dtype.element_ty), mask=hd_mask)
 
 
-# Decode steps' tiling (HEADS_PER_PROGRAM, BLOCK_N keys, warps, stages): not timed yet, a first
-# guess. A program's K and V tiles are 2 x 64 x 64 each over 4 warps, fetched as 16-byte loads all
-# issued before the math; compiled for sm_90 on a CPU (Triton 3.x, ptxas) it takes 96 registers a
-# thread with a bf16 pool, 128 with an FP8 one, no spills (5 or 4 programs an SM), and Triton
-# stages none of these loads in shared memory (2 stages compile the same). Contexts of up to ~128
-# keys are one or two steps. benchmarks/kernels/t5_attention_bench.py sweeps DECODE_SWEEP.
-DECODE_TILING = (2, 64, 4, 1)
+# Decode steps' tiling (HEADS_PER_PROGRAM, BLOCK_N keys, warps, stages): one head, 32 keys a step, one warp.
+# The H200 sweep of benchmarks/kernels/t5_attention_bench.py (2026-11-30, commit 18133af; Flan-T5-XL heads, bf16
+# pool, every row its full context) timed it fastest at every shape: 256 rows x 128 keys 68.1 us (3.9 TB/s of K/V,
+# the copy rate) against 103.7 for the first guess (2, 64, 4, 1) and 111.3 for the tensor-core path; 64 x 128
+# 24.6 against 36.2; 256 x 32 24.0 against 49.9. Many small programs (one per head) keep every SM's loads in flight
+# where 4-warp programs over two heads left them idle between steps.
+DECODE_TILING = (1, 32, 1, 1)
 # Default tilings: decode rows / prompt chunks (BLOCK_N, warps, stages); encoder inputs of at least
 # 128 tokens (BLOCK_M, BLOCK_N, warps, stages), shorter ones 64 x 64 over 4 warps.
 PAGED_TILING = (64, 4, 2)
