@@ -90,6 +90,18 @@ def encoder_case(batch: int, length: int, device) -> dict:
     return entry
 
 
+def decode_metadata(tables: torch.Tensor, contexts: list[int], longest: int) -> AttentionMetadata:
+    """A decode-only batch's metadata: one new token a sequence, its pages ``tables`` (num_seqs, pages), its
+    ``contexts`` keys, the launch sized for ``longest``."""
+    num_seqs, device = len(contexts), tables.device
+    return AttentionMetadata(
+        slot_mapping=torch.empty(0, dtype=torch.int64, device=device), block_tables=tables.to(torch.int32),
+        cu_seqlens_q=torch.arange(num_seqs + 1, dtype=torch.int32, device=device),
+        context_lens=torch.tensor(contexts, dtype=torch.int32, device=device), max_seqlen_q=1,
+        max_context_len=longest, is_decode_only=True, cu_seqlens_q_host=list(range(num_seqs + 1)),
+        context_lens_host=contexts)
+
+
 def decode_case(num_seqs: int, context: int, width: int, device) -> dict:
     table = torch.randn(BUCKETS, HEADS, device=device, dtype=torch.bfloat16)
     pages_each = -(-width // PAGE)
@@ -99,12 +111,7 @@ def decode_case(num_seqs: int, context: int, width: int, device) -> dict:
     tables = torch.randperm(num_blocks - 1, device=device)[:num_seqs * pages_each].view(num_seqs, pages_each) + 1
     q = torch.randn(num_seqs, HEADS, DIM, device=device, dtype=torch.bfloat16)
     contexts = [max(1, context - (i % 7)) for i in range(num_seqs)]
-    meta = AttentionMetadata(
-        slot_mapping=torch.empty(0, dtype=torch.int64, device=device), block_tables=tables.to(torch.int32),
-        cu_seqlens_q=torch.arange(num_seqs + 1, dtype=torch.int32, device=device),
-        context_lens=torch.tensor(contexts, dtype=torch.int32, device=device), max_seqlen_q=1,
-        max_context_len=width, is_decode_only=True, cu_seqlens_q_host=list(range(num_seqs + 1)),
-        context_lens_host=contexts)
+    meta = decode_metadata(tables, contexts, width)
     bias = distance_bias(table, bidirectional=False, max_distance=MAX_DISTANCE)
     ours = t5_paged_attention_triton(q, k_cache, v_cache, meta, 1.0, bias)
     ref = t5_paged_attention_ref(q.float(), k_cache.float(), v_cache.float(), meta, 1.0, table, MAX_DISTANCE)
@@ -135,12 +142,7 @@ def decode_paths_case(num_seqs: int, context: int, pool_dtype: torch.dtype, devi
         k_cache, v_cache = (torch.randn(num_blocks, HEADS, PAGE, DIM, device=device, dtype=torch.bfloat16)
                             .to(pool_dtype).transpose(1, 2) for _ in range(2))  # head-major, like the runner's pool
         tables = torch.randperm(num_blocks - 1, device=device)[:num_seqs * pages_each].view(num_seqs, pages_each) + 1
-        meta = AttentionMetadata(
-            slot_mapping=torch.empty(0, dtype=torch.int64, device=device), block_tables=tables.to(torch.int32),
-            cu_seqlens_q=torch.arange(num_seqs + 1, dtype=torch.int32, device=device),
-            context_lens=torch.tensor(contexts, dtype=torch.int32, device=device), max_seqlen_q=1,
-            max_context_len=context, is_decode_only=True, cu_seqlens_q_host=list(range(num_seqs + 1)),
-            context_lens_host=contexts)
+        meta = decode_metadata(tables, contexts, context)
         q = torch.randn(num_seqs, HEADS, DIM, device=device, dtype=torch.bfloat16)
         inputs.append((q, k_cache, v_cache, meta))
     q, k_cache, v_cache, meta = inputs[0]
