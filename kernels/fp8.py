@@ -62,6 +62,7 @@ from kernels._triton import HAVE_TRITON, jit, pdl_options, pdl_prologue, tl, tri
 from kernels.activation import (gelu_tanh_and_mul, gelu_tanh_and_mul_quantized_triton, silu_and_mul,
                                 silu_and_mul_quantized_triton)
 from kernels.e4m3_rows import e4m3_row_scale, to_e4m3
+from kernels.int8_rows import int8_row_scale, to_int8
 from kernels.layernorm import layer_norm_quantized_triton, layer_norm_ref
 from kernels.linear import (MAX_SKINNY_ROWS, SKINNY_VARIANTS, activation_ref, graph_time_ms, skinny_linear_triton,
                             variant_options, wide_variant)
@@ -82,28 +83,48 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @jit
-def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, K, stride_x, stride_q, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    """One program per row: its absolute maximum, then every value divided by max / 448 into E4M3.
-    The same arithmetic as ``quantize_rows`` (float32 division, clamp, round to nearest). A row that
-    fits one BLOCK is read once and kept in registers; a longer one is read twice."""
+def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, K, stride_x, stride_q, BLOCK: tl.constexpr, PDL: tl.constexpr,
+                          INT8: tl.constexpr):
+    """One program per row: its absolute maximum, then every value divided by max / 448 into E4M3 (the same
+    arithmetic as ``quantize_rows``: float32 division, clamp, round to nearest), or with INT8 by max / 127 into
+    int8 codes rounded half away from zero (kernels/int8_rows.py: ``quantize_rows_int8``'s arithmetic). A row
+    that fits one BLOCK is read once and kept in registers; a longer one is read twice."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     pdl_prologue(PDL)
     if BLOCK >= K:
         x = tl.load(x_ptr + row * stride_x + cols, mask=cols < K, other=0.0).to(tl.float32)
-        scale = e4m3_row_scale(tl.max(tl.abs(x), 0))
+        scale = _row_scale(tl.max(tl.abs(x), 0), INT8)
         tl.store(scale_ptr + row, scale)
-        tl.store(q_ptr + row * stride_q + cols, to_e4m3(x, scale), mask=cols < K)
+        tl.store(q_ptr + row * stride_q + cols, _row_codes(x, scale, INT8), mask=cols < K)
         return
     peak = tl.zeros([BLOCK], dtype=tl.float32)
     for k0 in range(0, K, BLOCK):
         x = tl.load(x_ptr + row * stride_x + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32)
         peak = tl.maximum(peak, tl.abs(x))
-    scale = e4m3_row_scale(tl.max(peak, 0))
+    scale = _row_scale(tl.max(peak, 0), INT8)
     tl.store(scale_ptr + row, scale)
     for k0 in range(0, K, BLOCK):
         x = tl.load(x_ptr + row * stride_x + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32)
-        tl.store(q_ptr + row * stride_q + k0 + cols, to_e4m3(x, scale), mask=k0 + cols < K)
+        tl.store(q_ptr + row * stride_q + k0 + cols, _row_codes(x, scale, INT8), mask=k0 + cols < K)
+
+
+@jit
+def _row_scale(peak, INT8: tl.constexpr):
+    if INT8:
+        scale = int8_row_scale(peak)
+    else:
+        scale = e4m3_row_scale(peak)
+    return scale
+
+
+@jit
+def _row_codes(x, scale, INT8: tl.constexpr):
+    if INT8:
+        codes = to_int8(x, scale)
+    else:
+        codes = to_e4m3(x, scale)
+    return codes
 
 
 QUANTIZE_ONE_PASS_MAX = 16384  # widest row kept in registers: 32 values a thread at 16 warps
@@ -114,15 +135,24 @@ def quantize_rows_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     QUANTIZE_ONE_PASS_MAX wide are read once: for one row of Llama-8B's 14,336 that is one round
     trip to memory instead of fourteen (two passes of 2,048-wide tiles), the whole cost of a
     kernel this small."""
+    return launch_row_quantizer(x, FP8_DTYPE, two_pass_block=2048)
+
+
+def launch_row_quantizer(x: torch.Tensor, code_dtype: torch.dtype, *, two_pass_block: int
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (R, C), unit column stride -> (codes (R, C) of ``code_dtype``: E4M3, or int8 for kernels/int8_sq.py,
+    scale (R,) float32) in one launch of _quantize_rows_kernel; rows wider than QUANTIZE_ONE_PASS_MAX in two
+    passes of ``two_pass_block``-wide tiles."""
     rows, cols = x.shape
-    assert x.stride(1) == 1
-    x_q = torch.empty(rows, cols, dtype=FP8_DTYPE, device=x.device)
+    assert x.stride(1) == 1 and code_dtype in (FP8_DTYPE, torch.int8)
+    codes = torch.empty(rows, cols, dtype=code_dtype, device=x.device)
     scale = torch.empty(rows, dtype=torch.float32, device=x.device)
     if rows:
-        block = triton.next_power_of_2(cols) if cols <= QUANTIZE_ONE_PASS_MAX else 2048
-        _quantize_rows_kernel[(rows,)](x, x_q, scale, cols, x.stride(0), x_q.stride(0), BLOCK=block,
-                                       num_warps=min(16, max(4, block // 512)), **pdl_options(x))
-    return x_q, scale
+        block = triton.next_power_of_2(cols) if cols <= QUANTIZE_ONE_PASS_MAX else two_pass_block
+        _quantize_rows_kernel[(rows,)](x, codes, scale, cols, x.stride(0), codes.stride(0), BLOCK=block,
+                                       INT8=code_dtype == torch.int8, num_warps=min(16, max(4, block // 512)),
+                                       **pdl_options(x))
+    return codes, scale
 
 
 class QuantizedRows(NamedTuple):

@@ -30,11 +30,10 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import jit, pdl_options, pdl_prologue, tl, triton, use_triton
+from kernels._triton import use_triton
 from kernels.activation import silu_and_mul
-from kernels.fp8 import QUANTIZE_ONE_PASS_MAX, QuantizedRows, choose_skinny_tilings, fastest_tiling
+from kernels.fp8 import QuantizedRows, choose_skinny_tilings, fastest_tiling, launch_row_quantizer
 from kernels.int8_gemm import int8_gemm, int8_gemm_enabled
-from kernels.int8_rows import int8_row_scale, to_int8
 from kernels.linear import MAX_SKINNY_ROWS, skinny_linear_triton, variant_options
 from kernels.rmsnorm import rms_norm_quantized_int8_triton, rms_norm_ref
 
@@ -80,45 +79,12 @@ def quantize_weight_int8(weight: torch.Tensor, scale: torch.Tensor | None = None
     return codes, scale
 
 
-@jit
-def _quantize_rows_int8_kernel(x_ptr, q_ptr, scale_ptr, K, stride_x, stride_q, BLOCK: tl.constexpr,
-                               PDL: tl.constexpr):
-    """One program per row: its absolute maximum, then every value / (max / 127) rounded half away
-    from zero (``quantize_rows_int8``'s arithmetic, kernels/int8_rows.py). A row that fits one BLOCK is read
-    once and kept in registers (kernels/fp8.py's row quantizer does the same); a longer one is read twice."""
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    pdl_prologue(PDL)
-    if BLOCK >= K:
-        x = tl.load(x_ptr + row * stride_x + cols, mask=cols < K, other=0.0).to(tl.float32)
-        scale = int8_row_scale(tl.max(tl.abs(x), 0))
-        tl.store(scale_ptr + row, scale)
-        tl.store(q_ptr + row * stride_q + cols, to_int8(x, scale), mask=cols < K)
-        return
-    peak = tl.zeros([BLOCK], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK):
-        x = tl.load(x_ptr + row * stride_x + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32)
-        peak = tl.maximum(peak, tl.abs(x))
-    scale = int8_row_scale(tl.max(peak, 0))
-    tl.store(scale_ptr + row, scale)
-    for k0 in range(0, K, BLOCK):
-        x = tl.load(x_ptr + row * stride_x + k0 + cols, mask=k0 + cols < K, other=0.0).to(tl.float32)
-        tl.store(q_ptr + row * stride_q + k0 + cols, to_int8(x, scale), mask=k0 + cols < K)
-
-
 def quantize_rows_int8_triton(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``quantize_rows_int8`` in one launch (x (R, C) with unit column stride). Rows up to
-    QUANTIZE_ONE_PASS_MAX wide are read once: on an H200 (2026-11-30) the two-pass kernel (4,096-wide tiles)
-    took ~25 us for down_proj's 512 x 14,336 input, half the int8 product's own 51.7 us."""
-    rows, cols = x.shape
-    assert x.stride(1) == 1
-    codes = torch.empty(rows, cols, dtype=torch.int8, device=x.device)
-    scale = torch.empty(rows, dtype=torch.float32, device=x.device)
-    if rows:
-        block = triton.next_power_of_2(cols) if cols <= QUANTIZE_ONE_PASS_MAX else 4096
-        _quantize_rows_int8_kernel[(rows,)](x, codes, scale, cols, x.stride(0), codes.stride(0), BLOCK=block,
-                                            num_warps=min(16, max(4, block // 512)), **pdl_options(x))
-    return codes, scale
+    """``quantize_rows_int8`` in one launch (x (R, C) with unit column stride) of kernels/fp8.py's row quantizer
+    in its int8 form (kernels/int8_rows.py's arithmetic). Rows up to QUANTIZE_ONE_PASS_MAX wide are read once: on
+    an H200 (2026-11-30) the two-pass kernel (4,096-wide tiles) took ~25 us for down_proj's 512 x 14,336 input,
+    half the int8 product's own 51.7 us."""
+    return launch_row_quantizer(x, torch.int8, two_pass_block=4096)
 
 
 def int8_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -248,9 +214,9 @@ def choose_int8_skinny_variants(weights: list[torch.Tensor], gated: list[torch.T
 
 def _int8_sources() -> tuple[str, ...]:
     """The files whose kernels the int8 load-time choice times (kernels/choice_cache.py's key)."""
-    from kernels import _triton, int8_rows, linear
+    from kernels import _triton, fp8, int8_rows, linear
 
-    return (__file__, linear.__file__, _triton.__file__, int8_rows.__file__)
+    return (__file__, fp8.__file__, linear.__file__, _triton.__file__, int8_rows.__file__)
 
 
 def _fastest_int8_variant(weight: torch.Tensor, gated: bool, rows: tuple[int, ...]) -> tuple:
