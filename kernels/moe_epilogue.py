@@ -65,10 +65,14 @@ def activate_ref(gate_up: torch.Tensor, epilogue: ExpertEpilogue = PLAIN_SILU) -
     gate, up = gate_up.chunk(2, dim=-1)
     if epilogue.activation == "silu":
         return F.silu(gate) * up
-    limit = epilogue.swiglu_limit
-    gate = gate.float().clamp(max=limit)
-    up = up.float().clamp(-limit, limit)
-    return ((up + 1.0) * gate * torch.sigmoid(SWIGLU_ALPHA * gate)).to(gate_up.dtype)
+    return swiglu_clamped_ref(gate.float(), up.float(), epilogue.swiglu_limit).to(gate_up.dtype)
+
+
+def swiglu_clamped_ref(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """gpt-oss's clamped SwiGLU of float32 gate and up, unrounded."""
+    gate = gate.clamp(max=limit)
+    up = up.clamp(-limit, limit)
+    return (up + 1.0) * gate * torch.sigmoid(SWIGLU_ALPHA * gate)
 
 
 def expert_activation_ref(h: torch.Tensor, row_expert: torch.Tensor, epilogue: ExpertEpilogue) -> torch.Tensor:
@@ -88,6 +92,12 @@ def gated_activation(gate, up, OUT_DTYPE: tl.constexpr, ACTIVATION: tl.constexpr
     up = up.to(OUT_DTYPE).to(tl.float32)
     if ACTIVATION == 0:
         return (gate / (1.0 + tl.exp(-gate))).to(OUT_DTYPE).to(tl.float32) * up
+    return swiglu_clamped(gate, up, SWIGLU_LIMIT)
+
+
+@jit
+def swiglu_clamped(gate, up, SWIGLU_LIMIT: tl.constexpr):
+    """swiglu_clamped_ref in a kernel: float32 gate and up tiles -> the float32 activation, unrounded."""
     gate = tl.minimum(gate, SWIGLU_LIMIT)
     up = tl.minimum(tl.maximum(up, -SWIGLU_LIMIT), SWIGLU_LIMIT)
     return (up + 1.0) * gate / (1.0 + tl.exp(-1.702 * gate))  # SWIGLU_ALPHA

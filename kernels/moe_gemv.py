@@ -53,7 +53,7 @@ from kernels._triton import jit, pdl_options, pdl_prologue, tl, triton
 from kernels.fp8 import FP8_DTYPE
 from kernels.fp8_block import BLOCK as SCALE_BLOCK
 from kernels.moe_decode import _dequantized  # (one expert's weight in float32: codes times scales)
-from kernels.moe_epilogue import ACTIVATIONS, PLAIN_SILU, SWIGLU_ALPHA, ExpertEpilogue
+from kernels.moe_epilogue import ACTIVATIONS, PLAIN_SILU, ExpertEpilogue, swiglu_clamped, swiglu_clamped_ref
 from kernels.moe_routing import _top_k_of_row
 from kernels.mxfp4_codes import exponent_factor, high_codes, low_codes
 
@@ -185,9 +185,7 @@ def _activation_ref(gate: torch.Tensor, up: torch.Tensor, epilogue: ExpertEpilog
     """The gated activation in float32, unrounded (the kernels round it once, with the store)."""
     if epilogue.activation == "silu":
         return F.silu(gate) * up
-    limit = epilogue.swiglu_limit
-    gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
-    return (up + 1.0) * gate * torch.sigmoid(SWIGLU_ALPHA * gate)
+    return swiglu_clamped_ref(gate, up, epilogue.swiglu_limit)
 
 
 # ---- Triton ----------------------------------------------------------------------------------
@@ -287,9 +285,7 @@ def _activated(gate, up, ACTIVATION: tl.constexpr, SWIGLU_LIMIT: tl.constexpr):
     """_activation_ref in float32: SiLU(gate) * up (ACTIVATION 0) or the clamped SwiGLU (1, gpt-oss)."""
     if ACTIVATION == 0:
         return gate / (1.0 + tl.exp(-gate)) * up
-    gate = tl.minimum(gate, SWIGLU_LIMIT)
-    up = tl.minimum(tl.maximum(up, -SWIGLU_LIMIT), SWIGLU_LIMIT)
-    return (up + 1.0) * gate / (1.0 + tl.exp(-1.702 * gate))  # SWIGLU_ALPHA
+    return swiglu_clamped(gate, up, SWIGLU_LIMIT)
 
 
 @jit
