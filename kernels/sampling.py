@@ -123,13 +123,23 @@ def _row_split(vocab: int, programs: int) -> tuple[int, int]:
     return chunk, triton.cdiv(vocab, chunk)
 
 
+def _split_launch(vocab: int, programs: int, sms: int) -> tuple[int, int, int, int, int]:
+    """(chunk, chunks, CHUNKS_PAD, BLOCK, num_warps) of the split kernels for a row over ``programs`` programs.
+    One CHUNKS_PAD per vocabulary (room for the one-row split's chunks), not one per row count: a kernel variant
+    first launched while serving loads its module, and that load waited for the device's queued work (a 175-370
+    ms step launch in the first image run on the H200, 2026-11-30). A program walking a whole row (a large
+    batch) takes wider tiles: for 512 rows of sampled logits, 1,024 tokens over 4 warps measured 383 us against
+    347 us for 2,048 over 8 (H100)."""
+    chunk, chunks = _row_split(vocab, programs)
+    chunks_pad = triton.next_power_of_2(max(chunks, _row_split(vocab, 2 * sms)[1]))
+    return (chunk, chunks, chunks_pad, *((_CHUNK_BLOCK, 4) if chunks > 1 else (2 * _CHUNK_BLOCK, 8)))
+
+
 def sampling_kernel_variants(vocab: int, rows: int, sms: int) -> tuple[int, int, int]:
     """(CHUNKS_PAD, BLOCK, num_warps) of the split kernels for ``rows`` rows: what picks a compiled
     variant besides the logits' dtype, row stride and GUMBEL (two per vocabulary: one program a row
     or many)."""
-    chunks = _row_split(vocab, max(1, 2 * sms // rows))[1]
-    chunks_pad = triton.next_power_of_2(max(chunks, _row_split(vocab, 2 * sms)[1]))
-    return (chunks_pad, *((_CHUNK_BLOCK, 4) if chunks > 1 else (2 * _CHUNK_BLOCK, 8)))
+    return _split_launch(vocab, max(1, 2 * sms // rows), sms)[2:]
 
 
 _warmed: set[tuple] = set()  # (vocab, row stride, logits dtype, device) whose variants have all launched
@@ -171,18 +181,11 @@ def _best_per_row(logits: torch.Tensor, gumbel: tuple[torch.Tensor, torch.Tensor
     if programs is None:
         _warm_other_variants(logits)
     sms = num_sms(logits.device)
-    chunk, chunks = _row_split(vocab, programs or max(1, 2 * sms // rows))
-    # One CHUNKS_PAD per vocabulary (room for the one-row split's chunks), not one per row count: a
-    # kernel variant first launched while serving loads its module, and that load waited for the
-    # device's queued work (a 175-370 ms step launch in the first image run on the H200, 2026-11-30).
-    chunks_pad = triton.next_power_of_2(max(chunks, _row_split(vocab, 2 * sms)[1]))
+    chunk, chunks, chunks_pad, block, warps = _split_launch(vocab, programs or max(1, 2 * sms // rows), sms)
     best_value = torch.empty(rows, chunks_pad, dtype=torch.float32, device=logits.device)
     best_index = torch.empty(rows, chunks_pad, dtype=torch.int32, device=logits.device)
     # read at ptr + row: per-row views (a column of a request table, one value broadcast) made dense
     temperature, seeds, offsets = dense(*gumbel) if gumbel is not None else (logits, logits, logits)
-    # A program walking a whole row (a large batch) takes wider tiles: for 512 rows of sampled
-    # logits, 1,024 tokens over 4 warps measured 383 us against 347 us for 2,048 over 8 (H100).
-    block, warps = (_CHUNK_BLOCK, 4) if chunks > 1 else (2 * _CHUNK_BLOCK, 8)
     _chunk_best_kernel[(rows, chunks)](logits, temperature, seeds, offsets, best_value, best_index, vocab, chunk,
                                        logits.stride(0), GUMBEL=gumbel is not None, BLOCK=block,
                                        CHUNKS_PAD=chunks_pad, num_warps=warps)
