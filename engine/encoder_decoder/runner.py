@@ -44,9 +44,10 @@ from engine.encoder_decoder.spec import EncDecSpec
 from engine.executor.overlap import resolve_placeholders
 from engine.executor.random_weights import has_random_weights, materialize_random_weights
 from engine.executor.cuda_graphs import default_buckets
-from engine.executor.runner import MAX_DEFERRED_SCALING_ROWS, ForwardBatch, ModelRunner, keep_or_cast, load_rank_weights
+from engine.executor.runner import (ForwardBatch, ModelRunner, deferred_scaling_choice, keep_or_cast,
+                                    load_rank_weights)
 from kernels.attention import KV_FP8_DTYPE
-from kernels.fp8 import FP8_DTYPE, choose_fp8_scaling, choose_fp8_skinny_variants
+from kernels.fp8 import FP8_DTYPE, choose_fp8_skinny_variants
 from kernels.linear import choose_activated_weights, choose_skinny_weights
 from kernels.wide_rows import choose_wide_variants, wide_row_counts
 
@@ -174,31 +175,28 @@ class EncDecRunner(ModelRunner):
         choose_fp8_scaling at ``decode_batches`` (the graphs' buckets) up to MAX_DEFERRED_SCALING_ROWS: the
         products whose reader applies deferred scales (model.py Decoder.forward) run tensor-wise where faster."""
         layers = self.model.layers
+        step_weights = self.model.decode_step_weights()
+        fp8 = [w for w in step_weights if w.dtype == FP8_DTYPE]
         if isinstance(layers[0].mlp.down, Fp8Linear):
-            fp8 = [w for w in self.model.decode_step_weights() if w.dtype == FP8_DTYPE]
             self.gemm_choices = choose_skinny_weights([m.weight for m in self.model.modules()
                                                        if isinstance(m, torch.nn.Linear)] + list(extra_weights))
             self.gemm_choices.update({("fp8",) + key: {"variant": variant}
                                       for key, variant in choose_fp8_skinny_variants(fp8).items()})
         else:
             ups = [layer.mlp.up.weight for layer in layers] if layers[0].mlp.gate is None else []
-            plain = [w for w in self.model.decode_step_weights() if not any(w is up for up in ups)]
+            plain = [w for w in step_weights if not any(w is up for up in ups)]
             plain += list(extra_weights)
             self.gemm_choices = choose_skinny_weights(plain)
             if ups:
                 activation = layers[0].mlp.activation_name
                 self.gemm_choices.update({("activated", activation) + shape: choice
                                           for shape, choice in choose_activated_weights(ups, activation).items()})
-        wide = choose_wide_variants(self.model.decode_step_weights(),
-                                    row_counts=wide_row_counts(self.build_config.max_batch_size))
+        wide = choose_wide_variants(step_weights, row_counts=wide_row_counts(self.build_config.max_batch_size))
         self.gemm_choices.update({("wide",) + key: report for key, report in wide.items()})
         if isinstance(layers[0].mlp.down, Fp8Linear) and self.spec.norm == "rms" and self.dtype == torch.bfloat16:
             # T5's products read by its quantizing RMS norms and gated-GELU (model.py Decoder.forward) may defer
             # their scales at the batch buckets' row counts past MAX_SKINNY_ROWS where tensor-wise is faster
-            scaling = choose_fp8_scaling([w for w in self.model.decode_step_weights() if w.dtype == FP8_DTYPE],
-                                         [b for b in decode_batches or () if b <= MAX_DEFERRED_SCALING_ROWS])
-            self.gemm_choices[("fp8_deferred_scales",)] = {
-                "deferred": sorted(key for key, deferred in scaling.items() if deferred)}  # (rows, N, K)
+            self.gemm_choices[("fp8_deferred_scales",)] = deferred_scaling_choice(fp8, decode_batches or ())
 
     def warmup(self) -> None:
         pass

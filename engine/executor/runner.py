@@ -105,6 +105,14 @@ class ForwardBatch:
     last_stage_draws: list[int] | None = None
 
 
+def deferred_scaling_choice(fp8_weights: list[torch.Tensor], decode_batches) -> dict:
+    """kernels/fp8.py choose_fp8_scaling for these FP8 weights at the decode batches up to
+    MAX_DEFERRED_SCALING_ROWS, as a runner's ("fp8_deferred_scales",) gemm choice: the (rows, N, K) whose
+    products defer their scales to the kernel that reads them."""
+    scaling = choose_fp8_scaling(fp8_weights, [b for b in decode_batches if b <= MAX_DEFERRED_SCALING_ROWS])
+    return {"deferred": sorted(key for key, deferred in scaling.items() if deferred)}
+
+
 class ModelRunner:
     """Loads ``engine_dir`` for ``rank`` onto ``device`` and runs forwards through a paged KV pool."""
 
@@ -427,10 +435,8 @@ class ModelRunner:
             self.graph_model, self.kv_cache, tokens_per_block=self.tokens_per_block,
             max_seq_len=self.build_config.max_seq_len, sampled_tokens=self.sampled_tokens)
         if self.dtype == torch.bfloat16:  # (an fp16 product of E4M3 values unscaled could overflow)
-            scaling = choose_fp8_scaling([m.weight for m in self.model.modules() if isinstance(m, Linear) and m.is_fp8],
-                                         [b for b in decode_batches if b <= MAX_DEFERRED_SCALING_ROWS])
-            self.gemm_choices[("fp8_deferred_scales",)] = {
-                "deferred": sorted(key for key, deferred in scaling.items() if deferred)}  # (rows, N, K)
+            self.gemm_choices[("fp8_deferred_scales",)] = deferred_scaling_choice(
+                [m.weight for m in self.model.modules() if isinstance(m, Linear) and m.is_fp8], decode_batches)
 
     def prefill_graphs_enabled(self) -> bool:
         """Steps with prompt tokens replay CUDA graphs (engine/executor/prefill_graphs.py) for the
