@@ -243,7 +243,8 @@ def _gated_quantized(x: torch.Tensor | ScaledProduct, fused, unfused) -> Quantiz
     scales = None
     if isinstance(x, ScaledProduct):
         x, scales = x.values, (x.row_scale, x.col_scale)
-    if use_triton(x):
+    # The kernel reads 16-bit rows; a float32 model (T5 checkpoints ship float32) takes the unfused path.
+    if use_triton(x) and x.dtype in (torch.float16, torch.bfloat16) and x.stride(-1) == 1:
         return QuantizedRows(*fused(x, x_scales=scales), x.dtype)
     if scales is not None:
         x = apply_scales(ScaledProduct(x, *scales))
