@@ -19,7 +19,7 @@
 # 5, 6 session 16's retries (run). 7 (~250 s on two GPUs, ~450 s with LANES=1) session 17's one-GPU jobs in two lanes (LANES=1 on one GPU);
 #    8 (~270 s) the KV pull and NIXL GPU tests, PP 2 with stage graphs and with two steps in flight;
 #    9 (~430 s) disagg_bench at 6 and 10 req/s, then with the context executor in its own process.
-# 10-12 session 17's later calls, 13-16 session 18's, 17 session 19's first, 18 session 20's first, 19 its plan for the next session, 20 session 21's first bench call, 21 what call 20 lost, 22 session 22's, 23 session 23's middle call, 24 its last (each case's comment says what it runs and
+# 10-12 session 17's later calls, 13-16 session 18's, 17 session 19's first, 18 session 20's first, 19 its plan for the next session, 20 session 21's first bench call, 21 what call 20 lost, 22 session 22's, 23 session 23's middle call, 24 its last, 25 session 24's first bench call (each case's comment says what it runs and
 # how long).
 #
 # Everything goes to /tmp/x2_call$CALL; at the end OUT gets call$CALL.tgz (all logs and JSON), summary.txt (what
@@ -27,7 +27,7 @@
 # each job's exit status and its result lines, so the call's output_tail alone is enough to read.
 set -u
 script=$(realpath "$0")
-call=${1:?usage: x2_gpu_run.sh 1-24 [OUT]}
+call=${1:?usage: x2_gpu_run.sh 1-25 [OUT]}
 out=$(realpath -m "${2:-${OUT:-/tmp/x2_gpu_run}}")
 mkdir -p "$out"
 if [ -z "${X2_UNDER_TEE:-}" ]; then  # the console also in $out/summary.txt, complete when the call returns
@@ -45,7 +45,7 @@ smoke=${SMOKE:-0}
 if [ "$smoke" != 1 ]; then
   need=2; [ "$call" = 7 ] && [ "${LANES:-2}" = 1 ] && need=1  # call 7's lanes run one after the other on one GPU
   [ "$call" = 22 ] && [ -n "${ONLY:-}" ] && [[ ",$ONLY," != *,pp,* ]] && need=1  # call 22 without its PP part
-  { [ "$call" = 23 ] || [ "$call" = 24 ]; } && need=1  # (two lanes where two GPUs are, else one after the other)
+  { [ "$call" = 23 ] || [ "$call" = 24 ] || [ "$call" = 25 ]; } && need=1  # (two lanes where two GPUs are, else one after the other)
   "$PYTHON" -c "import torch; n = torch.cuda.device_count(); assert n >= $need, f'{n} GPU(s): this call needs $need'" || exit 1
 fi
 
@@ -737,7 +737,33 @@ activated_fp8_product or quantized_gated_activation or quantized_gelu_tanh or qu
   echo "== vlm"; grep -E "^offline |Error|Traceback" "$w/vlm.log" | cut -c1-600
   [ -f "$w/vlm.md" ] && grep -E "^\|" "$w/vlm.md" | cut -c1-300
   ;;
-*) echo "x2_gpu_run.sh: CALL must be 1 to 24, got '$call'"; exit 2 ;;
+25)
+  # Session 24's first bench call (~260 s, two lanes; one GPU: one after the other). GPU 0: the two t5_v1_1 FP8 engine
+  # tests the suite at 2bbb68c failed (float32 rows into the 16-bit gated kernel; c760181), then encdec_bench's T5
+  # sections with FP8 weights and the FP8 cross pool after the T5 decode tiling of 559000e (issue 49). GPU 1: issue
+  # 52's INT4 engine at 256 requests with W4A8 (TRITONLLM_W4A8=1), without it, and bf16, same lease.
+  lane1_gpu=1
+  [ "$smoke" = 1 ] || [ "$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())')" -lt 2 ] && lane1_gpu=0
+  (
+    CUDA_VISIBLE_DEVICES=0 job t5fp8_tests 60 "$PYTHON" -m pytest -q -rfEs -p no:cacheprovider \
+      tests/engine/test_encoder_decoder_fp8_weights.py -k t5_v1_1
+    on_gpu 0 t5_bench 170 "$PYTHON" -u benchmarks/engine/encdec_bench.py --sections t5 --hf-whisper-batches "" \
+      --hf-t5-batches "" --cross-kv-cache-dtype fp8 --quantization none,fp8 --out "$w/t5.json" --results-md "$w/t5.md"
+  ) &
+  lane0=$!
+  [ "$lane1_gpu" = 0 ] && wait "$lane0"
+  E=(benchmarks/engine/engine_bench.py --sections executor_decode --executor-decode-batches 256 --max-batch-size 256)
+  TRITONLLM_W4A8=1 on_gpu $lane1_gpu int4_w4a8 140 "$PYTHON" "${E[@]}" --quantization int4_wo --out "$w/int4_w4a8.json"
+  on_gpu $lane1_gpu int4_w4a16 100 "$PYTHON" "${E[@]}" --quantization int4_wo --out "$w/int4_w4a16.json"
+  on_gpu $lane1_gpu bf16_256 70 "$PYTHON" "${E[@]}" --out "$w/bf16_256.json"
+  wait
+  echo "== t5fp8_tests"; grep -E "passed|failed|FAILED|Error" "$w/t5fp8_tests.log" | tail -6 | cut -c1-300
+  echo "== t5_bench"; grep -vi warning "$w/t5_bench.log" | grep -E "t5|tok/s|step|Error|Traceback|run:" | cut -c1-400 | head -24
+  for f in int4_w4a8 int4_w4a16 bf16_256; do
+    echo "== $f"; grep -iE "tok/s|step|Error|Traceback|choice" "$w/$f.log" | grep -v Warning | head -8 | cut -c1-300
+  done
+  ;;
+*) echo "x2_gpu_run.sh: CALL must be 1 to 25, got '$call'"; exit 2 ;;
 esac
 tar czf "$out/call$call.tgz" -C /tmp "x2_call$call"
 for md in "$w"/*.md; do [ -f "$md" ] && cp "$md" "$out/"; done
