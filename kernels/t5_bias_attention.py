@@ -17,7 +17,8 @@ log in the kernel to round differently at a bucket edge.
   when every sequence has one new token, else 64. The grid depends only on the batch size and
   ``meta.max_seqlen_q`` (1 for decode steps), never on device values: a decode step is CUDA-graph
   safe. Scores, bias and the online softmax in float32 (base 2), the products in the pool's dtype.
-  Decode steps (``meta.max_seqlen_q == 1``) take ``_t5_decode_kernel`` instead: one program per
+  Decode steps (``meta.max_seqlen_q == 1``) take kernels/one_query_attention.py's kernel instead
+  (with this table as its bias; the cross-attention's decode kernel too, without): one program per
   (sequence, group of HEADS_PER_PROGRAM heads), one query row per head, its dot products plain
   float32 multiply-and-sum over the head dim on (heads, keys, dim) tiles. The tensor-core path
   spent a 16-row tile on each one-row query (15 rows wasted) and one program per head: ~86 us a
@@ -39,6 +40,7 @@ import torch
 
 from kernels._triton import dense, jit, tl, triton, use_triton
 from kernels.attention_metadata import AttentionMetadata
+from kernels.one_query_attention import one_query_attention_triton
 from kernels.relative_position_bias import paged_attention_bias_ref, relative_position_bucket
 
 _LOG2E = 1.4426950408889634
@@ -200,66 +202,6 @@ def _t5_dense_kernel(
              out.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
-@jit(do_not_specialize=["stride_bt"])
-def _t5_decode_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, bias_ptr, block_tables_ptr, cu_seqlens_q_ptr, context_lens_ptr,
-    scale_log2, num_heads, stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh,
-    stride_vb, stride_vs, stride_vh, stride_bt, stride_bias,
-    REACH: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    HEADS: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    """Program (sequence, head group): the sequence's one new token (at position context - 1, so every
-    cached key is visible) in heads [group * HEADS, +HEADS), each over its own paged keys, BLOCK_N
-    keys a step: (HEADS, BLOCK_N, DIM_PAD) K and V tiles, float32 products summed over the head dim.
-    A row of no new token or no keys (context 0) stores nothing / zeros."""
-    seq = tl.program_id(0)
-    heads = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
-    head_valid = heads < num_heads
-    token = tl.load(cu_seqlens_q_ptr + seq)
-    if tl.load(cu_seqlens_q_ptr + seq + 1) == token:
-        return
-    context = tl.load(context_lens_ptr + seq)
-    q_pos = context - 1
-    dims = tl.arange(0, DIM_PAD)
-    dim_valid = dims < HEAD_DIM
-    hd_mask = head_valid[:, None] & dim_valid[None, :]
-    q = tl.load(q_ptr + token.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + dims[None, :],
-                mask=hd_mask, other=0.0).to(tl.float32)
-    block_row = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    bias_rows = bias_ptr + heads * stride_bias
-    k_heads = (heads * stride_kh)[:, None, None] + dims[None, None, :]
-    v_heads = (heads * stride_vh)[:, None, None] + dims[None, None, :]
-    m_i = tl.full([HEADS], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([HEADS], dtype=tl.float32)
-    acc = tl.zeros([HEADS, DIM_PAD], dtype=tl.float32)
-    cols = tl.arange(0, BLOCK_N)
-    for start in range(0, context, BLOCK_N):
-        k_pos = start + cols
-        k_valid = k_pos < context
-        block = tl.load(block_row + k_pos // PAGE_SIZE, mask=k_valid, other=0).to(tl.int64)
-        in_page = k_pos % PAGE_SIZE
-        kv_mask = head_valid[:, None, None] & k_valid[None, :, None] & dim_valid[None, None, :]
-        k_keys = (block * stride_kb + in_page * stride_ks)[None, :, None]
-        v_keys = (block * stride_vb + in_page * stride_vs)[None, :, None]
-        k = tl.load(k_cache_ptr + k_keys + k_heads, mask=kv_mask, other=0.0).to(tl.float32)
-        v = tl.load(v_cache_ptr + v_keys + v_heads, mask=kv_mask, other=0.0).to(tl.float32)  # both in flight
-        scores = tl.sum(k * q[:, None, :], axis=2) * scale_log2  # (HEADS, BLOCK_N)
-        distance = tl.minimum(tl.maximum(k_pos - q_pos, -REACH), REACH) + REACH
-        scores += tl.load(bias_rows[:, None] + distance[None, :], mask=head_valid[:, None], other=0.0) \
-            * 1.4426950408889634
-        scores = tl.where(k_valid[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(scores - m_safe[:, None])
-        alpha = tl.math.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v, axis=1)
-        m_i = m_new
-    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-    tl.store(out_ptr + token.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + dims[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=hd_mask)
-
-
 # Decode steps' tiling (HEADS_PER_PROGRAM, BLOCK_N keys, warps, stages): one head, 32 keys a step, one warp.
 # The H200 sweep of benchmarks/kernels/t5_attention_bench.py (2026-11-30, commit 18133af; Flan-T5-XL heads, bf16
 # pool, every row its full context) timed it fastest at every shape: 256 rows x 128 keys 68.1 us (3.9 TB/s of K/V,
@@ -287,8 +229,8 @@ def t5_paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
                               ) -> torch.Tensor:
     """q: (num_tokens, heads, head_dim), last dim contiguous; pools (blocks, page, heads, head_dim)
     by strides; ``bias`` a causal ``distance_bias`` table -> out like q. Decode steps
-    (``meta.max_seqlen_q == 1``) run ``_t5_decode_kernel`` unless ``decode_kernel`` is False (the
-    tensor-core path, for A/B). ``tiling``: (BLOCK_N keys, warps, stages) of the tensor-core path,
+    (``meta.max_seqlen_q == 1``) run kernels/one_query_attention.py's kernel (one split) unless
+    ``decode_kernel`` is False (the tensor-core path, for A/B). ``tiling``: (BLOCK_N keys, warps, stages) of the tensor-core path,
     ``decode_tiling``: (HEADS_PER_PROGRAM, BLOCK_N keys, warps, stages) of the decode kernel,
     instead of the defaults (sweeps)."""
     num_tokens, num_heads, head_dim = q.shape
@@ -300,16 +242,9 @@ def t5_paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     assert q.stride(-1) == 1 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1 and bias.is_contiguous()
     tables, cu, lens = dense(meta.block_tables, meta.cu_seqlens_q, meta.context_lens)  # read at ptr + i
     if meta.max_seqlen_q == 1 and decode_kernel:
-        heads_per_program, block_n, warps, stages = decode_tiling or DECODE_TILING
-        heads_per_program = min(heads_per_program, triton.next_power_of_2(num_heads))
-        _t5_decode_kernel[(num_seqs, triton.cdiv(num_heads, heads_per_program))](
-            q, k_cache, v_cache, out, bias, tables, cu, lens,
-            scale * _LOG2E, num_heads, q.stride(0), q.stride(1), out.stride(0), out.stride(1), *k_cache.stride()[:3],
-            *v_cache.stride()[:3], tables.stride(0), bias.stride(0),
-            REACH=(bias.shape[1] - 1) // 2, HEAD_DIM=head_dim, DIM_PAD=triton.next_power_of_2(head_dim),
-            PAGE_SIZE=k_cache.shape[1], HEADS=heads_per_program, BLOCK_N=block_n, num_warps=warps,
-            num_stages=stages)
-        return out
+        return one_query_attention_triton(q, k_cache, v_cache, tables, lens, scale, cu_seqlens_q=cu, bias=bias,
+                                          tiling=decode_tiling or DECODE_TILING, max_context_len=meta.max_context_len,
+                                          splits=1)
     block_m = 16 if meta.max_seqlen_q == 1 else 64
     block_n, warps, stages = tiling or PAGED_TILING
     _t5_paged_kernel[(triton.cdiv(meta.max_seqlen_q, block_m), num_seqs, num_heads)](

@@ -14,7 +14,7 @@ Flan-T5-XL heads (32 x 64, bf16), random data:
 Each shape also checks the kernel against the float32 reference (max abs error printed) and times
 the tilings of DENSE_SWEEP / PAGED_SWEEP.
 
-- decode paths (``--paths``, "" skips): the decode kernel (``_t5_decode_kernel``, one query row per
+- decode paths (``--paths``, "" skips): the decode kernel (kernels/one_query_attention.py, one query row per
   head, DECODE_TILING and DECODE_SWEEP) against the tensor-core path it replaced
   (``decode_kernel=False``) at ``--paths-batches`` x ``--paths-contexts`` over bf16 and FP8 E4M3
   pools (head-major, as the runner allocates them), every row the full context; the sweep on the

@@ -5,10 +5,6 @@ steps through both the decode kernel and the tensor-core path) and the encoder's
 bidirectional attention (inputs of several lengths)."""
 from __future__ import annotations
 
-import os
-import subprocess
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -157,37 +153,3 @@ def test_dense_kernel_equals_reference(device):
         ref = t5_dense_attention_ref(q.float(), k.float(), v.float(), lengths, 1.0, bias)
         for row, length in enumerate(lengths.tolist()):
             assert relative_error(out[row, :length], ref[row, :length]) < TOLERANCE[dtype], (dtype, row)
-
-
-@pytest.mark.skipif(os.environ.get("TRITONLLM_AOT_SM90") != "1" or os.environ.get("TRITON_INTERPRET") == "1",
-                    reason="set TRITONLLM_AOT_SM90=1 (without TRITON_INTERPRET=1, whose kernels do not compile) "
-                           "to compile for sm_90 on this machine (~5 s a kernel)")
-@pytest.mark.parametrize("pool", ["*bf16", "*fp8e4nv"])
-def test_decode_kernel_compiles_for_sm90_without_spills(pool, tmp_path):
-    """Triton's compiler and ptxas (no GPU) on DECODE_TILING at Flan-T5-XL's heads (64 dims, pages of
-    32, max_distance 128): no local memory (spills), at most 128 registers a thread (4 programs of 4
-    warps an SM at least: decode is bound by the K/V bytes in flight)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    from kernels.t5_bias_attention import DECODE_TILING, _t5_decode_kernel
-
-    heads, block_n, warps, stages = DECODE_TILING
-    names = _t5_decode_kernel.arg_names
-    pointers = dict(q_ptr="*bf16", k_cache_ptr=pool, v_cache_ptr=pool, out_ptr="*bf16", bias_ptr="*fp32",
-                    block_tables_ptr="*i32", cu_seqlens_q_ptr="*i32", context_lens_ptr="*i32")
-    const = dict(REACH=128, HEAD_DIM=64, DIM_PAD=64, PAGE_SIZE=32, HEADS=heads, BLOCK_N=block_n)
-    signature = {n: pointers.get(n, "constexpr" if n in const else "fp32" if n == "scale_log2" else "i32")
-                 for n in names}
-    aligned = [n for n in names if n in pointers or (n.startswith("stride") and n != "stride_bt")]
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
-    compiled = triton.compile(ASTSource(fn=_t5_decode_kernel, signature=signature, constexprs=const, attrs=attrs),
-                              target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
-    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    if not cuobjdump.exists():
-        pytest.skip("no cuobjdump beside Triton's ptxas")
-    cubin = tmp_path / "kernel.cubin"
-    cubin.write_bytes(compiled.asm["cubin"])
-    usage = subprocess.run([str(cuobjdump), "-res-usage", str(cubin)], capture_output=True, text=True).stdout
-    assert "LOCAL:0 " in usage and int(usage.split("REG:")[1].split()[0]) <= 128, usage

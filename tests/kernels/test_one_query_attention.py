@@ -1,0 +1,81 @@
+"""kernels/one_query_attention.py beyond its two callers' tests (test_t5_bias_attention.py: T5's decode
+self-attention with its bias, one split; test_cross_attention_decode.py: cross-attention, no bias): the bias
+with key splits, a sequence of no new token and one of no keys, and its sm_90 compile (no spills) at both
+callers' tilings."""
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from kernel_testing import TOLERANCE, relative_error
+
+from kernels.attention_metadata import AttentionMetadata
+from kernels.one_query_attention import one_query_attention_triton
+from kernels.t5_bias_attention import distance_bias, t5_paged_attention_ref
+
+
+def test_bias_with_key_splits_and_rows_of_no_token_or_no_keys(device):
+    """T5's causal bias over splits of a row's keys (contexts past max_distance); sequence 1 has no new token
+    (its row is never written), sequence 3 no keys (zeros, not NaN, through the merge)."""
+    torch.manual_seed(0)
+    heads, dim, page, contexts = 3, 16, 4, [37, 5, 12, 0]
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    blocks = torch.randperm(40)[:4 * 10].view(4, 10).int().to(device)
+    k_cache, v_cache = (torch.randn(40, page, heads, dim, device=device).to(dtype) for _ in range(2))
+    q = torch.randn(3, heads, dim, device=device).to(dtype)
+    cu = torch.tensor([0, 1, 1, 2, 3], dtype=torch.int32, device=device)
+    lens = torch.tensor(contexts, dtype=torch.int32, device=device)
+    table = torch.randn(8, heads, device=device)
+    bias = distance_bias(table, bidirectional=False, max_distance=10)
+    with_keys = AttentionMetadata(slot_mapping=torch.empty(0, dtype=torch.int64, device=device),
+                                  block_tables=blocks[[0, 2]], cu_seqlens_q=cu[[0, 1, 2]], context_lens=lens[[0, 2]],
+                                  max_seqlen_q=1, max_context_len=37, is_decode_only=True,
+                                  cu_seqlens_q_host=[0, 1, 2], context_lens_host=[37, 12])
+    ref = t5_paged_attention_ref(q[:2].float(), k_cache.float(), v_cache.float(), with_keys, 1.0, table, 10)
+    for splits in (1, 4, 8):
+        out = one_query_attention_triton(q, k_cache, v_cache, blocks, lens, 1.0, cu_seqlens_q=cu, bias=bias,
+                                         tiling=(2, 4, 1, 1), max_context_len=40, splits=splits)
+        assert relative_error(out[:2], ref) < TOLERANCE[dtype], splits
+        assert torch.equal(out[2].float(), torch.zeros_like(out[2].float())), splits
+
+
+@pytest.mark.skipif(os.environ.get("TRITONLLM_AOT_SM90") != "1" or os.environ.get("TRITON_INTERPRET") == "1",
+                    reason="set TRITONLLM_AOT_SM90=1 (without TRITON_INTERPRET=1, whose kernels do not compile) "
+                           "to compile for sm_90 on this machine (~5 s a kernel)")
+@pytest.mark.parametrize("user", ["t5_self", "cross"])
+@pytest.mark.parametrize("pool", ["*bf16", "*fp8e4nv"])
+def test_kernel_compiles_for_sm90_without_spills(user, pool, tmp_path):
+    """Triton's compiler and ptxas (no GPU) on T5's DECODE_TILING with its bias (Flan-T5-XL: 64 dims, pages of
+    32, max_distance 128) and on CROSS_TILING without: no local memory (spills), at most 128 registers a
+    thread (decode is bound by the K/V bytes in flight: many programs an SM)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from kernels.cross_attention_decode import CROSS_TILING
+    from kernels.one_query_attention import _one_query_kernel
+    from kernels.t5_bias_attention import DECODE_TILING
+
+    heads, block_n, warps, stages = DECODE_TILING if user == "t5_self" else CROSS_TILING
+    names = _one_query_kernel.arg_names
+    pointers = dict(q_ptr="*bf16", k_cache_ptr=pool, v_cache_ptr=pool, out_ptr="*bf16", part_out_ptr="*fp32",
+                    part_lse_ptr="*fp32", bias_ptr="*fp32", block_tables_ptr="*i32", cu_seqlens_q_ptr="*i32",
+                    context_lens_ptr="*i32")
+    const = dict(HAS_BIAS=user == "t5_self", REACH=128, HEAD_DIM=64, DIM_PAD=64, PAGE_SIZE=32, HEADS=heads,
+                 BLOCK_N=block_n, ONE_TOKEN_ROWS=user == "cross", PDL=True)
+    signature = {n: pointers.get(n, "constexpr" if n in const else "fp32" if n == "scale_log2" else "i32")
+                 for n in names}
+    aligned = [n for n in names if n in pointers or (n.startswith("stride") and n != "stride_bt")]
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    compiled = triton.compile(ASTSource(fn=_one_query_kernel, signature=signature, constexprs=const, attrs=attrs),
+                              target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not cuobjdump.exists():
+        pytest.skip("no cuobjdump beside Triton's ptxas")
+    cubin = tmp_path / "kernel.cubin"
+    cubin.write_bytes(compiled.asm["cubin"])
+    usage = subprocess.run([str(cuobjdump), "-res-usage", str(cubin)], capture_output=True, text=True).stdout
+    assert "LOCAL:0 " in usage and int(usage.split("REG:")[1].split()[0]) <= 128, usage
