@@ -313,14 +313,15 @@ def decoder_step_bytes(runner, context: int, encoder_len: int) -> int:
     return weights + rows + (encoder_len + context) * per_token
 
 
-# --step-variants: name -> the decode-path switches (engine/encoder_decoder/fused_decode.py) set
-# before the decode graphs are captured again on the same runner (the graphs read them at capture)
+# --step-variants: name -> the decode-path switches (engine/encoder_decoder/fused_decode.py, cross_attention.py)
+# set before the decode graphs are captured again on the same runner (the graphs read them at capture)
 STEP_VARIANTS = {
-    "unfused": {"TRITONLLM_ENCDEC_FUSED": "0"},
-    "fused": {"TRITONLLM_ENCDEC_FUSED": "1", "TRITONLLM_ENCDEC_ROW_STATS": "1", "TRITONLLM_ENCDEC_CROSS_KERNEL": "0"},
+    "unfused": {"TRITONLLM_ENCDEC_FUSED": "0", "TRITONLLM_ENCDEC_CROSS_KERNEL": "1"},
+    "unfused-paged": {"TRITONLLM_ENCDEC_FUSED": "0", "TRITONLLM_ENCDEC_CROSS_KERNEL": "0"},
+    "fused": {"TRITONLLM_ENCDEC_FUSED": "1", "TRITONLLM_ENCDEC_ROW_STATS": "1", "TRITONLLM_ENCDEC_CROSS_KERNEL": "1"},
     "fused-recompute": {"TRITONLLM_ENCDEC_FUSED": "1", "TRITONLLM_ENCDEC_ROW_STATS": "0",
-                        "TRITONLLM_ENCDEC_CROSS_KERNEL": "0"},
-    "fused-cross": {"TRITONLLM_ENCDEC_FUSED": "1", "TRITONLLM_ENCDEC_ROW_STATS": "1", "TRITONLLM_ENCDEC_CROSS_KERNEL": "1"},
+                        "TRITONLLM_ENCDEC_CROSS_KERNEL": "1"},
+    "fused-paged": {"TRITONLLM_ENCDEC_FUSED": "1", "TRITONLLM_ENCDEC_ROW_STATS": "1", "TRITONLLM_ENCDEC_CROSS_KERNEL": "0"},
 }
 
 

@@ -12,9 +12,9 @@ cross-attention's split merge) and ~80 us a layer for 11 us of weight bytes. Her
 the products through kernels/norm_linear.py (LayerNorm prologue, bias/activation/residual
 epilogue) with the tiling the load-time timing chose for each weight shape (kernels/linear.py),
 or its PRELOAD tiling ($TRITONLLM_NORM_LINEAR_PRELOAD=1: each program's weight tile read before
-the PDL wait; then up to 64 rows); with $TRITONLLM_ENCDEC_CROSS_KERNEL=1 the cross-attention
-through kernels/cross_attention_decode.py (K/V read before the PDL wait, splits merged in-kernel),
-else the general paged kernel. The arithmetic is the unfused layer's, rounding for rounding (the
+the PDL wait; then up to 64 rows); the cross-attention as the unfused decode step takes it
+(engine/encoder_decoder/cross_attention.py: the one-query decode kernel unless
+$TRITONLLM_ENCDEC_CROSS_KERNEL=0). The arithmetic is the unfused layer's, rounding for rounding (the
 normalized rows and each product rounded to the model dtype once, then the residual add), so the
 result differs only by the products' summation order.
 
@@ -27,9 +27,9 @@ Measured on an H200, 2026-11-29, before the row statistics (benchmarks/engine/en
 benchmarks/results/engine.md): the batch-1 step took 298 kernels instead of 586 but 2.79 ms
 instead of 2.66 (graph replay 2.59 against 2.49): each LayerNorm prologue costs its product ~4 us
 (every program re-reads the rows for their statistics in dependent round trips), more than the
-LayerNorm launch it saves. With PRELOAD, the cross kernel and 64 rows it was slower still (batch 1
-3.10 ms; batch 64 10.2 ms a step against 7.4 unfused: the cross kernel 193 us a layer at batch 64
-against the general kernel's ~145). The row statistics above are what should make it pay (not
+LayerNorm launch it saves. With PRELOAD, the cross kernel of then (K/V read before the PDL wait, since replaced) and 64 rows it
+was slower still (batch 1 3.10 ms; batch 64 10.2 ms a step against 7.4 unfused: that cross kernel
+193 us a layer at batch 64 against the general kernel's ~145). The row statistics above are what should make it pay (not
 yet measured: benchmarks/engine/encdec_bench.py --step-variants times fused, fused-recompute and
 fused-cross beside the default in one run).
 
@@ -47,15 +47,13 @@ import os
 import torch
 from torch import nn
 
-from kernels.attention import paged_attention
-from kernels.cross_attention_decode import cross_attention_decode
+from engine.encoder_decoder.cross_attention import cross_attention
 from kernels.linear import MAX_SKINNY_ROWS
 from kernels.norm_linear import MAX_ROWS, PRELOAD_ENV, norm_linear
 from kernels.rope_attention import append_paged_attention
 
 # Opt-in switches, read at graph capture ("1": on); off by default (measured slower: module docstring).
 FUSED_ENV = "TRITONLLM_ENCDEC_FUSED"  # the fused layer for decode steps of up to 16 rows
-CROSS_ENV = "TRITONLLM_ENCDEC_CROSS_KERNEL"  # in it, kernels/cross_attention_decode.py for cross-attention
 
 
 # "0": the fused layer's LayerNorms recompute their rows' statistics (each program of the product
@@ -144,11 +142,7 @@ def layer_step(layer: nn.Module, x: torch.Tensor, stats, kv_cache: torch.Tensor,
     x, stats = _residual_product(out.flatten(1), attn.o.weight, attn.o.bias, x)
     q = _product(x, cross.q.weight, cross.q.bias, norm=_norm(layer.cross_norm),
                  row_stats=stats).view(rows, cross.heads, cross.head_dim)
-    if enabled(CROSS_ENV):
-        out = cross_attention_decode(q, cross_pool[0], cross_pool[1], cross_meta.block_tables, cross_meta.context_lens,
-                                     cross.scale, cross_meta.max_context_len)
-    else:
-        out = paged_attention(q, cross_pool[0], cross_pool[1], cross_meta, cross.scale)
+    out = cross_attention(q, cross_pool[0], cross_pool[1], cross_meta, cross.scale, decode_step=True)
     x, stats = _residual_product(out.flatten(1), cross.o.weight, cross.o.bias, x)
     h = _product(x, mlp.up.weight, mlp.up.bias, norm=_norm(layer.mlp_norm), activation=mlp.activation_name,
                  row_stats=stats)

@@ -38,11 +38,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.encoder_decoder import fused_decode
+from engine.encoder_decoder.cross_attention import cross_attention
 from engine.encoder_decoder.spec import EncDecSpec
 from engine.encoder_decoder.t5_attention import decoder_self_attention, encoder_attention, kernels_enabled
 from engine.models.tables import uninitialized_table
 from kernels.activation import gelu_tanh_and_mul
-from kernels.attention import paged_attention, write_kv_cache
+from kernels.attention import write_kv_cache
 from kernels.attention_metadata import AttentionMetadata
 from kernels.fp8 import (FP8_DTYPE, QuantizedRows, ScaledProduct, apply_scales, as_quantized_rows, fp8_linear,
                          fp8_linear_activated, gelu_tanh_and_mul_quantized, layer_norm_quantized, quantizes_activations,
@@ -593,8 +594,8 @@ class Decoder(_Stack):
 
             def attend_encoder(h, layer=layer, index=index, defer_scales=False):
                 attn = layer.cross_attn
-                out = paged_attention(attn.rows_of(attn.q, h), cross.pool[index, 0], cross.pool[index, 1],
-                                      cross.meta, attn.scale)
+                out = cross_attention(attn.rows_of(attn.q, h), cross.pool[index, 0], cross.pool[index, 1],
+                                      cross.meta, attn.scale, decode_step=meta.is_decode_only)
                 return project(attn.o, out.flatten(1), defer_scales=defer_scales)
 
             if not layer.pre_norm:  # BART: norm(x + sublayer(x))

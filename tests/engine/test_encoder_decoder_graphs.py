@@ -96,3 +96,52 @@ def test_cuda_graph_ids_equal_eager_and_transformers(engine, monkeypatch):
     assert results["1"] == results["0"]
     for ids, tokens in zip(INPUTS, results["1"]):
         assert tokens == [t for t in generate(model, ids, 12)[0][1:] if t != 1]
+
+
+def _counting_cross_kernel(monkeypatch) -> list[int]:
+    """engine/encoder_decoder/cross_attention.py's decode kernel entry, wrapped: the rows of each call."""
+    from engine.encoder_decoder import cross_attention
+
+    calls, kernel = [], cross_attention.cross_attention_decode
+    monkeypatch.setattr(cross_attention, "cross_attention_decode",
+                        lambda q, *args: calls.append(q.shape[0]) or kernel(q, *args))
+    return calls
+
+
+def test_decode_steps_take_the_cross_decode_kernel_unless_switched_off(engine, monkeypatch):
+    """Decode-only steps' cross-attention goes through kernels/cross_attention_decode.py (on CPU its
+    reference), the prompt steps (a 3-token decoder prompt) and $TRITONLLM_ENCDEC_CROSS_KERNEL=0's steps
+    through the paged kernel; the ids do not change."""
+    from engine.encoder_decoder.cross_attention import CROSS_KERNEL_ENV
+
+    model, decoder = engine
+    results, calls = {}, _counting_cross_kernel(monkeypatch)
+    for switch in ("1", "0"):
+        monkeypatch.setenv(CROSS_KERNEL_ENV, switch)
+        calls.clear()
+        with Executor(decoder, ExecutorConfig(max_batch_size=4)) as ex:
+            results[switch] = [final_tokens(r) for r in collect(ex, ex.enqueue_requests(_requests())).values()]
+        layers = len(ex.runner.model.layers)
+        assert (len(calls) > 0) == (switch == "1") and len(calls) % layers == 0, (switch, len(calls))
+    assert results["1"] == results["0"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_graphs_with_the_cross_decode_kernel_equal_the_paged_kernel(engine, monkeypatch):
+    """float32 engines on the GPU, decode graphs captured with the cross decode kernel (its Triton launch,
+    captured in each bucket) and with $TRITONLLM_ENCDEC_CROSS_KERNEL=0: the same ids, transformers'."""
+    from engine.encoder_decoder.cross_attention import CROSS_KERNEL_ENV
+
+    model, decoder = engine
+    results, calls = {}, _counting_cross_kernel(monkeypatch)
+    for switch in ("1", "0"):
+        monkeypatch.setenv(CROSS_KERNEL_ENV, switch)
+        calls.clear()
+        with Executor(decoder, ExecutorConfig(max_batch_size=4), device="cuda") as ex:
+            assert sorted(ex.runner.decode_graphs.graphs) == [1, 2, 4]
+            results[switch] = [final_tokens(r) for r in collect(ex, ex.enqueue_requests(_requests())).values()]
+        assert (4 in calls) == (switch == "1"), switch  # the bucket of 4 rows captured through it
+    assert results["1"] == results["0"]
+    for ids, tokens in zip(INPUTS, results["1"]):
+        assert tokens == [t for t in generate(model, ids, 12)[0][1:] if t != 1]

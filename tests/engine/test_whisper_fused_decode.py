@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from engine.encoder_decoder import fused_decode
+from engine.encoder_decoder.cross_attention import CROSS_KERNEL_ENV
 from engine.executor import Executor, ExecutorConfig, OutputConfig, Request
 from tests.executor.executor_testing import collect, final_tokens
 from tiny_encdec import WHISPER_PROMPT, build_engine, generate_whisper, write_checkpoint
@@ -69,7 +70,7 @@ def test_fused_graphs_equal_unfused_on_gpu(whisper, monkeypatch):
     results = {}
     for fused in ("1", "0"):
         monkeypatch.setenv(fused_decode.FUSED_ENV, fused)
-        monkeypatch.setenv(fused_decode.CROSS_ENV, fused)  # its cross-attention kernel too
+        monkeypatch.setenv(CROSS_KERNEL_ENV, fused)  # the fused layer with the cross decode kernel, unfused without
         with Executor(engine, ExecutorConfig(max_batch_size=4), device="cuda") as ex:
             assert getattr(ex.runner.model, "fused_decode", False) == (fused == "1")
             assert sorted(ex.runner.decode_graphs.graphs) == [1, 2, 4]
