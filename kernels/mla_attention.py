@@ -26,12 +26,15 @@ CPU path and the kernel tests' oracle). FP8 pools hold the rows unscaled (kernel
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from kernels._triton import dense, jit, num_sms, pdl_options, pdl_prologue, tl, triton, use_triton
 from kernels.attention import KV_FP8_DTYPE, _as_bytes_if_fp8, gather_blocks, to_cache_dtype
 from kernels.attention_metadata import AttentionMetadata
 from kernels.head_matmul import head_matmul
+from kernels.mla_decode import DECODE_TILING, DECODE_TILING_FP8, decode_tile_fits, mla_decode_launch
 from kernels.online_softmax import online_softmax_step
 
 
@@ -277,10 +280,18 @@ MIN_SPAN = 32  # keys a split takes at least (one 32-key tile). A split costs it
 MAX_SPLITS = 128  # batch-1 decode of 16 heads (DeepSeek-V2-Lite, V3 at TP 8): one program a split, so
 # splits up to 2 x 132 SMs would cover the GPU; 128 of 256 keys each at 32k context (partials: 4 MB
 # against 38 MB of latent rows). The old cap of 16 left 16 programs on 132 SMs.
+USE_DECODE_KERNEL = False  # decode-only steps through kernels/mla_decode.py (mla_attention_triton)
+MLA_DECODE_ENV = "TRITONLLM_MLA_DECODE"  # "1" / "0": the decode kernel or the general one (A/B runs); unset: the above
+
+
+def decode_kernel_enabled() -> bool:
+    """Whether decode-only steps take kernels/mla_decode.py's kernel: MLA_DECODE_ENV, else USE_DECODE_KERNEL."""
+    value = os.environ.get(MLA_DECODE_ENV, "").strip()
+    return USE_DECODE_KERNEL if not value else value != "0"
 
 
 def mla_splits(num_tokens: int, num_heads: int, block_h: int, device, max_splits: int = MAX_SPLITS,
-               max_context_len: int | None = None, min_span: int = MIN_SPAN) -> int:
+               max_context_len: int | None = None, min_span: int = MIN_SPAN, programs_per_sm: int = 2) -> int:
     """Key splits per (token, head block): enough programs to cover the GPU twice at small batches
     (batch-1 decode of 16 heads is one program unsplit), 1 once the tokens alone do, and never more
     than the longest context can fill with min_span keys each (``max_context_len``: AttentionMetadata's,
@@ -288,9 +299,10 @@ def mla_splits(num_tokens: int, num_heads: int, block_h: int, device, max_splits
     those would only end at once and widen the combine (H200, V2-Lite's 16 heads, batch 1 at 1k keys:
     16 splits 14.6 us against 17.1 for 128 of which 16 saw keys), and one split writes the output
     itself, with no combine launch. Never on the contexts themselves: the kernel sizes each split's
-    span from its token's own context, so any count covers every key."""
+    span from its token's own context, so any count covers every key. ``programs_per_sm``: how many
+    times the grid covers the GPU (2 by default; the bench sweeps it)."""
     programs = num_tokens * triton.cdiv(num_heads, block_h)
-    splits = min(max_splits, triton.cdiv(2 * num_sms(device), programs))
+    splits = min(max_splits, triton.cdiv(programs_per_sm * num_sms(device), programs))
     if max_context_len is not None:
         splits = min(splits, triton.cdiv(max_context_len, min_span))
     return max(1, splits)
@@ -299,7 +311,8 @@ def mla_splits(num_tokens: int, num_heads: int, block_h: int, device, max_splits
 def mla_attention_triton(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
                          scale: float, *, block_h: int = 16, block_n: int = 32, splits: int | None = None,
                          min_span: int = MIN_SPAN, max_splits: int = MAX_SPLITS, num_warps: int | None = None,
-                         w_uv: torch.Tensor | None = None) -> torch.Tensor:
+                         w_uv: torch.Tensor | None = None, decode_kernel: bool | None = None,
+                         decode_tiling: tuple[int, int, int] | None = None, programs_per_sm: int = 2) -> torch.Tensor:
     """mla_attention_ref on the GPU (or Triton's interpreter): one program per (token, BLOCK_H heads,
     key split), the splits' outputs combined by their log-sum-exps (_mla_combine_kernel). Two
     launches (one with a single split) besides cu_seqlens' token map; no host sync (CUDA-graph safe):
@@ -308,26 +321,47 @@ def mla_attention_triton(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: to
     contexts; the bench sweeps them with block_h, block_n and num_warps).
 
     ``w_uv`` (H, V, R) with unit stride along R: returns (T, H, V), W_UV applied per head -- by the combine
-    launch itself where there is one (mla_attention_values), else by kernels/head_matmul.py after."""
+    launch itself where there is one (mla_attention_values), else by kernels/head_matmul.py after.
+
+    Decode-only steps (no token tree) take kernels/mla_decode.py's kernel where ``decode_kernel``
+    (None: decode_kernel_enabled()) and its tile fits the page: ``decode_tiling`` (BLOCK_N, num_warps,
+    STAGES), None for DECODE_TILING (DECODE_TILING_FP8 for an FP8 pool); ``block_n`` and ``num_warps``
+    then serve the general kernel only."""
     num_tokens, num_heads, rank = q_latent.shape
-    rope = q_rope.shape[-1]
     assert q_latent.stride(-1) == 1 and q_rope.stride(-1) == 1 and cache.stride(-1) == 1
-    assert min_span % block_n == 0, (min_span, block_n)
     if num_tokens == 0:
         return torch.empty_like(q_latent) if w_uv is None else q_latent.new_empty(num_tokens, num_heads, w_uv.shape[1])
-    min_span = max(min_span, block_n)
+    decode = meta.is_decode_only and meta.tree_mask is None and num_tokens == meta.context_lens.shape[0]
+    tiling = decode_tiling or (DECODE_TILING_FP8 if cache.dtype == KV_FP8_DTYPE else DECODE_TILING)
+    use_decode = (decode_kernel_enabled() if decode_kernel is None else decode_kernel) and decode and \
+        decode_tile_fits(cache.shape[1], tiling[0])
+    min_span = max(min_span, tiling[0] if use_decode else block_n)
+    assert min_span % (tiling[0] if use_decode else block_n) == 0, (min_span, block_n, tiling)
     splits = splits or mla_splits(num_tokens, num_heads, block_h, q_latent.device, max_splits, meta.max_context_len,
-                                  min_span)
+                                  min_span, programs_per_sm)
     out = torch.empty(q_latent.shape, dtype=q_latent.dtype, device=q_latent.device)  # (T, H, R) contiguous
     if splits == 1:
         part, lse = out, out  # DIRECT: the kernel writes the output itself (lse unused)
     else:
         part = torch.empty(num_tokens, splits, num_heads, rank, dtype=torch.float32, device=q_latent.device)
         lse = torch.empty(num_tokens, num_heads, splits, dtype=torch.float32, device=q_latent.device)
+    if use_decode:
+        tables, lens = dense(meta.block_tables, meta.context_lens)  # read at ptr + i (tables: + row * row stride)
+        mla_decode_launch(q_latent, q_rope, cache, tables, lens, part, lse, scale, splits, min_span, block_h, tiling)
+    else:
+        _mla_general_launch(q_latent, q_rope, cache, meta, part, lse, scale, splits, min_span, block_h, block_n,
+                            num_warps, decode)
+    return _combine(q_latent, part, lse, out, splits, w_uv)
+
+
+def _mla_general_launch(q_latent, q_rope, cache, meta, part, lse, scale, splits, min_span, block_h, block_n,
+                        num_warps, decode):
+    """_mla_attention_kernel over (tokens, head blocks, splits) into ``part`` / ``lse``."""
+    num_tokens, num_heads, rank = q_latent.shape
+    rope = q_rope.shape[-1]
     grid = (num_tokens, triton.cdiv(num_heads, block_h), splits)
     # Token trees: the mask as bytes (kernels/triton_attention.py does the same); None reads nothing.
     tree = None if meta.tree_mask is None else meta.tree_mask.to(torch.int8)
-    decode = meta.is_decode_only and tree is None and num_tokens == meta.context_lens.shape[0]
     # read at ptr + i (block_tables and tree: + row * row stride + j), so views become dense
     tables, cu, lens, tree = dense(meta.block_tables, meta.cu_seqlens_q, meta.context_lens, tree)
     token_seq, = (lens,) if decode else dense(meta.token_sequences(num_tokens))
@@ -341,6 +375,11 @@ def mla_attention_triton(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: to
         DIRECT=splits == 1, HAS_TREE=tree is not None, DECODE=decode,
         DOT_PRECISION="ieee" if q_latent.dtype == torch.float32 else "tf32",
         num_warps=num_warps or (4 if block_h <= 16 else 8), **pdl_options(q_latent))
+
+
+def _combine(q_latent, part, lse, out, splits, w_uv):
+    """The splits' partials into out (T, H, R), or through W_UV into (T, H, V) (mla_attention_triton)."""
+    num_tokens, num_heads, rank = q_latent.shape
     if splits > 1 and w_uv is not None:
         assert w_uv.shape[::2] == (num_heads, rank) and w_uv.stride(2) == 1, (tuple(w_uv.shape), w_uv.stride())
         v_dim, splits_pad = w_uv.shape[1], max(2, triton.next_power_of_2(splits))

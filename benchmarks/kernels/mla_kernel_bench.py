@@ -35,6 +35,9 @@ the 16 x 512 absorbed queries, held whole by each warp: 128 registers), on 8 war
 warps 220, 32 x 16 on 8 warps 203; none software-pipelines the latent tile there (only the
 block-table loads become cp.async; but that Triton pipelined no textbook attention loop either), so
 latency may be hidden only by the 1-2 programs an SM holds.
+``--configs d<block_n>:warps:stages[:max_splits[:min_span[:programs_per_sm]]]``: the decode kernel
+(kernels/mla_decode.py: one page's run of rows a tile, software-pipelined; stages 0 = the next tile
+prefetched into registers) at that tiling and split policy.
 ``--tree N``: each sequence verifies an N-node chain instead (the tree-mask path).
 """
 from __future__ import annotations
@@ -112,14 +115,41 @@ def decode_step(shape: dict, batch: int, context: int, pool: str, tree: int, dev
 
 
 CONFIG_KEYS = ("block_h", "max_splits", "min_span", "block_n", "num_warps")
+DECODE_KEYS = ("block_n", "num_warps", "stages", "max_splits", "min_span", "programs_per_sm")
 
 
 def parse_config(text: str) -> dict:
-    """"16:128:64" -> dict(block_h=16, max_splits=128, min_span=64); two more fields optional,
-    block_n and num_warps ("16:128:64:32:8"), the kernel's defaults where left out."""
+    """"16:128:64" -> dict(block_h=16, max_splits=128, min_span=64, decode_kernel=False): the general
+    kernel, two more fields optional, block_n and num_warps ("16:128:64:32:8"), the kernel's defaults
+    where left out. "d32:4:3" -> the decode kernel (kernels/mla_decode.py) at BLOCK_N 32, 4 warps, 3
+    stages (0: the register prefetch), then optionally max_splits, min_span, programs_per_sm
+    ("d32:4:3:256:32:4"; defaults MAX_SPLITS, MIN_SPAN, 2)."""
+    if text.startswith("d"):
+        values = [int(x) for x in text[1:].split(":")]
+        assert 3 <= len(values) <= len(DECODE_KEYS), f"--configs {text!r}: d<block_n>:warps:stages[:max_splits" \
+                                                     "[:min_span[:programs_per_sm]]]"
+        got = dict(zip(DECODE_KEYS, values))
+        block_n, warps, stages = got.pop("block_n"), got.pop("num_warps"), got.pop("stages")
+        return dict(decode_kernel=True, decode_tiling=(block_n, warps, stages), **got)
     values = [int(x) for x in text.split(":")]
     assert 3 <= len(values) <= len(CONFIG_KEYS), f"--configs {text!r}: block_h:max_splits:min_span[:block_n[:warps]]"
-    return dict(zip(CONFIG_KEYS, values))
+    return dict(zip(CONFIG_KEYS, values), decode_kernel=False)
+
+
+def config_name(config: dict) -> str:
+    """parse_config's input back (the table's and the JSON's config column)."""
+    if config.get("decode_kernel"):
+        extra = [config[k] for k in DECODE_KEYS[3:] if k in config]
+        return "d" + ":".join(str(v) for v in (*config["decode_tiling"], *extra))
+    return ":".join(str(v) for k, v in config.items() if k != "decode_kernel")
+
+
+def splits_of(config: dict, num_tokens: int, heads: int, device, max_context_len: int) -> int:
+    """The split count mla_attention_triton picks for ``config`` (mla_splits with its arguments)."""
+    block_n = config["decode_tiling"][0] if config.get("decode_kernel") else config.get("block_n", 32)
+    return mla_splits(num_tokens, heads, config.get("block_h", 16), device, config.get("max_splits", MAX_SPLITS),
+                      max_context_len, max(config.get("min_span", MIN_SPAN), block_n),
+                      config.get("programs_per_sm", 2))
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -151,22 +181,31 @@ def run(args: argparse.Namespace) -> dict:
                             q_latent, q_rope, cache, meta, scale, **c)
                         eager_us = cuda_time_ms(lambda: call(metas[0]), repeat=args.repeat) * 1e3
                         us = graph_call_us(call, [(meta,) for meta in metas])
-                        splits = mla_splits(q_latent.shape[0], shape["heads"], config["block_h"], q_latent.device,
-                                            config["max_splits"], metas[0].max_context_len,
-                                            max(config["min_span"], config.get("block_n", 32)))
+                        splits = splits_of(config, q_latent.shape[0], shape["heads"], q_latent.device,
+                                           metas[0].max_context_len)
                     achieved = read / (us / 1e6)
                     rows.append(dict(pool=pool, batch=batch, context=context, tree=args.tree,
-                                     config=None if config is None else ":".join(str(v) for v in config.values()),
+                                     config=None if config is None else config_name(config),
                                      us=us, eager_us=eager_us, latent_bytes=read, GBps=achieved / 1e9,
                                      TFLOPS=flops / (us / 1e6) / 1e12, splits=splits, graph_sets=sets,
                                      fraction=None if bandwidth is None else achieved / bandwidth))
-                    print(rows[-1], flush=True)
+                    print(row_line(rows[-1]), flush=True)
+                    if args.out:  # after every row: a run cut by its guard keeps what it measured
+                        Path(args.out).write_text(json.dumps(dict(partial=True, copy_GBps=None if bandwidth is None
+                                                                  else bandwidth / 1e9, rows=rows), indent=1))
                 del q_latent, q_rope, cache, metas
                 if args.device != "cpu":
                     torch.cuda.empty_cache()
     return dict(shape=args.shape, dtype=args.dtype, device=args.device, machine=machine_summary(args.device),
                 copy_GBps=None if bandwidth is None else bandwidth / 1e9, goal=GOAL, rows=rows,
                 command=command_line(__file__), commit=git_commit(), date=utc_now())
+
+
+def row_line(r: dict) -> str:
+    """One measured row as a line of the log."""
+    frac = "-" if r["fraction"] is None else f"{r['fraction']:.0%}"
+    return (f"{r['pool']} batch {r['batch']} ctx {r['context']} {r['config'] or 'ref'}: {r['us']:.1f} us "
+            f"(eager {r['eager_us']:.0f}) {r['GBps']:.0f} GB/s = {frac} of copy, splits {r['splits']}")
 
 
 def markdown(results: dict) -> str:
@@ -197,7 +236,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tree", type=int, default=0, help="verify an N-node chain per sequence (tree-mask path)")
     p.add_argument("--repeat", type=int, default=50)
     p.add_argument("--configs", default=f"16:{MAX_SPLITS}:{MIN_SPAN}",
-                   help="comma-separated block_h:max_splits:min_span (16:16:32 = the split policy before 2026-11-29)")
+                   help="comma-separated block_h:max_splits:min_span[:block_n[:warps]] (the general kernel; 16:16:32 = "
+                        "the split policy before 2026-11-29) or d<block_n>:warps:stages[:max_splits[:min_span[:pps]]] "
+                        "(the decode kernel)")
     p.add_argument("--tiny", action="store_true", help="tiny shape, float32, on the CPU (the reference), seconds")
     p.add_argument("--out", default=None)
     p.add_argument("--markdown", default=None, help="append the table to this file")

@@ -5,6 +5,7 @@ decode rows and mixed chunks, model dtypes and an FP8 pool, and the latent write
 """
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -22,7 +23,7 @@ HEADS, RANK, ROPE, NOPE, V_DIM, PAGE = 5, 24, 8, 12, 10, 4
 
 
 def paged_batch(context_lens: list[int], q_lens: list[int], *, device: str = "cpu", num_blocks: int = 64,
-                seed: int = 0, dtype=torch.float32, cache_dtype=None):
+                seed: int = 0, dtype=torch.float32, cache_dtype=None, page: int = PAGE):
     """Sequences whose new tokens are the last q_len of context_len, on shuffled pages; every cached
     row (prefix and new) written through write_latent_cache_ref. Returns (rows (keys, R + P) per
     sequence, cache, meta)."""
@@ -31,12 +32,12 @@ def paged_batch(context_lens: list[int], q_lens: list[int], *, device: str = "cp
     random.Random(seed).shuffle(free)
     tables, slots, rows = [], [], []
     for context_len in context_lens:
-        table = [free.pop() for _ in range(-(-context_len // PAGE))]
+        table = [free.pop() for _ in range(-(-context_len // page))]
         tables.append(table)
         seq_rows = torch.randn(context_len, RANK + ROPE, generator=gen).to(dtype)
         rows.append(seq_rows)
-        slots.append(torch.tensor([table[p // PAGE] * PAGE + p % PAGE for p in range(context_len)]))
-    cache = torch.zeros(num_blocks, PAGE, RANK + ROPE, dtype=cache_dtype or dtype)
+        slots.append(torch.tensor([table[p // page] * page + p % page for p in range(context_len)]))
+    cache = torch.zeros(num_blocks, page, RANK + ROPE, dtype=cache_dtype or dtype)
     for seq_rows, seq_slots in zip(rows, slots):
         write_latent_cache_ref(seq_rows[:, :RANK], seq_rows[:, RANK:], cache, seq_slots)
     width = max(len(t) for t in tables)
@@ -159,6 +160,68 @@ def test_triton_kernel_equals_reference(device, dtype, cache_dtype, context_lens
         assert relative_error(out.cpu().float(), want.float()) < TOLERANCE[dtype] * (3 if cache_dtype else 1)
 
 
+@pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, None), (torch.bfloat16, None),
+                                               (torch.bfloat16, KV_FP8_DTYPE)])
+@pytest.mark.parametrize("tiling", [(16, 4, 2), (16, 4, 0), (32, 4, 0)])
+def test_decode_kernel_equals_reference_and_the_general_kernel(device, dtype, cache_dtype, tiling):
+    """kernels/mla_decode.py on a decode step over pages of 32 (contexts of one partial tile, several
+    pages, a page's last key): pipelined (STAGES 2) and register-prefetched (STAGES 0) tilings, one
+    split (DIRECT), three and the batch's own (some past short contexts); equal to the reference and to
+    the general kernel (decode_kernel=False, the path before); and through W_UV in the combine."""
+    if dtype not in low_precision_dtypes(device) + [torch.float32]:
+        pytest.skip("the interpreter emulates bf16 dots loosely (kernel_testing.low_precision_dtypes); GPU only")
+    context_lens = [37, 5, 96, 64]
+    _, cache, meta = paged_batch(context_lens, [1] * 4, device=device, dtype=dtype, cache_dtype=cache_dtype, page=32)
+    gen = torch.Generator().manual_seed(6)
+    q_latent = torch.randn(4, HEADS, RANK, generator=gen).to(dtype).to(device)
+    q_rope = torch.randn(4, HEADS, ROPE, generator=gen).to(dtype).to(device)
+    w_uv = torch.randn(HEADS, V_DIM, RANK, generator=gen) * RANK ** -0.5
+    want = mla_attention_ref(q_latent.cpu(), q_rope.cpu(), cache.cpu(), _on_cpu(meta), 0.2)
+    tolerance = TOLERANCE[dtype] * (3 if cache_dtype else 1)
+    for splits in (1, 3, None):
+        kw = dict(splits=splits, min_span=tiling[0], decode_tiling=tiling)
+        out = mla_attention_triton(q_latent, q_rope, cache, meta, 0.2, decode_kernel=True, **kw)
+        general = mla_attention_triton(q_latent, q_rope, cache, meta, 0.2, decode_kernel=False, **kw)
+        assert torch.isfinite(out).all()
+        assert relative_error(out.cpu().float(), want.float()) < tolerance, splits
+        assert relative_error(out.cpu().float(), general.cpu().float()) < tolerance, splits
+    values = mla_attention_triton(q_latent, q_rope, cache, meta, 0.2, splits=3, min_span=tiling[0],
+                                  decode_tiling=tiling, decode_kernel=True, w_uv=w_uv.to(device).to(dtype))
+    want_values = torch.einsum("thr,hvr->thv", want.float(), w_uv)
+    assert relative_error(values.cpu().float(), want_values) < tolerance
+
+
+def test_decode_kernel_is_taken_only_where_its_tile_fits(monkeypatch):
+    """The decode kernel serves decode-only steps whose page its BLOCK_N divides; a mixed step or pages
+    of 4 keep the general kernel (which launch ran is recorded); unasked, the environment's switch or
+    the module default decides."""
+    from kernels import mla_decode
+
+    taken = []
+    monkeypatch.setattr(mla_attention_module, "mla_decode_launch", lambda *a, **k: taken.append("decode"))
+    monkeypatch.setattr(mla_attention_module, "_mla_general_launch", lambda *a, **k: taken.append("general"))
+    q = torch.zeros(2, HEADS, RANK)
+    rope = torch.zeros(2, HEADS, ROPE)
+    for page, q_lens, want in ((32, [1, 1], "decode"), (4, [1, 1], "general"), (32, [2], "general")):
+        _, cache, meta = paged_batch([40, 9][:len(q_lens)], q_lens, page=page)
+        taken.clear()
+        mla_attention_triton(q, rope, cache, meta, 0.2, splits=1, decode_kernel=True)
+        assert taken == [want], (page, q_lens)
+    taken.clear()
+    mla_attention_triton(q, rope, cache, meta, 0.2, splits=1, decode_kernel=False)
+    assert taken == ["general"]
+    assert mla_decode.decode_tile_fits(64, 32) and not mla_decode.decode_tile_fits(16, 32)
+    # decode_kernel unset: TRITONLLM_MLA_DECODE picks (A/B runs), else USE_DECODE_KERNEL
+    _, cache, meta = paged_batch([40, 9], [1, 1], page=32)
+    for env, default, want in (("1", False, "decode"), ("0", True, "general"), ("", True, "decode"),
+                               ("", False, "general")):
+        monkeypatch.setenv(mla_attention_module.MLA_DECODE_ENV, env)
+        monkeypatch.setattr(mla_attention_module, "USE_DECODE_KERNEL", default)
+        taken.clear()
+        mla_attention_triton(q, rope, cache, meta, 0.2, splits=1)
+        assert taken == [want], (env, default)
+
+
 @pytest.mark.parametrize("context_lens,q_lens", [([37, 5, 70], [1, 1, 1]), ([30, 9, 2], [11, 1, 2])])
 def test_combine_applies_w_uv(device, context_lens, q_lens, monkeypatch):
     """w_uv given: (T, H, V) = the reference's latent output through W_UV per head, whether the splits'
@@ -271,3 +334,44 @@ def _on_cpu(meta: AttentionMetadata) -> AttentionMetadata:
                              max_seqlen_q=meta.max_seqlen_q, max_context_len=meta.max_context_len,
                              is_decode_only=meta.is_decode_only, cu_seqlens_q_host=meta.cu_seqlens_q_host,
                              context_lens_host=meta.context_lens_host)
+
+
+@pytest.mark.skipif(os.environ.get("TRITONLLM_AOT_SM90") != "1" or os.environ.get("TRITON_INTERPRET") == "1",
+                    reason="set TRITONLLM_AOT_SM90=1 (without TRITON_INTERPRET=1, whose kernels do not compile) "
+                           "to compile for sm_90 on this machine (~5 s a kernel)")
+@pytest.mark.parametrize("pool", ["*bf16", "*fp8e4nv"])
+@pytest.mark.parametrize("direct", [False, True])
+def test_decode_kernel_compiles_for_sm90_without_spills(pool, direct, tmp_path):
+    """Triton's compiler and ptxas (no GPU) on the decode kernel at its default tiling for the pool,
+    DeepSeek's 512 + 64 per row, 16 heads, pages of 64: no local memory (spills); the bf16 pool's tile
+    loads pipelined as cp.async copies (the point of its STAGES)."""
+    import subprocess
+    from pathlib import Path
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from kernels.mla_decode import DECODE_TILING, DECODE_TILING_FP8, _mla_decode_kernel
+
+    block_n, warps, stages = DECODE_TILING if pool == "*bf16" else DECODE_TILING_FP8
+    names = _mla_decode_kernel.arg_names
+    pointers = dict(q_lat_ptr="*bf16", q_rope_ptr="*bf16", cache_ptr=pool, part_ptr="*bf16" if direct else "*fp32",
+                    lse_ptr="*fp32", block_tables_ptr="*i32", ctx_ptr="*i32")
+    const = dict(RANK=512, ROPE=64, RANK_PAD=512, ROPE_PAD=64, PAGE=64, BLOCK_H=16, BLOCK_N=block_n,
+                 STAGES=max(1, stages), PREFETCH=stages == 0, DIRECT=direct, DOT_PRECISION="tf32", PDL=False)
+    signature = {n: pointers.get(n, "constexpr" if n in const else "fp32" if n == "scale_log2" else "i32")
+                 for n in names}
+    aligned = [n for n in names if n in pointers or (n.startswith("stride") and n != "stride_bt")]
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    compiled = triton.compile(ASTSource(fn=_mla_decode_kernel, signature=signature, constexprs=const, attrs=attrs),
+                              target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": 1})
+    if pool == "*bf16":
+        assert "cp.async" in compiled.asm["ptx"]
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not cuobjdump.exists():
+        pytest.skip("no cuobjdump beside Triton's ptxas")
+    cubin = tmp_path / "kernel.cubin"
+    cubin.write_bytes(compiled.asm["cubin"])
+    usage = subprocess.run([str(cuobjdump), "-res-usage", str(cubin)], capture_output=True, text=True).stdout
+    assert "LOCAL:0 " in usage, usage

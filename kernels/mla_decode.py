@@ -1,0 +1,153 @@
+"""The decode form of latent attention (kernels/mla_attention.py, issue 55): every sequence one new
+token, its key tiles read whole from one page each.
+
+kernels/mla_attention.py's general kernel finds each key's page through its own block-table entry
+(a gather of BLOCK_N entries, then BLOCK_N row addresses) and walks its keys one tile after the
+other: each tile's loads wait on its block-table load and the tile before. At batch-1 decode that
+kernel is latency, not bytes (H200, DeepSeek-V2-Lite's 16 heads: 23% of the copy bandwidth at 32k
+keys). Here a tile of BLOCK_N keys starts at a multiple of BLOCK_N and BLOCK_N divides the page, so
+the tile is one page's contiguous run of rows: one scalar block-table load gives its base, the rows
+are [c | k_r] back to back (wide loads), and the loop is software-pipelined (``STAGES`` tiles in
+flight: Triton's pipeliner turns the loads into cp.async copies issued ahead of their use).
+
+Same outputs as the general kernel's DECODE form: one split writes out (T, H, R) itself; several
+write float32 partials (T, splits, H, R) and their log-sum-exps (T, H, splits) for
+kernels/mla_attention.py's combine launches. Splits are a runtime value (the host picks them from
+the batch shape: CUDA-graph safe), each spanning whole tiles, at least ``min_span`` keys.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kernels._triton import jit, pdl_options, pdl_prologue, tl, triton
+
+LOG2E = 1.0 / math.log(2.0)
+
+
+@jit
+def _tile(cache_ptr, table, start, last, stride_cb, stride_cs, RANK: tl.constexpr, ROPE: tl.constexpr,
+          RANK_PAD: tl.constexpr, ROPE_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The pool's rows start .. start + BLOCK_N - 1 of a sequence (block table ``table``) as stored:
+    (latent (BLOCK_N, RANK_PAD), k_rope (BLOCK_N, ROPE_PAD)), zeros from ``last`` on. The tile is one
+    page's contiguous run (start a multiple of BLOCK_N, which divides PAGE); a tile wholly past
+    ``last`` (the prefetch after the final one) loads nothing."""
+    n = tl.arange(0, BLOCK_N)
+    r = tl.arange(0, RANK_PAD)
+    p = tl.arange(0, ROPE_PAD)
+    key_ok = start + n < last
+    block = tl.load(table + start // PAGE, mask=start < last, other=0).to(tl.int64)
+    rows = cache_ptr + block * stride_cb + (start % PAGE) * stride_cs + n[:, None] * stride_cs
+    latent = tl.load(rows + r[None, :], mask=key_ok[:, None] & (r < RANK)[None, :], other=0.0)
+    k_rope = tl.load(rows + RANK + p[None, :], mask=key_ok[:, None] & (p < ROPE)[None, :], other=0.0)
+    return latent, k_rope
+
+
+@jit
+def _fold_tile(q_lat, q_rope, latent, k_rope, key_ok, m, denom, acc, scale_log2, DOT_PRECISION: tl.constexpr):
+    """One tile into the running (max, denominator, sum), scores in log2 units. The tile holds a
+    visible key (the loop visits only those), so the new max is finite."""
+    scores = (tl.dot(q_lat, tl.trans(latent), input_precision=DOT_PRECISION)
+              + tl.dot(q_rope, tl.trans(k_rope), input_precision=DOT_PRECISION))  # (BLOCK_H, BLOCK_N) f32
+    scores = tl.where(key_ok[None, :], scores * scale_log2, -float("inf"))
+    m_new = tl.maximum(m, tl.max(scores, 1))
+    alpha = tl.exp2(m - m_new)
+    probs = tl.exp2(scores - m_new[:, None])
+    acc = acc * alpha[:, None] + tl.dot(probs.to(latent.dtype), latent, input_precision=DOT_PRECISION)
+    return m_new, denom * alpha + tl.sum(probs, 1), acc
+
+
+@jit
+def _mla_decode_kernel(q_lat_ptr, q_rope_ptr, cache_ptr, part_ptr, lse_ptr, block_tables_ptr, ctx_ptr, num_heads,
+                       splits, min_span, scale_log2, stride_lt, stride_lh, stride_rt, stride_rh, stride_cb, stride_cs,
+                       stride_bt, RANK: tl.constexpr, ROPE: tl.constexpr, RANK_PAD: tl.constexpr,
+                       ROPE_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+                       STAGES: tl.constexpr, PREFETCH: tl.constexpr, DIRECT: tl.constexpr,
+                       DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
+    """Program (s, hb, split): sequence s's heads hb * BLOCK_H ... over split ``split`` of its keys
+    0 .. context_len - 1 (its new token is the last). Scores in log2 units (scale_log2 = scale *
+    log2 e: exp2 in the softmax); the lse written in natural-log units, as the combines read it.
+    Every tile the loop visits holds a visible key (start < last), so the running max is finite
+    from the first tile on; a split past the context visits none and writes only lse = -inf."""
+    pdl_prologue(PDL)
+    seq = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    split = tl.program_id(2)
+    head_ok = heads < num_heads
+    context_len = tl.load(ctx_ptr + seq)
+    span = tl.maximum(tl.cdiv(tl.cdiv(context_len, splits), BLOCK_N) * BLOCK_N, min_span)
+    first = split * span
+    last = tl.minimum(first + span, context_len)
+    r = tl.arange(0, RANK_PAD)
+    p = tl.arange(0, ROPE_PAD)
+    n = tl.arange(0, BLOCK_N)
+    load_q = heads < tl.where(first < last, num_heads, 0)  # a split past the context loads nothing
+    q_lat = tl.load(q_lat_ptr + seq * stride_lt + heads[:, None] * stride_lh + r[None, :],
+                    mask=load_q[:, None] & (r < RANK)[None, :], other=0.0)  # (BLOCK_H, RANK_PAD)
+    q_rope = tl.load(q_rope_ptr + seq * stride_rt + heads[:, None] * stride_rh + p[None, :],
+                     mask=load_q[:, None] & (p < ROPE)[None, :], other=0.0)  # (BLOCK_H, ROPE_PAD)
+    m = tl.full([BLOCK_H], -float("inf"), dtype=tl.float32)
+    denom = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, RANK_PAD], dtype=tl.float32)
+    table = block_tables_ptr + seq * stride_bt
+    if PREFETCH:  # registers hold the next tile while this one's products run (FP8 pools: see DECODE_TILING)
+        latent_next, rope_next = _tile(cache_ptr, table, first, last, stride_cb, stride_cs, RANK, ROPE, RANK_PAD,
+                                       ROPE_PAD, PAGE, BLOCK_N)
+        for start in range(first, last, BLOCK_N):
+            latent, k_rope = latent_next.to(q_lat.dtype), rope_next.to(q_lat.dtype)
+            latent_next, rope_next = _tile(cache_ptr, table, start + BLOCK_N, last, stride_cb, stride_cs, RANK, ROPE,
+                                           RANK_PAD, ROPE_PAD, PAGE, BLOCK_N)
+            m, denom, acc = _fold_tile(q_lat, q_rope, latent, k_rope, start + n < last, m, denom, acc, scale_log2,
+                                       DOT_PRECISION)
+    else:  # Triton's pipeliner: STAGES tiles in flight as cp.async copies into shared memory
+        for start in tl.range(first, last, BLOCK_N, num_stages=STAGES):
+            latent, k_rope = _tile(cache_ptr, table, start, last, stride_cb, stride_cs, RANK, ROPE, RANK_PAD,
+                                   ROPE_PAD, PAGE, BLOCK_N)
+            m, denom, acc = _fold_tile(q_lat, q_rope, latent.to(q_lat.dtype), k_rope.to(q_lat.dtype), start + n < last,
+                                       m, denom, acc, scale_log2, DOT_PRECISION)
+    has_keys = denom > 0
+    out = acc / tl.where(has_keys, denom, 1.0)[:, None]
+    if DIRECT:
+        tl.store(part_ptr + (seq * num_heads + heads)[:, None] * RANK + r[None, :],
+                 out.to(part_ptr.dtype.element_ty), mask=head_ok[:, None] & (r < RANK)[None, :])
+    else:
+        row_out = (seq * splits + split) * num_heads + heads
+        tl.store(part_ptr + row_out[:, None] * RANK + r[None, :], out,
+                 mask=(head_ok & has_keys)[:, None] & (r < RANK)[None, :])
+        lse = (m + tl.log2(tl.where(has_keys, denom, 1.0))) / 1.4426950408889634  # natural-log units
+        tl.store(lse_ptr + (seq * num_heads + heads) * splits + split, tl.where(has_keys, lse, -float("inf")),
+                 mask=head_ok)
+
+
+# (BLOCK_N, num_warps, STAGES) of the decode kernel; STAGES 0: the next tile prefetched into registers
+# instead of Triton's pipeliner (which leaves an FP8 pool's loads, converted before the products, unpipelined:
+# sm_90 compile, Triton 3.9). BLOCK_N must divide the pool's page.
+DECODE_TILING = (32, 4, 3)
+DECODE_TILING_FP8 = (32, 8, 0)
+
+
+def decode_tile_fits(page: int, block_n: int) -> bool:
+    """The decode kernel's tiles stay inside one page: BLOCK_N divides the page size."""
+    return page % block_n == 0
+
+
+def mla_decode_launch(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
+                      context_lens: torch.Tensor, part: torch.Tensor, lse: torch.Tensor, scale: float, splits: int,
+                      min_span: int, block_h: int, tiling: tuple[int, int, int] = DECODE_TILING) -> None:
+    """One launch of _mla_decode_kernel over (sequences, head blocks, splits): ``part`` is the output
+    (T, H, R) itself when splits == 1, else the float32 partials; block_tables and context_lens dense
+    (read at ptr + i). The caller (kernels/mla_attention.py) checks decode_tile_fits and combines."""
+    num_seqs, num_heads, rank = q_latent.shape
+    rope = q_rope.shape[-1]
+    block_n, num_warps, stages = tiling
+    assert decode_tile_fits(cache.shape[1], block_n) and min_span % block_n == 0, (cache.shape[1], block_n, min_span)
+    _mla_decode_kernel[(num_seqs, triton.cdiv(num_heads, block_h), splits)](
+        q_latent, q_rope, cache, part, lse, block_tables, context_lens, num_heads, splits, min_span,
+        scale * LOG2E, q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
+        cache.stride(0), cache.stride(1), block_tables.stride(0),
+        RANK=rank, ROPE=rope, RANK_PAD=max(16, triton.next_power_of_2(rank)),
+        ROPE_PAD=max(16, triton.next_power_of_2(rope)), PAGE=cache.shape[1], BLOCK_H=block_h, BLOCK_N=block_n,
+        STAGES=max(1, stages), PREFETCH=stages == 0, DIRECT=splits == 1,
+        DOT_PRECISION="ieee" if q_latent.dtype == torch.float32 else "tf32",
+        num_warps=num_warps, **pdl_options(q_latent))
