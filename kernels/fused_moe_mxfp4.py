@@ -67,6 +67,7 @@ from kernels.moe_blocks import (activation_tiles, block_rows, expert_block_launc
 from kernels.moe_epilogue import ACTIVATIONS, PLAIN_SILU, ExpertEpilogue
 from kernels.moe_gemv import gemv_tiles, moe_gemv_triton
 from kernels.mxfp4_codes import exponent_factor, high_codes, low_codes
+from kernels.mxfp4_gemv import is_word_mark, mxfp4_words_triton
 
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 VALUES_PER_SCALE = 32
@@ -540,12 +541,17 @@ def moe_forward_mxfp4(x: torch.Tensor, router_logits: torch.Tensor, gate_up: MXF
     """kernels.fused_moe.moe_forward with MXFP4 experts: x (T, H) -> (T, H) in x's dtype; biases and
     activation as there. The Triton kernels where the experts are in the kernel layout (CUDA), else
     the widened experts through kernels/fused_moe.py (on CPU its reference). At the token counts the load-time
-    choice marked on the codes (kernels/moe_gemv_choice.py), kernels/moe_gemv.py's two GEMV launches."""
+    choice marked on the codes (kernels/moe_gemv_choice.py), kernels/moe_gemv.py's two GEMV launches, or
+    kernels/mxfp4_gemv.py's word path where the mark is its (mxfp4_gemv.word_mark)."""
     if not (use_triton(x) and gate_up.kernel):
         return moe_forward(x, router_logits, gate_up.dense, down.dense, top_k, renormalize, gate_up_bias=gate_up_bias,
                            down_bias=down_bias, activation=activation, swiglu_limit=swiglu_limit)
     epilogue = ExpertEpilogue(gate_up_bias, down_bias, activation, swiglu_limit)
-    if (tiles := gemv_tiles(gate_up.kernel["codes"], x.shape[0])) is not None:  # chosen at load
+    if (tiles := gemv_tiles(gate_up.kernel["codes"], x.shape[0])) is not None and is_word_mark(tiles):
+        return mxfp4_words_triton(x, gate_up.kernel["codes"], down.kernel["codes"], gate_up.kernel["scales"],
+                                  down.kernel["scales"], top_k=top_k, epilogue=epilogue, router_logits=router_logits,
+                                  renormalize=renormalize, tiles=tuple(tiles[1:]))
+    if tiles is not None:  # chosen at load
         return moe_gemv_triton(x, gate_up.kernel["codes"], down.kernel["codes"], top_k=top_k,
                                router_logits=router_logits, renormalize=renormalize, tiles=tiles,
                                gate_up_scale=gate_up.kernel["scales"], down_scale=down.kernel["scales"],

@@ -19,10 +19,12 @@ import os
 
 import torch
 
-from kernels import choice_cache, fused_moe, fused_moe_fp8, fused_moe_mxfp4, fused_moe_wna16, moe_gemv
+from kernels import choice_cache, fused_moe, fused_moe_fp8, fused_moe_mxfp4, fused_moe_wna16, moe_gemv, mxfp4_gemv
 from kernels._triton import use_triton
 from kernels.moe_gemv import (DEFAULT_TILES, GEMV_ATTR, GEMV_TILES, GemvExperts, candidate_tiles, gemv_supported,
                               mark_gemv, moe_gemv_triton)
+from kernels.mxfp4_gemv import (DEFAULT_WORD_TILES, WORD_TILES, WORDS_ENV, mxfp4_words_triton, word_mark,
+                                word_path_supported)
 
 GEMV_ENV = "TRITONLLM_MOE_GEMV"
 TIMED_TOKENS = (1, 2, 4, 8)
@@ -61,10 +63,19 @@ def choose_gemv(experts: GemvExperts) -> dict | None:
     report = choice_cache.timed_report(
         "moe_gemv", gemv_key(experts), gate_up.device, lambda: time_gemv(experts),
         sources=(__file__, moe_gemv.__file__, fused_moe.__file__, fused_moe_fp8.__file__, fused_moe_wna16.__file__,
-                 fused_moe_mxfp4.__file__),
-        candidates=GEMV_TILES, valid=lambda r: set(r.get("tiles", {})) == set(TIMED_TOKENS))
+                 fused_moe_mxfp4.__file__, mxfp4_gemv.__file__),
+        candidates=(GEMV_TILES, WORD_TILES if words_enabled(experts) else ()), valid=lambda r: set(r.get("tiles", {})) == set(TIMED_TOKENS))
     mark_gemv(gate_up, report["tiles"])
     return report
+
+
+def words_enabled(experts: GemvExperts) -> bool:
+    """MXFP4 experts that kernels/mxfp4_gemv.py's word path takes (gpt-oss's clamped SwiGLU), unless $TRITONLLM_MXFP4_WORDS
+    is 0: the choice times it beside moe_gemv's pair."""
+    if experts.mxfp4 is None or os.environ.get(WORDS_ENV, "1").strip() == "0":
+        return False
+    probe = torch.empty(1, experts.down.shape[1], dtype=experts.dtype, device=experts.gate_up.device)
+    return word_path_supported(probe, experts.gate_up, experts.gate_up_scale, experts.epilogue)
 
 
 def gemv_key(experts: GemvExperts) -> tuple:
@@ -83,7 +94,10 @@ def gemv_key(experts: GemvExperts) -> tuple:
 
 def time_gemv(experts: GemvExperts) -> dict:
     """{"tiles": {T: (gate_up tiles, down tiles) or None}, "grouped_us": {T: us}, "gemv_us": {T: us},
-    "gate_up_us" / "down_us": {T: {tiles: us}}}: device microseconds a call, routing included."""
+    "gate_up_us" / "down_us": {T: {tiles: us}}}: device microseconds a call, routing included. MXFP4 experts the
+    word path takes (``words_enabled``) also: "words_us": {T: us}, "words_gate_up_us" / "words_down_us": {T: {tiles:
+    us}} (kernels/mxfp4_gemv.py's candidates, likewise gate_up first), and the mark is the word path's
+    (mxfp4_gemv.word_mark) where it times faster than moe_gemv's pair and within MARGIN of the grouped path."""
     from kernels.linear import _TOO_LARGE, graph_time_ms
 
     gate_up, down, top_k, dtype = experts.gate_up, experts.down, experts.top_k, experts.dtype
@@ -91,6 +105,9 @@ def time_gemv(experts: GemvExperts) -> dict:
     candidates = candidate_tiles(moe_gemv.scale_kind(gate_up, experts.gate_up_scale))
     device = gate_up.device
     report: dict = {"tiles": {}, "grouped_us": {}, "gemv_us": {}, "gate_up_us": {}, "down_us": {}}
+    words = words_enabled(experts)
+    if words:
+        report.update(words_us={}, words_gate_up_us={}, words_down_us={})
     for tokens in TIMED_TOKENS:
         sets = routing_sets(tokens, num_experts, top_k, device)
         x = torch.randn(tokens, hidden, device=device, dtype=dtype)
@@ -120,12 +137,17 @@ def time_gemv(experts: GemvExperts) -> dict:
                             sum_experts=experts.wna16 is not None or experts.mxfp4 is not None,
                             **experts.quantization())
 
-        def timed(tiles: tuple) -> float | None:
+        def word_path(tiles: tuple) -> None:
+            mxfp4_words_triton(x, gate_up, down, experts.gate_up_scale, experts.down_scale, top_k=top_k,
+                               epilogue=experts.epilogue, router_logits=logits(), renormalize=True, tiles=tiles)
+
+        def timed(tiles: tuple, run=None) -> float | None:
+            run = run or gemv
             try:
-                gemv(tiles)  # compile
+                run(tiles)  # compile
             except _TOO_LARGE:
                 return None
-            return graph_time_ms(lambda: gemv(tiles)) * 1e3
+            return graph_time_ms(lambda: run(tiles)) * 1e3
 
         grouped_us = graph_time_ms(grouped) * 1e3
         gate_up_us = {t: us for t in candidates if (us := timed((t, DEFAULT_TILES[1]))) is not None}
@@ -137,4 +159,15 @@ def time_gemv(experts: GemvExperts) -> dict:
         report["gate_up_us"][tokens], report["down_us"][tokens] = gate_up_us, down_us
         faster = down_us and down_us[best_down] <= MARGIN * grouped_us
         report["tiles"][tokens] = (best_gate_up, best_down) if faster else None
+        if words:
+            gu_words = {t: us for t in WORD_TILES if (us := timed((t, DEFAULT_WORD_TILES[1]), word_path)) is not None}
+            best_gu = min(gu_words, key=gu_words.get) if gu_words else DEFAULT_WORD_TILES[0]
+            d_words = {t: us for t in WORD_TILES if (us := timed((best_gu, t), word_path)) is not None}
+            report["words_gate_up_us"][tokens], report["words_down_us"][tokens] = gu_words, d_words
+            if d_words:
+                best_d = min(d_words, key=d_words.get)
+                report["words_us"][tokens] = d_words[best_d]
+                best_other = min(down_us[best_down] if down_us else float("inf"), grouped_us)
+                if d_words[best_d] < best_other and d_words[best_d] <= MARGIN * grouped_us:
+                    report["tiles"][tokens] = word_mark((best_gu, best_d))
     return report

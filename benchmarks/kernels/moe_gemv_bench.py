@@ -7,6 +7,13 @@ alternating up to four sets of distinct experts), printed as microseconds a call
 that time (TB/s), with every GEMV candidate's time; plus the best pair's relative difference to moe_gemv_ref.
 
     python benchmarks/kernels/moe_gemv_bench.py [--kinds fp8_block bf16 int4 fp8] [--out moe_gemv.json]
+
+--model gpt_oss_20b: gpt-oss-20b's experts instead (E 32, top 4, H 2880, I 2880, both biases, the clamped SwiGLU
+7), kinds mxfp4 (kernels/fused_moe_mxfp4.py's kernel layout; the grouped path is its FMA kernel at 1 token) and
+bf16: beside the grouped path and moe_gemv's pair, kernels/mxfp4_gemv.py's word path with each of its candidates
+(the load-time choice's timing), in us and GB/s of the experts' bytes (MXFP4: codes and exponents; "codes GB/s"
+the codes alone). --gemv-candidates N times only moe_gemv's first N candidates, --word-tiles N,G,W ... only those
+of the word path (the device call's time: a compile each).
 """
 from __future__ import annotations
 
@@ -26,6 +33,7 @@ from kernels.moe_gemv import GemvExperts, moe_gemv_ref, moe_gemv_triton  # noqa:
 from kernels.moe_gemv_choice import routing_sets, time_gemv  # noqa: E402
 
 EXPERTS, TOP_K, HIDDEN, INTER = 128, 8, 2048, 768
+GPT_OSS_20B = dict(experts=32, top_k=4, hidden=2880, inter=2880, swiglu_limit=7.0)
 
 
 def make_experts(kind: str) -> tuple[GemvExperts, tuple]:
@@ -43,16 +51,115 @@ def make_experts(kind: str) -> tuple[GemvExperts, tuple]:
 
 
 def expert_bytes(experts: GemvExperts) -> int:
-    """One expert's bytes (weights, scales, zeros)."""
+    """One expert's bytes (weights, scales, zeros; not the epilogue's biases)."""
     tensors = (experts.gate_up, experts.down, *experts.quantization().values())
-    return sum(t[0].numel() * t.element_size() for t in tensors if t is not None)
+    return sum(t[0].numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+def gpt_oss_experts(kind: str) -> tuple[GemvExperts, tuple, int]:
+    """(gpt-oss-20b's experts of ``kind`` (mxfp4, bf16) with random codes / weights, random biases and the clamped
+    SwiGLU, (moe_gemv_ref's gate_up, down in bf16, its epilogue in float32), the codes' bytes an expert (bf16:
+    the weights')."""
+    from kernels.fused_moe_mxfp4 import dequantize_mxfp4_experts, prepare_mxfp4_experts
+    from kernels.moe_epilogue import ExpertEpilogue
+
+    shape = GPT_OSS_20B
+    experts, hidden, inter = shape["experts"], shape["hidden"], shape["inter"]
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    biases = [torch.randn(experts, n, device="cuda", generator=gen).mul(0.1).bfloat16() for n in (2 * inter, hidden)]
+    epilogue = ExpertEpilogue(*biases, "swiglu_clamped", shape["swiglu_limit"])
+    ref_epilogue = ExpertEpilogue(*[b.float() for b in biases], "swiglu_clamped", shape["swiglu_limit"])
+    stored = []
+    for rows, cols in ((2 * inter, hidden), (hidden, inter)):
+        codes = torch.randint(0, 256, (experts, rows, cols // 2), device="cuda", generator=gen, dtype=torch.uint8)
+        scales = torch.randint(120, 123, (experts, rows, cols // 32), device="cuda", generator=gen,
+                               dtype=torch.uint8)  # weights ~ 2^-6 times up to 6
+        stored.append((codes, scales))
+    dense = [dequantize_mxfp4_experts(*w, torch.bfloat16) for w in stored]
+    if kind == "bf16":
+        entry = GemvExperts(dense[0], dense[1], shape["top_k"], torch.bfloat16, epilogue=epilogue)
+        return entry, (dense[0], dense[1], ref_epilogue), dense[0][0].numel() * 2 + dense[1][0].numel() * 2
+    kernel = [prepare_mxfp4_experts(*w, torch.bfloat16, for_kernel=True) for w in stored]
+    entry = GemvExperts(kernel[0].kernel["codes"], kernel[1].kernel["codes"], shape["top_k"], torch.bfloat16,
+                        kernel[0].kernel["scales"], kernel[1].kernel["scales"], mxfp4=tuple(kernel), epilogue=epilogue)
+    return entry, (dense[0], dense[1], ref_epilogue), stored[0][0][0].numel() + stored[1][0][0].numel()
+
+
+def gpt_oss_main(args) -> None:
+    """The --model gpt_oss_20b sweep (module docstring)."""
+    from kernels import moe_gemv_choice
+    from kernels.mxfp4_gemv import mxfp4_words_triton
+
+    if args.gemv_candidates:
+        full = moe_gemv_choice.candidate_tiles
+        moe_gemv_choice.candidate_tiles = lambda kind: full(kind)[:args.gemv_candidates]
+    if args.word_tiles:
+        moe_gemv_choice.WORD_TILES = tuple(tuple(int(v) for v in t.split(",")) for t in args.word_tiles)
+    shape = GPT_OSS_20B
+    experts_n, top_k, hidden = shape["experts"], shape["top_k"], shape["hidden"]
+    results = {"gpu": torch.cuda.get_device_name(), "shape": shape, "kinds": {}}
+    print(f"{results['gpu']}: gpt-oss-20b experts (E {experts_n}, top {top_k}, H {hidden}, I {shape['inter']}, "
+          "biases, clamped SwiGLU), routing included")
+    print("| weights | tokens | grouped us | GEMV pair us | words us | best GB/s | codes GB/s | words tiles "
+          "| words rel. diff |")
+    print("|---|---:|---:|---:|---:|---:|---:|---|---:|")
+    for kind in args.kinds:
+        entry, (ref_gate_up, ref_down, ref_epilogue), codes_bytes = gpt_oss_experts(kind)
+        per_expert = expert_bytes(entry)
+        report = moe_gemv_choice.time_gemv(entry)
+        rows = {}
+        for tokens, grouped_us in report["grouped_us"].items():
+            gemv_us = report["gemv_us"][tokens]
+            words_us = report.get("words_us", {}).get(tokens)
+            best_us = min(us for us in (grouped_us, gemv_us, words_us) if us is not None)
+            moved = min(tokens * top_k, experts_n)
+            row = {"grouped_us": grouped_us, "gemv_us": gemv_us, "words_us": words_us, "mark": report["tiles"][tokens],
+                   "gate_up_us": {str(k): v for k, v in report["gate_up_us"][tokens].items()},
+                   "down_us": {str(k): v for k, v in report["down_us"][tokens].items()}}
+            tiles, rel = "-", float("nan")
+            if words_us is not None:
+                gu, dn = report["words_gate_up_us"][tokens], report["words_down_us"][tokens]
+                best = (min(gu, key=gu.get), min(dn, key=dn.get))
+                row.update(words_gate_up_us={str(k): v for k, v in gu.items()},
+                           words_down_us={str(k): v for k, v in dn.items()}, words_tiles=best)
+                x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+                logits = moe_gemv_choice.routing_sets(tokens, experts_n, top_k, "cuda")[0].bfloat16()
+                weights, ids = route_tokens_ref(logits, top_k, True)
+                out = mxfp4_words_triton(x, entry.gate_up, entry.down, entry.gate_up_scale, entry.down_scale,
+                                         top_k=top_k, epilogue=entry.epilogue, router_logits=logits, renormalize=True,
+                                         tiles=best)
+                ref = moe_gemv_ref(x, ref_gate_up, ref_down, weights, ids, epilogue=ref_epilogue).float().sum(1)
+                rel = ((out.float() - ref).norm() / ref.norm()).item()
+                tiles = f"{best[0]}; {best[1]}"
+            row["rel_diff"] = rel
+            rows[tokens] = row
+            print(f"| {kind} | {tokens} | {grouped_us:.1f} | {gemv_us or float('nan'):.1f} | "
+                  f"{words_us or float('nan'):.1f} | {moved * per_expert / best_us / 1e3:.0f} | "
+                  f"{moved * codes_bytes / best_us / 1e3:.0f} | {tiles} | {rel:.1e} |", flush=True)
+        for tokens, row in rows.items():
+            for name in ("gate_up_us", "down_us", "words_gate_up_us", "words_down_us"):
+                if name in row:
+                    print(f"  {kind} {tokens} token(s) {name}: "
+                          + ", ".join(f"{k} {v:.1f}" for k, v in row[name].items()), flush=True)
+        results["kinds"][kind] = rows
+        del entry, ref_gate_up, ref_down
+        torch.cuda.empty_cache()
+    Path(args.out).write_text(json.dumps(results, indent=1, default=str))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--kinds", nargs="+", default=["fp8_block", "bf16", "int4", "fp8"])
+    parser.add_argument("--kinds", nargs="+", default=None)
+    parser.add_argument("--model", choices=["qwen3_30b_a3b", "gpt_oss_20b"], default="qwen3_30b_a3b")
+    parser.add_argument("--gemv-candidates", type=int, default=0)
+    parser.add_argument("--word-tiles", nargs="+", default=None)
     parser.add_argument("--out", default="moe_gemv.json")
     args = parser.parse_args()
+    if args.model == "gpt_oss_20b":
+        args.kinds = args.kinds or ["mxfp4", "bf16"]
+        gpt_oss_main(args)
+        return
+    args.kinds = args.kinds or ["fp8_block", "bf16", "int4", "fp8"]
     results = {"gpu": torch.cuda.get_device_name(), "shape": [EXPERTS, TOP_K, HIDDEN, INTER], "kinds": {}}
     print(f"{results['gpu']}: Qwen3-30B-A3B experts (E {EXPERTS}, top {TOP_K}, H {HIDDEN}, I {INTER}), "
           "routing included")

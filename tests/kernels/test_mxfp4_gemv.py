@@ -1,0 +1,225 @@
+"""kernels/mxfp4_gemv.py's word path for MXFP4 experts at 1-8 tokens: the formula variant (Triton's CPU
+interpreter, TRITON_INTERPRET=1, or the GPU) and the inline-PTX variant (CUDA only) against moe_gemv_ref on the
+experts widened exactly, routed in the prepare launch or given, with gpt-oss's biases and clamped SwiGLU; the
+activation pair slots; what the path supports; an sm_90 compile without spills (TRITONLLM_AOT_SM90=1).
+
+Tolerances (||kernel - reference|| / ||reference||, module docstring of kernels/mxfp4_gemv.py): float32 on the
+interpreter: the activations rounded once to float16 (2^-12 relative) in both products, float32 sums: 2e-3;
+bf16 on the GPU: the products and 4-word sums in float16 besides the reference's own bf16 roundings: 1e-2 (as
+tests/kernels/test_moe_gemv.py's bf16 bound)."""
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from kernel_testing import relative_error
+from test_fused_moe_mxfp4 import problem
+
+from kernels.fused_moe import route_tokens_ref
+from kernels.fused_moe_mxfp4 import prepare_mxfp4_experts
+from kernels.moe_epilogue import ExpertEpilogue
+from kernels.moe_gemv import moe_gemv_ref
+from kernels.mxfp4_gemv import (WORD_TILES, down_shift, is_word_mark, mxfp4_words_triton, word_mark,
+                                word_path_supported)
+
+HIDDEN, INTER, EXPERTS, TOP_K = 128, 64, 8, 2  # K % 64 == 0 in both products
+LIMIT = 0.4  # (small: the clamp bites on these products)
+TILES = ((16, 2, 2), (32, 1, 2))  # every group of a row in one step: HIDDEN 128 is 2 groups a side, INTER 64 one
+TOLERANCES = {torch.float32: 2e-3, torch.bfloat16: 1e-2}
+
+
+def gpt_oss_problem(num_tokens: int, *, seed: int, dtype=torch.float32):
+    """x, logits, the experts in the kernel layout and widened (float32), the epilogue (kernel's, reference's)."""
+    x, logits, gate_up_stored, down_stored, (gu_bias, d_bias) = problem(num_tokens, HIDDEN, INTER, EXPERTS, seed=seed)
+    widened = [prepare_mxfp4_experts(*stored, torch.float32, for_kernel=False).dense
+               for stored in (gate_up_stored, down_stored)]
+    kernel = [prepare_mxfp4_experts(*stored, torch.float32, for_kernel=True).kernel
+              for stored in (gate_up_stored, down_stored)]
+    epilogue = ExpertEpilogue(gu_bias.to(dtype), d_bias.to(dtype), "swiglu_clamped", LIMIT)
+    ref_epilogue = ExpertEpilogue(gu_bias.to(dtype).float(), d_bias.to(dtype).float(), "swiglu_clamped", LIMIT)
+    return x.to(dtype), logits.to(dtype), kernel, widened, epilogue, ref_epilogue
+
+
+def on(device, *tensors):
+    return [t.to(device) for t in tensors]
+
+
+def variants(device: str) -> list[bool]:
+    """The asm variants that run here: the formula's everywhere, the inline PTX on CUDA only."""
+    return [False, True] if device == "cuda" else [False]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [1, 3, 8])
+def test_words_equal_the_widened_reference(device, num_tokens):
+    """Routed in the prepare launch (unsummed rows, the routing's ids in the reference's order), both variants."""
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    x, logits, kernel, widened, epilogue, ref_epilogue = gpt_oss_problem(num_tokens, seed=90, dtype=dtype)
+    weights, ids = route_tokens_ref(logits, TOP_K, True)
+    ref = moe_gemv_ref(x.float(), *widened, weights, ids, epilogue=ref_epilogue)
+    codes = [on(device, k["codes"], k["scales"]) for k in kernel]
+    on_device = ExpertEpilogue(*on(device, epilogue.gate_up_bias, epilogue.down_bias), "swiglu_clamped", LIMIT)
+    assert word_path_supported(x, codes[0][0], codes[0][1], on_device)
+    for asm in variants(device):
+        out = mxfp4_words_triton(x.to(device), codes[0][0], codes[1][0], codes[0][1], codes[1][1], top_k=TOP_K,
+                                 epilogue=on_device, router_logits=logits.to(device), renormalize=True, tiles=TILES,
+                                 sum_experts=False, asm=asm)
+        assert out.shape == (num_tokens, TOP_K, HIDDEN) and out.dtype == dtype
+        assert relative_error(out, ref) < TOLERANCES[dtype], asm
+    # the clamp and biases matter: a plain-SiLU reference is far off
+    assert relative_error(out, moe_gemv_ref(x.float(), *widened, weights, ids)) > 0.1
+
+
+@pytest.mark.gpu
+def test_given_routing_other_tiles_and_the_sum(device):
+    """Routing given, several groups a step (a masked last step), the rows summed over the K experts."""
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    x, logits, kernel, widened, epilogue, ref_epilogue = gpt_oss_problem(2, seed=91, dtype=dtype)
+    weights, ids = route_tokens_ref(logits, TOP_K, False)
+    ref = moe_gemv_ref(x.float(), *widened, weights, ids, epilogue=ref_epilogue).sum(dim=1)
+    codes = [on(device, k["codes"], k["scales"]) for k in kernel]
+    on_device = ExpertEpilogue(*on(device, epilogue.gate_up_bias, epilogue.down_bias), "swiglu_clamped", LIMIT)
+    for asm in variants(device):
+        out = mxfp4_words_triton(x.to(device), codes[0][0], codes[1][0], codes[0][1], codes[1][1], top_k=TOP_K,
+                                 epilogue=on_device, topk_weights=weights.to(device), topk_ids=ids.to(device),
+                                 tiles=((8, 4, 2), (64, 4, 4)), asm=asm)
+        assert out.shape == (2, HIDDEN) and relative_error(out, ref) < TOLERANCES[dtype], asm
+
+
+@pytest.mark.gpu
+def test_large_and_small_activations_keep_their_precision(device):
+    """x spanning 2^-20..2^20 in one token and 2^-30 in another: each row's own 2^p keeps float16 in range
+    (no inf, no flush of a small row)."""
+    x, logits, kernel, widened, epilogue, ref_epilogue = gpt_oss_problem(2, seed=92)
+    x[0] *= torch.pow(2.0, torch.linspace(-20, 20, HIDDEN))
+    x[1] *= 2.0 ** -30
+    weights, ids = route_tokens_ref(logits, TOP_K, True)
+    ref = moe_gemv_ref(x, *widened, weights, ids, epilogue=ref_epilogue)
+    codes = [on(device, k["codes"], k["scales"]) for k in kernel]
+    on_device = ExpertEpilogue(*on(device, epilogue.gate_up_bias, epilogue.down_bias), "swiglu_clamped", LIMIT)
+    for asm in variants(device):
+        out = mxfp4_words_triton(x.to(device), codes[0][0], codes[1][0], codes[0][1], codes[1][1], top_k=TOP_K,
+                                 epilogue=on_device, router_logits=logits.to(device), renormalize=True, tiles=TILES,
+                                 sum_experts=False, asm=asm)
+        for t in range(2):
+            assert relative_error(out[t], ref[t]) < TOLERANCES[torch.float32], (asm, t)
+
+
+def test_support_and_marks():
+    """The clamped SwiGLU bounds down's activations (its 2^p); silu does not (unsupported); K % 64 on both sides;
+    uint8 exponents (not 4-bit grouped float32 scales); a mark's form."""
+    x = torch.zeros(1, 128)
+    codes, scales = torch.zeros(EXPERTS, 128, 64, dtype=torch.uint8), torch.zeros(EXPERTS, 4, 128, dtype=torch.uint8)
+    clamped = ExpertEpilogue(activation="swiglu_clamped", swiglu_limit=7.0)
+    assert down_shift(clamped) == 13 - 5  # |act| <= 7 * 8 = 56 < 2^6
+    assert word_path_supported(x, codes, scales, clamped)
+    assert not word_path_supported(x, codes, scales, ExpertEpilogue())  # silu: unbounded
+    assert not word_path_supported(x, codes, scales.float(), clamped)
+    assert not word_path_supported(torch.zeros(9, 128), codes, scales, clamped)
+    assert not word_path_supported(x, torch.zeros(EXPERTS, 2 * 48, 64, dtype=torch.uint8), scales, clamped)
+    mark = word_mark(((16, 4, 4), (32, 4, 4)))
+    assert is_word_mark(mark) and is_word_mark(list(mark)) and not is_word_mark(((16, 512, 4, 2), (16, 256, 4, 2)))
+
+
+# ---- ahead of time for sm_90 on the CPU (TRITONLLM_AOT_SM90=1) ---------------------------------
+
+AOT = pytest.mark.skipif(os.environ.get("TRITONLLM_AOT_SM90") != "1",
+                         reason="set TRITONLLM_AOT_SM90=1 to compile for sm_90 on this machine (~5 s a kernel)")
+
+
+def compile_sm90(which: str, tiles: tuple, asm: bool = True):
+    """gpt-oss-20b's launch (H = I = 2880, top 4 of 32, biases, clamped SwiGLU 7) compiled for sm_90."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from kernels.mxfp4_gemv import _words_down_kernel, _words_gate_up_kernel
+
+    fn = _words_gate_up_kernel if which == "gate_up" else _words_down_kernel
+    block_n, groups, warps = tiles
+    pointers = dict(pairs_ptr="*i32", inv_ptr="*fp32", ids_ptr="*i32", weights_ptr="*fp32", w_ptr="*i32",
+                    s_ptr="*u8", bias_ptr="*bf16", act_pairs_ptr="*fp16", out_ptr="*bf16")
+    import triton.language as tl
+    const = dict(DOWN_SCALE=256.0, INV_SCALE=1 / 256, TOP_K=4, BLOCK_N=block_n, GROUPS=groups, HAS_BIAS=True,
+                 ACTIVATION=1, SWIGLU_LIMIT=7.0, ACT_DTYPE=tl.bfloat16, ASM=asm, PDL=True)
+    names = fn.arg_names
+    const = {n: v for n, v in const.items() if n in names}
+    signature = {n: pointers.get(n, "constexpr" if n in const else "i32") for n in names}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n not in const}
+    return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=const, attrs=attrs),
+                          target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+
+
+@AOT
+@pytest.mark.parametrize("which", ["gate_up", "down"])
+@pytest.mark.parametrize("tiles", WORD_TILES)
+def test_compiles_for_sm90_without_spills(which, tiles, tmp_path):
+    """Triton's compiler and ptxas (no GPU), every candidate: the inline PTX assembles, no local memory."""
+    import triton
+
+    compiled = compile_sm90(which, tiles)
+    assert "fma.rn.f16x2" in compiled.asm["ptx"]
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if cuobjdump.exists():
+        cubin = Path(tmp_path) / "kernel.cubin"
+        cubin.write_bytes(compiled.asm["cubin"])
+        usage = subprocess.run([str(cuobjdump), "-res-usage", str(cubin)], capture_output=True, text=True).stdout
+        assert "LOCAL:0 " in usage and int(usage.split("STACK:")[1].split()[0]) <= 8, usage
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the choice and the dispatch run on CUDA tensors only")
+@pytest.mark.parametrize("words", ["1", "0"])
+def test_choice_times_the_word_path_and_its_mark_dispatches(words, monkeypatch, tmp_path):
+    """gpt-oss's experts listed as GptOssExperts.gemv_experts lists them: the choice times the word path beside
+    moe_gemv's pair at 1, 2, 4, 8 tokens (not with $TRITONLLM_MXFP4_WORDS=0: the old paths alone); a forced word
+    mark makes moe_forward_mxfp4 give the word path's summed rows, equal to the widened reference, also replayed
+    from a CUDA graph. Two candidates of each path (the compiles' time)."""
+    from kernels import choice_cache, moe_gemv_choice
+    from kernels.fused_moe_mxfp4 import moe_forward_mxfp4
+    from kernels.moe_decode_tiles import choose_decode_tiles
+    from kernels.moe_gemv import GEMV_TILES, GemvExperts, gemv_tiles, mark_gemv
+    from kernels.mxfp4_gemv import WORDS_ENV
+
+    monkeypatch.setenv(choice_cache.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(WORDS_ENV, words)
+    monkeypatch.setattr(moe_gemv_choice, "candidate_tiles", lambda kind: GEMV_TILES[:2])
+    monkeypatch.setattr(moe_gemv_choice, "WORD_TILES", WORD_TILES[:2])
+    x, logits, gate_up_stored, down_stored, (gu_bias, d_bias) = problem(3, 256, 128, EXPERTS, seed=93)
+    kernel = [prepare_mxfp4_experts(*[t.cuda() for t in stored], torch.bfloat16, for_kernel=True)
+              for stored in (gate_up_stored, down_stored)]
+    dense = [prepare_mxfp4_experts(*stored, torch.float32, for_kernel=False).dense.cuda()
+             for stored in (gate_up_stored, down_stored)]
+    gu_bias, d_bias = gu_bias.to("cuda", torch.bfloat16), d_bias.to("cuda", torch.bfloat16)
+    epilogue = ExpertEpilogue(gu_bias, d_bias, "swiglu_clamped", LIMIT)
+    entry = GemvExperts(kernel[0].kernel["codes"], kernel[1].kernel["codes"], TOP_K, torch.bfloat16,
+                        kernel[0].kernel["scales"], kernel[1].kernel["scales"], mxfp4=tuple(kernel), epilogue=epilogue)
+    (report,) = [r for key, r in choose_decode_tiles([entry]).items() if key[0] == "gemv"]
+    assert set(report["tiles"]) == {1, 2, 4, 8}
+    if words == "0":
+        assert "words_us" not in report and not any(is_word_mark(t) for t in report["tiles"].values())
+        return
+    assert set(report["words_us"]) == {1, 2, 4, 8} and all(us > 0 for us in report["words_us"].values())
+    for tokens, tiles in report["tiles"].items():
+        assert (gemv_tiles(entry.gate_up, tokens) == tiles) if tiles else gemv_tiles(entry.gate_up, tokens) is None
+    mark_gemv(entry.gate_up, {t: word_mark(((16, 2, 2), (32, 1, 2))) for t in (1, 2, 4, 8)})
+    x, logits = x.to("cuda", torch.bfloat16), logits.to("cuda", torch.bfloat16)
+    weights, ids = route_tokens_ref(logits, TOP_K, True)
+    ref_epilogue = ExpertEpilogue(gu_bias.float(), d_bias.float(), "swiglu_clamped", LIMIT)
+    ref = moe_gemv_ref(x.float(), *dense, weights, ids, epilogue=ref_epilogue).sum(dim=1)
+
+    def run():
+        return moe_forward_mxfp4(x, logits, *kernel, TOP_K, True, gate_up_bias=gu_bias, down_bias=d_bias,
+                                 activation="swiglu_clamped", swiglu_limit=LIMIT)
+
+    assert relative_error(run(), ref) < TOLERANCES[torch.bfloat16]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert relative_error(out, ref) < TOLERANCES[torch.bfloat16]
