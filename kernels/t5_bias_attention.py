@@ -27,7 +27,13 @@ log in the kernel to round differently at a bucket edge.
 - ``t5_dense_attention``: q, k, v (batch, L, heads, head_dim) of a padded batch (views of the
   projections are fine), keys at or past ``lengths[b]`` hidden, the bidirectional table; one
   program per (tile of BLOCK_M queries, batch row, head). Rows past a length are computed over the
-  row's valid keys (finite; the encoder drops them).
+  row's valid keys (finite; the encoder drops them). ``_t5_dense_split_kernel`` (DENSE_KERNEL
+  "split"): its bias comes from ``dense_distance_bias``, a per-call table with a column per distance
+  of the input in log2 units, in 4 shifted copies so that each query row's keys are one aligned
+  run (16-byte loads, no clamp, no per-score index math); key tiles whose every distance is at or
+  past max_distance on one side (about 40% at 512 tokens) add that side's one value with no load and
+  fold it into the exponent's FMA; only the partial last key tile masks. ``_t5_dense_kernel``
+  ("old") gathers a clamped index and masks on every tile (kept for A/B).
 
 Plain-torch references: ``t5_paged_attention_ref`` (kernels/relative_position_bias.py's
 ``paged_attention_bias_ref``) and ``t5_dense_attention_ref``; the public entries dispatch on the
@@ -202,6 +208,109 @@ def _t5_dense_kernel(
              out.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
+@jit
+def _dense_key_tiles(q, m_i, l_i, acc, k_rows, v_rows, stride_kt, stride_vt, bias_rows, start, end, length,
+                     far_bias, scale_log2, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+                     PRECISION: tl.constexpr, NEAR: tl.constexpr, TAIL: tl.constexpr):
+    """Key tiles [start, end) (a multiple of BLOCK_N apart unless TAIL) into the online softmax (base 2) of one
+    query tile. NEAR: each score's bias loaded from ``bias_rows[row] + key`` (a ``dense_distance_bias`` table,
+    log2 units, every distance of the input in range: no clamp; 16-byte aligned runs of keys: vector loads);
+    else every score of these tiles has the bias ``far_bias`` (log2 units), added once per row to the max and
+    folded into the exponent's FMA, no load. TAIL: keys at or past ``length`` hidden by the bias load's -inf
+    (no other mask work: full tiles take none)."""
+    cols = tl.arange(0, BLOCK_N)
+    dims = tl.arange(0, DIM_PAD)
+    for start_n in range(start, end, BLOCK_N):
+        k_pos = start_n + cols
+        k_offsets = k_pos[:, None] * stride_kt + dims[None, :]
+        v_offsets = k_pos[:, None] * stride_vt + dims[None, :]
+        if TAIL or HEAD_DIM != DIM_PAD:
+            kv_mask = (k_pos < length)[:, None] & (dims < HEAD_DIM)[None, :]
+            k = tl.load(k_rows + k_offsets, mask=kv_mask, other=0.0)
+            v = tl.load(v_rows + v_offsets, mask=kv_mask, other=0.0)
+        else:
+            k = tl.load(k_rows + k_offsets)
+            v = tl.load(v_rows + v_offsets)
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        if NEAR:
+            if TAIL:
+                bias = tl.load(bias_rows[:, None] + k_pos[None, :], mask=(k_pos < length)[None, :],
+                               other=float("-inf"))
+            else:
+                bias = tl.load(bias_rows[:, None] + k_pos[None, :])
+            scores = scores * scale_log2 + bias
+            m_new = tl.maximum(m_i, tl.max(scores, 1))
+            p = tl.math.exp2(scores - m_new[:, None])
+        else:  # scale > 0: the max of scores * scale + c is (max of scores) * scale + c
+            m_new = tl.maximum(m_i, tl.max(scores, 1) * scale_log2 + far_bias)
+            p = tl.math.exp2(scores * scale_log2 + (far_bias - m_new)[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@jit
+def _t5_dense_split_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, bias_ptr, lengths_ptr, scale_log2,
+    stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    stride_ob, stride_ot, stride_oh, stride_bias, bias_width, bias_zero, seq_len,
+    REACH: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, SPLIT_FAR: tl.constexpr,
+):
+    """Program (m tile, batch row, head): queries [m * BLOCK_M, +BLOCK_M) over keys [0, lengths[b]), the bias
+    from a ``dense_distance_bias`` table (log2 units; query row i reads copy i % 4 from column
+    bias_zero - 4 * (i // 4), key j at + j: a run of keys is one aligned vector load). Key tiles
+    run in loops by kind: with SPLIT_FAR, the tiles whose every distance is at or past -REACH (left)
+    or +REACH (right) take their side's one bias value (no load); the rest (near) load theirs; the
+    partial last tile alone masks. Rows past seq_len repeat the last query (finite; not stored)."""
+    m_tile = tl.program_id(0)
+    b = tl.program_id(1).to(tl.int64)
+    head = tl.program_id(2)
+    length = tl.load(lengths_ptr + b)
+    first = m_tile * BLOCK_M
+    rows = first + tl.arange(0, BLOCK_M)
+    q_pos = tl.minimum(rows, seq_len - 1)
+    dims = tl.arange(0, DIM_PAD)
+    q_ptrs = q_ptr + b * stride_qb + q_pos[:, None] * stride_qt + head * stride_qh + dims[None, :]
+    if HEAD_DIM != DIM_PAD:
+        q = tl.load(q_ptrs, mask=(dims < HEAD_DIM)[None, :], other=0.0)
+    else:
+        q = tl.load(q_ptrs)
+    bias_head = bias_ptr + head * stride_bias
+    bias_rows = bias_head + (rows % 4) * bias_width + bias_zero - (rows // 4) * 4  # key 0 of each query row
+    k_rows = k_ptr + b * stride_kb + head * stride_kh
+    v_rows = v_ptr + b * stride_vb + head * stride_vh
+    m_i, l_i, acc = _softmax_start(BLOCK_M, DIM_PAD)
+    full_end = length // BLOCK_N * BLOCK_N
+    if SPLIT_FAR:
+        q_last = tl.minimum(first + BLOCK_M, seq_len) - 1
+        left_end = tl.minimum(tl.maximum(first - REACH + 1, 0) // BLOCK_N * BLOCK_N, full_end)
+        right_start = tl.maximum(tl.minimum((q_last + REACH + BLOCK_N - 1) // BLOCK_N * BLOCK_N, full_end), left_end)
+        far_left = tl.load(bias_head)  # copy 0's first column: a distance <= -REACH when far tiles exist
+        far_right = tl.load(bias_head + bias_width - 1)  # its last: >= REACH
+        m_i, l_i, acc = _dense_key_tiles(q, m_i, l_i, acc, k_rows, v_rows, stride_kt, stride_vt, bias_rows,
+                                         0, left_end, length, far_left, scale_log2,
+                                         HEAD_DIM, DIM_PAD, BLOCK_N, PRECISION, False, False)
+        m_i, l_i, acc = _dense_key_tiles(q, m_i, l_i, acc, k_rows, v_rows, stride_kt, stride_vt, bias_rows,
+                                         left_end, right_start, length, 0.0, scale_log2,
+                                         HEAD_DIM, DIM_PAD, BLOCK_N, PRECISION, True, False)
+        m_i, l_i, acc = _dense_key_tiles(q, m_i, l_i, acc, k_rows, v_rows, stride_kt, stride_vt, bias_rows,
+                                         right_start, full_end, length, far_right, scale_log2,
+                                         HEAD_DIM, DIM_PAD, BLOCK_N, PRECISION, False, False)
+    else:
+        m_i, l_i, acc = _dense_key_tiles(q, m_i, l_i, acc, k_rows, v_rows, stride_kt, stride_vt, bias_rows,
+                                         0, full_end, length, 0.0, scale_log2,
+                                         HEAD_DIM, DIM_PAD, BLOCK_N, PRECISION, True, False)
+    m_i, l_i, acc = _dense_key_tiles(q, m_i, l_i, acc, k_rows, v_rows, stride_kt, stride_vt, bias_rows,
+                                     full_end, length, length, 0.0, scale_log2,
+                                     HEAD_DIM, DIM_PAD, BLOCK_N, PRECISION, True, True)
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # l_i == 0: an input of no tokens
+    tl.store(out_ptr + b * stride_ob + rows[:, None] * stride_ot + head * stride_oh + dims[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=(rows < seq_len)[:, None] & (dims < HEAD_DIM)[None, :])
+
+
 # Decode steps' tiling (HEADS_PER_PROGRAM, BLOCK_N keys, warps, stages): one head, 32 keys a step, one warp.
 # The H200 sweep of benchmarks/kernels/t5_attention_bench.py (2026-11-30, commit 18133af; Flan-T5-XL heads, bf16
 # pool, every row its full context) timed it fastest at every shape: 256 rows x 128 keys 68.1 us (3.9 TB/s of K/V,
@@ -213,6 +322,10 @@ DECODE_TILING = (1, 32, 1, 1)
 # 128 tokens (BLOCK_M, BLOCK_N, warps, stages), shorter ones 64 x 64 over 4 warps.
 PAGED_TILING = (64, 4, 2)
 DENSE_TILING = (128, 64, 8, 2)
+# The encoder's kernel: "split" (_t5_dense_split_kernel, far key tiles without bias loads), "gather" (the same
+# kernel loading every tile's bias) or "old" (_t5_dense_kernel: clamped bias gathers and masks on every tile).
+DENSE_KERNELS = ("split", "gather", "old")
+DENSE_KERNEL = "split"
 
 
 def _dim_pad(head_dim: int) -> int:
@@ -256,23 +369,52 @@ def t5_paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     return out
 
 
+def dense_distance_bias(bias: torch.Tensor, length: int, block_m: int) -> tuple[torch.Tensor, int]:
+    """The split kernel's bias table for inputs padded to ``length`` in query tiles of ``block_m``, from a
+    bidirectional ``distance_bias`` table: (table, zero), table (num_heads, 4, width) float32 in log2 units
+    (times log2 e), copy s column x holding each head's bias at key-minus-query distance x - s - zero, for every
+    distance of the input and its padding query rows (clamped: no clamp in the kernel). Query row i reads copy
+    i % 4 from column zero - 4 * (i // 4): each row's keys are a contiguous run starting at a multiple of 4
+    columns (16-byte vector loads). width and zero are multiples of 16."""
+    reach = (bias.shape[1] - 1) // 2
+    zero = triton.cdiv(triton.cdiv(length, block_m) * block_m, 16) * 16
+    width = triton.cdiv(zero + length, 16) * 16
+    columns = torch.arange(width, device=bias.device)
+    distance = columns.view(1, -1) - torch.arange(4, device=bias.device).view(-1, 1) - zero
+    return (bias[:, distance.clamp_(-reach, reach) + reach] * _LOG2E).contiguous(), zero
+
+
 def t5_dense_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, scale: float,
-                              bias: torch.Tensor, *, tiling: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+                              bias: torch.Tensor, *, tiling: tuple[int, int, int, int] | None = None,
+                              kernel: str | None = None) -> torch.Tensor:
     """q, k, v: (batch, L, heads, head_dim), last dim contiguous; lengths (batch,) int32 on the
     device; ``bias`` a bidirectional ``distance_bias`` table -> (batch, L, heads, head_dim) contiguous.
-    ``tiling``: (BLOCK_M queries, BLOCK_N keys, warps, stages) instead of the default (sweeps)."""
+    ``tiling``: (BLOCK_M queries, BLOCK_N keys, warps, stages) instead of the default (sweeps);
+    ``kernel``: one of DENSE_KERNELS instead of DENSE_KERNEL (A/B)."""
     batch, length, num_heads, head_dim = q.shape
     out = torch.empty(batch, length, num_heads, head_dim, dtype=q.dtype, device=q.device)
     if out.numel() == 0:
         return out
+    kernel = kernel or DENSE_KERNEL
+    assert kernel in DENSE_KERNELS, kernel
     assert q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1 and bias.is_contiguous()
     lengths, = dense(lengths)  # read at lengths_ptr + sequence
     block_m, block_n, warps, stages = tiling or (DENSE_TILING if length >= 128 else (64, 64, 4, 2))
-    _t5_dense_kernel[(triton.cdiv(length, block_m), batch, num_heads)](
-        q, k, v, out, bias, lengths, scale * _LOG2E, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3],
-        *out.stride()[:3], bias.stride(0), length,
+    grid = (triton.cdiv(length, block_m), batch, num_heads)
+    strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3])
+    if kernel == "old":
+        _t5_dense_kernel[grid](
+            q, k, v, out, bias, lengths, scale * _LOG2E, *strides, bias.stride(0), length,
+            REACH=(bias.shape[1] - 1) // 2, HEAD_DIM=head_dim, DIM_PAD=_dim_pad(head_dim),
+            BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_precision(q), num_warps=warps, num_stages=stages)
+        return out
+    assert scale > 0, "the far tiles' max assumes a positive scale"
+    table, zero = dense_distance_bias(bias, length, block_m)
+    _t5_dense_split_kernel[grid](
+        q, k, v, out, table, lengths, scale * _LOG2E, *strides, table.stride(0), table.shape[2], zero, length,
         REACH=(bias.shape[1] - 1) // 2, HEAD_DIM=head_dim, DIM_PAD=_dim_pad(head_dim),
-        BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_precision(q), num_warps=warps, num_stages=stages)
+        BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_precision(q), SPLIT_FAR=kernel == "split",
+        num_warps=warps, num_stages=stages)
     return out
 
 

@@ -4,9 +4,14 @@
 
 Flan-T5-XL heads (32 x 64, bf16), random data:
 
-- encoder: ``t5_dense_attention`` over a padded batch against torch's fused attention with the
-  dense (1, heads, L, L) bias the encoder passed before (``F.scaled_dot_product_attention``), at
-  ``--encoder`` batch x length shapes; the bias table's build is outside the timing for both.
+- encoder: ``t5_dense_attention_triton`` (each of DENSE_KERNELS, DENSE_SWEEP's tilings) over a padded
+  batch against torch's fused attention with the dense (1, heads, L, L) bias the encoder passed
+  before (``F.scaled_dot_product_attention``, bf16 and float32 bias, default / memory-efficient /
+  cuDNN backends) and, with ``--flex``, FlexAttention with the bias as a score_mod, at ``--encoder``
+  batch x length shapes (the dense bias's build outside the timing; the kernels' per-call
+  ``dense_distance_bias`` inside). Markdown to ``--encoder-md``::
+
+    python benchmarks/kernels/t5_attention_bench.py --decode "" --paths "" --encoder-md t5_encoder.md
 - decoder self-attention, decode rows: ``t5_paged_attention`` against
   kernels/relative_position_bias.py ``decode_attention_bias`` (batched torch ops) at ``--decode``
   sequences x context shapes, on a pool of 32-token pages with shuffled tables as wide as the longest.
@@ -28,6 +33,7 @@ the tilings of DENSE_SWEEP / PAGED_SWEEP.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shlex
 import sys
@@ -35,6 +41,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -42,12 +49,13 @@ from benchmarks.common import (command_line, cuda_time_ms, git_commit, graph_cal
                                utc_now)
 from kernels.attention_metadata import AttentionMetadata  # noqa: E402
 from kernels.relative_position_bias import decode_attention_bias, position_bias  # noqa: E402
-from kernels.t5_bias_attention import (DECODE_TILING, distance_bias, t5_dense_attention_ref,  # noqa: E402
+from kernels.t5_bias_attention import (DECODE_TILING, DENSE_KERNEL, DENSE_KERNELS, DENSE_TILING,  # noqa: E402
+                                       bias_of_distances, distance_bias, t5_dense_attention_ref,
                                        t5_dense_attention_triton, t5_paged_attention_ref, t5_paged_attention_triton)
 
 HEADS, DIM, BUCKETS, MAX_DISTANCE, PAGE = 32, 64, 32, 128, 32
 # tilings timed beside the defaults: encoder (BLOCK_M, BLOCK_N, warps, stages), decode (BLOCK_N, warps, stages)
-DENSE_SWEEP = [(128, 64, 8, 2), (128, 64, 4, 3), (128, 128, 8, 2), (64, 64, 4, 2), (64, 64, 4, 3), (128, 32, 4, 3)]
+DENSE_SWEEP = [(128, 64, 8, 3), (128, 64, 4, 2), (64, 64, 4, 2), (64, 64, 4, 3), (64, 128, 4, 2), (128, 32, 8, 2)]
 PAGED_SWEEP = [(64, 4, 2), (32, 2, 3), (64, 2, 3), (32, 4, 2), (128, 4, 2)]
 # decode kernel tilings timed beside DECODE_TILING: (HEADS_PER_PROGRAM, BLOCK_N, warps, stages)
 # (one-warp programs: their key reductions stay in the warp; sm_90 registers of each: 70-132, no spills)
@@ -56,38 +64,80 @@ DECODE_SWEEP = [(1, 64, 4, 1), (1, 128, 4, 1), (1, 32, 2, 1), (2, 32, 2, 1), (4,
 L2_BYTES = 60 << 20  # pools this large in all are read from HBM (H200: 50 MB of L2)
 
 
-def encoder_case(batch: int, length: int, device) -> dict:
+def encoder_case(batch: int, length: int, device, *, sweep: bool = True, flex: bool = False) -> dict:
+    """The encoder attention at ``batch`` x ``length`` (every input full): each of DENSE_KERNELS at its default
+    tiling and (``sweep``) DENSE_SWEEP's, torch SDPA with the materialized (1, heads, L, L) bias (bf16 and
+    float32; default, memory-efficient and cuDNN backends) and (``flex``) FlexAttention with the bias as a
+    score_mod: ms (CUDA events, median) and TFLOPS (QK and PV), max abs error against the float32 reference
+    on the first two rows."""
     table = torch.randn(BUCKETS, HEADS, device=device, dtype=torch.bfloat16)
     qkv = torch.randn(batch, length, 3, HEADS, DIM, device=device, dtype=torch.bfloat16)
-    q, k, v = qkv.unbind(2)
+    q, k, v = qkv.unbind(2)  # views of one projection's output, as the engine passes them
     lengths = torch.full((batch,), length, dtype=torch.int32, device=device)
     bias = distance_bias(table, bidirectional=True, max_distance=MAX_DISTANCE)
-    positions = torch.arange(length, device=device)
-    dense = position_bias(table, positions, positions, bidirectional=True,
-                          max_distance=MAX_DISTANCE).unsqueeze(0).to(torch.bfloat16)
-
-    def sdpa():
-        return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                              attn_mask=dense, scale=1.0).transpose(1, 2)
-
-    ours = t5_dense_attention_triton(q, k, v, lengths, 1.0, bias)
     rows = min(batch, 2)
-    ref = t5_dense_attention_ref(q[:rows], k[:rows], v[:rows], lengths[:rows], 1.0, bias)
+    ref = t5_dense_attention_ref(q[:rows], k[:rows], v[:rows], lengths[:rows], 1.0, bias).float()
     flops = 4 * batch * HEADS * length * length * DIM
-    entry = {"batch": batch, "length": length, "max_abs_err": (ours[:rows].float() - ref.float()).abs().max().item(),
-             "sdpa_max_abs_err": (sdpa()[:rows].float() - ref.float()).abs().max().item(),
-             "kernel_ms": cuda_time_ms(lambda: t5_dense_attention_triton(q, k, v, lengths, 1.0, bias)),
-             "sdpa_bias_ms": cuda_time_ms(sdpa)}
-    entry["kernel_tflops"] = flops / entry["kernel_ms"] / 1e9
-    entry["sdpa_tflops"] = flops / entry["sdpa_bias_ms"] / 1e9
-    entry["tilings_ms"] = {}
-    for tiling in DENSE_SWEEP:
+    entry = {"batch": batch, "length": length, "heads": HEADS, "head_dim": DIM, "gflop": flops / 1e9,
+             "paths": {}}
+
+    def timed(name: str, fn) -> None:
         try:
-            entry["tilings_ms"][str(tiling)] = cuda_time_ms(
-                lambda: t5_dense_attention_triton(q, k, v, lengths, 1.0, bias, tiling=tiling))
-        except Exception as err:  # noqa: BLE001 - a tiling that does not compile (shared memory) is skipped
-            entry["tilings_ms"][str(tiling)] = repr(err)[:80]
+            err = (fn()[:rows].float() - ref).abs().max().item()
+            ms = cuda_time_ms(fn)
+            entry["paths"][name] = {"ms": ms, "tflops": flops / ms / 1e9, "max_abs_err": err}
+        except Exception as exc:  # noqa: BLE001 - a tiling past shared memory, a backend that refuses the mask
+            entry["paths"][name] = {"error": repr(exc)[:120]}
+        print(f"  {batch}x{length} {name}: {entry['paths'][name]}", flush=True)
+
+    for kernel in DENSE_KERNELS:
+        timed(f"{kernel} default", lambda kernel=kernel: t5_dense_attention_triton(q, k, v, lengths, 1.0, bias,
+                                                                                   kernel=kernel))
+    for kernel in [k for k in DENSE_KERNELS if k != "old"] if sweep else []:  # the old kernel at its default only
+        for tiling in DENSE_SWEEP:
+            timed(f"{kernel} {tiling}", lambda kernel=kernel, tiling=tiling: t5_dense_attention_triton(
+                q, k, v, lengths, 1.0, bias, kernel=kernel, tiling=tiling))
+    positions = torch.arange(length, device=device)
+    dense_fp32 = position_bias(table, positions, positions, bidirectional=True, max_distance=MAX_DISTANCE).unsqueeze(0)
+    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    backends = {"default": None, "efficient": SDPBackend.EFFICIENT_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
+    for mask_name, mask in (("bf16", dense_fp32.to(torch.bfloat16)), ("fp32", dense_fp32)):
+        for backend_name, backend in backends.items():
+            def sdpa(mask=mask, backend=backend):
+                with sdpa_kernel(backend) if backend is not None else contextlib.nullcontext():
+                    return F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=1.0).transpose(1, 2)
+            timed(f"sdpa {backend_name}, bias {mask_name} (1, heads, L, L)", sdpa)
+    if flex:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        extended = bias_of_distances(bias, torch.arange(1 - length, length, device=device))  # a column a distance
+        compiled = torch.compile(flex_attention)
+
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return score + extended[h, kv_idx - q_idx + length - 1]
+
+        timed("flex_attention score_mod", lambda: compiled(qt, kt, vt, score_mod=score_mod, scale=1.0).transpose(1, 2))
     return entry
+
+
+def encoder_markdown(entries: list[dict], argv: list[str] | None) -> str:
+    quoted = [shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)]
+    lines = [f"### T5 encoder attention: kernels, tilings and torch paths ({utc_now()})", "",
+             f"{machine_summary('cuda')}, commit {git_commit()}, `{command_line(__file__, quoted)}`. "
+             f"Flan-T5-XL heads ({HEADS} x {DIM}), bf16, bidirectional bias (max_distance {MAX_DISTANCE}), every "
+             f"input full; ms = median of 20 CUDA-event timings; TFLOPS = 4 * batch * heads * L^2 * dim / time. "
+             f"Kernels: {', '.join(DENSE_KERNELS)} (default {DENSE_KERNEL}); default tiling {DENSE_TILING} "
+             f"(BLOCK_M, BLOCK_N, warps, stages).", "",
+             "| batch x L | path | ms | TFLOPS | max abs err |", "|---|---|---:|---:|---:|"]
+    for e in entries:
+        ranked = sorted(e["paths"].items(), key=lambda kv: kv[1].get("ms", float("inf")))
+        for name, r in ranked:
+            if "ms" in r:
+                lines.append(f"| {e['batch']}x{e['length']} | {name} | {r['ms']:.3f} | {r['tflops']:.0f} "
+                             f"| {r['max_abs_err']:.1e} |")
+            else:
+                lines.append(f"| {e['batch']}x{e['length']} | {name} | - | - | {r['error']} |")
+    return "\n".join(lines) + "\n"
 
 
 def decode_metadata(tables: torch.Tensor, contexts: list[int], longest: int) -> AttentionMetadata:
@@ -198,7 +248,10 @@ def shapes(text: str) -> list[tuple[int, ...]]:
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--encoder", default="8x512,64x512", help="batch x length shapes of the encoder attention")
+    p.add_argument("--encoder", default="256x512,16x512", help="batch x length shapes of the encoder attention")
+    p.add_argument("--encoder-sweep", default="1", help="0: the encoder kernels at their default tilings only")
+    p.add_argument("--flex", action="store_true", help="time FlexAttention (torch.compile) in the encoder section")
+    p.add_argument("--encoder-md", default=None, help="write the encoder section's markdown here (after every shape)")
     p.add_argument("--decode", default="256x64x160,256x128x160,64x128x160",
                    help="sequences x context x table width of the decode self-attention")
     p.add_argument("--paths", default="bf16,fp8", help="pool dtypes of the decode paths section (\"\" skips it)")
@@ -214,8 +267,12 @@ def main(argv=None) -> dict:
     results = {"date": utc_now(), "machine": machine_summary("cuda"), "commit": git_commit(), "encoder": [],
                "decode": [], "decode_paths": []}
     for batch, length in shapes(args.encoder):
-        results["encoder"].append(encoder_case(batch, length, device))
-        print(results["encoder"][-1], flush=True)
+        results["encoder"].append(encoder_case(batch, length, device, sweep=args.encoder_sweep != "0", flex=args.flex))
+        Path(args.out).write_text(json.dumps(results, indent=2))
+        if args.encoder_md:
+            Path(args.encoder_md).write_text(encoder_markdown(results["encoder"], argv))
+    if results["encoder"]:
+        print(encoder_markdown(results["encoder"], argv))
     for seqs, context, width in shapes(args.decode):
         results["decode"].append(decode_case(seqs, context, width, device))
         print(results["decode"][-1], flush=True)

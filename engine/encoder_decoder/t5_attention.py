@@ -15,6 +15,8 @@ dense bias, the decoder's batched torch decode attention): an A/B switch, read a
 $TRITONLLM_T5_DECODE_KERNEL=0 runs decode steps through the paged kernel's tensor-core path
 instead of its decode kernel (kernels/t5_bias_attention.py): an A/B switch too, read at every call
 (a CUDA graph keeps the path it was captured with).
+$TRITONLLM_T5_DENSE_KERNEL picks the encoder's kernel among kernels/t5_bias_attention.py DENSE_KERNELS
+("old": the kernel before the split one, for A/B; unset: DENSE_KERNEL), read at every call.
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ from kernels.t5_bias_attention import distance_bias, t5_dense_attention_triton, 
 
 T5_KERNELS_ENV = "TRITONLLM_T5_KERNELS"
 T5_DECODE_KERNEL_ENV = "TRITONLLM_T5_DECODE_KERNEL"
+T5_DENSE_KERNEL_ENV = "TRITONLLM_T5_DENSE_KERNEL"
 
 
 def kernels_enabled(x: torch.Tensor) -> bool:
@@ -65,4 +68,5 @@ def decoder_self_attention(stack: torch.nn.Module, q: torch.Tensor, k_cache: tor
 def encoder_attention(stack: torch.nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       lengths: torch.Tensor, scale: float) -> torch.Tensor:
     """q, k, v: (batch, L, heads, head_dim) of a padded batch; lengths (batch,) int32 -> like q."""
-    return t5_dense_attention_triton(q, k, v, lengths, scale, stack_distance_bias(stack, bidirectional=True))
+    return t5_dense_attention_triton(q, k, v, lengths, scale, stack_distance_bias(stack, bidirectional=True),
+                                     kernel=os.environ.get(T5_DENSE_KERNEL_ENV) or None)

@@ -5,13 +5,18 @@ steps through both the decode kernel and the tensor-core path) and the encoder's
 bidirectional attention (inputs of several lengths)."""
 from __future__ import annotations
 
+import os
+import subprocess
+from pathlib import Path
+
 import pytest
 import torch
 
 from kernel_testing import TOLERANCE, low_precision_dtypes, relative_error, replayed
 from kernels.attention_metadata import AttentionMetadata
-from kernels.t5_bias_attention import (bias_of_distances, distance_bias, t5_dense_attention_ref,
-                                       t5_dense_attention_triton, t5_paged_attention_ref, t5_paged_attention_triton)
+from kernels.t5_bias_attention import (DENSE_KERNELS, bias_of_distances, dense_distance_bias, distance_bias,
+                                       t5_dense_attention_ref, t5_dense_attention_triton, t5_paged_attention_ref,
+                                       t5_paged_attention_triton)
 
 
 @pytest.mark.parametrize("bidirectional", [True, False])
@@ -141,15 +146,105 @@ def test_paged_kernel_reads_an_fp8_pool(device, decode_only):
         assert relative_error(out, ref) < TOLERANCE[dtype], dtype
 
 
-def test_dense_kernel_equals_reference(device):
-    """Three inputs of 37, 20 and 5 tokens padded to 37 (one partial query and key tile)."""
+@pytest.mark.parametrize("kernel", DENSE_KERNELS)
+def test_dense_kernel_equals_reference(device, kernel):
+    """Three inputs of 37, 20 and 5 tokens padded to 37 (one partial query and key tile), each kernel at
+    its default tiling for short inputs (64 x 64: every tile near)."""
     torch.manual_seed(1)
     heads, dim = 3, 16
     lengths = torch.tensor([37, 20, 5], dtype=torch.int32, device=device)
     bias = distance_bias(torch.randn(8, heads, device=device), bidirectional=True, max_distance=10)
     for dtype in low_precision_dtypes(device):
         q, k, v = (torch.randn(3, 37, heads, dim, device=device).to(dtype) for _ in range(3))
-        out = t5_dense_attention_triton(q, k, v, lengths, 1.0, bias)
+        out = t5_dense_attention_triton(q, k, v, lengths, 1.0, bias, kernel=kernel)
         ref = t5_dense_attention_ref(q.float(), k.float(), v.float(), lengths, 1.0, bias)
         for row, length in enumerate(lengths.tolist()):
             assert relative_error(out[row, :length], ref[row, :length]) < TOLERANCE[dtype], (dtype, row)
+
+
+@pytest.mark.parametrize("kernel", DENSE_KERNELS)
+@pytest.mark.parametrize("dim", [16, 24])
+def test_dense_kernel_far_tiles_equal_reference(device, kernel, dim):
+    """16 x 16 tiles over inputs of 70 (5 query tiles, the last partial), 64 (full tiles only), 33 and 1
+    tokens padded to 70, max_distance 5: query tiles with far key tiles on the left, the right, both
+    and neither side of the near ones, a partial last key tile in and past the near band, scale 0.7; a
+    head dim that is not a power of two (24: masked to 32). Every row of every input, padding rows
+    included (finite, over the input's keys, as the reference computes them)."""
+    torch.manual_seed(3)
+    heads = 3
+    lengths = torch.tensor([70, 64, 33, 1], dtype=torch.int32, device=device)
+    bias = distance_bias(torch.randn(6, heads, device=device), bidirectional=True, max_distance=5)
+    for dtype in low_precision_dtypes(device):
+        q, k, v = (torch.randn(4, 70, heads, dim, device=device).to(dtype) for _ in range(3))
+        out = t5_dense_attention_triton(q, k, v, lengths, 0.7, bias, kernel=kernel, tiling=(16, 16, 4, 1))
+        ref = t5_dense_attention_ref(q.float(), k.float(), v.float(), lengths, 0.7, bias)
+        for row in range(4):
+            assert relative_error(out[row], ref[row]) < TOLERANCE[dtype], (dtype, row)
+
+
+@pytest.mark.parametrize("length, block_m", [(20, 16), (33, 64), (64, 64)])
+def test_dense_distance_bias_covers_every_distance(length, block_m):
+    """The split kernel's table: query row i's run of keys j (copy i % 4 from column zero - 4 * (i // 4)) holds
+    log2(e) times the bias at distance j - i, for every query row of the padded tiles and every key, beyond
+    max_distance too (clamped); runs start 16-byte aligned."""
+    bias = distance_bias(torch.randn(8, 3), bidirectional=True, max_distance=6)
+    table, zero = dense_distance_bias(bias, length, block_m)
+    width = table.shape[2]
+    assert zero % 16 == 0 and width % 16 == 0
+    rows = torch.arange(-(-length // block_m) * block_m)
+    starts = zero - 4 * (rows // 4)
+    assert (starts % 4 == 0).all()
+    keys = torch.arange(length)
+    runs = table[:, rows.view(-1, 1) % 4, starts.view(-1, 1) + keys.view(1, -1)]  # (heads, rows, keys)
+    expected = bias_of_distances(bias, keys.view(1, -1) - rows.view(-1, 1)) * 1.4426950408889634
+    assert torch.allclose(runs, expected, rtol=1e-7, atol=0)
+    assert torch.equal(table[:, 0, 0], bias[:, 0] * 1.4426950408889634)  # the far values the kernel reads
+    assert torch.equal(table[:, 0, width - 1], bias[:, -1] * 1.4426950408889634)
+
+
+AOT_SM90 = pytest.mark.skipif(
+    os.environ.get("TRITONLLM_AOT_SM90") != "1" or os.environ.get("TRITON_INTERPRET") == "1",
+    reason="set TRITONLLM_AOT_SM90=1 (without TRITON_INTERPRET=1, whose kernels do not compile) to compile for "
+           "sm_90 on this machine (~5-10 s a kernel)")
+
+
+def sm90_resource_usage(kernel, pointers: dict, const: dict, floats: tuple, unaligned: tuple, warps: int, stages: int,
+                        tmp_path) -> str:
+    """Triton's compiler and ptxas (no GPU) on ``kernel`` for sm_90: cuobjdump's resource line (REG, LOCAL...).
+    ``pointers``: argument -> pointer type; ``const``: constexprs; ``floats``: fp32 scalars; ``unaligned``: integer
+    arguments not divisible by 16 (the rest are, as Triton specializes them)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    names = kernel.arg_names
+    signature = {n: pointers.get(n, "constexpr" if n in const else "fp32" if n in floats else "i32") for n in names}
+    aligned = [n for n in names if n in pointers or (signature[n] == "i32" and n not in unaligned)]
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=const, attrs=attrs),
+                              target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not cuobjdump.exists():
+        pytest.skip("no cuobjdump beside Triton's ptxas")
+    cubin = tmp_path / "kernel.cubin"
+    cubin.write_bytes(compiled.asm["cubin"])
+    return subprocess.run([str(cuobjdump), "-res-usage", str(cubin)], capture_output=True, text=True).stdout
+
+
+@AOT_SM90
+@pytest.mark.parametrize("kernel", DENSE_KERNELS)
+def test_dense_kernels_compile_for_sm90_without_spills(kernel, tmp_path):
+    """Each encoder kernel at DENSE_TILING for Flan-T5-XL's heads (64 dims, max_distance 128, bf16): no spills
+    (local memory or stack)."""
+    from kernels.t5_bias_attention import DENSE_TILING, _t5_dense_kernel, _t5_dense_split_kernel
+
+    block_m, block_n, warps, stages = DENSE_TILING
+    pointers = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", out_ptr="*bf16", bias_ptr="*fp32",
+                    lengths_ptr="*i32")
+    const = dict(REACH=128, HEAD_DIM=64, DIM_PAD=64, BLOCK_M=block_m, BLOCK_N=block_n, PRECISION="tf32")
+    if kernel != "old":
+        const["SPLIT_FAR"] = kernel == "split"
+    usage = sm90_resource_usage(_t5_dense_kernel if kernel == "old" else _t5_dense_split_kernel, pointers, const,
+                                ("scale_log2",), ("stride_bias", "seq_len") if kernel == "old" else ("seq_len",),
+                                warps, stages, tmp_path)
+    assert "LOCAL:0 " in usage and "STACK:0 " in usage, usage
