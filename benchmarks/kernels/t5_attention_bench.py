@@ -64,12 +64,12 @@ DECODE_SWEEP = [(1, 64, 4, 1), (1, 128, 4, 1), (1, 32, 2, 1), (2, 32, 2, 1), (4,
 L2_BYTES = 60 << 20  # pools this large in all are read from HBM (H200: 50 MB of L2)
 
 
-def encoder_case(batch: int, length: int, device, *, sweep: bool = True, flex: bool = False) -> dict:
+def encoder_case(batch: int, length: int, device, *, sweep: bool = True, flex: bool = False, on_path=None) -> dict:
     """The encoder attention at ``batch`` x ``length`` (every input full): each of DENSE_KERNELS at its default
     tiling and (``sweep``) DENSE_SWEEP's, torch SDPA with the materialized (1, heads, L, L) bias (bf16 and
     float32; default, memory-efficient and cuDNN backends) and (``flex``) FlexAttention with the bias as a
     score_mod: ms (CUDA events, median) and TFLOPS (QK and PV), max abs error against the float32 reference
-    on the first two rows."""
+    on the first two rows. ``on_path(entry)`` after every path (a run cut short keeps what it measured)."""
     table = torch.randn(BUCKETS, HEADS, device=device, dtype=torch.bfloat16)
     qkv = torch.randn(batch, length, 3, HEADS, DIM, device=device, dtype=torch.bfloat16)
     q, k, v = qkv.unbind(2)  # views of one projection's output, as the engine passes them
@@ -89,6 +89,8 @@ def encoder_case(batch: int, length: int, device, *, sweep: bool = True, flex: b
         except Exception as exc:  # noqa: BLE001 - a tiling past shared memory, a backend that refuses the mask
             entry["paths"][name] = {"error": repr(exc)[:120]}
         print(f"  {batch}x{length} {name}: {entry['paths'][name]}", flush=True)
+        if on_path is not None:
+            on_path(entry)
 
     for kernel in DENSE_KERNELS:
         timed(f"{kernel} default", lambda kernel=kernel: t5_dense_attention_triton(q, k, v, lengths, 1.0, bias,
@@ -266,11 +268,14 @@ def main(argv=None) -> dict:
     torch.manual_seed(0)
     results = {"date": utc_now(), "machine": machine_summary("cuda"), "commit": git_commit(), "encoder": [],
                "decode": [], "decode_paths": []}
-    for batch, length in shapes(args.encoder):
-        results["encoder"].append(encoder_case(batch, length, device, sweep=args.encoder_sweep != "0", flex=args.flex))
-        Path(args.out).write_text(json.dumps(results, indent=2))
+    def save_encoder(entry: dict) -> None:  # the finished shapes and this one so far
+        Path(args.out).write_text(json.dumps({**results, "encoder": results["encoder"] + [entry]}, indent=2))
         if args.encoder_md:
-            Path(args.encoder_md).write_text(encoder_markdown(results["encoder"], argv))
+            Path(args.encoder_md).write_text(encoder_markdown(results["encoder"] + [entry], argv))
+
+    for batch, length in shapes(args.encoder):
+        results["encoder"].append(encoder_case(batch, length, device, sweep=args.encoder_sweep != "0", flex=args.flex,
+                                               on_path=save_encoder))
     if results["encoder"]:
         print(encoder_markdown(results["encoder"], argv))
     for seqs, context, width in shapes(args.decode):
