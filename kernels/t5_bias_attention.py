@@ -384,6 +384,25 @@ def dense_distance_bias(bias: torch.Tensor, length: int, block_m: int) -> tuple[
     return (bias[:, distance.clamp_(-reach, reach) + reach] * _LOG2E).contiguous(), zero
 
 
+# dense_distance_bias tables made by t5_dense_attention_triton, newest last: (id(bias), length, block_m) -> (bias,
+# its version counter then, table, zero). The entry holds ``bias`` itself, so its id cannot be reused while cached;
+# an in-place change bumps the version and remakes the table. A stack's 24 encoder layers share one table a length
+# instead of making it (seven small launches) each call.
+_DENSE_TABLES: dict[tuple[int, int, int], tuple[torch.Tensor, int, torch.Tensor, int]] = {}
+_DENSE_TABLES_KEPT = 8
+
+
+def _cached_dense_distance_bias(bias: torch.Tensor, length: int, block_m: int) -> tuple[torch.Tensor, int]:
+    key = (id(bias), length, block_m)
+    cached = _DENSE_TABLES.pop(key, None)
+    if cached is None or cached[0] is not bias or cached[1] != bias._version:
+        cached = (bias, bias._version, *dense_distance_bias(bias, length, block_m))
+    _DENSE_TABLES[key] = cached  # newest last
+    while len(_DENSE_TABLES) > _DENSE_TABLES_KEPT:
+        del _DENSE_TABLES[next(iter(_DENSE_TABLES))]
+    return cached[2], cached[3]
+
+
 def t5_dense_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, scale: float,
                               bias: torch.Tensor, *, tiling: tuple[int, int, int, int] | None = None,
                               kernel: str | None = None) -> torch.Tensor:
@@ -409,7 +428,7 @@ def t5_dense_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_precision(q), num_warps=warps, num_stages=stages)
         return out
     assert scale > 0, "the far tiles' max assumes a positive scale"
-    table, zero = dense_distance_bias(bias, length, block_m)
+    table, zero = _cached_dense_distance_bias(bias, length, block_m)
     _t5_dense_split_kernel[grid](
         q, k, v, out, table, lengths, scale * _LOG2E, *strides, table.stride(0), table.shape[2], zero, length,
         REACH=(bias.shape[1] - 1) // 2, HEAD_DIM=head_dim, DIM_PAD=_dim_pad(head_dim),

@@ -202,6 +202,28 @@ def test_dense_distance_bias_covers_every_distance(length, block_m):
     assert torch.equal(table[:, 0, width - 1], bias[:, -1] * 1.4426950408889634)
 
 
+def test_dense_table_made_once_per_bias_and_length(device):
+    """The split kernel's table is kept per (bias table, length, query tile): a second call reuses it; another
+    length, or the same bias changed in place, makes a new one whose output follows the change."""
+    from kernels.t5_bias_attention import _DENSE_TABLES
+
+    torch.manual_seed(4)
+    bias = distance_bias(torch.randn(8, 2, device=device), bidirectional=True, max_distance=6)
+    q, k, v = (torch.randn(2, 20, 2, 16, device=device) for _ in range(3))
+    lengths = torch.tensor([20, 9], dtype=torch.int32, device=device)
+    t5_dense_attention_triton(q, k, v, lengths, 1.0, bias, kernel="split")
+    first = _DENSE_TABLES[(id(bias), 20, 64)][2]
+    t5_dense_attention_triton(q, k, v, lengths, 1.0, bias, kernel="split")
+    assert _DENSE_TABLES[(id(bias), 20, 64)][2] is first
+    t5_dense_attention_triton(q[:, :17], k[:, :17], v[:, :17], lengths.clamp(max=17), 1.0, bias, kernel="split")
+    assert _DENSE_TABLES[(id(bias), 17, 64)][2] is not first
+    bias.mul_(-1.0)
+    out = t5_dense_attention_triton(q, k, v, lengths, 1.0, bias, kernel="split")
+    assert _DENSE_TABLES[(id(bias), 20, 64)][2] is not first
+    ref = t5_dense_attention_ref(q, k, v, lengths, 1.0, bias)
+    assert relative_error(out[0], ref[0]) < TOLERANCE[torch.float32] and relative_error(out[1, :9], ref[1, :9]) < 1e-5
+
+
 AOT_SM90 = pytest.mark.skipif(
     os.environ.get("TRITONLLM_AOT_SM90") != "1" or os.environ.get("TRITON_INTERPRET") == "1",
     reason="set TRITONLLM_AOT_SM90=1 (without TRITON_INTERPRET=1, whose kernels do not compile) to compile for "
