@@ -34,7 +34,7 @@ from kernels._triton import dense, jit, num_sms, pdl_options, pdl_prologue, tl, 
 from kernels.attention import KV_FP8_DTYPE, _as_bytes_if_fp8, gather_blocks, to_cache_dtype
 from kernels.attention_metadata import AttentionMetadata
 from kernels.head_matmul import head_matmul
-from kernels.mla_decode import DECODE_TILING, DECODE_TILING_FP8, decode_tile_fits, mla_decode_launch
+from kernels.mla_decode import DECODE_SPLITS, DECODE_TILING, DECODE_TILING_FP8, decode_tile_fits, mla_decode_launch
 from kernels.online_softmax import online_softmax_step
 
 
@@ -308,11 +308,25 @@ def mla_splits(num_tokens: int, num_heads: int, block_h: int, device, max_splits
     return max(1, splits)
 
 
+def split_policy(decode_kernel: bool, block_n: int, max_splits: int | None = None, min_span: int | None = None,
+                 programs_per_sm: int | None = None) -> tuple[int, int, int]:
+    """(max_splits, min_span, programs_per_sm) for mla_splits: each given value kept, the others the
+    kernel's own (kernels/mla_decode.py's DECODE_SPLITS for the decode kernel, MAX_SPLITS / MIN_SPAN / 2
+    for the general one); min_span raised to a whole tile (``block_n``)."""
+    own = DECODE_SPLITS if decode_kernel else (MAX_SPLITS, MIN_SPAN, 2)
+    max_splits, min_span, programs_per_sm = (own[i] if v is None else v
+                                             for i, v in enumerate((max_splits, min_span, programs_per_sm)))
+    min_span = max(min_span, block_n)
+    assert min_span % block_n == 0, (min_span, block_n)
+    return max_splits, min_span, programs_per_sm
+
+
 def mla_attention_triton(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata,
                          scale: float, *, block_h: int = 16, block_n: int = 32, splits: int | None = None,
-                         min_span: int = MIN_SPAN, max_splits: int = MAX_SPLITS, num_warps: int | None = None,
+                         min_span: int | None = None, max_splits: int | None = None, num_warps: int | None = None,
                          w_uv: torch.Tensor | None = None, decode_kernel: bool | None = None,
-                         decode_tiling: tuple[int, int, int] | None = None, programs_per_sm: int = 2) -> torch.Tensor:
+                         decode_tiling: tuple[int, int, int] | None = None,
+                         programs_per_sm: int | None = None) -> torch.Tensor:
     """mla_attention_ref on the GPU (or Triton's interpreter): one program per (token, BLOCK_H heads,
     key split), the splits' outputs combined by their log-sum-exps (_mla_combine_kernel). Two
     launches (one with a single split) besides cu_seqlens' token map; no host sync (CUDA-graph safe):
@@ -326,7 +340,8 @@ def mla_attention_triton(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: to
     Decode-only steps (no token tree) take kernels/mla_decode.py's kernel where ``decode_kernel``
     (None: decode_kernel_enabled()) and its tile fits the page: ``decode_tiling`` (BLOCK_N, num_warps,
     STAGES), None for DECODE_TILING (DECODE_TILING_FP8 for an FP8 pool); ``block_n`` and ``num_warps``
-    then serve the general kernel only."""
+    then serve the general kernel only. The split policy's ``max_splits``, ``min_span`` and
+    ``programs_per_sm`` left None take the kernel's own (split_policy)."""
     num_tokens, num_heads, rank = q_latent.shape
     assert q_latent.stride(-1) == 1 and q_rope.stride(-1) == 1 and cache.stride(-1) == 1
     if num_tokens == 0:
@@ -335,8 +350,8 @@ def mla_attention_triton(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: to
     tiling = decode_tiling or (DECODE_TILING_FP8 if cache.dtype == KV_FP8_DTYPE else DECODE_TILING)
     use_decode = (decode_kernel_enabled() if decode_kernel is None else decode_kernel) and decode and \
         decode_tile_fits(cache.shape[1], tiling[0])
-    min_span = max(min_span, tiling[0] if use_decode else block_n)
-    assert min_span % (tiling[0] if use_decode else block_n) == 0, (min_span, block_n, tiling)
+    max_splits, min_span, programs_per_sm = split_policy(use_decode, tiling[0] if use_decode else block_n,
+                                                         max_splits, min_span, programs_per_sm)
     splits = splits or mla_splits(num_tokens, num_heads, block_h, q_latent.device, max_splits, meta.max_context_len,
                                   min_span, programs_per_sm)
     out = torch.empty(q_latent.shape, dtype=q_latent.dtype, device=q_latent.device)  # (T, H, R) contiguous

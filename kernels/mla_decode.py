@@ -125,6 +125,8 @@ def _mla_decode_kernel(q_lat_ptr, q_rope_ptr, cache_ptr, part_ptr, lse_ptr, bloc
 # sm_90 compile, Triton 3.9). BLOCK_N must divide the pool's page.
 DECODE_TILING = (32, 4, 3)
 DECODE_TILING_FP8 = (32, 8, 0)
+# The decode kernel's split policy (kernels/mla_attention.py mla_splits): (max_splits, min_span, programs_per_sm).
+DECODE_SPLITS = (128, 32, 2)
 
 
 def decode_tile_fits(page: int, block_n: int) -> bool:

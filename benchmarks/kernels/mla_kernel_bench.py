@@ -58,7 +58,7 @@ from benchmarks.common import (command_line, cuda_time_ms, git_commit, graph_cal
 from kernels.attention import KV_FP8_DTYPE  # noqa: E402
 from kernels.attention_metadata import AttentionMetadata  # noqa: E402
 from kernels.mla_attention import (MAX_SPLITS, MIN_SPAN, mla_attention_ref, mla_attention_triton,  # noqa: E402
-                                   mla_splits)
+                                   mla_splits, split_policy)
 
 SHAPES = {"v3": dict(heads=128, rank=512, rope=64), "v2_lite": dict(heads=16, rank=512, rope=64),
           "tiny": dict(heads=4, rank=32, rope=8)}
@@ -123,7 +123,7 @@ def parse_config(text: str) -> dict:
     kernel, two more fields optional, block_n and num_warps ("16:128:64:32:8"), the kernel's defaults
     where left out. "d32:4:3" -> the decode kernel (kernels/mla_decode.py) at BLOCK_N 32, 4 warps, 3
     stages (0: the register prefetch), then optionally max_splits, min_span, programs_per_sm
-    ("d32:4:3:256:32:4"; defaults MAX_SPLITS, MIN_SPAN, 2)."""
+    ("d32:4:3:256:32:4"; left out: kernels/mla_decode.py's DECODE_SPLITS)."""
     if text.startswith("d"):
         values = [int(x) for x in text[1:].split(":")]
         assert 3 <= len(values) <= len(DECODE_KEYS), f"--configs {text!r}: d<block_n>:warps:stages[:max_splits" \
@@ -146,10 +146,12 @@ def config_name(config: dict) -> str:
 
 def splits_of(config: dict, num_tokens: int, heads: int, device, max_context_len: int) -> int:
     """The split count mla_attention_triton picks for ``config`` (mla_splits with its arguments)."""
-    block_n = config["decode_tiling"][0] if config.get("decode_kernel") else config.get("block_n", 32)
-    return mla_splits(num_tokens, heads, config.get("block_h", 16), device, config.get("max_splits", MAX_SPLITS),
-                      max_context_len, max(config.get("min_span", MIN_SPAN), block_n),
-                      config.get("programs_per_sm", 2))
+    decode = config.get("decode_kernel", False)
+    policy = split_policy(decode, config["decode_tiling"][0] if decode else config.get("block_n", 32),
+                          config.get("max_splits"), config.get("min_span"), config.get("programs_per_sm"))
+    max_splits, min_span, programs_per_sm = policy
+    return mla_splits(num_tokens, heads, config.get("block_h", 16), device, max_splits, max_context_len, min_span,
+                      programs_per_sm)
 
 
 def run(args: argparse.Namespace) -> dict:

@@ -191,6 +191,20 @@ def test_decode_kernel_equals_reference_and_the_general_kernel(device, dtype, ca
     assert relative_error(values.cpu().float(), want_values) < tolerance
 
 
+def test_split_policy_is_each_kernels_own_unless_given():
+    """mla_attention_triton's max_splits / min_span / programs_per_sm left None: the general kernel's
+    MAX_SPLITS, MIN_SPAN, 2 or the decode kernel's DECODE_SPLITS; given ones kept; min_span a whole tile."""
+    from kernels.mla_attention import MAX_SPLITS, split_policy
+    from kernels.mla_decode import DECODE_SPLITS
+
+    assert split_policy(False, 32) == (MAX_SPLITS, MIN_SPAN, 2)
+    assert split_policy(True, 16) == (DECODE_SPLITS[0], max(DECODE_SPLITS[1], 16), DECODE_SPLITS[2])
+    assert split_policy(True, 64, 7, 128, 3) == (7, 128, 3)
+    assert split_policy(False, 64, min_span=16) == (MAX_SPLITS, 64, 2)  # raised to one tile
+    with pytest.raises(AssertionError):
+        split_policy(True, 64, min_span=96)  # not whole tiles
+
+
 def test_decode_kernel_is_taken_only_where_its_tile_fits(monkeypatch):
     """The decode kernel serves decode-only steps whose page its BLOCK_N divides; a mixed step or pages
     of 4 keep the general kernel (which launch ran is recorded); unasked, the environment's switch or
