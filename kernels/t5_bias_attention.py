@@ -404,11 +404,12 @@ def _cached_dense_distance_bias(bias: torch.Tensor, length: int, block_m: int) -
 
 
 def t5_dense_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, scale: float,
-                              bias: torch.Tensor, *, tiling: tuple[int, int, int, int] | None = None,
+                              bias: torch.Tensor, *, tiling: tuple[int, ...] | None = None,
                               kernel: str | None = None) -> torch.Tensor:
     """q, k, v: (batch, L, heads, head_dim), last dim contiguous; lengths (batch,) int32 on the
     device; ``bias`` a bidirectional ``distance_bias`` table -> (batch, L, heads, head_dim) contiguous.
-    ``tiling``: (BLOCK_M queries, BLOCK_N keys, warps, stages) instead of the default (sweeps);
+    ``tiling``: (BLOCK_M queries, BLOCK_N keys, warps, stages[, most registers a thread]) instead of the
+    default (sweeps; the register cap, ptxas' maxnreg, can fit two 8-warp programs on an SM);
     ``kernel``: one of DENSE_KERNELS instead of DENSE_KERNEL (A/B)."""
     batch, length, num_heads, head_dim = q.shape
     out = torch.empty(batch, length, num_heads, head_dim, dtype=q.dtype, device=q.device)
@@ -418,22 +419,22 @@ def t5_dense_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     assert kernel in DENSE_KERNELS, kernel
     assert q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1 and bias.is_contiguous()
     lengths, = dense(lengths)  # read at lengths_ptr + sequence
-    block_m, block_n, warps, stages = tiling or (DENSE_TILING if length >= 128 else (64, 64, 4, 2))
+    block_m, block_n, warps, stages, *max_registers = tiling or (DENSE_TILING if length >= 128 else (64, 64, 4, 2))
+    launch = dict(num_warps=warps, num_stages=stages, **({"maxnreg": max_registers[0]} if max_registers else {}))
     grid = (triton.cdiv(length, block_m), batch, num_heads)
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3])
     if kernel == "old":
         _t5_dense_kernel[grid](
             q, k, v, out, bias, lengths, scale * _LOG2E, *strides, bias.stride(0), length,
             REACH=(bias.shape[1] - 1) // 2, HEAD_DIM=head_dim, DIM_PAD=_dim_pad(head_dim),
-            BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_precision(q), num_warps=warps, num_stages=stages)
+            BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_precision(q), **launch)
         return out
     assert scale > 0, "the far tiles' max assumes a positive scale"
     table, zero = _cached_dense_distance_bias(bias, length, block_m)
     _t5_dense_split_kernel[grid](
         q, k, v, out, table, lengths, scale * _LOG2E, *strides, table.stride(0), table.shape[2], zero, length,
         REACH=(bias.shape[1] - 1) // 2, HEAD_DIM=head_dim, DIM_PAD=_dim_pad(head_dim),
-        BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_precision(q), SPLIT_FAR=kernel == "split",
-        num_warps=warps, num_stages=stages)
+        BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_precision(q), SPLIT_FAR=kernel == "split", **launch)
     return out
 
 

@@ -54,8 +54,12 @@ from kernels.t5_bias_attention import (DECODE_TILING, DENSE_KERNEL, DENSE_KERNEL
                                        t5_dense_attention_triton, t5_paged_attention_ref, t5_paged_attention_triton)
 
 HEADS, DIM, BUCKETS, MAX_DISTANCE, PAGE = 32, 64, 32, 128, 32
-# tilings timed beside the defaults: encoder (BLOCK_M, BLOCK_N, warps, stages), decode (BLOCK_N, warps, stages)
-DENSE_SWEEP = [(128, 64, 8, 3), (128, 64, 4, 2), (64, 64, 4, 2), (64, 64, 4, 3), (64, 128, 4, 2), (128, 32, 8, 2)]
+# tilings timed beside the defaults: encoder (BLOCK_M, BLOCK_N, warps, stages[, maxnreg]), decode (BLOCK_N, warps,
+# stages)
+# (BLOCK_M, BLOCK_N, warps, stages[, maxnreg]); sm_90 (Triton 3.6) split kernel: (128, 64, 8, 2) 162 registers, one
+# program an SM; capped at 128 no spills, two; (64, 64, 4, 2) 152 (three); (64, 128, 4, 2) 254 (two, 104 KB smem)
+DENSE_SWEEP = [(128, 64, 8, 2, 128), (64, 64, 4, 2), (64, 64, 4, 2, 128), (64, 64, 4, 3), (64, 128, 4, 2),
+               (128, 64, 8, 3), (128, 64, 4, 2), (128, 32, 8, 2)]
 PAGED_SWEEP = [(64, 4, 2), (32, 2, 3), (64, 2, 3), (32, 4, 2), (128, 4, 2)]
 # decode kernel tilings timed beside DECODE_TILING: (HEADS_PER_PROGRAM, BLOCK_N, warps, stages)
 # (one-warp programs: their key reductions stay in the warp; sm_90 registers of each: 70-132, no spills)
