@@ -4,7 +4,7 @@
 
 Flan-T5-XL heads (32 x 64, bf16), random data:
 
-- encoder: ``t5_dense_attention_triton`` (each of DENSE_KERNELS, DENSE_SWEEP's tilings) over a padded
+- encoder: ``t5_dense_attention_triton`` (each of DENSE_KERNELS; DENSE_SWEEP's tilings for split) over a padded
   batch against torch's fused attention with the dense (1, heads, L, L) bias the encoder passed
   before (``F.scaled_dot_product_attention``, bf16 and float32 bias, default / memory-efficient /
   cuDNN backends) and, with ``--flex``, FlexAttention with the bias as a score_mod, at ``--encoder``
@@ -70,9 +70,9 @@ L2_BYTES = 60 << 20  # pools this large in all are read from HBM (H200: 50 MB of
 
 def encoder_case(batch: int, length: int, device, *, sweep: bool = True, flex: bool = False, on_path=None) -> dict:
     """The encoder attention at ``batch`` x ``length`` (every input full): each of DENSE_KERNELS at its default
-    tiling and (``sweep``) DENSE_SWEEP's, torch SDPA with the materialized (1, heads, L, L) bias (bf16 and
-    float32; default, memory-efficient and cuDNN backends) and (``flex``) FlexAttention with the bias as a
-    score_mod: ms (CUDA events, median) and TFLOPS (QK and PV), max abs error against the float32 reference
+    tiling and (``sweep``) the split kernel at DENSE_SWEEP's (gather at its first two), torch SDPA with the
+    materialized (1, heads, L, L) bias (bf16 and float32; default, memory-efficient and cuDNN backends) and
+    (``flex``) FlexAttention with the bias as a score_mod: ms (CUDA events, median) and TFLOPS (QK and PV), max abs error against the float32 reference
     on the first two rows. ``on_path(entry)`` after every path (a run cut short keeps what it measured)."""
     table = torch.randn(BUCKETS, HEADS, device=device, dtype=torch.bfloat16)
     qkv = torch.randn(batch, length, 3, HEADS, DIM, device=device, dtype=torch.bfloat16)
@@ -99,8 +99,9 @@ def encoder_case(batch: int, length: int, device, *, sweep: bool = True, flex: b
     for kernel in DENSE_KERNELS:
         timed(f"{kernel} default", lambda kernel=kernel: t5_dense_attention_triton(q, k, v, lengths, 1.0, bias,
                                                                                    kernel=kernel))
-    for kernel in [k for k in DENSE_KERNELS if k != "old"] if sweep else []:  # the old kernel at its default only
-        for tiling in DENSE_SWEEP:
+    # the split kernel over DENSE_SWEEP, the gather variant over its first two, the old kernel at its default only
+    for kernel, tilings in (("split", DENSE_SWEEP), ("gather", DENSE_SWEEP[:2])) if sweep else ():
+        for tiling in tilings:
             timed(f"{kernel} {tiling}", lambda kernel=kernel, tiling=tiling: t5_dense_attention_triton(
                 q, k, v, lengths, 1.0, bias, kernel=kernel, tiling=tiling))
     positions = torch.arange(length, device=device)
