@@ -56,7 +56,8 @@ from kernels.mxfp4_codes import exponent_factor
 # (BLOCK_N rows, GROUPS of 32 bytes a row a step, num_warps) of the gate_up launch (gate and up rows each) and
 # the down launch; the load-time choice (kernels/moe_gemv_choice.py) times WORD_TILES.
 WORD_TILES = ((16, 4, 4), (16, 2, 2), (32, 4, 4), (32, 2, 4), (32, 4, 2), (64, 2, 4), (64, 4, 4), (16, 8, 4),
-              (8, 8, 2), (32, 1, 2), (64, 1, 4))
+              (8, 8, 2), (32, 1, 2), (64, 1, 4), (16, 4, 4, 1), (32, 4, 4, 1), (16, 8, 4, 1))
+# (a 4th element 1: down's programs sum their token's K experts; gate_up ignores it)
 DEFAULT_WORD_TILES = ((16, 4, 4), (32, 4, 4))
 WORDS_ENV = "TRITONLLM_MXFP4_WORDS"  # "0": the load-time choice never takes this path (moe_gemv's and the grouped)
 WORD_PATH = "words"  # the first element of a mark (kernels/moe_gemv.py mark_gemv) that takes this path
@@ -203,49 +204,73 @@ def _word_products(q, x0, x1, x2, x3, f_lo, f_hi, ASM: tl.constexpr):
 
 
 @jit
-def _stream_words(acc, acc_2, pairs_row, w_rows, w_rows_2, s_base, rows, rows_2, rows_ok, num_rows, half_words,
-                  TWO: tl.constexpr, GROUPS: tl.constexpr, ASM: tl.constexpr):
-    """(acc, acc_2) (BLOCK_N, GROUPS, 8) float32 plus rows ``w_rows`` (int32 word pointers (BLOCK_N, 1, 1); and
-    ``w_rows_2`` into acc_2 when TWO) against the pairs at pairs_row (int32: 4 stages of half_words) over all
-    half_words words, GROUPS groups of 8 words a step; exponents of row r's group g at s_base + g * num_rows + r."""
-    groups_k = half_words // 8
-    g = tl.arange(0, GROUPS)
-    j = tl.arange(0, 8)
-    for g0 in range(0, groups_k, GROUPS):
-        grp = g0 + g
+def _words_step(acc, acc_2, pairs_row, w_rows, w_rows_2, s_base, rows, rows_2, rows_ok, num_rows, groups_k, g0,
+                TWO: tl.constexpr, GROUPS: tl.constexpr, ASM: tl.constexpr, TAIL: tl.constexpr):
+    """One step of _stream_words: groups [g0, g0 + GROUPS) of each row. TAIL: groups past the row's groups_k
+    masked (their activation pairs and exponents read as 0, so the codes' unread registers multiply zeros);
+    otherwise the loads are masked by the rows alone (no zero-filled registers)."""
+    grp = g0 + tl.arange(0, GROUPS)
+    wk = (grp[:, None] * 8 + tl.arange(0, 8)[None, :])[None, :, :]  # (1, GROUPS, 8)
+    half_words = groups_k * 8
+    if TAIL:
         grp_ok = grp < groups_k
-        wk = (grp[:, None] * 8 + j[None, :])[None, :, :]  # (1, GROUPS, 8)
         ok = rows_ok[:, None, None] & grp_ok[None, :, None]
-        q = tl.load(w_rows + wk, mask=ok, other=0)
-        if TWO:
-            q_2 = tl.load(w_rows_2 + wk, mask=ok, other=0)
         x_ok = grp_ok[None, :, None]
+        f_ok = rows_ok[:, None] & grp_ok[None, :]
         x0 = tl.load(pairs_row + wk, mask=x_ok, other=0)
         x1 = tl.load(pairs_row + half_words + wk, mask=x_ok, other=0)
         x2 = tl.load(pairs_row + 2 * half_words + wk, mask=x_ok, other=0)
         x3 = tl.load(pairs_row + 3 * half_words + wk, mask=x_ok, other=0)
-        f_ok = rows_ok[:, None] & grp_ok[None, :]
-        s_lo = s_base + grp[None, :] * num_rows
-        s_hi = s_base + (groups_k + grp)[None, :] * num_rows
-        f_lo = exponent_factor(tl.load(s_lo + rows[:, None], mask=f_ok, other=0))[:, :, None]
-        f_hi = exponent_factor(tl.load(s_hi + rows[:, None], mask=f_ok, other=0))[:, :, None]
-        acc += _word_products(q, x0, x1, x2, x3, f_lo, f_hi, ASM)
-        if TWO:
-            f_lo_2 = exponent_factor(tl.load(s_lo + rows_2[:, None], mask=f_ok, other=0))[:, :, None]
-            f_hi_2 = exponent_factor(tl.load(s_hi + rows_2[:, None], mask=f_ok, other=0))[:, :, None]
-            acc_2 += _word_products(q_2, x0, x1, x2, x3, f_lo_2, f_hi_2, ASM)
+    else:
+        ok = rows_ok[:, None, None]
+        f_ok = rows_ok[:, None]
+        x0 = tl.load(pairs_row + wk)
+        x1 = tl.load(pairs_row + half_words + wk)
+        x2 = tl.load(pairs_row + 2 * half_words + wk)
+        x3 = tl.load(pairs_row + 3 * half_words + wk)
+    q = tl.load(w_rows + wk, mask=ok)
+    if TWO:
+        q_2 = tl.load(w_rows_2 + wk, mask=ok)
+    s_lo = s_base + grp[None, :] * num_rows
+    s_hi = s_base + (groups_k + grp)[None, :] * num_rows
+    f_lo = exponent_factor(tl.load(s_lo + rows[:, None], mask=f_ok, other=0))[:, :, None]
+    f_hi = exponent_factor(tl.load(s_hi + rows[:, None], mask=f_ok, other=0))[:, :, None]
+    acc += _word_products(q, x0, x1, x2, x3, f_lo, f_hi, ASM)
+    if TWO:
+        f_lo_2 = exponent_factor(tl.load(s_lo + rows_2[:, None], mask=f_ok, other=0))[:, :, None]
+        f_hi_2 = exponent_factor(tl.load(s_hi + rows_2[:, None], mask=f_ok, other=0))[:, :, None]
+        acc_2 += _word_products(q_2, x0, x1, x2, x3, f_lo_2, f_hi_2, ASM)
+    return acc, acc_2
+
+
+@jit
+def _stream_words(acc, acc_2, pairs_row, w_rows, w_rows_2, s_base, rows, rows_2, rows_ok, num_rows, half_words,
+                  TWO: tl.constexpr, GROUPS: tl.constexpr, ASM: tl.constexpr):
+    """(acc, acc_2) (BLOCK_N, GROUPS, 8) float32 plus rows ``w_rows`` (int32 word pointers (BLOCK_N, 1, 1); and
+    ``w_rows_2`` into acc_2 when TWO) against the pairs at pairs_row (int32: 4 stages of half_words) over all
+    half_words words, GROUPS groups of 8 words a step (the last, partial one masked: _words_step); exponents of
+    row r's group g at s_base + g * num_rows + r. Rows past the matrix (rows_ok false) sum garbage, never stored."""
+    groups_k = half_words // 8
+    full = groups_k - groups_k % GROUPS
+    for g0 in range(0, full, GROUPS):
+        acc, acc_2 = _words_step(acc, acc_2, pairs_row, w_rows, w_rows_2, s_base, rows, rows_2, rows_ok, num_rows,
+                                 groups_k, g0, TWO, GROUPS, ASM, False)
+    if full < groups_k:
+        acc, acc_2 = _words_step(acc, acc_2, pairs_row, w_rows, w_rows_2, s_base, rows, rows_2, rows_ok, num_rows,
+                                 groups_k, full, TWO, GROUPS, ASM, True)
     return acc, acc_2
 
 
 @jit
 def _words_gate_up_kernel(
-    pairs_ptr, inv_ptr, ids_ptr, w_ptr, s_ptr, bias_ptr, act_pairs_ptr, I, half_words, stride_we, stride_wn,
+    pairs_ptr, inv_ptr, ids_ptr, w_ptr, s_ptr, bias_ptr, act_pairs_ptr, x_ptr, I, half_words, stride_we, stride_wn,
     stride_se, stride_be, DOWN_SCALE: tl.constexpr, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
     GROUPS: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, SWIGLU_LIMIT: tl.constexpr,
-    ACT_DTYPE: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
+    ASM: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (a, tile): the activation of assignment a's rows [tile * BLOCK_N, +BLOCK_N) (module docstring, 2),
-    stored as down's float16 pairs (act_pairs_ptr: (T * K, I) float16) times DOWN_SCALE."""
+    rounded to x's dtype (x_ptr: read for its dtype alone), stored as down's float16 pairs (act_pairs_ptr: (T * K,
+    I) float16) times DOWN_SCALE."""
     pdl_prologue(PDL)
     a = tl.program_id(0)
     tile = tl.program_id(1)
@@ -268,36 +293,38 @@ def _words_gate_up_kernel(
         act = gate / (1.0 + tl.exp(-gate)) * up
     else:
         act = swiglu_clamped(gate, up, SWIGLU_LIMIT)
-    act = act.to(ACT_DTYPE).to(tl.float32) * DOWN_SCALE  # (rounded as the reference rounds it; exact in float16)
+    act = act.to(x_ptr.dtype.element_ty).to(tl.float32) * DOWN_SCALE  # (rounded as the reference rounds it; exact in float16)
     tl.store(act_pairs_ptr + a.to(tl.int64) * I + _pair_offsets(rows, I // 2), act.to(tl.float16), mask=rows_ok)
 
 
 @jit
 def _words_down_kernel(
     act_pairs_ptr, ids_ptr, weights_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, H, half_words, stride_we, stride_wn,
-    stride_se, stride_be, stride_o, INV_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
-    HAS_BIAS: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
+    stride_se, stride_be, stride_o, INV_SCALE: tl.constexpr, TOP_K: tl.constexpr, FOLD: tl.constexpr,
+    BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, HAS_BIAS: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
 ):
-    """out_k[a, rows] = w_a * (down_e[rows] . act[a] + bias) (module docstring, 3)."""
+    """out_k[a, rows] = w_a * (down_e[rows] . act[a] + bias) (module docstring, 3) for assignment a = program_id(0);
+    FOLD: program_id(0) is a token t, and out[t, rows] is the sum over its TOP_K assignments, accumulated in float32
+    and rounded once (no out_k, no summing launch)."""
     pdl_prologue(PDL)
-    a = tl.program_id(0)
     tile = tl.program_id(1)
-    e64 = tl.load(ids_ptr + a).to(tl.int64)
     rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     rows_ok = rows < H
-    w_rows = w_ptr + e64 * stride_we + rows.to(tl.int64)[:, None, None] * stride_wn
-    pairs_row = act_pairs_ptr + a.to(tl.int64) * (4 * half_words)
-    acc = tl.zeros([BLOCK_N, GROUPS, 8], dtype=tl.float32)
-    acc, _ = _stream_words(acc, acc, pairs_row, w_rows, w_rows, s_ptr + e64 * stride_se, rows, rows, rows_ok, H,
-                           half_words, False, GROUPS, ASM)
-    y = tl.sum(tl.sum(acc, 2), 1) * INV_SCALE
-    if HAS_BIAS:
-        y += tl.load(bias_ptr + e64 * stride_be + rows, mask=rows_ok, other=0.0).to(tl.float32)
-    y *= tl.load(weights_ptr + a)
-    tl.store(out_ptr + a.to(tl.int64) * stride_o + rows, y.to(out_ptr.dtype.element_ty), mask=rows_ok)
-
-
-_TL_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+    total = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k in tl.static_range(TOP_K if FOLD else 1):
+        a = tl.program_id(0) * TOP_K + k if FOLD else tl.program_id(0)
+        e64 = tl.load(ids_ptr + a).to(tl.int64)
+        w_rows = w_ptr + e64 * stride_we + rows.to(tl.int64)[:, None, None] * stride_wn
+        pairs_row = act_pairs_ptr + a.to(tl.int64) * (4 * half_words)
+        acc = tl.zeros([BLOCK_N, GROUPS, 8], dtype=tl.float32)
+        acc, _ = _stream_words(acc, acc, pairs_row, w_rows, w_rows, s_ptr + e64 * stride_se, rows, rows, rows_ok, H,
+                               half_words, False, GROUPS, ASM)
+        y = tl.sum(tl.sum(acc, 2), 1) * INV_SCALE
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + e64 * stride_be + rows, mask=rows_ok, other=0.0).to(tl.float32)
+        total += y * tl.load(weights_ptr + a)
+    tl.store(out_ptr + tl.program_id(0).to(tl.int64) * stride_o + rows, total.to(out_ptr.dtype.element_ty),
+             mask=rows_ok)
 
 
 def mxfp4_words_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, gate_up_scale: torch.Tensor,
@@ -317,7 +344,8 @@ def mxfp4_words_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tenso
     assert gate_up_scale.shape == (num_experts, hidden // 32, two_inter) and gate_up_scale.is_contiguous()
     assert down_scale.shape == (num_experts, inter // 32, hidden) and down_scale.is_contiguous()
     asm = x.is_cuda if asm is None else asm
-    (gn, gg, gw), (dn, dg, dw) = tiles or DEFAULT_WORD_TILES
+    (gn, gg, gw, *_), (dn, dg, dw, *fold) = tiles or DEFAULT_WORD_TILES
+    fold = bool(fold and fold[0]) and sum_experts
     device = x.device
     route = router_logits is not None
     if route:
@@ -340,17 +368,19 @@ def mxfp4_words_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tenso
     act_pairs = torch.empty(num_tokens * top_k, inter, dtype=torch.float16, device=device)
     gu_words, d_words = gate_up.view(torch.int32), down.view(torch.int32)
     _words_gate_up_kernel[(num_tokens * top_k, triton.cdiv(inter, gn))](
-        pairs.view(torch.int32), inv, ids, gu_words, gate_up_scale, x if gu_b is None else gu_b, act_pairs, inter,
+        pairs.view(torch.int32), inv, ids, gu_words, gate_up_scale, x if gu_b is None else gu_b, act_pairs, x, inter,
         half_h // 4, gu_words.stride(0), gu_words.stride(1), gate_up_scale.stride(0),
         0 if gu_b is None else gu_b.stride(0), DOWN_SCALE=float(2.0 ** shift), TOP_K=top_k, BLOCK_N=gn, GROUPS=gg,
         HAS_BIAS=gu_b is not None, ACTIVATION=ACTIVATIONS[epilogue.activation],
-        SWIGLU_LIMIT=float(epilogue.swiglu_limit), ACT_DTYPE=getattr(tl, _TL_DTYPES[x.dtype]), ASM=asm,
+        SWIGLU_LIMIT=float(epilogue.swiglu_limit), ASM=asm,
         num_warps=gw, **pdl)
-    out_k = torch.empty(num_tokens * top_k, hidden, dtype=x.dtype, device=device)
-    _words_down_kernel[(num_tokens * top_k, triton.cdiv(hidden, dn))](
+    out_k = torch.empty(num_tokens if fold else num_tokens * top_k, hidden, dtype=x.dtype, device=device)
+    _words_down_kernel[(out_k.shape[0], triton.cdiv(hidden, dn))](
         act_pairs.view(torch.int32), ids, weights, d_words, down_scale, act_pairs if d_b is None else d_b, out_k,
         hidden, inter // 8, d_words.stride(0), d_words.stride(1), down_scale.stride(0),
-        0 if d_b is None else d_b.stride(0), out_k.stride(0), INV_SCALE=float(2.0 ** -shift), BLOCK_N=dn,
-        GROUPS=dg, HAS_BIAS=d_b is not None, ASM=asm, num_warps=dw, **pdl)
+        0 if d_b is None else d_b.stride(0), out_k.stride(0), INV_SCALE=float(2.0 ** -shift), TOP_K=top_k,
+        FOLD=fold, BLOCK_N=dn, GROUPS=dg, HAS_BIAS=d_b is not None, ASM=asm, num_warps=dw, **pdl)
+    if fold:
+        return out_k
     out_k = out_k.view(num_tokens, top_k, hidden)
     return out_k.sum(dim=1) if sum_experts else out_k
