@@ -19,7 +19,7 @@
 # 5, 6 session 16's retries (run). 7 (~250 s on two GPUs, ~450 s with LANES=1) session 17's one-GPU jobs in two lanes (LANES=1 on one GPU);
 #    8 (~270 s) the KV pull and NIXL GPU tests, PP 2 with stage graphs and with two steps in flight;
 #    9 (~430 s) disagg_bench at 6 and 10 req/s, then with the context executor in its own process.
-# 10-12 session 17's later calls, 13-16 session 18's, 17 session 19's first, 18 session 20's first, 19 its plan for the next session, 20 session 21's first bench call, 21 what call 20 lost, 22 session 22's, 23 session 23's middle call, 24 its last, 25 session 24's first bench call (each case's comment says what it runs and
+# 10-12 session 17's later calls, 13-16 session 18's, 17 session 19's first, 18 session 20's first, 19 its plan for the next session, 20 session 21's first bench call, 21 what call 20 lost, 22 session 22's, 23 session 23's middle call, 24 its last, 25 session 24's first bench call, 26 its middle call (each case's comment says what it runs and
 # how long).
 #
 # Everything goes to /tmp/x2_call$CALL; at the end OUT gets call$CALL.tgz (all logs and JSON), summary.txt (what
@@ -27,7 +27,7 @@
 # each job's exit status and its result lines, so the call's output_tail alone is enough to read.
 set -u
 script=$(realpath "$0")
-call=${1:?usage: x2_gpu_run.sh 1-25 [OUT]}
+call=${1:?usage: x2_gpu_run.sh 1-26 [OUT]}
 out=$(realpath -m "${2:-${OUT:-/tmp/x2_gpu_run}}")
 mkdir -p "$out"
 if [ -z "${X2_UNDER_TEE:-}" ]; then  # the console also in $out/summary.txt, complete when the call returns
@@ -45,7 +45,7 @@ smoke=${SMOKE:-0}
 if [ "$smoke" != 1 ]; then
   need=2; [ "$call" = 7 ] && [ "${LANES:-2}" = 1 ] && need=1  # call 7's lanes run one after the other on one GPU
   [ "$call" = 22 ] && [ -n "${ONLY:-}" ] && [[ ",$ONLY," != *,pp,* ]] && need=1  # call 22 without its PP part
-  { [ "$call" = 23 ] || [ "$call" = 24 ] || [ "$call" = 25 ]; } && need=1  # (two lanes where two GPUs are, else one after the other)
+  { [ "$call" = 23 ] || [ "$call" = 24 ] || [ "$call" = 25 ] || [ "$call" = 26 ]; } && need=1  # (two lanes where two GPUs are, else one after the other)
   "$PYTHON" -c "import torch; n = torch.cuda.device_count(); assert n >= $need, f'{n} GPU(s): this call needs $need'" || exit 1
 fi
 
@@ -763,7 +763,53 @@ activated_fp8_product or quantized_gated_activation or quantized_gelu_tanh or qu
     echo "== $f"; grep -iE "tok/s|step|Error|Traceback|choice" "$w/$f.log" | grep -v Warning | head -8 | cut -c1-300
   done
   ;;
-*) echo "x2_gpu_run.sh: CALL must be 1 to 25, got '$call'"; exit 2 ;;
+26)
+  # Session 24's middle call (~400 s, two lanes; one GPU: one after the other): the helpers' first GPU runs
+  # (/tmp/notes/{xattn,t5enc,mla,mxfp4}.md). GPU 0: xattn's one-query cross-attention decode kernel (tests, sweep
+  # against the general paged kernel, Whisper splits), t5enc's T5 encoder attention (tests, sweep against SDPA with
+  # the bias materialized), then the Qwen2.5-VL tower's profile at 448 x 448 (issue 48). GPU 1: mla's MLA decode
+  # kernel (tests, bf16 and FP8 pools sweep), mxfp4's one-token MXFP4 GEMV (sweep, tests).
+  lane1_gpu=1
+  [ "$smoke" = 1 ] || [ "$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())')" -lt 2 ] && lane1_gpu=0
+  T=("$PYTHON" -m pytest -q -x -n 4 -p no:cacheprovider)
+  (
+    CUDA_VISIBLE_DEVICES=0 job xattn_tests 35 "${T[@]}" tests/kernels/test_cross_attention_decode.py \
+      tests/kernels/test_one_query_attention.py tests/kernels/test_t5_bias_attention.py
+    CUDA_VISIBLE_DEVICES=0 job xattn_engine_tests 45 "${T[@]}" tests/engine/test_encoder_decoder_graphs.py \
+      tests/engine/test_whisper_fused_decode.py -k "cuda or gpu"
+    on_gpu 0 xattn_bench 60 "$PYTHON" benchmarks/kernels/cross_attention_bench.py \
+      --tilings 1x32x1x1,1x64x1x1,1x64x2x1,2x32x2x1,1x16x1x1 --out "$w/xattn.json" --md "$w/xattn.md"
+    on_gpu 0 xattn_splits 25 "$PYTHON" benchmarks/kernels/cross_attention_bench.py --shapes 1x20x1500,64x20x1500 \
+      --pools bf16 --tilings 1x32x1x1,1x64x1x1 --splits 1,2,4,8,16,32 --out "$w/xattn_splits.json" --md "$w/xattn_splits.md"
+    CUDA_VISIBLE_DEVICES=0 job t5enc_tests 40 "${T[@]}" tests/kernels/test_t5_bias_attention.py \
+      tests/kernels/test_kernel_input_layouts.py -k t5
+    on_gpu 0 t5enc_bench 105 "$PYTHON" benchmarks/kernels/t5_attention_bench.py --encoder 256x512,16x512 --decode "" \
+      --paths "" --out "$w/t5_encoder.json" --encoder-md "$w/t5_encoder.md"
+    on_gpu 0 vlm_tower_profile 80 "$PYTHON" benchmarks/engine/vlm_bench.py --sections encoder --image-sizes 448 \
+      --encoder-batches 32 --encoder-repeats 2 --hf-batches "" --profile-dir "$w/vlmprof" --out "$w/vlm_tower.json"
+  ) &
+  lane0=$!
+  [ "$lane1_gpu" = 0 ] && wait "$lane0"
+  CUDA_VISIBLE_DEVICES=$lane1_gpu job mla_tests 45 "$PYTHON" -m pytest -q -p no:cacheprovider tests/kernels/test_mla_attention.py \
+    -k "decode_kernel or combine_applies"
+  on_gpu $lane1_gpu mla_bf16 70 "$PYTHON" benchmarks/kernels/mla_kernel_bench.py --shape v2_lite --pool bf16 --batches 1,16,64 \
+    --contexts 1024,8192,32768 --repeat 5 --configs 16:128:32,d32:4:3,d32:8:3,d64:8:3,d16:4:3,d32:8:0,d32:4:3:256:128:8,d32:8:3:256:256:8,d32:4:3:64:32:2 \
+    --out "$w/mla_bf16.json" --markdown "$w/mla_bf16.md"
+  on_gpu $lane1_gpu mla_fp8 35 "$PYTHON" benchmarks/kernels/mla_kernel_bench.py --shape v2_lite --pool fp8 --batches 1,16,64 \
+    --contexts 1024,8192,32768 --repeat 5 --configs 16:128:32,d32:8:0,d32:4:0,d32:8:3,d32:8:0:256:128:8 \
+    --out "$w/mla_fp8.json" --markdown "$w/mla_fp8.md"
+  on_gpu $lane1_gpu mxfp4_bench 105 "$PYTHON" -u benchmarks/kernels/moe_gemv_bench.py --model gpt_oss_20b --gemv-candidates 2 \
+    --word-tiles 16,4,4 32,4,4 32,4,2 64,2,4 16,8,4 64,4,4 16,4,4,1 32,4,4,1 --out "$w/mxfp4_gemv.json"
+  CUDA_VISIBLE_DEVICES=$lane1_gpu job mxfp4_tests 40 "$PYTHON" -m pytest -q -x -p no:cacheprovider tests/kernels/test_mxfp4_gemv.py
+  wait
+  for f in xattn_tests xattn_engine_tests t5enc_tests mla_tests mxfp4_tests; do
+    echo "== $f"; grep -v -i warning "$w/$f.log" | tail -8 | cut -c1-300
+  done
+  for f in xattn xattn_splits t5_encoder mla_bf16 mla_fp8; do echo "== $f.md"; cat "$w/$f.md" 2>/dev/null | cut -c1-300; done
+  echo "== mxfp4_bench"; grep -v -i warn "$w/mxfp4_bench.log" | tail -40 | cut -c1-300
+  echo "== vlm_tower_profile"; grep -vi warn "$w/vlm_tower_profile.log" | tail -12 | cut -c1-300
+  ;;
+*) echo "x2_gpu_run.sh: CALL must be 1 to 26, got '$call'"; exit 2 ;;
 esac
 tar czf "$out/call$call.tgz" -C /tmp "x2_call$call"
 for md in "$w"/*.md; do [ -f "$md" ] && cp "$md" "$out/"; done
