@@ -801,12 +801,16 @@ activated_fp8_product or quantized_gated_activation or quantized_gelu_tanh or qu
   on_gpu $lane1_gpu mxfp4_bench 105 "$PYTHON" -u benchmarks/kernels/moe_gemv_bench.py --model gpt_oss_20b --gemv-candidates 2 \
     --word-tiles 16,4,4 32,4,4 32,4,2 64,2,4 16,8,4 64,4,4 16,4,4,1 32,4,4,1 --out "$w/mxfp4_gemv.json"
   CUDA_VISIBLE_DEVICES=$lane1_gpu job mxfp4_tests 40 "$PYTHON" -m pytest -q -x -p no:cacheprovider tests/kernels/test_mxfp4_gemv.py
+  # the T5 engine with both new kernels as defaults (xattn's cross-attention decode, t5enc's encoder attention)
+  on_gpu $lane1_gpu t5_engine 75 "$PYTHON" -u benchmarks/engine/encdec_bench.py --sections t5 --hf-whisper-batches "" \
+    --hf-t5-batches "" --cross-kv-cache-dtype fp8 --quantization fp8 --out "$w/t5_engine.json" --results-md "$w/t5_engine.md"
   wait
   for f in xattn_tests xattn_engine_tests t5enc_tests mla_tests mxfp4_tests; do
     echo "== $f"; grep -v -i warning "$w/$f.log" | tail -8 | cut -c1-300
   done
   for f in xattn xattn_splits t5_encoder mla_bf16 mla_fp8; do echo "== $f.md"; cat "$w/$f.md" 2>/dev/null | cut -c1-300; done
   echo "== mxfp4_bench"; grep -v -i warn "$w/mxfp4_bench.log" | tail -40 | cut -c1-300
+  echo "== t5_engine"; grep -vi warning "$w/t5_engine.log" | grep -E "t5|tok/s|step|Error|Traceback" | cut -c1-400 | head -8
   echo "== vlm_tower_profile"; grep -vi warn "$w/vlm_tower_profile.log" | tail -12 | cut -c1-300
   ;;
 *) echo "x2_gpu_run.sh: CALL must be 1 to 26, got '$call'"; exit 2 ;;
