@@ -38,6 +38,22 @@ MIN_SPLIT_STEPS = 2
 MAX_SPLITS = 32
 
 
+@jit
+def _kv_tile(k_cache_ptr, v_cache_ptr, block_row, k_heads, v_heads, head_valid, dim_valid, k_pos, end,
+             stride_kb, stride_ks, stride_vb, stride_vs, PAGE_SIZE: tl.constexpr):
+    """(HEADS, BLOCK_N, DIM_PAD) K and V of keys ``k_pos`` (those < ``end``) in the pool's dtype; both loads
+    issued together."""
+    k_valid = k_pos < end
+    block = tl.load(block_row + k_pos // PAGE_SIZE, mask=k_valid, other=0).to(tl.int64)
+    in_page = k_pos % PAGE_SIZE
+    kv_mask = head_valid[:, None, None] & k_valid[None, :, None] & dim_valid[None, None, :]
+    k = tl.load(k_cache_ptr + (block * stride_kb + in_page * stride_ks)[None, :, None] + k_heads, mask=kv_mask,
+                other=0.0)
+    v = tl.load(v_cache_ptr + (block * stride_vb + in_page * stride_vs)[None, :, None] + v_heads, mask=kv_mask,
+                other=0.0)
+    return k, v
+
+
 @jit(do_not_specialize=["stride_bt", "split_keys", "splits"])
 def _one_query_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr, bias_ptr, block_tables_ptr,
@@ -46,7 +62,7 @@ def _one_query_kernel(
     stride_vb, stride_vs, stride_vh, stride_bt, stride_bias, stride_ps, stride_pt,
     HAS_BIAS: tl.constexpr, REACH: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
     PAGE_SIZE: tl.constexpr, HEADS: tl.constexpr, BLOCK_N: tl.constexpr,
-    ONE_TOKEN_ROWS: tl.constexpr, PDL: tl.constexpr,
+    ONE_TOKEN_ROWS: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
 ):
     seq = tl.program_id(0)
     heads = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
@@ -74,16 +90,21 @@ def _one_query_kernel(
     l_i = tl.zeros([HEADS], dtype=tl.float32)
     acc = tl.zeros([HEADS, DIM_PAD], dtype=tl.float32)
     cols = tl.arange(0, BLOCK_N)
+    if PREFETCH:
+        k_next, v_next = _kv_tile(k_cache_ptr, v_cache_ptr, block_row, k_heads, v_heads, head_valid, dim_valid,
+                                  first + cols, end, stride_kb, stride_ks, stride_vb, stride_vs, PAGE_SIZE)
     for start in range(first, end, BLOCK_N):
         k_pos = start + cols
         k_valid = k_pos < end
-        block = tl.load(block_row + k_pos // PAGE_SIZE, mask=k_valid, other=0).to(tl.int64)
-        in_page = k_pos % PAGE_SIZE
-        kv_mask = head_valid[:, None, None] & k_valid[None, :, None] & dim_valid[None, None, :]
-        k = tl.load(k_cache_ptr + (block * stride_kb + in_page * stride_ks)[None, :, None] + k_heads,
-                    mask=kv_mask, other=0.0).to(tl.float32)
-        v = tl.load(v_cache_ptr + (block * stride_vb + in_page * stride_vs)[None, :, None] + v_heads,
-                    mask=kv_mask, other=0.0).to(tl.float32)  # both in flight
+        if PREFETCH:  # this tile's K/V were loaded during the last step; the next tile's go out now
+            k, v = k_next, v_next
+            k_next, v_next = _kv_tile(k_cache_ptr, v_cache_ptr, block_row, k_heads, v_heads, head_valid, dim_valid,
+                                      k_pos + BLOCK_N, end, stride_kb, stride_ks, stride_vb, stride_vs, PAGE_SIZE)
+        else:
+            k, v = _kv_tile(k_cache_ptr, v_cache_ptr, block_row, k_heads, v_heads, head_valid, dim_valid,
+                            k_pos, end, stride_kb, stride_ks, stride_vb, stride_vs, PAGE_SIZE)
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
         scores = tl.sum(k * q[:, None, :], axis=2)  # (HEADS, BLOCK_N), base 2
         if HAS_BIAS:
             distance = tl.minimum(tl.maximum(k_pos - (context - 1), -REACH), REACH) + REACH
@@ -131,7 +152,9 @@ def one_query_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     strides (bf16, fp16, fp32 or FP8 E4M3); block_tables (seqs, width) int32; context_lens (seqs,) int32
     -> out like q. ``cu_seqlens_q`` (seqs + 1,): row of sequence i's one new token (none: row i).
     ``bias``: a causal ``distance_bias`` table (kernels/t5_bias_attention.py) or None. ``tiling``:
-    (HEADS a program, BLOCK_N keys a step, warps, stages); ``splits``: key splits (a power of 2;
+    (HEADS a program, BLOCK_N keys a step, warps, stages), stages 2: the next key tile's loads issued
+    before this one's arithmetic (PREFETCH; Triton's own pipelining, num_stages, does not apply to these
+    loads: they feed no tl.dot); ``splits``: key splits (a power of 2;
     None: ``decode_splits``); ``max_context_len``: the longest context the launch must cover."""
     num_tokens, num_heads, head_dim = q.shape
     out = torch.empty_like(q)
@@ -164,7 +187,7 @@ def one_query_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         tables.stride(0), 0 if bias is None else bias.stride(0), ps, pt,
         HAS_BIAS=bias is not None, REACH=0 if bias is None else (bias.shape[1] - 1) // 2, HEAD_DIM=head_dim,
         DIM_PAD=dim_pad, PAGE_SIZE=k_cache.shape[1], HEADS=heads_per_program, BLOCK_N=block_n,
-        ONE_TOKEN_ROWS=cu is None, num_warps=warps, num_stages=stages, **pdl_options(q))
+        ONE_TOKEN_ROWS=cu is None, PREFETCH=stages > 1, num_warps=warps, num_stages=1, **pdl_options(q))
     if splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
             part_out, part_lse, out, lens, lens, ps, pt, ph, out.stride(0), out.stride(1),
