@@ -772,7 +772,9 @@ activated_fp8_product or quantized_gated_activation or quantized_gelu_tanh or qu
   lane1_gpu=1
   [ "$smoke" = 1 ] || [ "$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())')" -lt 2 ] && lane1_gpu=0
   T=("$PYTHON" -m pytest -q -x -n 4 -p no:cacheprovider)
-  (
+  # PART=a: lane 0 without the tower profile, then the T5 engine; PART=b: lane 1 (one GPU, two calls of ~380 s)
+  part=${PART:-all}
+  [ "$part" = b ] || (
     CUDA_VISIBLE_DEVICES=0 job xattn_tests 35 "${T[@]}" tests/kernels/test_cross_attention_decode.py \
       tests/kernels/test_one_query_attention.py tests/kernels/test_t5_bias_attention.py
     CUDA_VISIBLE_DEVICES=0 job xattn_engine_tests 45 "${T[@]}" tests/engine/test_encoder_decoder_graphs.py \
@@ -785,11 +787,12 @@ activated_fp8_product or quantized_gated_activation or quantized_gelu_tanh or qu
       tests/kernels/test_kernel_input_layouts.py -k t5
     on_gpu 0 t5enc_bench 105 "$PYTHON" benchmarks/kernels/t5_attention_bench.py --encoder 256x512,16x512 --decode "" \
       --paths "" --out "$w/t5_encoder.json" --encoder-md "$w/t5_encoder.md"
-    on_gpu 0 vlm_tower_profile 80 "$PYTHON" benchmarks/engine/vlm_bench.py --sections encoder --image-sizes 448 \
+    [ "$part" = all ] && on_gpu 0 vlm_tower_profile 80 "$PYTHON" benchmarks/engine/vlm_bench.py --sections encoder --image-sizes 448 \
       --encoder-batches 32 --encoder-repeats 2 --hf-batches "" --profile-dir "$w/vlmprof" --out "$w/vlm_tower.json"
   ) &
   lane0=$!
   [ "$lane1_gpu" = 0 ] && wait "$lane0"
+  [ "$part" = a ] || {
   CUDA_VISIBLE_DEVICES=$lane1_gpu job mla_tests 45 "$PYTHON" -m pytest -q -p no:cacheprovider tests/kernels/test_mla_attention.py \
     -k "decode_kernel or combine_applies"
   on_gpu $lane1_gpu mla_bf16 70 "$PYTHON" benchmarks/kernels/mla_kernel_bench.py --shape v2_lite --pool bf16 --batches 1,16,64 \
@@ -801,10 +804,11 @@ activated_fp8_product or quantized_gated_activation or quantized_gelu_tanh or qu
   on_gpu $lane1_gpu mxfp4_bench 105 "$PYTHON" -u benchmarks/kernels/moe_gemv_bench.py --model gpt_oss_20b --gemv-candidates 2 \
     --word-tiles 16,4,4 32,4,4 32,4,2 64,2,4 16,8,4 64,4,4 16,4,4,1 32,4,4,1 --out "$w/mxfp4_gemv.json"
   CUDA_VISIBLE_DEVICES=$lane1_gpu job mxfp4_tests 40 "$PYTHON" -m pytest -q -x -p no:cacheprovider tests/kernels/test_mxfp4_gemv.py
-  # the T5 engine with both new kernels as defaults (xattn's cross-attention decode, t5enc's encoder attention)
-  on_gpu $lane1_gpu t5_engine 75 "$PYTHON" -u benchmarks/engine/encdec_bench.py --sections t5 --hf-whisper-batches "" \
-    --hf-t5-batches "" --cross-kv-cache-dtype fp8 --quantization fp8 --out "$w/t5_engine.json" --results-md "$w/t5_engine.md"
+  }
   wait
+  # the T5 engine with both new kernels as defaults (xattn's cross-attention decode, t5enc's encoder attention)
+  [ "$part" = b ] || on_gpu $lane1_gpu t5_engine 75 "$PYTHON" -u benchmarks/engine/encdec_bench.py --sections t5 --hf-whisper-batches "" \
+    --hf-t5-batches "" --cross-kv-cache-dtype fp8 --quantization fp8 --out "$w/t5_engine.json" --results-md "$w/t5_engine.md"
   for f in xattn_tests xattn_engine_tests t5enc_tests mla_tests mxfp4_tests; do
     echo "== $f"; grep -v -i warning "$w/$f.log" | tail -8 | cut -c1-300
   done
