@@ -160,7 +160,7 @@ def time_gemv(experts: GemvExperts) -> dict:
         faster = down_us and down_us[best_down] <= MARGIN * grouped_us
         report["tiles"][tokens] = (best_gate_up, best_down) if faster else None
         if words:
-            gu_words = {t: us for t in WORD_TILES if len(t) == 3  # (a 4th element concerns down alone)
+            gu_words = {t: us for t in WORD_TILES if "f" not in (t[3:] or ("",))[0]  # ("f": down's option)
                         and (us := timed((t, DEFAULT_WORD_TILES[1]), word_path)) is not None}
             best_gu = min(gu_words, key=gu_words.get) if gu_words else DEFAULT_WORD_TILES[0]
             d_words = {t: us for t in WORD_TILES if (us := timed((best_gu, t), word_path)) is not None}

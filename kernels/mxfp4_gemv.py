@@ -56,8 +56,9 @@ from kernels.mxfp4_codes import exponent_factor
 # (BLOCK_N rows, GROUPS of 32 bytes a row a step, num_warps) of the gate_up launch (gate and up rows each) and
 # the down launch; the load-time choice (kernels/moe_gemv_choice.py) times WORD_TILES.
 WORD_TILES = ((16, 4, 4), (16, 2, 2), (32, 4, 4), (32, 2, 4), (32, 4, 2), (64, 2, 4), (64, 4, 4), (16, 8, 4),
-              (8, 8, 2), (32, 1, 2), (64, 1, 4), (16, 4, 4, 1), (32, 4, 4, 1), (16, 8, 4, 1))
-# (a 4th element 1: down's programs sum their token's K experts; gate_up ignores it)
+              (8, 8, 2), (32, 1, 2), (64, 1, 4), (16, 4, 4, "p"), (32, 4, 4, "p"), (16, 2, 4, "p"),
+              (16, 4, 4, "f"), (32, 4, 4, "f"), (16, 4, 4, "fp"), (32, 4, 4, "fp"))
+# (a 4th element: options, "p" prefetch, "f" (down alone) the K experts summed in the launch)
 DEFAULT_WORD_TILES = ((16, 4, 4), (32, 4, 4))
 WORDS_ENV = "TRITONLLM_MXFP4_WORDS"  # "0": the load-time choice never takes this path (moe_gemv's and the grouped)
 WORD_PATH = "words"  # the first element of a mark (kernels/moe_gemv.py mark_gemv) that takes this path
@@ -204,17 +205,37 @@ def _word_products(q, x0, x1, x2, x3, f_lo, f_hi, ASM: tl.constexpr):
 
 
 @jit
-def _words_step(acc, acc_2, pairs_row, w_rows, w_rows_2, s_base, rows, rows_2, rows_ok, num_rows, groups_k, g0,
-                TWO: tl.constexpr, GROUPS: tl.constexpr, ASM: tl.constexpr, TAIL: tl.constexpr):
-    """One step of _stream_words: groups [g0, g0 + GROUPS) of each row. TAIL: groups past the row's groups_k
-    masked (their activation pairs and exponents read as 0, so the codes' unread registers multiply zeros);
-    otherwise the loads are masked by the rows alone (no zero-filled registers)."""
+def _step_words(g0, GROUPS: tl.constexpr):
+    """(1, GROUPS, 8) word indices of groups [g0, g0 + GROUPS) in a row, and the groups (GROUPS,)."""
     grp = g0 + tl.arange(0, GROUPS)
-    wk = (grp[:, None] * 8 + tl.arange(0, 8)[None, :])[None, :, :]  # (1, GROUPS, 8)
+    return (grp[:, None] * 8 + tl.arange(0, 8)[None, :])[None, :, :], grp
+
+
+@jit
+def _step_codes(w_rows, w_rows_2, rows_ok, groups_k, g0, TWO: tl.constexpr, GROUPS: tl.constexpr,
+                TAIL: tl.constexpr):
+    """The words of one step (a full one: masked by the rows alone, no zero fill; TAIL: groups past groups_k too)."""
+    wk, grp = _step_words(g0, GROUPS)
+    if TAIL:
+        ok = rows_ok[:, None, None] & (grp < groups_k)[None, :, None]
+    else:
+        ok = rows_ok[:, None, None]
+    q = tl.load(w_rows + wk, mask=ok, eviction_policy="evict_first")
+    q_2 = q
+    if TWO:
+        q_2 = tl.load(w_rows_2 + wk, mask=ok, eviction_policy="evict_first")
+    return q, q_2
+
+
+@jit
+def _step_products(acc, acc_2, q, q_2, pairs_row, s_base, rows, rows_2, rows_ok, num_rows, groups_k, g0,
+                   TWO: tl.constexpr, GROUPS: tl.constexpr, ASM: tl.constexpr, TAIL: tl.constexpr):
+    """acc (acc_2) plus one step's words q (q_2) against their activation pairs, times their groups' factors. TAIL:
+    groups past groups_k read pairs and exponents 0, so the codes' unread registers multiply zeros."""
+    wk, grp = _step_words(g0, GROUPS)
     half_words = groups_k * 8
     if TAIL:
         grp_ok = grp < groups_k
-        ok = rows_ok[:, None, None] & grp_ok[None, :, None]
         x_ok = grp_ok[None, :, None]
         f_ok = rows_ok[:, None] & grp_ok[None, :]
         x0 = tl.load(pairs_row + wk, mask=x_ok, other=0)
@@ -222,15 +243,11 @@ def _words_step(acc, acc_2, pairs_row, w_rows, w_rows_2, s_base, rows, rows_2, r
         x2 = tl.load(pairs_row + 2 * half_words + wk, mask=x_ok, other=0)
         x3 = tl.load(pairs_row + 3 * half_words + wk, mask=x_ok, other=0)
     else:
-        ok = rows_ok[:, None, None]
         f_ok = rows_ok[:, None]
         x0 = tl.load(pairs_row + wk)
         x1 = tl.load(pairs_row + half_words + wk)
         x2 = tl.load(pairs_row + 2 * half_words + wk)
         x3 = tl.load(pairs_row + 3 * half_words + wk)
-    q = tl.load(w_rows + wk, mask=ok)
-    if TWO:
-        q_2 = tl.load(w_rows_2 + wk, mask=ok)
     s_lo = s_base + grp[None, :] * num_rows
     s_hi = s_base + (groups_k + grp)[None, :] * num_rows
     f_lo = exponent_factor(tl.load(s_lo + rows[:, None], mask=f_ok, other=0))[:, :, None]
@@ -245,19 +262,33 @@ def _words_step(acc, acc_2, pairs_row, w_rows, w_rows_2, s_base, rows, rows_2, r
 
 @jit
 def _stream_words(acc, acc_2, pairs_row, w_rows, w_rows_2, s_base, rows, rows_2, rows_ok, num_rows, half_words,
-                  TWO: tl.constexpr, GROUPS: tl.constexpr, ASM: tl.constexpr):
+                  TWO: tl.constexpr, GROUPS: tl.constexpr, ASM: tl.constexpr, PREFETCH: tl.constexpr):
     """(acc, acc_2) (BLOCK_N, GROUPS, 8) float32 plus rows ``w_rows`` (int32 word pointers (BLOCK_N, 1, 1); and
     ``w_rows_2`` into acc_2 when TWO) against the pairs at pairs_row (int32: 4 stages of half_words) over all
-    half_words words, GROUPS groups of 8 words a step (the last, partial one masked: _words_step); exponents of
-    row r's group g at s_base + g * num_rows + r. Rows past the matrix (rows_ok false) sum garbage, never stored."""
+    half_words words, GROUPS groups of 8 words a step (the last, partial one masked); exponents of row r's group g
+    at s_base + g * num_rows + r. Rows past the matrix (rows_ok false) sum garbage, never stored. PREFETCH: each
+    full step's words are loaded before the previous step's products (twice the bytes in flight a thread)."""
     groups_k = half_words // 8
     full = groups_k - groups_k % GROUPS
-    for g0 in range(0, full, GROUPS):
-        acc, acc_2 = _words_step(acc, acc_2, pairs_row, w_rows, w_rows_2, s_base, rows, rows_2, rows_ok, num_rows,
-                                 groups_k, g0, TWO, GROUPS, ASM, False)
+    if PREFETCH:
+        if full > 0:
+            q, q_2 = _step_codes(w_rows, w_rows_2, rows_ok, groups_k, 0, TWO, GROUPS, False)
+            for g0 in range(GROUPS, full, GROUPS):
+                q_next, q_2_next = _step_codes(w_rows, w_rows_2, rows_ok, groups_k, g0, TWO, GROUPS, False)
+                acc, acc_2 = _step_products(acc, acc_2, q, q_2, pairs_row, s_base, rows, rows_2, rows_ok, num_rows,
+                                            groups_k, g0 - GROUPS, TWO, GROUPS, ASM, False)
+                q, q_2 = q_next, q_2_next
+            acc, acc_2 = _step_products(acc, acc_2, q, q_2, pairs_row, s_base, rows, rows_2, rows_ok, num_rows,
+                                        groups_k, full - GROUPS, TWO, GROUPS, ASM, False)
+    else:
+        for g0 in range(0, full, GROUPS):
+            q, q_2 = _step_codes(w_rows, w_rows_2, rows_ok, groups_k, g0, TWO, GROUPS, False)
+            acc, acc_2 = _step_products(acc, acc_2, q, q_2, pairs_row, s_base, rows, rows_2, rows_ok, num_rows,
+                                        groups_k, g0, TWO, GROUPS, ASM, False)
     if full < groups_k:
-        acc, acc_2 = _words_step(acc, acc_2, pairs_row, w_rows, w_rows_2, s_base, rows, rows_2, rows_ok, num_rows,
-                                 groups_k, full, TWO, GROUPS, ASM, True)
+        q, q_2 = _step_codes(w_rows, w_rows_2, rows_ok, groups_k, full, TWO, GROUPS, True)
+        acc, acc_2 = _step_products(acc, acc_2, q, q_2, pairs_row, s_base, rows, rows_2, rows_ok, num_rows,
+                                    groups_k, full, TWO, GROUPS, ASM, True)
     return acc, acc_2
 
 
@@ -266,7 +297,7 @@ def _words_gate_up_kernel(
     pairs_ptr, inv_ptr, ids_ptr, w_ptr, s_ptr, bias_ptr, act_pairs_ptr, x_ptr, I, half_words, stride_we, stride_wn,
     stride_se, stride_be, DOWN_SCALE: tl.constexpr, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
     GROUPS: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, SWIGLU_LIMIT: tl.constexpr,
-    ASM: tl.constexpr, PDL: tl.constexpr,
+    PREFETCH: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (a, tile): the activation of assignment a's rows [tile * BLOCK_N, +BLOCK_N) (module docstring, 2),
     rounded to x's dtype (x_ptr: read for its dtype alone), stored as down's float16 pairs (act_pairs_ptr: (T * K,
@@ -282,7 +313,7 @@ def _words_gate_up_kernel(
     pairs_row = pairs_ptr + token.to(tl.int64) * (4 * half_words)
     acc = tl.zeros([BLOCK_N, GROUPS, 8], dtype=tl.float32)
     acc, acc_up = _stream_words(acc, acc, pairs_row, gate_rows, gate_rows + I * stride_wn, s_ptr + e64 * stride_se,
-                                rows, rows + I, rows_ok, 2 * I, half_words, True, GROUPS, ASM)
+                                rows, rows + I, rows_ok, 2 * I, half_words, True, GROUPS, ASM, PREFETCH)
     inv = tl.load(inv_ptr + token)
     gate = tl.sum(tl.sum(acc, 2), 1) * inv
     up = tl.sum(tl.sum(acc_up, 2), 1) * inv
@@ -301,7 +332,8 @@ def _words_gate_up_kernel(
 def _words_down_kernel(
     act_pairs_ptr, ids_ptr, weights_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, H, half_words, stride_we, stride_wn,
     stride_se, stride_be, stride_o, INV_SCALE: tl.constexpr, TOP_K: tl.constexpr, FOLD: tl.constexpr,
-    BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, HAS_BIAS: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, HAS_BIAS: tl.constexpr, PREFETCH: tl.constexpr, ASM: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """out_k[a, rows] = w_a * (down_e[rows] . act[a] + bias) (module docstring, 3) for assignment a = program_id(0);
     FOLD: program_id(0) is a token t, and out[t, rows] is the sum over its TOP_K assignments, accumulated in float32
@@ -318,7 +350,7 @@ def _words_down_kernel(
         pairs_row = act_pairs_ptr + a.to(tl.int64) * (4 * half_words)
         acc = tl.zeros([BLOCK_N, GROUPS, 8], dtype=tl.float32)
         acc, _ = _stream_words(acc, acc, pairs_row, w_rows, w_rows, s_ptr + e64 * stride_se, rows, rows, rows_ok, H,
-                               half_words, False, GROUPS, ASM)
+                               half_words, False, GROUPS, ASM, PREFETCH)
         y = tl.sum(tl.sum(acc, 2), 1) * INV_SCALE
         if HAS_BIAS:
             y += tl.load(bias_ptr + e64 * stride_be + rows, mask=rows_ok, other=0.0).to(tl.float32)
@@ -344,8 +376,9 @@ def mxfp4_words_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tenso
     assert gate_up_scale.shape == (num_experts, hidden // 32, two_inter) and gate_up_scale.is_contiguous()
     assert down_scale.shape == (num_experts, inter // 32, hidden) and down_scale.is_contiguous()
     asm = x.is_cuda if asm is None else asm
-    (gn, gg, gw, *_), (dn, dg, dw, *fold) = tiles or DEFAULT_WORD_TILES
-    fold = bool(fold and fold[0]) and sum_experts
+    (gn, gg, gw, *g_opts), (dn, dg, dw, *d_opts) = tiles or DEFAULT_WORD_TILES
+    g_opts, d_opts = (g_opts or [""])[0], (d_opts or [""])[0]
+    fold = "f" in d_opts and sum_experts
     device = x.device
     route = router_logits is not None
     if route:
@@ -372,14 +405,15 @@ def mxfp4_words_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tenso
         half_h // 4, gu_words.stride(0), gu_words.stride(1), gate_up_scale.stride(0),
         0 if gu_b is None else gu_b.stride(0), DOWN_SCALE=float(2.0 ** shift), TOP_K=top_k, BLOCK_N=gn, GROUPS=gg,
         HAS_BIAS=gu_b is not None, ACTIVATION=ACTIVATIONS[epilogue.activation],
-        SWIGLU_LIMIT=float(epilogue.swiglu_limit), ASM=asm,
+        SWIGLU_LIMIT=float(epilogue.swiglu_limit), PREFETCH="p" in g_opts, ASM=asm,
         num_warps=gw, **pdl)
     out_k = torch.empty(num_tokens if fold else num_tokens * top_k, hidden, dtype=x.dtype, device=device)
     _words_down_kernel[(out_k.shape[0], triton.cdiv(hidden, dn))](
         act_pairs.view(torch.int32), ids, weights, d_words, down_scale, act_pairs if d_b is None else d_b, out_k,
         hidden, inter // 8, d_words.stride(0), d_words.stride(1), down_scale.stride(0),
         0 if d_b is None else d_b.stride(0), out_k.stride(0), INV_SCALE=float(2.0 ** -shift), TOP_K=top_k,
-        FOLD=fold, BLOCK_N=dn, GROUPS=dg, HAS_BIAS=d_b is not None, ASM=asm, num_warps=dw, **pdl)
+        FOLD=fold, BLOCK_N=dn, GROUPS=dg, HAS_BIAS=d_b is not None, PREFETCH="p" in d_opts, ASM=asm, num_warps=dw,
+        **pdl)
     if fold:
         return out_k
     out_k = out_k.view(num_tokens, top_k, hidden)

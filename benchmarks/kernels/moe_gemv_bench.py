@@ -12,7 +12,7 @@ that time (TB/s), with every GEMV candidate's time; plus the best pair's relativ
 7), kinds mxfp4 (kernels/fused_moe_mxfp4.py's kernel layout; the grouped path is its FMA kernel at 1 token) and
 bf16: beside the grouped path and moe_gemv's pair, kernels/mxfp4_gemv.py's word path with each of its candidates
 (the load-time choice's timing), in us and GB/s of the experts' bytes (MXFP4: codes and exponents; "codes GB/s"
-the codes alone). --gemv-candidates N times only moe_gemv's first N candidates, --word-tiles N,G,W ... only those
+the codes alone). --gemv-candidates N times only moe_gemv's first N candidates, --word-tiles N,G,W[,OPTIONS] ... only those
 of the word path (the device call's time: a compile each).
 """
 from __future__ import annotations
@@ -94,7 +94,8 @@ def gpt_oss_main(args) -> None:
         full = moe_gemv_choice.candidate_tiles
         moe_gemv_choice.candidate_tiles = lambda kind: full(kind)[:args.gemv_candidates]
     if args.word_tiles:
-        moe_gemv_choice.WORD_TILES = tuple(tuple(int(v) for v in t.split(",")) for t in args.word_tiles)
+        moe_gemv_choice.WORD_TILES = tuple(tuple(int(v) if i < 3 else v for i, v in enumerate(t.split(",")))
+                                           for t in args.word_tiles)  # N,G,W[,options]
     shape = GPT_OSS_20B
     experts_n, top_k, hidden = shape["experts"], shape["top_k"], shape["hidden"]
     results = {"gpu": torch.cuda.get_device_name(), "shape": shape, "kinds": {}}

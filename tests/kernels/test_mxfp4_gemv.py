@@ -74,11 +74,12 @@ def test_words_equal_the_widened_reference(device, num_tokens):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fold", [0, 1])
-def test_given_routing_other_tiles_and_the_sum(device, fold):
+@pytest.mark.parametrize("options", ["", "fp"])
+def test_given_routing_other_tiles_and_the_sum(device, options):
     """Routing given, several groups a step (H 384: 6 groups a side, 4 a step: a full step and a masked one; I 192:
-    3 groups, 2 a step), the rows summed over the K experts: by torch after the down launch, or (fold) inside it,
-    each program summing its token's experts."""
+    3 groups, 2 a step), the rows summed over the K experts: by torch after the down launch, or ("f") inside it,
+    each program summing its token's experts; "p": the codes prefetched a step ahead (gate_up: H 384 with 1 group a
+    step, 6 full steps)."""
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     x, logits, kernel, widened, epilogue, ref_epilogue = gpt_oss_problem(2, seed=91, dtype=dtype, hidden=384, inter=192)
     weights, ids = route_tokens_ref(logits, TOP_K, False)
@@ -88,7 +89,7 @@ def test_given_routing_other_tiles_and_the_sum(device, fold):
     for asm in variants(device):
         out = mxfp4_words_triton(x.to(device), codes[0][0], codes[1][0], codes[0][1], codes[1][1], top_k=TOP_K,
                                  epilogue=on_device, topk_weights=weights.to(device), topk_ids=ids.to(device),
-                                 tiles=((8, 4, 2), (64, 2, 4, fold)), asm=asm)
+                                 tiles=((8, 1 if "p" in options else 4, 2, options), (64, 2, 4, options)), asm=asm)
         assert out.shape == (2, 384) and relative_error(out, ref) < TOLERANCES[dtype], asm
 
 
@@ -142,12 +143,13 @@ def compile_sm90(which: str, tiles: tuple, asm: bool = True):
     from kernels.mxfp4_gemv import _words_down_kernel, _words_gate_up_kernel
 
     fn = _words_gate_up_kernel if which == "gate_up" else _words_down_kernel
-    block_n, groups, warps, *fold = tiles
+    block_n, groups, warps, *options = tiles
+    options = (options or [""])[0]
     pointers = dict(pairs_ptr="*i32", inv_ptr="*fp32", ids_ptr="*i32", weights_ptr="*fp32", w_ptr="*i32",
                     s_ptr="*u8", bias_ptr="*bf16", act_pairs_ptr="*fp16" if which == "gate_up" else "*i32",
                     x_ptr="*bf16", out_ptr="*bf16")  # (down reads the pairs as words)
     const = dict(DOWN_SCALE=256.0, INV_SCALE=1 / 256, TOP_K=4, BLOCK_N=block_n, GROUPS=groups, HAS_BIAS=True,
-                 ACTIVATION=1, SWIGLU_LIMIT=7.0, ASM=asm, PDL=True, FOLD=bool(fold and fold[0]))
+                 ACTIVATION=1, SWIGLU_LIMIT=7.0, ASM=asm, PDL=True, FOLD="f" in options, PREFETCH="p" in options)
     names = fn.arg_names
     const = {n: v for n, v in const.items() if n in names}
     signature = {n: pointers.get(n, "constexpr" if n in const else "i32") for n in names}
@@ -163,8 +165,8 @@ def test_compiles_for_sm90_without_spills(which, tiles, tmp_path):
     """Triton's compiler and ptxas (no GPU), every candidate: the inline PTX assembles, no local memory."""
     import triton
 
-    if which == "gate_up" and len(tiles) > 3:
-        pytest.skip("a 4th element concerns down alone")
+    if which == "gate_up" and "f" in (tiles[3:] or ("",))[0]:
+        pytest.skip("summing the experts in the launch is down's option")
     compiled = compile_sm90(which, tiles)
     assert "fma.rn.f16x2" in compiled.asm["ptx"]
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
