@@ -12,7 +12,7 @@ that time (TB/s), with every GEMV candidate's time; plus the best pair's relativ
 7), kinds mxfp4 (kernels/fused_moe_mxfp4.py's kernel layout; the grouped path is its FMA kernel at 1 token) and
 bf16: beside the grouped path and moe_gemv's pair, kernels/mxfp4_gemv.py's word path with each of its candidates
 (the load-time choice's timing), in us and GB/s of the experts' bytes (MXFP4: codes and exponents; "codes GB/s"
-the codes alone). --gemv-candidates N times only moe_gemv's first N candidates, --word-tiles N,G,W[,OPTIONS] ... only those
+the word path's, the codes alone). --gemv-candidates N times only moe_gemv's first N candidates, --word-tiles N,G,W[,OPTIONS] ... only those
 of the word path (the device call's time: a compile each).
 """
 from __future__ import annotations
@@ -101,15 +101,21 @@ def gpt_oss_main(args) -> None:
     results = {"gpu": torch.cuda.get_device_name(), "shape": shape, "kinds": {}}
     print(f"{results['gpu']}: gpt-oss-20b experts (E {experts_n}, top {top_k}, H {hidden}, I {shape['inter']}, "
           "biases, clamped SwiGLU), routing included")
-    print("| weights | tokens | grouped us | GEMV pair us | words us | best GB/s | codes GB/s | words tiles "
+    print("| weights | tokens | grouped us | GEMV pair us | words us | best GB/s | words: codes GB/s | words tiles "
           "| words rel. diff |")
     print("|---|---:|---:|---:|---:|---:|---:|---|---:|")
     for kind in args.kinds:
         entry, (ref_gate_up, ref_down, ref_epilogue), codes_bytes = gpt_oss_experts(kind)
         per_expert = expert_bytes(entry)
-        report = moe_gemv_choice.time_gemv(entry)
         rows = {}
-        for tokens, grouped_us in report["grouped_us"].items():
+        for tokens in moe_gemv_choice.TIMED_TOKENS:  # one count at a time: each row printed as soon as timed
+            timed = moe_gemv_choice.TIMED_TOKENS
+            moe_gemv_choice.TIMED_TOKENS = (tokens,)
+            try:
+                report = moe_gemv_choice.time_gemv(entry)
+            finally:
+                moe_gemv_choice.TIMED_TOKENS = timed
+            grouped_us = report["grouped_us"][tokens]
             gemv_us = report["gemv_us"][tokens]
             words_us = report.get("words_us", {}).get(tokens)
             best_us = min(us for us in (grouped_us, gemv_us, words_us) if us is not None)
@@ -134,10 +140,11 @@ def gpt_oss_main(args) -> None:
                 tiles = f"{best[0]}; {best[1]}"
             row["rel_diff"] = rel
             rows[tokens] = row
+            results["kinds"][kind] = rows
+            Path(args.out).write_text(json.dumps(results, indent=1, default=str))  # (kept if the call runs out)
             print(f"| {kind} | {tokens} | {grouped_us:.1f} | {gemv_us or float('nan'):.1f} | "
                   f"{words_us or float('nan'):.1f} | {moved * per_expert / best_us / 1e3:.0f} | "
-                  f"{moved * codes_bytes / best_us / 1e3:.0f} | {tiles} | {rel:.1e} |", flush=True)
-        for tokens, row in rows.items():
+                  f"{moved * codes_bytes / (words_us or float('nan')) / 1e3:.0f} | {tiles} | {rel:.1e} |", flush=True)
             for name in ("gate_up_us", "down_us", "words_gate_up_us", "words_down_us"):
                 if name in row:
                     print(f"  {kind} {tokens} token(s) {name}: "
