@@ -209,29 +209,44 @@ def _t5_dense_kernel(
 
 
 @jit
-def _dense_key_tiles(q, m_i, l_i, acc, k_rows, v_rows, stride_kt, stride_vt, bias_rows, start, end, length,
-                     far_bias, scale_log2, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-                     PRECISION: tl.constexpr, NEAR: tl.constexpr, TAIL: tl.constexpr):
+def _dense_key_tiles(q, scores_ahead, m_i, l_i, acc, k_rows, v_rows, stride_kt, stride_vt, bias_rows, start, end,
+                     length, far_bias, scale_log2, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
+                     BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, NEAR: tl.constexpr, TAIL: tl.constexpr,
+                     AHEAD: tl.constexpr):
     """Key tiles [start, end) (a multiple of BLOCK_N apart unless TAIL) into the online softmax (base 2) of one
-    query tile. NEAR: each score's bias loaded from ``bias_rows[row] + key`` (a ``dense_distance_bias`` table,
-    log2 units, every distance of the input in range: no clamp; 16-byte aligned runs of keys: vector loads);
-    else every score of these tiles has the bias ``far_bias`` (log2 units), added once per row to the max and
-    folded into the exponent's FMA, no load. TAIL: keys at or past ``length`` hidden by the bias load's -inf
-    (no other mask work: full tiles take none)."""
+    query tile -> (scores_ahead, m_i, l_i, acc). NEAR: each score's bias loaded from ``bias_rows[row] + key``
+    (a ``dense_distance_bias`` table, log2 units, every distance of the input in range: no clamp; 16-byte
+    aligned runs of keys: vector loads); else every score of these tiles has the bias ``far_bias`` (log2
+    units), added once per row to the max and folded into the exponent's FMA, no load. TAIL: keys at or past
+    ``length`` hidden by the bias load's -inf (no other mask work: full tiles take none). AHEAD: the tile's
+    scores q k^T came in ``scores_ahead`` (computed by the tile before, or the kernel for the first), and each
+    tile issues the next tile's product (its keys clamped to the input: past the end, wasted but in bounds)
+    before its own softmax, so that the tensor cores run it during the exponentials."""
     cols = tl.arange(0, BLOCK_N)
     dims = tl.arange(0, DIM_PAD)
+    dim_mask = (dims < HEAD_DIM)[None, :]
     for start_n in range(start, end, BLOCK_N):
         k_pos = start_n + cols
-        k_offsets = k_pos[:, None] * stride_kt + dims[None, :]
+        if AHEAD:
+            next_keys = tl.minimum(k_pos + BLOCK_N, length - 1)[:, None] * stride_kt + dims[None, :]
+            if HEAD_DIM != DIM_PAD:
+                k_next = tl.load(k_rows + next_keys, mask=dim_mask, other=0.0)
+            else:
+                k_next = tl.load(k_rows + next_keys)
+            scores = scores_ahead
+            scores_ahead = tl.dot(q, tl.trans(k_next), input_precision=PRECISION)
+        else:
+            k_offsets = k_pos[:, None] * stride_kt + dims[None, :]
+            if TAIL or HEAD_DIM != DIM_PAD:
+                k = tl.load(k_rows + k_offsets, mask=(k_pos < length)[:, None] & dim_mask, other=0.0)
+            else:
+                k = tl.load(k_rows + k_offsets)
+            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         v_offsets = k_pos[:, None] * stride_vt + dims[None, :]
         if TAIL or HEAD_DIM != DIM_PAD:
-            kv_mask = (k_pos < length)[:, None] & (dims < HEAD_DIM)[None, :]
-            k = tl.load(k_rows + k_offsets, mask=kv_mask, other=0.0)
-            v = tl.load(v_rows + v_offsets, mask=kv_mask, other=0.0)
+            v = tl.load(v_rows + v_offsets, mask=(k_pos < length)[:, None] & dim_mask, other=0.0)
         else:
-            k = tl.load(k_rows + k_offsets)
             v = tl.load(v_rows + v_offsets)
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         if NEAR:
             if TAIL:
                 bias = tl.load(bias_rows[:, None] + k_pos[None, :], mask=(k_pos < length)[None, :],
@@ -248,7 +263,7 @@ def _dense_key_tiles(q, m_i, l_i, acc, k_rows, v_rows, stride_kt, stride_vt, bia
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
-    return m_i, l_i, acc
+    return scores_ahead, m_i, l_i, acc
 
 
 @jit
@@ -258,13 +273,16 @@ def _t5_dense_split_kernel(
     stride_ob, stride_ot, stride_oh, stride_bias, bias_width, bias_zero, seq_len,
     REACH: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, SPLIT_FAR: tl.constexpr,
+    AHEAD: tl.constexpr,
 ):
     """Program (m tile, batch row, head): queries [m * BLOCK_M, +BLOCK_M) over keys [0, lengths[b]), the bias
     from a ``dense_distance_bias`` table (log2 units; query row i reads copy i % 4 from column
     bias_zero - 4 * (i // 4), key j at + j: a run of keys is one aligned vector load). Key tiles
     run in loops by kind: with SPLIT_FAR, the tiles whose every distance is at or past -REACH (left)
     or +REACH (right) take their side's one bias value (no load); the rest (near) load theirs; the
-    partial last tile alone masks. Rows past seq_len repeat the last query (finite; not stored)."""
+    partial last tile alone masks. AHEAD: each tile's q k^T is issued by the tile before (across the
+    loops), overlapping the tensor cores with the softmax. Rows past seq_len repeat the last query
+    (finite; not stored)."""
     m_tile = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     head = tl.program_id(2)
@@ -283,6 +301,15 @@ def _t5_dense_split_kernel(
     k_rows = k_ptr + b * stride_kb + head * stride_kh
     v_rows = v_ptr + b * stride_vb + head * stride_vh
     m_i, l_i, acc = _softmax_start(BLOCK_M, DIM_PAD)
+    if AHEAD:  # the first tile's scores (its keys clamped to the input; an input of no tokens reads key 0)
+        first_keys = tl.minimum(tl.arange(0, BLOCK_N), tl.maximum(length - 1, 0))[:, None] * stride_kt + dims[None, :]
+        if HEAD_DIM != DIM_PAD:
+            k_first = tl.load(k_rows + first_keys, mask=(dims < HEAD_DIM)[None, :], other=0.0)
+        else:
+            k_first = tl.load(k_rows + first_keys)
+        scores = tl.dot(q, tl.trans(k_first), input_precision=PRECISION)
+    else:
+        scores = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)  # unused
     full_end = length // BLOCK_N * BLOCK_N
     if SPLIT_FAR:
         q_last = tl.minimum(first + BLOCK_M, seq_len) - 1
@@ -290,22 +317,22 @@ def _t5_dense_split_kernel(
         right_start = tl.maximum(tl.minimum((q_last + REACH + BLOCK_N - 1) // BLOCK_N * BLOCK_N, full_end), left_end)
         far_left = tl.load(bias_head)  # copy 0's first column: a distance <= -REACH when far tiles exist
         far_right = tl.load(bias_head + bias_width - 1)  # its last: >= REACH
-        m_i, l_i, acc = _dense_key_tiles(q, m_i, l_i, acc, k_rows, v_rows, stride_kt, stride_vt, bias_rows,
-                                         0, left_end, length, far_left, scale_log2,
-                                         HEAD_DIM, DIM_PAD, BLOCK_N, PRECISION, False, False)
-        m_i, l_i, acc = _dense_key_tiles(q, m_i, l_i, acc, k_rows, v_rows, stride_kt, stride_vt, bias_rows,
-                                         left_end, right_start, length, 0.0, scale_log2,
-                                         HEAD_DIM, DIM_PAD, BLOCK_N, PRECISION, True, False)
-        m_i, l_i, acc = _dense_key_tiles(q, m_i, l_i, acc, k_rows, v_rows, stride_kt, stride_vt, bias_rows,
-                                         right_start, full_end, length, far_right, scale_log2,
-                                         HEAD_DIM, DIM_PAD, BLOCK_N, PRECISION, False, False)
+        scores, m_i, l_i, acc = _dense_key_tiles(
+            q, scores, m_i, l_i, acc, k_rows, v_rows, stride_kt, stride_vt, bias_rows, 0, left_end, length,
+            far_left, scale_log2, HEAD_DIM, DIM_PAD, BLOCK_N, PRECISION, False, False, AHEAD)
+        scores, m_i, l_i, acc = _dense_key_tiles(
+            q, scores, m_i, l_i, acc, k_rows, v_rows, stride_kt, stride_vt, bias_rows, left_end, right_start, length,
+            0.0, scale_log2, HEAD_DIM, DIM_PAD, BLOCK_N, PRECISION, True, False, AHEAD)
+        scores, m_i, l_i, acc = _dense_key_tiles(
+            q, scores, m_i, l_i, acc, k_rows, v_rows, stride_kt, stride_vt, bias_rows, right_start, full_end, length,
+            far_right, scale_log2, HEAD_DIM, DIM_PAD, BLOCK_N, PRECISION, False, False, AHEAD)
     else:
-        m_i, l_i, acc = _dense_key_tiles(q, m_i, l_i, acc, k_rows, v_rows, stride_kt, stride_vt, bias_rows,
-                                         0, full_end, length, 0.0, scale_log2,
-                                         HEAD_DIM, DIM_PAD, BLOCK_N, PRECISION, True, False)
-    m_i, l_i, acc = _dense_key_tiles(q, m_i, l_i, acc, k_rows, v_rows, stride_kt, stride_vt, bias_rows,
-                                     full_end, length, length, 0.0, scale_log2,
-                                     HEAD_DIM, DIM_PAD, BLOCK_N, PRECISION, True, True)
+        scores, m_i, l_i, acc = _dense_key_tiles(
+            q, scores, m_i, l_i, acc, k_rows, v_rows, stride_kt, stride_vt, bias_rows, 0, full_end, length,
+            0.0, scale_log2, HEAD_DIM, DIM_PAD, BLOCK_N, PRECISION, True, False, AHEAD)
+    scores, m_i, l_i, acc = _dense_key_tiles(
+        q, scores, m_i, l_i, acc, k_rows, v_rows, stride_kt, stride_vt, bias_rows, full_end, length, length,
+        0.0, scale_log2, HEAD_DIM, DIM_PAD, BLOCK_N, PRECISION, True, True, AHEAD)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # l_i == 0: an input of no tokens
     tl.store(out_ptr + b * stride_ob + rows[:, None] * stride_ot + head * stride_oh + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=(rows < seq_len)[:, None] & (dims < HEAD_DIM)[None, :])
@@ -322,9 +349,10 @@ DECODE_TILING = (1, 32, 1, 1)
 # 128 tokens (BLOCK_M, BLOCK_N, warps, stages), shorter ones 64 x 64 over 4 warps.
 PAGED_TILING = (64, 4, 2)
 DENSE_TILING = (128, 64, 8, 2)
-# The encoder's kernel: "split" (_t5_dense_split_kernel, far key tiles without bias loads), "gather" (the same
-# kernel loading every tile's bias) or "old" (_t5_dense_kernel: clamped bias gathers and masks on every tile).
-DENSE_KERNELS = ("split", "gather", "old")
+# The encoder's kernel: "split" (_t5_dense_split_kernel, far key tiles without bias loads), "ahead" (the same,
+# each tile's q k^T issued by the tile before), "gather" (split's kernel loading every tile's bias) or "old"
+# (_t5_dense_kernel: clamped bias gathers and masks on every tile).
+DENSE_KERNELS = ("split", "ahead", "gather", "old")
 DENSE_KERNEL = "split"
 
 
@@ -434,7 +462,8 @@ def t5_dense_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     _t5_dense_split_kernel[grid](
         q, k, v, out, table, lengths, scale * _LOG2E, *strides, table.stride(0), table.shape[2], zero, length,
         REACH=(bias.shape[1] - 1) // 2, HEAD_DIM=head_dim, DIM_PAD=_dim_pad(head_dim),
-        BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_precision(q), SPLIT_FAR=kernel == "split", **launch)
+        BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_precision(q), SPLIT_FAR=kernel != "gather",
+        AHEAD=kernel == "ahead", **launch)
     return out
 
 

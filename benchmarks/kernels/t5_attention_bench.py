@@ -4,7 +4,7 @@
 
 Flan-T5-XL heads (32 x 64, bf16), random data:
 
-- encoder: ``t5_dense_attention_triton`` (each of DENSE_KERNELS; DENSE_SWEEP's tilings for split) over a padded
+- encoder: ``t5_dense_attention_triton`` (each of DENSE_KERNELS; DENSE_SWEEP's tilings) over a padded
   batch against torch's fused attention with the dense (1, heads, L, L) bias the encoder passed
   before (``F.scaled_dot_product_attention``, bf16 and float32 bias, default / memory-efficient /
   cuDNN backends) and, with ``--flex``, FlexAttention with the bias as a score_mod, at ``--encoder``
@@ -56,10 +56,14 @@ from kernels.t5_bias_attention import (DECODE_TILING, DENSE_KERNEL, DENSE_KERNEL
 HEADS, DIM, BUCKETS, MAX_DISTANCE, PAGE = 32, 64, 32, 128, 32
 # tilings timed beside the defaults: encoder (BLOCK_M, BLOCK_N, warps, stages[, maxnreg]), decode (BLOCK_N, warps,
 # stages)
-# (BLOCK_M, BLOCK_N, warps, stages[, maxnreg]); sm_90 (Triton 3.6) split kernel: (128, 64, 8, 2) 162 registers, one
-# program an SM; capped at 128 no spills, two; (64, 64, 4, 2) 152 (three); (64, 128, 4, 2) 254 (two, 104 KB smem)
-DENSE_SWEEP = [(128, 64, 8, 2, 128), (64, 64, 4, 2), (64, 64, 4, 2, 128), (64, 64, 4, 3), (64, 128, 4, 2),
-               (128, 64, 8, 3), (128, 64, 4, 2), (128, 32, 8, 2)]
+# (BLOCK_M, BLOCK_N, warps, stages[, maxnreg]) per encoder kernel, beside its default. sm_90 (Triton 3.6), split:
+# (128, 64, 8, 2) 162 registers, one program an SM; capped at 128 no spills, two; (64, 64, 4, 2) 152 (three);
+# (64, 128, 4, 2) 254 (two, 104 KB). ahead (the next tile's scores live too): (128, 64, 8, 2) 200; (64, 64, 4, 2)
+# 208, capped at 168 no spills (three); (64, 64, 4, 3) 182; (128, 64, 8, 2, 128) and (64, 128, 4, 2) spill.
+DENSE_SWEEP = {"split": [(128, 64, 8, 2, 128), (64, 64, 4, 2), (64, 64, 4, 2, 128), (64, 64, 4, 3), (64, 128, 4, 2),
+                         (128, 64, 8, 3)],
+               "ahead": [(64, 64, 4, 2), (64, 64, 4, 2, 168), (64, 64, 4, 3), (128, 64, 8, 3)],
+               "gather": [(128, 64, 8, 2, 128), (64, 64, 4, 2)]}
 PAGED_SWEEP = [(64, 4, 2), (32, 2, 3), (64, 2, 3), (32, 4, 2), (128, 4, 2)]
 # decode kernel tilings timed beside DECODE_TILING: (HEADS_PER_PROGRAM, BLOCK_N, warps, stages)
 # (one-warp programs: their key reductions stay in the warp; sm_90 registers of each: 70-132, no spills)
@@ -70,7 +74,7 @@ L2_BYTES = 60 << 20  # pools this large in all are read from HBM (H200: 50 MB of
 
 def encoder_case(batch: int, length: int, device, *, sweep: bool = True, flex: bool = False, on_path=None) -> dict:
     """The encoder attention at ``batch`` x ``length`` (every input full): each of DENSE_KERNELS at its default
-    tiling and (``sweep``) the split kernel at DENSE_SWEEP's (gather at its first two), torch SDPA with the
+    tiling and (``sweep``) the new ones at DENSE_SWEEP's, torch SDPA with the
     materialized (1, heads, L, L) bias (bf16 and float32; default, memory-efficient and cuDNN backends) and
     (``flex``) FlexAttention with the bias as a score_mod: ms (CUDA events, median) and TFLOPS (QK and PV), max abs error against the float32 reference
     on the first two rows. ``on_path(entry)`` after every path (a run cut short keeps what it measured)."""
@@ -99,8 +103,7 @@ def encoder_case(batch: int, length: int, device, *, sweep: bool = True, flex: b
     for kernel in DENSE_KERNELS:
         timed(f"{kernel} default", lambda kernel=kernel: t5_dense_attention_triton(q, k, v, lengths, 1.0, bias,
                                                                                    kernel=kernel))
-    # the split kernel over DENSE_SWEEP, the gather variant over its first two, the old kernel at its default only
-    for kernel, tilings in (("split", DENSE_SWEEP), ("gather", DENSE_SWEEP[:2])) if sweep else ():
+    for kernel, tilings in DENSE_SWEEP.items() if sweep else ():  # the old kernel at its default only
         for tiling in tilings:
             timed(f"{kernel} {tiling}", lambda kernel=kernel, tiling=tiling: t5_dense_attention_triton(
                 q, k, v, lengths, 1.0, bias, kernel=kernel, tiling=tiling))

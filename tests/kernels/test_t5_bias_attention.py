@@ -265,7 +265,7 @@ def test_dense_kernels_compile_for_sm90_without_spills(kernel, tmp_path):
                     lengths_ptr="*i32")
     const = dict(REACH=128, HEAD_DIM=64, DIM_PAD=64, BLOCK_M=block_m, BLOCK_N=block_n, PRECISION="tf32")
     if kernel != "old":
-        const["SPLIT_FAR"] = kernel == "split"
+        const.update(SPLIT_FAR=kernel != "gather", AHEAD=kernel == "ahead")
     usage = sm90_resource_usage(_t5_dense_kernel if kernel == "old" else _t5_dense_split_kernel, pointers, const,
                                 ("scale_log2",), ("stride_bias", "seq_len") if kernel == "old" else ("seq_len",),
                                 warps, stages, tmp_path)
