@@ -259,16 +259,18 @@ def test_int4_choice_and_dispatch(monkeypatch, tmp_path):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the entries dispatch to Triton on CUDA tensors only")
 def test_mxfp4_choice_and_dispatch(monkeypatch, tmp_path):
-    """MXFP4 experts with biases and the clamped SwiGLU (gpt-oss's GptOssExperts.gemv_experts): the choice times
-    against moe_forward_mxfp4 and marks the codes; a forced mark makes moe_forward_mxfp4 give this path's (summed)
+    """MXFP4 experts with biases and the clamped SwiGLU (gpt-oss's GptOssExperts.gemv_experts), the word path off
+    ($TRITONLLM_MXFP4_WORDS=0): the choice times this pair against moe_forward_mxfp4 and marks the codes; a forced mark makes moe_forward_mxfp4 give this path's (summed)
     result, equal to the widened experts' reference. Two GEMV candidates."""
     from test_fused_moe_mxfp4 import problem
 
     from kernels import choice_cache, moe_gemv_choice
     from kernels.fused_moe_mxfp4 import moe_forward_mxfp4, prepare_mxfp4_experts
     from kernels.moe_epilogue import ExpertEpilogue
+    from kernels.mxfp4_gemv import WORDS_ENV
 
     monkeypatch.setenv(choice_cache.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv(WORDS_ENV, "0")  # (kernels/mxfp4_gemv.py's word path: tests/kernels/test_mxfp4_gemv.py)
     monkeypatch.setattr(moe_gemv_choice, "candidate_tiles", lambda kind: GEMV_TILES[:2])
     hidden, inter = 256, 128
     x, logits, gate_up_stored, down_stored, biases = problem(3, hidden, inter, EXPERTS, seed=80)
