@@ -228,13 +228,7 @@ def _dense_key_tiles(q, scores_ahead, m_i, l_i, acc, k_rows, v_rows, stride_kt, 
     for start_n in range(start, end, BLOCK_N):
         k_pos = start_n + cols
         if AHEAD:
-            next_keys = tl.minimum(k_pos + BLOCK_N, length - 1)[:, None] * stride_kt + dims[None, :]
-            if HEAD_DIM != DIM_PAD:
-                k_next = tl.load(k_rows + next_keys, mask=dim_mask, other=0.0)
-            else:
-                k_next = tl.load(k_rows + next_keys)
             scores = scores_ahead
-            scores_ahead = tl.dot(q, tl.trans(k_next), input_precision=PRECISION)
         else:
             k_offsets = k_pos[:, None] * stride_kt + dims[None, :]
             if TAIL or HEAD_DIM != DIM_PAD:
@@ -242,18 +236,26 @@ def _dense_key_tiles(q, scores_ahead, m_i, l_i, acc, k_rows, v_rows, stride_kt, 
             else:
                 k = tl.load(k_rows + k_offsets)
             scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-        v_offsets = k_pos[:, None] * stride_vt + dims[None, :]
-        if TAIL or HEAD_DIM != DIM_PAD:
-            v = tl.load(v_rows + v_offsets, mask=(k_pos < length)[:, None] & dim_mask, other=0.0)
-        else:
-            v = tl.load(v_rows + v_offsets)
-        if NEAR:
+        if NEAR:  # (AHEAD: the bias read before the next product, whose wait would hold the read back)
             if TAIL:
                 bias = tl.load(bias_rows[:, None] + k_pos[None, :], mask=(k_pos < length)[None, :],
                                other=float("-inf"))
             else:
                 bias = tl.load(bias_rows[:, None] + k_pos[None, :])
             scores = scores * scale_log2 + bias
+        if AHEAD:
+            next_keys = tl.minimum(k_pos + BLOCK_N, length - 1)[:, None] * stride_kt + dims[None, :]
+            if HEAD_DIM != DIM_PAD:
+                k_next = tl.load(k_rows + next_keys, mask=dim_mask, other=0.0)
+            else:
+                k_next = tl.load(k_rows + next_keys)
+            scores_ahead = tl.dot(q, tl.trans(k_next), input_precision=PRECISION)
+        v_offsets = k_pos[:, None] * stride_vt + dims[None, :]
+        if TAIL or HEAD_DIM != DIM_PAD:
+            v = tl.load(v_rows + v_offsets, mask=(k_pos < length)[:, None] & dim_mask, other=0.0)
+        else:
+            v = tl.load(v_rows + v_offsets)
+        if NEAR:
             m_new = tl.maximum(m_i, tl.max(scores, 1))
             p = tl.math.exp2(scores - m_new[:, None])
         else:  # scale > 0: the max of scores * scale + c is (max of scores) * scale + c
