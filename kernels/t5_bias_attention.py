@@ -414,19 +414,22 @@ def dense_distance_bias(bias: torch.Tensor, length: int, block_m: int) -> tuple[
     return (bias[:, distance.clamp_(-reach, reach) + reach] * _LOG2E).contiguous(), zero
 
 
-# dense_distance_bias tables made by t5_dense_attention_triton, newest last: (id(bias), length, block_m) -> (bias,
+# dense_distance_bias tables made by t5_dense_attention_triton, newest last: (id(bias), length, BLOCK_M) -> (bias,
 # its version counter then, table, zero). The entry holds ``bias`` itself, so its id cannot be reused while cached;
-# an in-place change bumps the version and remakes the table. A stack's 24 encoder layers share one table a length
-# instead of making it (seven small launches) each call.
-_DENSE_TABLES: dict[tuple[int, int, int], tuple[torch.Tensor, int, torch.Tensor, int]] = {}
+# an in-place change bumps the version and remakes the table. Inference tensors (made under torch.inference_mode,
+# as the executor's are) keep no version counter: theirs is None, and a table made from one is kept as long as that
+# tensor (T5's distance tables are made once per weight and never written after). A stack's 24 encoder layers share
+# one table a length instead of making it (seven small launches) each call.
+_DENSE_TABLES: dict[tuple[int, int, int], tuple[torch.Tensor, int | None, torch.Tensor, int]] = {}
 _DENSE_TABLES_KEPT = 8
 
 
 def _cached_dense_distance_bias(bias: torch.Tensor, length: int, block_m: int) -> tuple[torch.Tensor, int]:
     key = (id(bias), length, block_m)
     cached = _DENSE_TABLES.pop(key, None)
-    if cached is None or cached[0] is not bias or cached[1] != bias._version:
-        cached = (bias, bias._version, *dense_distance_bias(bias, length, block_m))
+    version = None if bias.is_inference() else bias._version
+    if cached is None or cached[0] is not bias or cached[1] != version:
+        cached = (bias, version, *dense_distance_bias(bias, length, block_m))
     _DENSE_TABLES[key] = cached  # newest last
     while len(_DENSE_TABLES) > _DENSE_TABLES_KEPT:
         del _DENSE_TABLES[next(iter(_DENSE_TABLES))]

@@ -5,6 +5,7 @@ when full and is all free after cancels; bad encoder inputs get named errors."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -64,6 +65,28 @@ def test_greedy_ids_and_logits_equal_transformers(built, executor):
             # stay exact on both.
             bound = 1e-3 if torch.cuda.is_available() else 1e-4  # the executor runs where CUDA is
             torch.testing.assert_close(ours.float(), logits[:len(ours)].float(), rtol=bound, atol=bound)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="the Triton kernels: CUDA, or TRITON_INTERPRET=1 on the CPU")
+@pytest.mark.parametrize("kernel", ["split", "ahead", "old"])
+def test_t5_encoder_kernels_in_the_executor_equal_transformers(built, monkeypatch, kernel):
+    """T5's encoder attention through each dense kernel (kernels/t5_bias_attention.py; on the CPU in Triton's
+    interpreter) inside the executor, whose tensors are inference tensors (torch.inference_mode: no version
+    counters): three inputs of different lengths give transformers' greedy ids."""
+    family, model, root = built
+    if not family.startswith("t5"):
+        pytest.skip("T5's relative position bias only")
+    monkeypatch.setattr("engine.encoder_decoder.model.kernels_enabled", lambda x: True)  # the encoder's choice
+    monkeypatch.setenv("TRITONLLM_T5_DENSE_KERNEL", kernel)
+    requests = [Request(input_token_ids=[], encoder_input_ids=ids, max_tokens=6, end_id=1,
+                        output=OutputConfig(exclude_input_from_output=True)) for ids in INPUTS]
+    with Executor(str(root / "decoder"), ExecutorConfig(max_batch_size=4)) as ex:
+        responses = collect(ex, ex.enqueue_requests(requests))
+    start = model.config.decoder_start_token_id
+    for ids, request_id in zip(INPUTS, responses):
+        expected, _ = generate(model, ids, 6)
+        assert final_tokens(responses[request_id]) == expected[len([start]):], (family, kernel, ids)
 
 
 def test_missing_decoder_prompt_is_decoder_start(built, executor):
