@@ -169,6 +169,9 @@ def run(args: argparse.Namespace) -> dict:
                 q_latent, q_rope, cache, metas = decode_step(shape, batch, context, pool, args.tree, args.device,
                                                              dtype, sets)
                 flops = q_latent.shape[0] * shape["heads"] * context * 2 * (2 * shape["rank"] + shape["rope"])
+                want = None  # --check: the torch reference's output (float32 math), once per shape
+                if args.check and args.device != "cpu":
+                    want = mla_attention_ref(q_latent, q_rope, cache, metas[0], scale).float()
                 for config in (args.configs if args.device != "cpu" else [None]):
                     if config is None:  # the CPU: the reference, wall time
                         call = lambda meta: mla_attention_ref(q_latent, q_rope, cache, meta, scale)  # noqa: E731
@@ -185,11 +188,12 @@ def run(args: argparse.Namespace) -> dict:
                         us = graph_call_us(call, [(meta,) for meta in metas])
                         splits = splits_of(config, q_latent.shape[0], shape["heads"], q_latent.device,
                                            metas[0].max_context_len)
+                    error = None if want is None else ((call(metas[0]).float() - want).norm() / want.norm()).item()
                     achieved = read / (us / 1e6)
                     rows.append(dict(pool=pool, batch=batch, context=context, tree=args.tree,
                                      config=None if config is None else config_name(config),
                                      us=us, eager_us=eager_us, latent_bytes=read, GBps=achieved / 1e9,
-                                     TFLOPS=flops / (us / 1e6) / 1e12, splits=splits, graph_sets=sets,
+                                     TFLOPS=flops / (us / 1e6) / 1e12, splits=splits, graph_sets=sets, rel_error=error,
                                      fraction=None if bandwidth is None else achieved / bandwidth))
                     print(row_line(rows[-1]), flush=True)
                     if args.out:  # after every row: a run cut by its guard keeps what it measured
@@ -207,7 +211,8 @@ def row_line(r: dict) -> str:
     """One measured row as a line of the log."""
     frac = "-" if r["fraction"] is None else f"{r['fraction']:.0%}"
     return (f"{r['pool']} batch {r['batch']} ctx {r['context']} {r['config'] or 'ref'}: {r['us']:.1f} us "
-            f"(eager {r['eager_us']:.0f}) {r['GBps']:.0f} GB/s = {frac} of copy, splits {r['splits']}")
+            f"(eager {r['eager_us']:.0f}) {r['GBps']:.0f} GB/s = {frac} of copy, splits {r['splits']}"
+            + ("" if r.get("rel_error") is None else f", rel err {r['rel_error']:.1e}"))
 
 
 def markdown(results: dict) -> str:
@@ -241,6 +246,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="comma-separated block_h:max_splits:min_span[:block_n[:warps]] (the general kernel; 16:16:32 = "
                         "the split policy before 2026-11-29) or d<block_n>:warps:stages[:max_splits[:min_span[:pps]]] "
                         "(the decode kernel)")
+    p.add_argument("--check", action="store_true",
+                   help="each config's output against the torch reference (relative error column in the JSON and log)")
     p.add_argument("--tiny", action="store_true", help="tiny shape, float32, on the CPU (the reference), seconds")
     p.add_argument("--out", default=None)
     p.add_argument("--markdown", default=None, help="append the table to this file")
