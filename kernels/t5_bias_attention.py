@@ -348,9 +348,14 @@ def _t5_dense_split_kernel(
 # where 4-warp programs over two heads left them idle between steps.
 DECODE_TILING = (1, 32, 1, 1)
 # Default tilings: decode rows / prompt chunks (BLOCK_N, warps, stages); encoder inputs of at least
-# 128 tokens (BLOCK_M, BLOCK_N, warps, stages), shorter ones 64 x 64 over 4 warps.
+# 128 tokens, per DENSE_KERNELS entry (BLOCK_M, BLOCK_N, warps, stages[, maxnreg]), shorter ones 64 x 64 over 4
+# warps. The H200 sweep (benchmarks/kernels/t5_attention_bench.py, 2026-11-30 17:33, commit 9a46289; Flan-T5-XL
+# heads, 256 x 512): split fastest at (128, 32, 8, 2), 5.18 ms = 106 TFLOPS (106 registers on sm_90: two 8-warp
+# programs an SM), against 6.68 at (128, 64, 8, 2) (162 registers, one) and the old kernel's 8.35 (66 TFLOPS);
+# 16 x 512 0.305 ms (best 0.300 at (64, 64, 4, 2, 128); old 0.655). "ahead" at (128, 32, 8, 2): 120 registers.
 PAGED_TILING = (64, 4, 2)
-DENSE_TILING = (128, 64, 8, 2)
+DENSE_TILINGS = {"split": (128, 32, 8, 2), "ahead": (128, 32, 8, 2), "gather": (128, 64, 8, 2, 128),
+                 "old": (128, 64, 8, 2)}
 # The encoder's kernel: "split" (_t5_dense_split_kernel, far key tiles without bias loads), "ahead" (the same,
 # each tile's q k^T issued by the tile before), "gather" (split's kernel loading every tile's bias) or "old"
 # (_t5_dense_kernel: clamped bias gathers and masks on every tile).
@@ -452,7 +457,8 @@ def t5_dense_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     assert kernel in DENSE_KERNELS, kernel
     assert q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1 and bias.is_contiguous()
     lengths, = dense(lengths)  # read at lengths_ptr + sequence
-    block_m, block_n, warps, stages, *max_registers = tiling or (DENSE_TILING if length >= 128 else (64, 64, 4, 2))
+    block_m, block_n, warps, stages, *max_registers = tiling or (DENSE_TILINGS[kernel] if length >= 128 else
+                                                                 (64, 64, 4, 2))
     launch = dict(num_warps=warps, num_stages=stages, **({"maxnreg": max_registers[0]} if max_registers else {}))
     grid = (triton.cdiv(length, block_m), batch, num_heads)
     strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3])

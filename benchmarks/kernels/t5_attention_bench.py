@@ -49,7 +49,7 @@ from benchmarks.common import (command_line, cuda_time_ms, git_commit, graph_cal
                                utc_now)
 from kernels.attention_metadata import AttentionMetadata  # noqa: E402
 from kernels.relative_position_bias import decode_attention_bias, position_bias  # noqa: E402
-from kernels.t5_bias_attention import (DECODE_TILING, DENSE_KERNEL, DENSE_KERNELS, DENSE_TILING,  # noqa: E402
+from kernels.t5_bias_attention import (DECODE_TILING, DENSE_KERNEL, DENSE_KERNELS, DENSE_TILINGS,  # noqa: E402
                                        bias_of_distances, distance_bias, t5_dense_attention_ref,
                                        t5_dense_attention_triton, t5_paged_attention_ref, t5_paged_attention_triton)
 
@@ -62,7 +62,7 @@ HEADS, DIM, BUCKETS, MAX_DISTANCE, PAGE = 32, 64, 32, 128, 32
 # 202, capped at 168 no spills (three); (64, 64, 4, 3) 182; (128, 64, 8, 2, 128) and (64, 128, 4, 2) spill.
 DENSE_SWEEP = {"split": [(128, 64, 8, 2, 128), (64, 64, 4, 2), (64, 64, 4, 2, 128), (64, 64, 4, 3), (64, 128, 4, 2),
                          (128, 64, 8, 3)],
-               "ahead": [(64, 64, 4, 2), (64, 64, 4, 2, 168), (64, 64, 4, 3), (128, 64, 8, 3)],
+               "ahead": [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (64, 32, 4, 2)],
                "gather": [(128, 64, 8, 2, 128), (64, 64, 4, 2)]}
 PAGED_SWEEP = [(64, 4, 2), (32, 2, 3), (64, 2, 3), (32, 4, 2), (128, 4, 2)]
 # decode kernel tilings timed beside DECODE_TILING: (HEADS_PER_PROGRAM, BLOCK_N, warps, stages)
@@ -72,12 +72,13 @@ DECODE_SWEEP = [(1, 64, 4, 1), (1, 128, 4, 1), (1, 32, 2, 1), (2, 32, 2, 1), (4,
 L2_BYTES = 60 << 20  # pools this large in all are read from HBM (H200: 50 MB of L2)
 
 
-def encoder_case(batch: int, length: int, device, *, sweep: bool = True, flex: bool = False, on_path=None) -> dict:
+def encoder_case(batch: int, length: int, device, *, sweep=True, flex: bool = False, on_path=None) -> dict:
     """The encoder attention at ``batch`` x ``length`` (every input full): each of DENSE_KERNELS at its default
-    tiling and (``sweep``) the new ones at DENSE_SWEEP's, torch SDPA with the
-    materialized (1, heads, L, L) bias (bf16 and float32; default, memory-efficient and cuDNN backends) and
-    (``flex``) FlexAttention with the bias as a score_mod: ms (CUDA events, median) and TFLOPS (QK and PV), max abs error against the float32 reference
-    on the first two rows. ``on_path(entry)`` after every path (a run cut short keeps what it measured)."""
+    tiling and, ``sweep`` True (or a list of kernel names: those), the new ones at DENSE_SWEEP's; torch SDPA with
+    the materialized (1, heads, L, L) bias (bf16 and float32; default, memory-efficient and cuDNN backends) and
+    (``flex``) FlexAttention with the bias as a score_mod: ms (CUDA events, median) and TFLOPS (QK and PV), max
+    abs error against the float32 reference on the first two rows. ``on_path(entry)`` after every path (a run cut
+    short keeps what it measured)."""
     table = torch.randn(BUCKETS, HEADS, device=device, dtype=torch.bfloat16)
     qkv = torch.randn(batch, length, 3, HEADS, DIM, device=device, dtype=torch.bfloat16)
     q, k, v = qkv.unbind(2)  # views of one projection's output, as the engine passes them
@@ -103,7 +104,8 @@ def encoder_case(batch: int, length: int, device, *, sweep: bool = True, flex: b
     for kernel in DENSE_KERNELS:
         timed(f"{kernel} default", lambda kernel=kernel: t5_dense_attention_triton(q, k, v, lengths, 1.0, bias,
                                                                                    kernel=kernel))
-    for kernel, tilings in DENSE_SWEEP.items() if sweep else ():  # the old kernel at its default only
+    swept = DENSE_SWEEP if sweep is True else {k: DENSE_SWEEP[k] for k in sweep or ()}  # or the kernels named
+    for kernel, tilings in swept.items():  # the old kernel at its default only
         for tiling in tilings:
             timed(f"{kernel} {tiling}", lambda kernel=kernel, tiling=tiling: t5_dense_attention_triton(
                 q, k, v, lengths, 1.0, bias, kernel=kernel, tiling=tiling))
@@ -136,7 +138,7 @@ def encoder_markdown(entries: list[dict], argv: list[str] | None) -> str:
              f"{machine_summary('cuda')}, commit {git_commit()}, `{command_line(__file__, quoted)}`. "
              f"Flan-T5-XL heads ({HEADS} x {DIM}), bf16, bidirectional bias (max_distance {MAX_DISTANCE}), every "
              f"input full; ms = median of 20 CUDA-event timings; TFLOPS = 4 * batch * heads * L^2 * dim / time. "
-             f"Kernels: {', '.join(DENSE_KERNELS)} (default {DENSE_KERNEL}); default tiling {DENSE_TILING} "
+             f"Kernels: {', '.join(DENSE_KERNELS)} (default {DENSE_KERNEL}); default tilings {DENSE_TILINGS} "
              f"(BLOCK_M, BLOCK_N, warps, stages).", "",
              "| batch x L | path | ms | TFLOPS | max abs err |", "|---|---|---:|---:|---:|"]
     for e in entries:
@@ -259,7 +261,8 @@ def shapes(text: str) -> list[tuple[int, ...]]:
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--encoder", default="256x512,16x512", help="batch x length shapes of the encoder attention")
-    p.add_argument("--encoder-sweep", default="1", help="0: the encoder kernels at their default tilings only")
+    p.add_argument("--encoder-sweep", default="1", help="0: the encoder kernels at their default tilings only; "
+                   "kernel names (comma-separated): DENSE_SWEEP of those alone")
     p.add_argument("--flex", action="store_true", help="time FlexAttention (torch.compile) in the encoder section")
     p.add_argument("--encoder-md", default=None, help="write the encoder section's markdown here (after every shape)")
     p.add_argument("--decode", default="256x64x160,256x128x160,64x128x160",
@@ -282,8 +285,8 @@ def main(argv=None) -> dict:
             Path(args.encoder_md).write_text(encoder_markdown(results["encoder"] + [entry], argv))
 
     for batch, length in shapes(args.encoder):
-        results["encoder"].append(encoder_case(batch, length, device, sweep=args.encoder_sweep != "0", flex=args.flex,
-                                               on_path=save_encoder))
+        sweep = {"0": False, "1": True}.get(args.encoder_sweep, args.encoder_sweep.split(","))
+        results["encoder"].append(encoder_case(batch, length, device, sweep=sweep, flex=args.flex, on_path=save_encoder))
     if results["encoder"]:
         print(encoder_markdown(results["encoder"], argv))
     for seqs, context, width in shapes(args.decode):

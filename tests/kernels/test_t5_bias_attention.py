@@ -231,7 +231,7 @@ AOT_SM90 = pytest.mark.skipif(
 
 
 def sm90_resource_usage(kernel, pointers: dict, const: dict, floats: tuple, unaligned: tuple, warps: int, stages: int,
-                        tmp_path) -> str:
+                        tmp_path, max_registers: int | None = None) -> str:
     """Triton's compiler and ptxas (no GPU) on ``kernel`` for sm_90: cuobjdump's resource line (REG, LOCAL...).
     ``pointers``: argument -> pointer type; ``const``: constexprs; ``floats``: fp32 scalars; ``unaligned``: integer
     arguments not divisible by 16 (the rest are, as Triton specializes them)."""
@@ -243,8 +243,9 @@ def sm90_resource_usage(kernel, pointers: dict, const: dict, floats: tuple, unal
     signature = {n: pointers.get(n, "constexpr" if n in const else "fp32" if n in floats else "i32") for n in names}
     aligned = [n for n in names if n in pointers or (signature[n] == "i32" and n not in unaligned)]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    options = {"num_warps": warps, "num_stages": stages, **({"maxnreg": max_registers} if max_registers else {})}
     compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=const, attrs=attrs),
-                              target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+                              target=GPUTarget("cuda", 90, 32), options=options)
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     if not cuobjdump.exists():
         pytest.skip("no cuobjdump beside Triton's ptxas")
@@ -256,11 +257,11 @@ def sm90_resource_usage(kernel, pointers: dict, const: dict, floats: tuple, unal
 @AOT_SM90
 @pytest.mark.parametrize("kernel", DENSE_KERNELS)
 def test_dense_kernels_compile_for_sm90_without_spills(kernel, tmp_path):
-    """Each encoder kernel at DENSE_TILING for Flan-T5-XL's heads (64 dims, max_distance 128, bf16): no spills
-    (local memory or stack)."""
-    from kernels.t5_bias_attention import DENSE_TILING, _t5_dense_kernel, _t5_dense_split_kernel
+    """Each encoder kernel at its DENSE_TILINGS entry for Flan-T5-XL's heads (64 dims, max_distance 128, bf16):
+    no spills (local memory or stack)."""
+    from kernels.t5_bias_attention import DENSE_TILINGS, _t5_dense_kernel, _t5_dense_split_kernel
 
-    block_m, block_n, warps, stages = DENSE_TILING
+    block_m, block_n, warps, stages, *max_registers = DENSE_TILINGS[kernel]
     pointers = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", out_ptr="*bf16", bias_ptr="*fp32",
                     lengths_ptr="*i32")
     const = dict(REACH=128, HEAD_DIM=64, DIM_PAD=64, BLOCK_M=block_m, BLOCK_N=block_n, PRECISION="tf32")
@@ -268,5 +269,5 @@ def test_dense_kernels_compile_for_sm90_without_spills(kernel, tmp_path):
         const.update(SPLIT_FAR=kernel != "gather", AHEAD=kernel == "ahead")
     usage = sm90_resource_usage(_t5_dense_kernel if kernel == "old" else _t5_dense_split_kernel, pointers, const,
                                 ("scale_log2",), ("stride_bias", "seq_len") if kernel == "old" else ("seq_len",),
-                                warps, stages, tmp_path)
+                                warps, stages, tmp_path, *max_registers)
     assert "LOCAL:0 " in usage and "STACK:0 " in usage, usage
