@@ -24,17 +24,27 @@ from kernels._triton import use_triton
 from kernels.attention import KV_FP8_DTYPE
 from kernels.one_query_attention import one_query_attention_triton
 
-# (HEADS a program, BLOCK_N keys a step, warps, stages): T5's decode self-attention tiling (one warp a head)
-CROSS_TILING = (1, 32, 1, 1)
+# (HEADS a program, BLOCK_N keys a step, warps, stages) by the pool's bytes an element: one warp a head. H200
+# sweep (benchmarks/kernels/cross_attention_bench.py, 2026-11-30 17:32 UTC, commit 9a46289; benchmarks/results/
+# kernels.md): a bf16 pool 16 keys a step, fastest of 5 tilings at every shape (256 x 32 heads x 512 keys 247.8
+# us against 268.9 for 32 keys: 4.3 TB/s of K/V; 64 x 20 x 1,500 120.5, 64 x 32 x 512 69.9, batch 1 8.1 against
+# 10.2); an FP8 pool 32 keys (256 x 32 x 512 135.6 us = 3.96 TB/s; 64 keys took 130.9 there but 80.7 against 67.5
+# at 64 x 20 x 1,500).
+CROSS_TILINGS = {1: (1, 32, 1, 1), 2: (1, 16, 1, 1), 4: (1, 16, 1, 1)}
+
+
+def cross_tiling(pool_dtype: torch.dtype) -> tuple[int, int, int, int]:
+    return CROSS_TILINGS[pool_dtype.itemsize]
 
 
 def cross_attention_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                   block_tables: torch.Tensor, lengths: torch.Tensor, scale: float,
                                   max_len: int, *, tiling: tuple[int, int, int, int] | None = None,
                                   splits: int | None = None) -> torch.Tensor:
-    """``tiling`` / ``splits`` instead of CROSS_TILING / one_query_attention.py's ``decode_splits`` (sweeps)."""
+    """``tiling`` / ``splits`` instead of ``cross_tiling`` / one_query_attention.py's ``decode_splits`` (sweeps)."""
     return one_query_attention_triton(q, k_cache, v_cache, block_tables, lengths, scale,
-                                      tiling=tiling or CROSS_TILING, max_context_len=max_len, splits=splits)
+                                      tiling=tiling or cross_tiling(k_cache.dtype), max_context_len=max_len,
+                                      splits=splits)
 
 
 def gather_rows(cache: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:

@@ -35,7 +35,7 @@ _LOG2E = 1.4426950408889634
 # resident an SM), each split at least MIN_SPLIT_STEPS key tiles, at most MAX_SPLITS splits.
 PROGRAMS_PER_SM = 16
 MIN_SPLIT_STEPS = 2
-MAX_SPLITS = 32
+MAX_SPLITS = 64
 
 
 @jit

@@ -6,7 +6,7 @@ Every row one query token over its request's encoder K/V (``--shapes`` rows x he
 every row the full length), cross pools of 32-token pages (head-major, as the runner allocates them,
 shuffled block tables) in ``--pools`` (bf16, FP8 E4M3): the general paged kernel
 (kernels/attention.py ``paged_attention``, the engine's path before, $TRITONLLM_ENCDEC_CROSS_KERNEL=0)
-against ``cross_attention_decode_triton`` at its defaults (CROSS_TILING, ``decode_splits``) and at
+against ``cross_attention_decode_triton`` at its defaults (``cross_tiling``, ``decode_splits``) and at
 the ``--tilings`` x ``--splits`` sweep. Device time from CUDA-graph replays of one call per pool copy
 (benchmarks/common.py ``graph_call_us``; enough copies that they do not fit in L2); GB/s = K/V bytes
 read / time, beside a same-run device-to-device copy rate (read + write bytes / time, the
@@ -30,8 +30,8 @@ from benchmarks.common import command_line, git_commit, graph_call_us, machine_s
 from benchmarks.engine.hybrid_bench import copy_bandwidth  # noqa: E402
 from kernels.attention import paged_attention  # noqa: E402
 from kernels.attention_metadata import AttentionMetadata  # noqa: E402
-from kernels.cross_attention_decode import (CROSS_TILING, cross_attention_decode_ref,  # noqa: E402
-                                            cross_attention_decode_triton)
+from kernels.cross_attention_decode import (cross_attention_decode_ref, cross_attention_decode_triton,  # noqa: E402
+                                            cross_tiling)
 from kernels.one_query_attention import decode_splits  # noqa: E402
 
 DIM, PAGE, SCALE = 64, 32, 0.125
@@ -81,7 +81,8 @@ def case(rows: int, heads: int, keys: int, pool: str, tilings: list, splits_list
     old_us, old_err = timed(old)
     new_us, new_err = timed(new)
     entry = {"rows": rows, "heads": heads, "keys": keys, "pool": pool, "kv_mb": kv_bytes / 1e6, "copies": copies,
-             "default_splits": decode_splits(rows, heads // min(heads, CROSS_TILING[0]), keys, CROSS_TILING[1],
+             "default_tiling": str(cross_tiling(dtype)),
+             "default_splits": decode_splits(rows, -(-heads // cross_tiling(dtype)[0]), keys, cross_tiling(dtype)[1],
                                              device),
              "old_us": old_us, "old_max_abs_err": old_err, "new_us": new_us, "new_max_abs_err": new_err,
              "sweep_us": {}}
@@ -104,16 +105,16 @@ def markdown(results: dict, argv: list[str] | None) -> str:
     lines = [f"### Decode cross-attention: one-query kernel vs the general paged kernel ({results['date']})", "",
              f"{results['machine']}, commit {results['commit']}, `{command_line(__file__, quoted)}`. Head dim {DIM}, "
              f"pages of {PAGE}, every row the full encoder length; us from CUDA-graph replays (pool copies past L2); "
-             f"GB/s = K/V bytes / time; same-run copy rate {copy:.0f} GB/s (read + write). CROSS_TILING "
-             f"{CROSS_TILING} (heads a program, keys a step, warps, stages).", "",
-             "| rows x heads x keys | pool | K/V MB | paged kernel us | GB/s | new us (splits) | GB/s | % of copy "
+             f"GB/s = K/V bytes / time; same-run copy rate {copy:.0f} GB/s (read + write). Tilings: (heads a "
+             f"program, keys a step, warps, stages; stages 2: the next tile prefetched), s: key splits.", "",
+             "| rows x heads x keys | pool | K/V MB | paged kernel us | GB/s | new us (tiling, splits) | GB/s | % of copy "
              "| speedup | best sweep (us, % of copy) | max abs err old / new |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]
     for e in results["cases"]:
         timed = {k: v for k, v in e["sweep_us"].items() if isinstance(v, float)}
         best = min(timed.items(), key=lambda kv: kv[1], default=("-", float("nan")))
         lines.append(f"| {e['rows']} x {e['heads']} x {e['keys']} | {e['pool']} | {e['kv_mb']:.1f} | {e['old_us']:.1f} "
-                     f"| {gbs(e, e['old_us']):.0f} | {e['new_us']:.1f} ({e['default_splits']}) "
+                     f"| {gbs(e, e['old_us']):.0f} | {e['new_us']:.1f} ({e['default_tiling']}, s{e['default_splits']}) "
                      f"| {gbs(e, e['new_us']):.0f} | {100 * gbs(e, e['new_us']) / copy:.0f}% "
                      f"| {e['old_us'] / e['new_us']:.2f}x | {best[0]} ({best[1]:.1f}, "
                      f"{100 * gbs(e, best[1]) / copy:.0f}%) "

@@ -50,12 +50,13 @@ def test_kernel_matches_reference(device, pool):
     """Splits 1 and 4 and decode_splits' choice; a launch sized for longer inputs (a graph's: splits past
     every row's keys); 2 heads a program over 3 heads, with the next key tile prefetched (stages 2); one row
     of one split (no merge)."""
-    from kernels.cross_attention_decode import CROSS_TILING, cross_attention_decode_ref, cross_attention_decode_triton
+    from kernels.cross_attention_decode import cross_attention_decode_ref, cross_attention_decode_triton, cross_tiling
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     q, k, v, tables, lengths = _case(device, dtype, lengths=(150, 17, 70), pool_dtype=FP8 if pool == "fp8" else None)
     expected = cross_attention_decode_ref(q, k, v, tables, lengths, 0.125)
-    for tiling, splits, max_len in ((CROSS_TILING, 1, 150), (CROSS_TILING, 4, 150), (CROSS_TILING, None, 300),
+    default = cross_tiling(k.dtype)
+    for tiling, splits, max_len in ((default, 1, 150), (default, 4, 150), (default, None, 300),
                                     ((2, 16, 1, 2), 2, 300)):
         got = cross_attention_decode_triton(q, k, v, tables, lengths, 0.125, max_len, tiling=tiling, splits=splits)
         assert relative_error(got, expected) < TOLERANCE[dtype], (tiling, splits, max_len)
