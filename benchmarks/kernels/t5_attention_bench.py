@@ -54,16 +54,16 @@ from kernels.t5_bias_attention import (DECODE_TILING, DENSE_KERNEL, DENSE_KERNEL
                                        t5_dense_attention_triton, t5_paged_attention_ref, t5_paged_attention_triton)
 
 HEADS, DIM, BUCKETS, MAX_DISTANCE, PAGE = 32, 64, 32, 128, 32
-# tilings timed beside the defaults: encoder (BLOCK_M, BLOCK_N, warps, stages[, maxnreg]), decode (BLOCK_N, warps,
-# stages)
-# (BLOCK_M, BLOCK_N, warps, stages[, maxnreg]) per encoder kernel, beside its default. sm_90 (Triton 3.6), split:
-# (128, 64, 8, 2) 162 registers, one program an SM; capped at 128 no spills, two; (64, 64, 4, 2) 152 (three);
-# (64, 128, 4, 2) 254 (two, 104 KB). ahead (the next tile's scores live too): (128, 64, 8, 2) 198; (64, 64, 4, 2)
-# 202, capped at 168 no spills (three); (64, 64, 4, 3) 182; (128, 64, 8, 2, 128) and (64, 128, 4, 2) spill.
-DENSE_SWEEP = {"split": [(128, 64, 8, 2, 128), (64, 64, 4, 2), (64, 64, 4, 2, 128), (64, 64, 4, 3), (64, 128, 4, 2),
-                         (128, 64, 8, 3)],
-               "ahead": [(64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 2), (64, 32, 4, 2)],
-               "gather": [(128, 64, 8, 2, 128), (64, 64, 4, 2)]}
+# (BLOCK_M, BLOCK_N, warps, stages[, maxnreg]) per encoder kernel, beside its default; sm_90 (Triton 3.6) registers
+# a thread and programs an SM by registers (65536 a SM): split (128, 32, 8, 2) 106 (two), capped at 96 no spills;
+# (128, 32, 8, 3) 104; (64, 32, 4, 2) 107 (four, 32 KB shared); (64, 32, 4, 3) 108. ahead: (128, 32, 8, 2) 120;
+# (64, 32, 4, 2) 125 (four); (64, 32, 4, 3) 116; (128, 32, 8, 3) 115; (64, 64, 4, 2) 202 (two). The first H200
+# sweep (9a46289) also timed split at (64, 128, 4, 2), (64, 64, 4, 2[, 128]), (64, 64, 4, 3), (128, 64, 4, 2),
+# (128, 64, 8, 2, 128), (128, 64, 8, 3): 5.44-6.62 ms at 256 x 512 against (128, 32, 8, 2)'s 5.18.
+DENSE_SWEEP = {"split": [(64, 32, 4, 2), (128, 32, 8, 2, 96), (128, 32, 8, 3), (64, 32, 4, 3)],
+               "ahead": [(64, 32, 4, 2), (64, 32, 4, 3), (128, 32, 8, 3), (64, 64, 4, 2)],
+               "gather": [(128, 32, 8, 2), (64, 32, 4, 2)]}
+# paged kernel tilings timed beside PAGED_TILING: (BLOCK_N, warps, stages)
 PAGED_SWEEP = [(64, 4, 2), (32, 2, 3), (64, 2, 3), (32, 4, 2), (128, 4, 2)]
 # decode kernel tilings timed beside DECODE_TILING: (HEADS_PER_PROGRAM, BLOCK_N, warps, stages)
 # (one-warp programs: their key reductions stay in the warp; sm_90 registers of each: 70-132, no spills)
