@@ -53,13 +53,17 @@ from kernels.moe_epilogue import ACTIVATIONS, ExpertEpilogue, swiglu_clamped
 from kernels.moe_routing import _top_k_of_row
 from kernels.mxfp4_codes import exponent_factor
 
-# (BLOCK_N rows, GROUPS of 32 bytes a row a step, num_warps) of the gate_up launch (gate and up rows each) and
-# the down launch; the load-time choice (kernels/moe_gemv_choice.py) times WORD_TILES.
-WORD_TILES = ((16, 4, 4), (16, 2, 2), (32, 4, 4), (32, 2, 4), (32, 4, 2), (64, 2, 4), (64, 4, 4), (16, 8, 4),
-              (8, 8, 2), (32, 1, 2), (64, 1, 4), (16, 4, 4, "p"), (32, 4, 4, "p"), (16, 2, 4, "p"),
-              (16, 4, 4, "f"), (32, 4, 4, "f"), (16, 4, 4, "fp"), (32, 4, 4, "fp"))
-# (a 4th element: options, "p" prefetch, "f" (down alone) the K experts summed in the launch)
-DEFAULT_WORD_TILES = ((16, 4, 4), (32, 4, 4))
+# (BLOCK_N rows, GROUPS of 32 bytes a row a step, num_warps[, options]) of the gate_up launch (gate and up rows
+# each) and the down launch; options: "p" the codes prefetched a step ahead, "f" (down alone) the K experts summed
+# in the launch. The load-time choice (kernels/moe_gemv_choice.py) times WORD_TILES (few: a compile each at every
+# cold engine load); SWEEP_TILES are what benchmarks/kernels/moe_gemv_bench.py --word-tiles and the sm_90 compile
+# test cover.
+WORD_TILES = ((16, 4, 4), (32, 4, 4, "p"), (16, 4, 4, "f"))
+SWEEP_TILES = ((16, 4, 4), (16, 2, 2), (32, 4, 4), (32, 2, 4), (32, 4, 2), (64, 2, 4), (64, 4, 4), (16, 8, 4),
+               (8, 8, 2), (32, 1, 2), (64, 1, 4), (16, 4, 4, "p"), (32, 4, 4, "p"), (16, 2, 4, "p"),
+               (16, 4, 4, "f"), (32, 4, 4, "f"), (16, 4, 4, "fp"), (32, 4, 4, "fp"))
+DEFAULT_WORD_TILES = ((16, 4, 4), (16, 4, 4))
+assert all(t in SWEEP_TILES for t in WORD_TILES + DEFAULT_WORD_TILES)
 WORDS_ENV = "TRITONLLM_MXFP4_WORDS"  # "0": the load-time choice never takes this path (moe_gemv's and the grouped)
 WORD_PATH = "words"  # the first element of a mark (kernels/moe_gemv.py mark_gemv) that takes this path
 MAX_X_EXPONENT = 13  # x' = x * 2^p < 2^(MAX_X_EXPONENT + 1)

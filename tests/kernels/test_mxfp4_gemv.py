@@ -22,7 +22,7 @@ from kernels.fused_moe import route_tokens_ref
 from kernels.fused_moe_mxfp4 import prepare_mxfp4_experts
 from kernels.moe_epilogue import ExpertEpilogue
 from kernels.moe_gemv import moe_gemv_ref
-from kernels.mxfp4_gemv import (WORD_TILES, down_shift, is_word_mark, mxfp4_words_triton, word_mark,
+from kernels.mxfp4_gemv import (SWEEP_TILES, WORD_TILES, down_shift, is_word_mark, mxfp4_words_triton, word_mark,
                                 word_path_supported)
 
 HIDDEN, INTER, EXPERTS, TOP_K = 128, 64, 8, 2  # K % 64 == 0 in both products
@@ -160,7 +160,7 @@ def compile_sm90(which: str, tiles: tuple, asm: bool = True):
 
 @AOT
 @pytest.mark.parametrize("which", ["gate_up", "down"])
-@pytest.mark.parametrize("tiles", WORD_TILES)
+@pytest.mark.parametrize("tiles", SWEEP_TILES)
 def test_compiles_for_sm90_without_spills(which, tiles, tmp_path):
     """Triton's compiler and ptxas (no GPU), every candidate: the inline PTX assembles, no local memory."""
     import triton
