@@ -275,11 +275,13 @@ def _t5_dense_split_kernel(
     stride_ob, stride_ot, stride_oh, stride_bias, bias_width, bias_zero, seq_len,
     REACH: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, SPLIT_FAR: tl.constexpr,
-    AHEAD: tl.constexpr,
+    AHEAD: tl.constexpr, BIAS_VECTOR: tl.constexpr,
 ):
     """Program (m tile, batch row, head): queries [m * BLOCK_M, +BLOCK_M) over keys [0, lengths[b]), the bias
-    from a ``dense_distance_bias`` table (log2 units; query row i reads copy i % 4 from column
-    bias_zero - 4 * (i // 4), key j at + j: a run of keys is one aligned vector load). Key tiles
+    from a ``dense_distance_bias`` table (log2 units; query row i reads copy i % BIAS_VECTOR from column
+    bias_zero - BIAS_VECTOR * (i // BIAS_VECTOR), key j at + j: a run of keys is loads of BIAS_VECTOR floats
+    (4: 16-byte cp.async, which bypass L1; 2 and 1: 8- and 4-byte ones, cached in L1, where the tile's bias rows,
+    shifted copies of each other, hit). Key tiles
     run in loops by kind: with SPLIT_FAR, the tiles whose every distance is at or past -REACH (left)
     or +REACH (right) take their side's one bias value (no load); the rest (near) load theirs; the
     partial last tile alone masks. AHEAD: each tile's q k^T is issued by the tile before (across the
@@ -299,7 +301,8 @@ def _t5_dense_split_kernel(
     else:
         q = tl.load(q_ptrs)
     bias_head = bias_ptr + head * stride_bias
-    bias_rows = bias_head + (rows % 4) * bias_width + bias_zero - (rows // 4) * 4  # key 0 of each query row
+    bias_rows = (bias_head + (rows % BIAS_VECTOR) * bias_width + bias_zero
+                 - (rows // BIAS_VECTOR) * BIAS_VECTOR)  # key 0 of each query row
     k_rows = k_ptr + b * stride_kb + head * stride_kh
     v_rows = v_ptr + b * stride_vb + head * stride_vh
     m_i, l_i, acc = _softmax_start(BLOCK_M, DIM_PAD)
@@ -361,6 +364,8 @@ DENSE_TILINGS = {"split": (128, 32, 8, 2), "ahead": (128, 32, 8, 2), "gather": (
 # (_t5_dense_kernel: clamped bias gathers and masks on every tile).
 DENSE_KERNELS = ("split", "ahead", "gather", "old")
 DENSE_KERNEL = "split"
+# Floats a bias load of the new kernels (4, 2 or 1; dense_distance_bias has 4 shifted copies, enough for each).
+DENSE_BIAS_VECTOR = 4
 
 
 def _dim_pad(head_dim: int) -> int:
@@ -443,12 +448,13 @@ def _cached_dense_distance_bias(bias: torch.Tensor, length: int, block_m: int) -
 
 def t5_dense_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, scale: float,
                               bias: torch.Tensor, *, tiling: tuple[int, ...] | None = None,
-                              kernel: str | None = None) -> torch.Tensor:
+                              kernel: str | None = None, bias_vector: int | None = None) -> torch.Tensor:
     """q, k, v: (batch, L, heads, head_dim), last dim contiguous; lengths (batch,) int32 on the
     device; ``bias`` a bidirectional ``distance_bias`` table -> (batch, L, heads, head_dim) contiguous.
     ``tiling``: (BLOCK_M queries, BLOCK_N keys, warps, stages[, most registers a thread]) instead of the
     default (sweeps; the register cap, ptxas' maxnreg, can fit two 8-warp programs on an SM);
-    ``kernel``: one of DENSE_KERNELS instead of DENSE_KERNEL (A/B)."""
+    ``kernel``: one of DENSE_KERNELS instead of DENSE_KERNEL (A/B); ``bias_vector``: floats a bias load (4, 2
+    or 1) of the new kernels instead of DENSE_BIAS_VECTOR (sweeps)."""
     batch, length, num_heads, head_dim = q.shape
     out = torch.empty(batch, length, num_heads, head_dim, dtype=q.dtype, device=q.device)
     if out.numel() == 0:
@@ -474,7 +480,7 @@ def t5_dense_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         q, k, v, out, table, lengths, scale * _LOG2E, *strides, table.stride(0), table.shape[2], zero, length,
         REACH=(bias.shape[1] - 1) // 2, HEAD_DIM=head_dim, DIM_PAD=_dim_pad(head_dim),
         BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_precision(q), SPLIT_FAR=kernel != "gather",
-        AHEAD=kernel == "ahead", **launch)
+        AHEAD=kernel == "ahead", BIAS_VECTOR=bias_vector or DENSE_BIAS_VECTOR, **launch)
     return out
 
 

@@ -60,8 +60,11 @@ HEADS, DIM, BUCKETS, MAX_DISTANCE, PAGE = 32, 64, 32, 128, 32
 # (64, 32, 4, 2) 125 (four); (64, 32, 4, 3) 116; (128, 32, 8, 3) 115; (64, 64, 4, 2) 202 (two). The first H200
 # sweep (9a46289) also timed split at (64, 128, 4, 2), (64, 64, 4, 2[, 128]), (64, 64, 4, 3), (128, 64, 4, 2),
 # (128, 64, 8, 2, 128), (128, 64, 8, 3): 5.44-6.62 ms at 256 x 512 against (128, 32, 8, 2)'s 5.18.
-DENSE_SWEEP = {"split": [(64, 32, 4, 2), (128, 32, 8, 2, 96), (128, 32, 8, 3), (64, 32, 4, 3)],
-               "ahead": [(64, 32, 4, 2), (64, 32, 4, 3), (128, 32, 8, 3), (64, 64, 4, 2)],
+# Keys: a kernel, or "<kernel>/v<n>": it reading its bias n floats a load (2 or 1: cached in L1; 4, the default,
+# 16-byte cp.async, bypasses L1).
+DENSE_SWEEP = {"ahead": [(64, 32, 4, 2), (64, 32, 4, 3), (128, 32, 8, 3)],
+               "split/v2": [(128, 32, 8, 2)], "split/v1": [(128, 32, 8, 2)], "ahead/v2": [(128, 32, 8, 2)],
+               "split": [(64, 32, 4, 2), (128, 32, 8, 3), (128, 32, 8, 2, 96), (64, 32, 4, 3)],
                "gather": [(128, 32, 8, 2), (64, 32, 4, 2)]}
 # paged kernel tilings timed beside PAGED_TILING: (BLOCK_N, warps, stages)
 PAGED_SWEEP = [(64, 4, 2), (32, 2, 3), (64, 2, 3), (32, 4, 2), (128, 4, 2)]
@@ -104,11 +107,12 @@ def encoder_case(batch: int, length: int, device, *, sweep=True, flex: bool = Fa
     for kernel in DENSE_KERNELS:
         timed(f"{kernel} default", lambda kernel=kernel: t5_dense_attention_triton(q, k, v, lengths, 1.0, bias,
                                                                                    kernel=kernel))
-    swept = DENSE_SWEEP if sweep is True else {k: DENSE_SWEEP[k] for k in sweep or ()}  # or the kernels named
-    for kernel, tilings in swept.items():  # the old kernel at its default only
+    swept = DENSE_SWEEP if sweep is True else {k: DENSE_SWEEP[k] for k in sweep or ()}  # or the entries named
+    for name, tilings in swept.items():  # the old kernel at its default only
+        kernel, _, vector = name.partition("/v")  # "split/v2": the split kernel reading its bias 2 floats a load
         for tiling in tilings:
-            timed(f"{kernel} {tiling}", lambda kernel=kernel, tiling=tiling: t5_dense_attention_triton(
-                q, k, v, lengths, 1.0, bias, kernel=kernel, tiling=tiling))
+            timed(f"{name} {tiling}", lambda kernel=kernel, tiling=tiling, vector=vector: t5_dense_attention_triton(
+                q, k, v, lengths, 1.0, bias, kernel=kernel, tiling=tiling, bias_vector=int(vector or 0) or None))
     positions = torch.arange(length, device=device)
     dense_fp32 = position_bias(table, positions, positions, bidirectional=True, max_distance=MAX_DISTANCE).unsqueeze(0)
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
@@ -262,7 +266,7 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--encoder", default="256x512,16x512", help="batch x length shapes of the encoder attention")
     p.add_argument("--encoder-sweep", default="1", help="0: the encoder kernels at their default tilings only; "
-                   "kernel names (comma-separated): DENSE_SWEEP of those alone")
+                   "DENSE_SWEEP keys (comma-separated): those entries alone")
     p.add_argument("--flex", action="store_true", help="time FlexAttention (torch.compile) in the encoder section")
     p.add_argument("--encoder-md", default=None, help="write the encoder section's markdown here (after every shape)")
     p.add_argument("--decode", default="256x64x160,256x128x160,64x128x160",

@@ -182,6 +182,23 @@ def test_dense_kernel_far_tiles_equal_reference(device, kernel, dim):
             assert relative_error(out[row], ref[row]) < TOLERANCE[dtype], (dtype, row)
 
 
+@pytest.mark.parametrize("kernel, bias_vector", [("split", 2), ("split", 1), ("ahead", 2)])
+def test_dense_kernel_bias_vectors_equal_reference(device, kernel, bias_vector):
+    """The bias read in runs of 2 or 1 floats (rows from copies i % 2 / copy 0 of the same table) at the far-tiles
+    test's shapes (16 x 16 tiles, inputs of 70, 64, 33 and 1 tokens, max_distance 5)."""
+    torch.manual_seed(5)
+    heads, dim = 3, 16
+    lengths = torch.tensor([70, 64, 33, 1], dtype=torch.int32, device=device)
+    bias = distance_bias(torch.randn(6, heads, device=device), bidirectional=True, max_distance=5)
+    for dtype in low_precision_dtypes(device):
+        q, k, v = (torch.randn(4, 70, heads, dim, device=device).to(dtype) for _ in range(3))
+        out = t5_dense_attention_triton(q, k, v, lengths, 0.7, bias, kernel=kernel, tiling=(16, 16, 4, 1),
+                                        bias_vector=bias_vector)
+        ref = t5_dense_attention_ref(q.float(), k.float(), v.float(), lengths, 0.7, bias)
+        for row in range(4):
+            assert relative_error(out[row], ref[row]) < TOLERANCE[dtype], (dtype, row)
+
+
 @pytest.mark.parametrize("length, block_m", [(20, 16), (33, 64), (64, 64)])
 def test_dense_distance_bias_covers_every_distance(length, block_m):
     """The split kernel's table: query row i's run of keys j (copy i % 4 from column zero - 4 * (i // 4)) holds
@@ -266,7 +283,7 @@ def test_dense_kernels_compile_for_sm90_without_spills(kernel, tmp_path):
                     lengths_ptr="*i32")
     const = dict(REACH=128, HEAD_DIM=64, DIM_PAD=64, BLOCK_M=block_m, BLOCK_N=block_n, PRECISION="tf32")
     if kernel != "old":
-        const.update(SPLIT_FAR=kernel != "gather", AHEAD=kernel == "ahead")
+        const.update(SPLIT_FAR=kernel != "gather", AHEAD=kernel == "ahead", BIAS_VECTOR=4)
     usage = sm90_resource_usage(_t5_dense_kernel if kernel == "old" else _t5_dense_split_kernel, pointers, const,
                                 ("scale_log2",), ("stride_bias", "seq_len") if kernel == "old" else ("seq_len",),
                                 warps, stages, tmp_path, *max_registers)
