@@ -32,8 +32,12 @@ log in the kernel to round differently at a bucket edge.
   of the input in log2 units, in 4 shifted copies so that each query row's keys are one aligned
   run (16-byte loads, no clamp, no per-score index math); key tiles whose every distance is at or
   past max_distance on one side (about 40% at 512 tokens) add that side's one value with no load and
-  fold it into the exponent's FMA; only the partial last key tile masks. ``_t5_dense_kernel``
-  ("old") gathers a clamped index and masks on every tile (kept for A/B).
+  fold it into the exponent's FMA; only the partial last key tile masks. "ahead" is the same kernel
+  issuing each key tile's q k^T one tile early, so that ptxas runs the tensor cores' product among the
+  previous tile's exponentials; BIAS_VECTOR 2 or 1 reads the bias in 8- or 4-byte pieces, which Triton
+  copies through L1 (16-byte copies bypass it). ``_t5_dense_kernel`` ("old") gathers a clamped index
+  and masks on every tile (kept for A/B). Made per call (cached per table and length), the table is a
+  few KB a head.
 
 Plain-torch references: ``t5_paged_attention_ref`` (kernels/relative_position_bias.py's
 ``paged_attention_bias_ref``) and ``t5_dense_attention_ref``; the public entries dispatch on the
