@@ -19,7 +19,7 @@
 # 5, 6 session 16's retries (run). 7 (~250 s on two GPUs, ~450 s with LANES=1) session 17's one-GPU jobs in two lanes (LANES=1 on one GPU);
 #    8 (~270 s) the KV pull and NIXL GPU tests, PP 2 with stage graphs and with two steps in flight;
 #    9 (~430 s) disagg_bench at 6 and 10 req/s, then with the context executor in its own process.
-# 10-12 session 17's later calls, 13-16 session 18's, 17 session 19's first, 18 session 20's first, 19 its plan for the next session, 20 session 21's first bench call, 21 what call 20 lost, 22 session 22's, 23 session 23's middle call, 24 its last, 25 session 24's first bench call, 26 its middle call (each case's comment says what it runs and
+# 10-12 session 17's later calls, 13-16 session 18's, 17 session 19's first, 18 session 20's first, 19 its plan for the next session, 20 session 21's first bench call, 21 what call 20 lost, 22 session 22's, 23 session 23's middle call, 24 its last, 25 session 24's first bench call, 26 its middle call, 27 its helpers' second call (each case's comment says what it runs and
 # how long).
 #
 # Everything goes to /tmp/x2_call$CALL; at the end OUT gets call$CALL.tgz (all logs and JSON), summary.txt (what
@@ -27,7 +27,7 @@
 # each job's exit status and its result lines, so the call's output_tail alone is enough to read.
 set -u
 script=$(realpath "$0")
-call=${1:?usage: x2_gpu_run.sh 1-26 [OUT]}
+call=${1:?usage: x2_gpu_run.sh 1-27 [OUT]}
 out=$(realpath -m "${2:-${OUT:-/tmp/x2_gpu_run}}")
 mkdir -p "$out"
 if [ -z "${X2_UNDER_TEE:-}" ]; then  # the console also in $out/summary.txt, complete when the call returns
@@ -45,7 +45,7 @@ smoke=${SMOKE:-0}
 if [ "$smoke" != 1 ]; then
   need=2; [ "$call" = 7 ] && [ "${LANES:-2}" = 1 ] && need=1  # call 7's lanes run one after the other on one GPU
   [ "$call" = 22 ] && [ -n "${ONLY:-}" ] && [[ ",$ONLY," != *,pp,* ]] && need=1  # call 22 without its PP part
-  { [ "$call" = 23 ] || [ "$call" = 24 ] || [ "$call" = 25 ] || [ "$call" = 26 ]; } && need=1  # (two lanes where two GPUs are, else one after the other)
+  { [ "$call" = 23 ] || [ "$call" = 24 ] || [ "$call" = 25 ] || [ "$call" = 26 ] || [ "$call" = 27 ]; } && need=1  # (two lanes where two GPUs are, else one after the other)
   "$PYTHON" -c "import torch; n = torch.cuda.device_count(); assert n >= $need, f'{n} GPU(s): this call needs $need'" || exit 1
 fi
 
@@ -817,7 +817,40 @@ activated_fp8_product or quantized_gated_activation or quantized_gelu_tanh or qu
   echo "== t5_engine"; grep -vi warning "$w/t5_engine.log" | grep -E "t5|tok/s|step|Error|Traceback" | cut -c1-400 | head -8
   echo "== vlm_tower_profile"; grep -vi warn "$w/vlm_tower_profile.log" | tail -12 | cut -c1-300
   ;;
-*) echo "x2_gpu_run.sh: CALL must be 1 to 26, got '$call'"; exit 2 ;;
+27)
+  # Session 24's second helpers' call (one H200, ~550 s; the helpers' lines of /tmp/notes/NAME.md, "## GPU command",
+  # as they wrote them at 17:45): xattn (the encoder-decoder graph tests on CUDA, FP8 cross tilings x splits),
+  # t5enc (the encoder sweep around its best, the Flan-T5-XL FP8 engine), mla (the MLA decode kernel's tests and
+  # sweeps with --check, V2-Lite batch-1 with TRITONLLM_MLA_DECODE=1), mxfp4 (the word GEMV sweep, gpt-oss-20b MXFP4).
+  export PYTHON w
+  echo "== xattn"
+  job xattn 125 bash -c '
+      timeout 90 $PYTHON -m pytest -x --tb=short -n 2 -p no:cacheprovider tests/engine/test_encoder_decoder_graphs.py tests/engine/test_whisper_fused_decode.py -k "cuda or gpu" 2>&1 | tail -40
+      timeout 28 $PYTHON benchmarks/kernels/cross_attention_bench.py --shapes 64x32x512,256x32x512 --pools fp8 --tilings 1x32x1x1,1x64x1x1,1x16x1x2 --splits 1,2,4,8 --out "$w"/xattn_fp8.json --md "$w"/xattn_fp8.md 2>&1 | tail -3
+'
+  grep -vi warning "$w/xattn.log" | tail -60 | cut -c1-400
+  echo "== t5enc"
+  job t5enc 125 bash -c '
+      timeout 55 $PYTHON benchmarks/kernels/t5_attention_bench.py --encoder 256x512 --encoder-sweep split,ahead --decode "" --paths "" --out "$w"/t5_encoder2.json --encoder-md "$w"/t5_encoder2.md 2>&1 | grep "^  256x512" | cut -c1-160
+      timeout 65 $PYTHON -u benchmarks/engine/encdec_bench.py --sections t5 --quantization fp8 --cross-kv-cache-dtype fp8 --hf-t5-batches "" --hf-whisper-batches "" --out "$w"/encdec_t5.json --results-md "$w"/encdec_t5.md > "$w"/encdec_t5.log 2>&1; echo "engine rc $?"; grep -vi warn "$w"/encdec_t5.log | grep -E "t5|tok/s|encoder|Error|Traceback|failed" | cut -c1-400 | head -12
+'
+  grep -vi warning "$w/t5enc.log" | tail -60 | cut -c1-400
+  echo "== mla"
+  job mla 155 bash -c '
+      timeout 25 $PYTHON -m pytest -q -p no:cacheprovider tests/kernels/test_mla_attention.py -k "decode_kernel_equals" 2>&1 | tail -3
+      timeout 35 $PYTHON benchmarks/kernels/mla_kernel_bench.py --shape v2_lite --pool bf16 --batches 1,32 --contexts 1024,8192,32768 --repeat 5 --check --configs 16:128:32,d32:4:3,d32:8:3,d64:8:3,d32:8:0,d32:4:3:256:128:8 --out "$w"/mla_bf16.json --markdown "$w"/mla_bf16.md 2>&1 | grep -E "^bf16 batch|Error|Traceback" | head -45
+      timeout 15 $PYTHON benchmarks/kernels/mla_kernel_bench.py --shape v2_lite --pool fp8 --batches 1,32 --contexts 1024,32768 --repeat 5 --check --configs 16:128:32,d32:8:0,d32:8:3 --out "$w"/mla_fp8.json --markdown "$w"/mla_fp8.md 2>&1 | grep -E "^fp8 batch|Error|Traceback" | head -15
+      TRITONLLM_MLA_DECODE=1 timeout 75 $PYTHON benchmarks/engine/engine_bench.py --model deepseek_v2_lite --sections bandwidth,decode --max-batch-size 8 --max-num-tokens 256 --max-seq-len 1024 --out "$w"/ds_mla.json --results-md "$w"/ds_mla.md 2>&1 | grep -E "Error|Traceback" | head -3; tail -3 "$w"/ds_mla.md; timeout 5 $PYTHON -c "import json,sys; d=json.load(open(sys.argv[1]))['\''decode'\'']; print(d.get('\''graph_step_profile'\'')); print('\''pdl'\'', d.get('\''launch_choice'\''))" "$w"/ds_mla.json
+'
+  grep -vi warning "$w/mla.log" | tail -60 | cut -c1-400
+  echo "== mxfp4"
+  job mxfp4 150 bash -c '
+      timeout 50 $PYTHON -u benchmarks/kernels/moe_gemv_bench.py --model gpt_oss_20b --kinds mxfp4 --gemv-candidates 1 --word-tiles 16,4,4 32,4,4 16,8,4 32,4,4,p 16,4,4,f --out "$w"/mxfp4_gemv.json 2>&1 | grep -v -i warn | tee "$w"/mxfp4_bench.log
+      timeout 97 $PYTHON benchmarks/engine/engine_bench.py --sections bandwidth,decode --max-batch-size 16 --model gpt_oss_20b_mxfp4 --out "$w"/gptoss_mxfp4.json --results-md "$w"/gptoss_mxfp4.md > "$w"/gptoss_mxfp4.log 2>&1; echo "engine rc $?"; grep -E "batch-1|load " "$w"/gptoss_mxfp4.md "$w"/gptoss_mxfp4.log | cut -c1-260; $PYTHON -c "import json,sys; d=json.load(open(sys.argv[1]))['\''decode'\'']['\''gemm_choices'\'']; [print(k[:40], str(v)[:700]) for k,v in d.items() if '\''gemv'\'' in k]" "$w"/gptoss_mxfp4.json
+'
+  grep -vi warning "$w/mxfp4.log" | tail -60 | cut -c1-400
+  ;;
+*) echo "x2_gpu_run.sh: CALL must be 1 to 27, got '$call'"; exit 2 ;;
 esac
 tar czf "$out/call$call.tgz" -C /tmp "x2_call$call"
 for md in "$w"/*.md; do [ -f "$md" ] && cp "$md" "$out/"; done
