@@ -30,7 +30,7 @@ from kernels.one_query_attention import one_query_attention_triton
 # us against 268.9 for 32 keys: 4.3 TB/s of K/V; 64 x 20 x 1,500 120.5, 64 x 32 x 512 69.9, batch 1 8.1 against
 # 10.2); an FP8 pool 32 keys (256 x 32 x 512 135.6 us = 3.96 TB/s; 64 keys took 130.9 there but 80.7 against 67.5
 # at 64 x 20 x 1,500).
-CROSS_TILINGS = {1: (1, 32, 1, 1), 2: (1, 16, 1, 1), 4: (1, 16, 1, 1)}
+CROSS_TILINGS = {1: (1, 32, 1, 1), 2: (1, 16, 1, 1), 4: (1, 32, 1, 1)}  # (float32 pools: not timed)
 
 
 def cross_tiling(pool_dtype: torch.dtype) -> tuple[int, int, int, int]:
@@ -40,11 +40,12 @@ def cross_tiling(pool_dtype: torch.dtype) -> tuple[int, int, int, int]:
 def cross_attention_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                   block_tables: torch.Tensor, lengths: torch.Tensor, scale: float,
                                   max_len: int, *, tiling: tuple[int, int, int, int] | None = None,
-                                  splits: int | None = None) -> torch.Tensor:
-    """``tiling`` / ``splits`` instead of ``cross_tiling`` / one_query_attention.py's ``decode_splits`` (sweeps)."""
+                                  splits: int | None = None, merge_in_kernel: bool | None = None) -> torch.Tensor:
+    """``tiling`` / ``splits`` / ``merge_in_kernel`` instead of ``cross_tiling`` / one_query_attention.py's
+    ``decode_splits`` / MERGE_IN_KERNEL (sweeps)."""
     return one_query_attention_triton(q, k_cache, v_cache, block_tables, lengths, scale,
                                       tiling=tiling or cross_tiling(k_cache.dtype), max_context_len=max_len,
-                                      splits=splits)
+                                      splits=splits, merge_in_kernel=merge_in_kernel)
 
 
 def gather_rows(cache: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:

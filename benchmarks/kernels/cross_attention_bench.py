@@ -7,8 +7,8 @@ every row the full length), cross pools of 32-token pages (head-major, as the ru
 shuffled block tables) in ``--pools`` (bf16, FP8 E4M3): the general paged kernel
 (kernels/attention.py ``paged_attention``, the engine's path before, $TRITONLLM_ENCDEC_CROSS_KERNEL=0)
 against ``cross_attention_decode_triton`` at its defaults (``cross_tiling``, ``decode_splits``) and at
-the ``--tilings`` x ``--splits`` sweep. Device time from CUDA-graph replays of one call per pool copy
-(benchmarks/common.py ``graph_call_us``; enough copies that they do not fit in L2); GB/s = K/V bytes
+the ``--tilings`` x ``--splits`` (x ``--merge``) sweep. Device time from CUDA-graph replays of one call per
+pool copy (benchmarks/common.py ``graph_call_us``; enough copies that they do not fit in L2); GB/s = K/V bytes
 read / time, beside a same-run device-to-device copy rate (read + write bytes / time, the
 roofline the goal of 85% refers to). Each case checks both paths against the float32 reference
 (first rows). Markdown (date, machine, commit) rewritten after every case (a timeout keeps the
@@ -50,7 +50,8 @@ def cross_meta(tables: torch.Tensor, keys: int) -> AttentionMetadata:
         context_lens_host=[keys] * rows)
 
 
-def case(rows: int, heads: int, keys: int, pool: str, tilings: list, splits_list: list[int], device) -> dict:
+def case(rows: int, heads: int, keys: int, pool: str, tilings: list, splits_list: list[int], merges: list,
+         device) -> dict:
     dtype = POOLS[pool]
     pages = -(-keys // PAGE)
     blocks = rows * pages + 1
@@ -88,13 +89,13 @@ def case(rows: int, heads: int, keys: int, pool: str, tilings: list, splits_list
              "sweep_us": {}}
     for tiling in tilings:
         for splits in splits_list or [None]:
-            try:
-                us, err = timed(new, tiling=tiling, splits=splits)
-                entry["sweep_us"][f"{tiling} s{splits or 'auto'}"] = us
-                if err > 4 * max(new_err, 1e-2):
-                    entry["sweep_us"][f"{tiling} s{splits or 'auto'}"] = f"err {err:.1e}"
-            except Exception as exc:  # noqa: BLE001 - a tiling that does not compile is reported, not fatal
-                entry["sweep_us"][f"{tiling} s{splits or 'auto'}"] = repr(exc)[:80]
+            for merge in merges:
+                name = f"{tiling} s{splits or 'auto'}" + (" merged in-kernel" if merge else "")
+                try:
+                    us, err = timed(new, tiling=tiling, splits=splits, merge_in_kernel=merge)
+                    entry["sweep_us"][name] = us if err <= 4 * max(new_err, 1e-2) else f"err {err:.1e}"
+                except Exception as exc:  # noqa: BLE001 - a tiling that does not compile is reported, not fatal
+                    entry["sweep_us"][name] = repr(exc)[:80]
     return entry
 
 
@@ -103,7 +104,8 @@ def markdown(results: dict, argv: list[str] | None) -> str:
     gbs = lambda e, us: e["kv_mb"] * 1e3 / us  # noqa: E731  (MB / us = TB/s; x1e3: GB/s)
     quoted = [shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)]
     lines = [f"### Decode cross-attention: one-query kernel vs the general paged kernel ({results['date']})", "",
-             f"{results['machine']}, commit {results['commit']}, `{command_line(__file__, quoted)}`. Head dim {DIM}, "
+             f"{results['machine']}, commit {results['commit']}, `{command_line(__file__, quoted)}`. "
+             f"Head dim {DIM}, "
              f"pages of {PAGE}, every row the full encoder length; us from CUDA-graph replays (pool copies past L2); "
              f"GB/s = K/V bytes / time; same-run copy rate {copy:.0f} GB/s (read + write). Tilings: (heads a "
              f"program, keys a step, warps, stages; stages 2: the next tile prefetched), s: key splits.", "",
@@ -133,6 +135,9 @@ def main(argv=None) -> dict:
     p.add_argument("--tilings", default="1x32x1x1,1x64x1x1,1x64x2x1,2x32x1x1,2x32x2x1,1x16x1x1,1x128x4x1",
                    help="HEADS x BLOCK_N x warps x stages tilings swept (\"\" none)")
     p.add_argument("--splits", default="", help="split counts swept at each tiling (\"\": decode_splits only)")
+    p.add_argument("--merge", default="launch", choices=("launch", "kernel", "both"),
+                   help="sweep entries' split merge: triton_attention's merge kernel, in the kernel (arrival "
+                        "counters), both")
     p.add_argument("--out", default="cross_attention.json")
     p.add_argument("--md", default=None)
     args = p.parse_args(argv)
@@ -146,7 +151,8 @@ def main(argv=None) -> dict:
     for shape in (s for s in args.shapes.split(",") if s):
         rows, heads, keys = (int(n) for n in shape.split("x"))
         for pool in (n for n in args.pools.split(",") if n):
-            results["cases"].append(case(rows, heads, keys, pool, tilings, splits_list, device))
+            merges = {"launch": [False], "kernel": [True], "both": [False, True]}[args.merge]
+            results["cases"].append(case(rows, heads, keys, pool, tilings, splits_list, merges, device))
             print(results["cases"][-1], flush=True)
             if args.md:  # after every case: a run cut short keeps what it measured
                 Path(args.md).write_text(markdown(results, argv))
