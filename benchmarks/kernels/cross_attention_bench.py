@@ -11,8 +11,8 @@ the ``--tilings`` x ``--splits`` (x ``--merge``) sweep. Device time from CUDA-gr
 pool copy (benchmarks/common.py ``graph_call_us``; enough copies that they do not fit in L2); GB/s = K/V bytes
 read / time, beside a same-run device-to-device copy rate (read + write bytes / time, the
 roofline the goal of 85% refers to). Each case checks both paths against the float32 reference
-(first rows). Markdown (date, machine, commit) rewritten after every case (a timeout keeps the
-finished ones) to ``--md``; JSON to ``--out``.
+(first rows). Markdown (date, machine, commit) to ``--md`` and JSON to ``--out``, rewritten after every timing (a
+timeout keeps the finished ones).
 """
 from __future__ import annotations
 
@@ -51,7 +51,8 @@ def cross_meta(tables: torch.Tensor, keys: int) -> AttentionMetadata:
 
 
 def case(rows: int, heads: int, keys: int, pool: str, tilings: list, splits_list: list[int], merges: list,
-         device) -> dict:
+         device, progress=lambda entry: None) -> dict:
+    """One shape and pool; ``progress(entry)`` after each timing of the sweep (a run cut short keeps them)."""
     dtype = POOLS[pool]
     pages = -(-keys // PAGE)
     blocks = rows * pages + 1
@@ -90,12 +91,15 @@ def case(rows: int, heads: int, keys: int, pool: str, tilings: list, splits_list
     for tiling in tilings:
         for splits in splits_list or [None]:
             for merge in merges:
+                if merge and splits == 1 and len(merges) > 1:
+                    continue  # (one split: nothing to merge)
                 name = f"{tiling} s{splits or 'auto'}" + (" merged in-kernel" if merge else "")
                 try:
                     us, err = timed(new, tiling=tiling, splits=splits, merge_in_kernel=merge)
                     entry["sweep_us"][name] = us if err <= 4 * max(new_err, 1e-2) else f"err {err:.1e}"
                 except Exception as exc:  # noqa: BLE001 - a tiling that does not compile is reported, not fatal
                     entry["sweep_us"][name] = repr(exc)[:80]
+                progress(entry)
     return entry
 
 
@@ -152,11 +156,16 @@ def main(argv=None) -> dict:
         rows, heads, keys = (int(n) for n in shape.split("x"))
         for pool in (n for n in args.pools.split(",") if n):
             merges = {"launch": [False], "kernel": [True], "both": [False, True]}[args.merge]
-            results["cases"].append(case(rows, heads, keys, pool, tilings, splits_list, merges, device))
+            done = list(results["cases"])
+
+            def save(entry, done=done):  # after every timing: a run cut short keeps what it measured
+                results["cases"] = done + [entry]
+                if args.md:
+                    Path(args.md).write_text(markdown(results, argv))
+                Path(args.out).write_text(json.dumps(results, indent=2))
+
+            save(case(rows, heads, keys, pool, tilings, splits_list, merges, device, progress=save))
             print(results["cases"][-1], flush=True)
-            if args.md:  # after every case: a run cut short keeps what it measured
-                Path(args.md).write_text(markdown(results, argv))
-            Path(args.out).write_text(json.dumps(results, indent=2))
     print(markdown(results, argv))
     return results
 
