@@ -356,12 +356,12 @@ def _t5_dense_split_kernel(
 DECODE_TILING = (1, 32, 1, 1)
 # Default tilings: decode rows / prompt chunks (BLOCK_N, warps, stages); encoder inputs of at least
 # 128 tokens, per DENSE_KERNELS entry (BLOCK_M, BLOCK_N, warps, stages[, maxnreg]), shorter ones 64 x 64 over 4
-# warps. The H200 sweep (benchmarks/kernels/t5_attention_bench.py, 2026-11-30 17:33, commit 9a46289; Flan-T5-XL
-# heads, 256 x 512): split fastest at (128, 32, 8, 2), 5.18 ms = 106 TFLOPS (106 registers on sm_90: two 8-warp
-# programs an SM), against 6.68 at (128, 64, 8, 2) (162 registers, one) and the old kernel's 8.35 (66 TFLOPS);
-# 16 x 512 0.305 ms (best 0.300 at (64, 64, 4, 2, 128); old 0.655). "ahead" at (128, 32, 8, 2): 120 registers.
+# warps. The H200 sweeps (benchmarks/kernels/t5_attention_bench.py, 2026-11-30, Flan-T5-XL heads, 256 x 512):
+# split fastest at (64, 32, 4, 3), 4.69 ms = 117 TFLOPS (6528c29; 108 registers on sm_90: four 4-warp programs an
+# SM), (128, 32, 8, 2) 5.08, (128, 64, 8, 2) 6.68 (162 registers, one program an SM), the old kernel 8.35-8.52 (66);
+# ahead fastest at (64, 32, 4, 2), 4.71 ms (125 registers).
 PAGED_TILING = (64, 4, 2)
-DENSE_TILINGS = {"split": (128, 32, 8, 2), "ahead": (128, 32, 8, 2), "gather": (128, 64, 8, 2, 128),
+DENSE_TILINGS = {"split": (64, 32, 4, 3), "ahead": (64, 32, 4, 2), "gather": (128, 64, 8, 2, 128),
                  "old": (128, 64, 8, 2)}
 # The encoder's kernel: "split" (_t5_dense_split_kernel, far key tiles without bias loads), "ahead" (the same,
 # each tile's q k^T issued by the tile before), "gather" (split's kernel loading every tile's bias) or "old"

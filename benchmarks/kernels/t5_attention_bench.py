@@ -62,9 +62,9 @@ HEADS, DIM, BUCKETS, MAX_DISTANCE, PAGE = 32, 64, 32, 128, 32
 # (128, 64, 8, 2, 128), (128, 64, 8, 3): 5.44-6.62 ms at 256 x 512 against (128, 32, 8, 2)'s 5.18.
 # Keys: a kernel, or "<kernel>/v<n>": it reading its bias n floats a load (2 or 1: cached in L1; 4, the default,
 # 16-byte cp.async, bypasses L1).
-DENSE_SWEEP = {"ahead": [(64, 32, 4, 2), (64, 32, 4, 3), (128, 32, 8, 3)],
-               "split/v2": [(128, 32, 8, 2)], "split/v1": [(128, 32, 8, 2)], "ahead/v2": [(128, 32, 8, 2)],
-               "split": [(64, 32, 4, 2), (128, 32, 8, 3), (128, 32, 8, 2, 96), (64, 32, 4, 3)],
+DENSE_SWEEP = {"split/v2": [(64, 32, 4, 3)], "split/v1": [(64, 32, 4, 3)], "ahead/v2": [(64, 32, 4, 2)],
+               "ahead": [(64, 32, 4, 3), (128, 32, 8, 2), (128, 32, 8, 3)],
+               "split": [(64, 32, 4, 2), (128, 32, 8, 2), (128, 32, 8, 3), (128, 32, 8, 2, 96)],
                "gather": [(128, 32, 8, 2), (64, 32, 4, 2)]}
 # paged kernel tilings timed beside PAGED_TILING: (BLOCK_N, warps, stages)
 PAGED_SWEEP = [(64, 4, 2), (32, 2, 3), (64, 2, 3), (32, 4, 2), (128, 4, 2)]
@@ -75,10 +75,12 @@ DECODE_SWEEP = [(1, 64, 4, 1), (1, 128, 4, 1), (1, 32, 2, 1), (2, 32, 2, 1), (4,
 L2_BYTES = 60 << 20  # pools this large in all are read from HBM (H200: 50 MB of L2)
 
 
-def encoder_case(batch: int, length: int, device, *, sweep=True, flex: bool = False, on_path=None) -> dict:
+def encoder_case(batch: int, length: int, device, *, sweep=True, flex: bool = False, on_path=None,
+                 defaults=DENSE_KERNELS, sdpa: bool = True) -> dict:
     """The encoder attention at ``batch`` x ``length`` (every input full): each of DENSE_KERNELS at its default
-    tiling and, ``sweep`` True (or a list of kernel names: those), the new ones at DENSE_SWEEP's; torch SDPA with
-    the materialized (1, heads, L, L) bias (bf16 and float32; default, memory-efficient and cuDNN backends) and
+    tiling (``defaults``: those kernels only) and, ``sweep`` True (or a list of DENSE_SWEEP keys: those), the new
+    ones at DENSE_SWEEP's; (``sdpa``) torch SDPA with the materialized (1, heads, L, L) bias (bf16 and float32;
+    default, memory-efficient and cuDNN backends) and
     (``flex``) FlexAttention with the bias as a score_mod: ms (CUDA events, median) and TFLOPS (QK and PV), max
     abs error against the float32 reference on the first two rows. ``on_path(entry)`` after every path (a run cut
     short keeps what it measured)."""
@@ -104,7 +106,7 @@ def encoder_case(batch: int, length: int, device, *, sweep=True, flex: bool = Fa
         if on_path is not None:
             on_path(entry)
 
-    for kernel in DENSE_KERNELS:
+    for kernel in defaults:
         timed(f"{kernel} default", lambda kernel=kernel: t5_dense_attention_triton(q, k, v, lengths, 1.0, bias,
                                                                                    kernel=kernel))
     swept = DENSE_SWEEP if sweep is True else {k: DENSE_SWEEP[k] for k in sweep or ()}  # or the entries named
@@ -117,12 +119,12 @@ def encoder_case(batch: int, length: int, device, *, sweep=True, flex: bool = Fa
     dense_fp32 = position_bias(table, positions, positions, bidirectional=True, max_distance=MAX_DISTANCE).unsqueeze(0)
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     backends = {"default": None, "efficient": SDPBackend.EFFICIENT_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
-    for mask_name, mask in (("bf16", dense_fp32.to(torch.bfloat16)), ("fp32", dense_fp32)):
+    for mask_name, mask in (("bf16", dense_fp32.to(torch.bfloat16)), ("fp32", dense_fp32)) if sdpa else ():
         for backend_name, backend in backends.items():
-            def sdpa(mask=mask, backend=backend):
+            def run_sdpa(mask=mask, backend=backend):
                 with sdpa_kernel(backend) if backend is not None else contextlib.nullcontext():
                     return F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=1.0).transpose(1, 2)
-            timed(f"sdpa {backend_name}, bias {mask_name} (1, heads, L, L)", sdpa)
+            timed(f"sdpa {backend_name}, bias {mask_name} (1, heads, L, L)", run_sdpa)
     if flex:
         from torch.nn.attention.flex_attention import flex_attention
 
@@ -268,6 +270,9 @@ def main(argv=None) -> dict:
     p.add_argument("--encoder-sweep", default="1", help="0: the encoder kernels at their default tilings only; "
                    "DENSE_SWEEP keys (comma-separated): those entries alone")
     p.add_argument("--flex", action="store_true", help="time FlexAttention (torch.compile) in the encoder section")
+    p.add_argument("--encoder-defaults", default=",".join(DENSE_KERNELS),
+                   help="encoder kernels timed at their default tiling (comma-separated; \"\" none)")
+    p.add_argument("--no-sdpa", action="store_true", help="skip the encoder section's torch SDPA paths")
     p.add_argument("--encoder-md", default=None, help="write the encoder section's markdown here (after every shape)")
     p.add_argument("--decode", default="256x64x160,256x128x160,64x128x160",
                    help="sequences x context x table width of the decode self-attention")
@@ -290,7 +295,9 @@ def main(argv=None) -> dict:
 
     for batch, length in shapes(args.encoder):
         sweep = {"0": False, "1": True}.get(args.encoder_sweep, args.encoder_sweep.split(","))
-        results["encoder"].append(encoder_case(batch, length, device, sweep=sweep, flex=args.flex, on_path=save_encoder))
+        results["encoder"].append(encoder_case(batch, length, device, sweep=sweep, flex=args.flex, on_path=save_encoder,
+                                               defaults=[k for k in args.encoder_defaults.split(",") if k],
+                                               sdpa=not args.no_sdpa))
     if results["encoder"]:
         print(encoder_markdown(results["encoder"], argv))
     for seqs, context, width in shapes(args.decode):
