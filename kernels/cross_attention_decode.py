@@ -25,15 +25,21 @@ from kernels.attention import KV_FP8_DTYPE
 from kernels.one_query_attention import one_query_attention_triton
 
 # (HEADS a program, BLOCK_N keys a step, warps, stages) by the pool's bytes an element: one warp a head. H200
-# sweep (benchmarks/kernels/cross_attention_bench.py, 2026-11-30 17:32 UTC, commit 9a46289; benchmarks/results/
-# kernels.md): a bf16 pool 16 keys a step, fastest of 5 tilings at every shape (256 x 32 heads x 512 keys 247.8
-# us against 268.9 for 32 keys: 4.3 TB/s of K/V; 64 x 20 x 1,500 120.5, 64 x 32 x 512 69.9, batch 1 8.1 against
-# 10.2); an FP8 pool 32 keys (256 x 32 x 512 135.6 us = 3.96 TB/s; 64 keys took 130.9 there but 80.7 against 67.5
-# at 64 x 20 x 1,500).
+# sweeps (benchmarks/kernels/cross_attention_bench.py, 2026-11-30, commits 9a46289 and 6528c29;
+# benchmarks/results/kernels.md): a bf16 pool 16 keys a step, fastest of 5 tilings at every shape (256 x 32
+# heads x 512 keys 247.8 us against 268.9 for 32 keys: 4.3 TB/s of K/V; 64 x 20 x 1,500 120.5, 64 x 32 x 512
+# 69.9, batch 1 8.1 against 10.2). An FP8 pool 64 keys a step from FP8_WIDE_PROGRAMS (row, head) pairs (256 x 32
+# x 512 130.2 us against 135.6 for 32 keys; 64 x 32 x 512 38.7 against 42.4, both unsplit), 32 below (64 x 20 x
+# 1,500: 67.5 against 80.7 for 64 keys, 2 splits; batch 1 5.6 us in 16 splits).
 CROSS_TILINGS = {1: (1, 32, 1, 1), 2: (1, 16, 1, 1), 4: (1, 32, 1, 1)}  # (float32 pools: not timed)
+FP8_WIDE_TILING = (1, 64, 1, 1)
+FP8_WIDE_PROGRAMS = 2048
 
 
-def cross_tiling(pool_dtype: torch.dtype) -> tuple[int, int, int, int]:
+def cross_tiling(pool_dtype: torch.dtype, rows: int, heads: int) -> tuple[int, int, int, int]:
+    """The default tiling of ``rows`` one-query rows of ``heads`` heads over a pool of ``pool_dtype``."""
+    if pool_dtype.itemsize == 1 and rows * heads >= FP8_WIDE_PROGRAMS:
+        return FP8_WIDE_TILING
     return CROSS_TILINGS[pool_dtype.itemsize]
 
 
@@ -44,7 +50,8 @@ def cross_attention_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
     """``tiling`` / ``splits`` / ``merge_in_kernel`` instead of ``cross_tiling`` / one_query_attention.py's
     ``decode_splits`` / MERGE_IN_KERNEL (sweeps)."""
     return one_query_attention_triton(q, k_cache, v_cache, block_tables, lengths, scale,
-                                      tiling=tiling or cross_tiling(k_cache.dtype), max_context_len=max_len,
+                                      tiling=tiling or cross_tiling(k_cache.dtype, *q.shape[:2]),
+                                      max_context_len=max_len,
                                       splits=splits, merge_in_kernel=merge_in_kernel)
 
 

@@ -32,9 +32,13 @@ from kernels.linear import _arrival_counters
 from kernels.triton_attention import _merge_splits_kernel
 
 _LOG2E = 1.4426950408889634
-# decode_splits: split a launch's keys until it has this many programs (one-warp programs: up to 32
-# resident an SM), each split at least MIN_SPLIT_STEPS key tiles, at most MAX_SPLITS splits.
-PROGRAMS_PER_SM = 16
+# decode_splits: split a launch's keys until its programs' key tiles (K and V of one step each) put
+# IN_FLIGHT_BYTES_PER_SM of loads in flight an SM, each split at least MIN_SPLIT_STEPS key tiles, at most
+# MAX_SPLITS splits. H200 (2026-11-30, benchmarks/results/kernels.md): 64 x 32 heads x 512 keys over an FP8
+# pool in 64-key tiles (8 KB a step, 2,048 programs: 124 KB an SM) took 38.7 us unsplit against 41.6-43.4 split
+# 2-8 ways; 64 x 20 x 1,500 over bf16 in 32-key tiles (8 KB, 1,280 programs: 78 KB an SM) 139.3 unsplit, 120.9
+# in 2 splits; batch 1 of 20 heads (all its 8 KB steps: ~1 KB an SM) as many splits as its keys allow.
+IN_FLIGHT_BYTES_PER_SM = 96 << 10
 MIN_SPLIT_STEPS = 2
 MAX_SPLITS = 64
 # Splits merged in the kernel by their last program (no second launch) rather than by triton_attention's merge kernel.
@@ -168,12 +172,12 @@ def _one_query_kernel(
                 tl.store(counter, 0)
 
 
-def decode_splits(rows: int, head_groups: int, max_context_len: int, block_n: int, device) -> int:
+def decode_splits(rows: int, head_groups: int, max_context_len: int, block_n: int, step_bytes: int, device) -> int:
     """Key splits (a power of 2, for the merge) of a launch over ``rows`` x ``head_groups`` programs whose
-    longest row has ``max_context_len`` keys: enough programs to fill the GPU (PROGRAMS_PER_SM an SM),
-    each split at least MIN_SPLIT_STEPS key tiles. Host values only (the batch bucket and the launch's
-    longest context), so a CUDA graph's launch keeps its splits."""
-    want = triton.cdiv(PROGRAMS_PER_SM * num_sms(device), max(1, rows * head_groups))
+    longest row has ``max_context_len`` keys and whose key tiles load ``step_bytes`` of K and V: enough
+    programs for IN_FLIGHT_BYTES_PER_SM an SM, each split at least MIN_SPLIT_STEPS key tiles. Host values only
+    (the batch bucket and the launch's longest context), so a CUDA graph's launch keeps its splits."""
+    want = triton.cdiv(IN_FLIGHT_BYTES_PER_SM * num_sms(device), max(1, rows * head_groups * step_bytes))
     most = min(MAX_SPLITS, max(1, max_context_len // (MIN_SPLIT_STEPS * block_n)))
     splits = 1
     while splits < want and splits * 2 <= most:
@@ -209,7 +213,8 @@ def one_query_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     heads_per_program = min(heads_per_program, triton.next_power_of_2(num_heads))
     groups = triton.cdiv(num_heads, heads_per_program)
     if splits is None:
-        splits = decode_splits(num_seqs, groups, max_context_len, block_n, q.device)
+        step_bytes = 2 * heads_per_program * block_n * head_dim * k_cache.element_size()
+        splits = decode_splits(num_seqs, groups, max_context_len, block_n, step_bytes, q.device)
     assert splits >= 1 and splits & (splits - 1) == 0, splits
     split_keys = triton.cdiv(triton.cdiv(max(max_context_len, 1), splits), block_n) * block_n
     dim_pad = triton.next_power_of_2(head_dim)

@@ -82,10 +82,11 @@ def case(rows: int, heads: int, keys: int, pool: str, tilings: list, splits_list
 
     old_us, old_err = timed(old)
     new_us, new_err = timed(new)
+    tiling = cross_tiling(dtype, rows, heads)
+    step_bytes = 2 * tiling[0] * tiling[1] * DIM * torch.empty(0, dtype=dtype).element_size()
     entry = {"rows": rows, "heads": heads, "keys": keys, "pool": pool, "kv_mb": kv_bytes / 1e6, "copies": copies,
-             "default_tiling": str(cross_tiling(dtype)),
-             "default_splits": decode_splits(rows, -(-heads // cross_tiling(dtype)[0]), keys, cross_tiling(dtype)[1],
-                                             device),
+             "default_tiling": str(tiling), "default_splits": decode_splits(rows, -(-heads // tiling[0]), keys,
+                                                                             tiling[1], step_bytes, device),
              "old_us": old_us, "old_max_abs_err": old_err, "new_us": new_us, "new_max_abs_err": new_err,
              "sweep_us": {}}
     for tiling in tilings:
@@ -113,8 +114,8 @@ def markdown(results: dict, argv: list[str] | None) -> str:
              f"pages of {PAGE}, every row the full encoder length; us from CUDA-graph replays (pool copies past L2); "
              f"GB/s = K/V bytes / time; same-run copy rate {copy:.0f} GB/s (read + write). Tilings: (heads a "
              f"program, keys a step, warps, stages; stages 2: the next tile prefetched), s: key splits.", "",
-             "| rows x heads x keys | pool | K/V MB | paged kernel us | GB/s | new us (tiling, splits) | GB/s | % of copy "
-             "| speedup | best sweep (us, % of copy) | max abs err old / new |",
+             "| rows x heads x keys | pool | K/V MB | paged kernel us | GB/s | new us (tiling, splits) | GB/s "
+             "| % of copy | speedup | best sweep (us, % of copy) | max abs err old / new |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---|---|"]
     for e in results["cases"]:
         timed = {k: v for k, v in e["sweep_us"].items() if isinstance(v, float)}

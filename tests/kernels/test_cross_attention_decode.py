@@ -56,7 +56,7 @@ def test_kernel_matches_reference(device, pool):
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     q, k, v, tables, lengths = _case(device, dtype, lengths=(150, 17, 70), pool_dtype=FP8 if pool == "fp8" else None)
     expected = cross_attention_decode_ref(q, k, v, tables, lengths, 0.125)
-    default = cross_tiling(k.dtype)
+    default = cross_tiling(k.dtype, *q.shape[:2])
     for tiling, splits, max_len, merge in ((default, 1, 150, False), (default, 4, 150, False),
                                            (default, None, 300, False), ((2, 16, 1, 2), 2, 300, False),
                                            (default, 4, 150, True)):

@@ -49,8 +49,9 @@ def test_bias_with_key_splits_and_rows_of_no_token_or_no_keys(device):
 @pytest.mark.parametrize("pool", ["*bf16", "*fp8e4nv"])
 def test_kernel_compiles_for_sm90_without_spills(user, pool, tmp_path):
     """Triton's compiler and ptxas (no GPU) on T5's DECODE_TILING with its bias (Flan-T5-XL: 64 dims, pages of
-    32, max_distance 128) and on the cross-attention's tiling of the pool without: no local memory (spills), at most 128 registers a
-    thread (decode is bound by the K/V bytes in flight: many programs an SM)."""
+    32, max_distance 128) and on the cross-attention's tiling of the pool (256 rows of 32 heads) without, with the
+    in-kernel merge: no local memory (spills), at most 128 registers a thread (decode is bound by the K/V bytes in
+    flight: many programs an SM)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -60,11 +61,11 @@ def test_kernel_compiles_for_sm90_without_spills(user, pool, tmp_path):
     from kernels.t5_bias_attention import DECODE_TILING
 
     pool_dtype = torch.bfloat16 if pool == "*bf16" else torch.float8_e4m3fn
-    heads, block_n, warps, stages = DECODE_TILING if user == "t5_self" else cross_tiling(pool_dtype)
+    heads, block_n, warps, stages = DECODE_TILING if user == "t5_self" else cross_tiling(pool_dtype, 256, 32)
     names = _one_query_kernel.arg_names
     pointers = dict(q_ptr="*bf16", k_cache_ptr=pool, v_cache_ptr=pool, out_ptr="*bf16", part_out_ptr="*fp32",
-                    part_lse_ptr="*fp32", arrivals_ptr="*i32", bias_ptr="*fp32", block_tables_ptr="*i32", cu_seqlens_q_ptr="*i32",
-                    context_lens_ptr="*i32")
+                    part_lse_ptr="*fp32", arrivals_ptr="*i32", bias_ptr="*fp32", block_tables_ptr="*i32",
+                    cu_seqlens_q_ptr="*i32", context_lens_ptr="*i32")
     const = dict(HAS_BIAS=user == "t5_self", REACH=128, HEAD_DIM=64, DIM_PAD=64, PAGE_SIZE=32, HEADS=heads,
                  BLOCK_N=block_n, ONE_TOKEN_ROWS=user == "cross", PREFETCH=stages > 1, MERGE_HERE=True, PDL=True)
     signature = {n: pointers.get(n, "constexpr" if n in const else "fp32" if n == "scale_log2" else "i32")
