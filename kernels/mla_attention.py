@@ -34,7 +34,8 @@ from kernels._triton import dense, jit, num_sms, pdl_options, pdl_prologue, tl, 
 from kernels.attention import KV_FP8_DTYPE, _as_bytes_if_fp8, gather_blocks, to_cache_dtype
 from kernels.attention_metadata import AttentionMetadata
 from kernels.head_matmul import head_matmul
-from kernels.mla_decode import DECODE_SPLITS, DECODE_TILING, DECODE_TILING_FP8, decode_tile_fits, mla_decode_launch
+from kernels.mla_decode import (DECODE_BATCHED_MIN_SPAN, DECODE_BATCHED_PROGRAMS, DECODE_SPLITS, DECODE_TILING,
+                                DECODE_TILING_FP8, decode_kernel_default, decode_tile_fits, mla_decode_launch)
 from kernels.online_softmax import online_softmax_step
 
 
@@ -280,7 +281,7 @@ MIN_SPAN = 32  # keys a split takes at least (one 32-key tile). A split costs it
 MAX_SPLITS = 128  # batch-1 decode of 16 heads (DeepSeek-V2-Lite, V3 at TP 8): one program a split, so
 # splits up to 2 x 132 SMs would cover the GPU; 128 of 256 keys each at 32k context (partials: 4 MB
 # against 38 MB of latent rows). The old cap of 16 left 16 programs on 132 SMs.
-USE_DECODE_KERNEL = False  # decode-only steps through kernels/mla_decode.py (mla_attention_triton)
+USE_DECODE_KERNEL = True  # decode-only steps through kernels/mla_decode.py (mla_attention_triton; its figures there)
 MLA_DECODE_ENV = "TRITONLLM_MLA_DECODE"  # "1" / "0": the decode kernel or the general one (A/B runs); unset: the above
 
 
@@ -309,11 +310,14 @@ def mla_splits(num_tokens: int, num_heads: int, block_h: int, device, max_splits
 
 
 def split_policy(decode_kernel: bool, block_n: int, max_splits: int | None = None, min_span: int | None = None,
-                 programs_per_sm: int | None = None) -> tuple[int, int, int]:
+                 programs_per_sm: int | None = None, programs: int = 1) -> tuple[int, int, int]:
     """(max_splits, min_span, programs_per_sm) for mla_splits: each given value kept, the others the
-    kernel's own (kernels/mla_decode.py's DECODE_SPLITS for the decode kernel, MAX_SPLITS / MIN_SPAN / 2
-    for the general one); min_span raised to a whole tile (``block_n``)."""
+    kernel's own (kernels/mla_decode.py's DECODE_SPLITS for the decode kernel, its min_span
+    DECODE_BATCHED_MIN_SPAN from DECODE_BATCHED_PROGRAMS (token x head-block) ``programs`` on;
+    MAX_SPLITS / MIN_SPAN / 2 for the general one); min_span raised to a whole tile (``block_n``)."""
     own = DECODE_SPLITS if decode_kernel else (MAX_SPLITS, MIN_SPAN, 2)
+    if decode_kernel and programs >= DECODE_BATCHED_PROGRAMS:
+        own = (own[0], DECODE_BATCHED_MIN_SPAN, own[2])
     max_splits, min_span, programs_per_sm = (own[i] if v is None else v
                                              for i, v in enumerate((max_splits, min_span, programs_per_sm)))
     min_span = max(min_span, block_n)
@@ -338,7 +342,7 @@ def mla_attention_triton(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: to
     launch itself where there is one (mla_attention_values), else by kernels/head_matmul.py after.
 
     Decode-only steps (no token tree) take kernels/mla_decode.py's kernel where ``decode_kernel``
-    (None: decode_kernel_enabled()) and its tile fits the page: ``decode_tiling`` (BLOCK_N, num_warps,
+    (None: decode_kernel_enabled() and kernels/mla_decode.py decode_kernel_default) and its tile fits the page: ``decode_tiling`` (BLOCK_N, num_warps,
     STAGES), None for DECODE_TILING (DECODE_TILING_FP8 for an FP8 pool); ``block_n`` and ``num_warps``
     then serve the general kernel only. The split policy's ``max_splits``, ``min_span`` and
     ``programs_per_sm`` left None take the kernel's own (split_policy)."""
@@ -347,11 +351,14 @@ def mla_attention_triton(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: to
     if num_tokens == 0:
         return torch.empty_like(q_latent) if w_uv is None else q_latent.new_empty(num_tokens, num_heads, w_uv.shape[1])
     decode = meta.is_decode_only and meta.tree_mask is None and num_tokens == meta.context_lens.shape[0]
-    tiling = decode_tiling or (DECODE_TILING_FP8 if cache.dtype == KV_FP8_DTYPE else DECODE_TILING)
-    use_decode = (decode_kernel_enabled() if decode_kernel is None else decode_kernel) and decode and \
-        decode_tile_fits(cache.shape[1], tiling[0])
+    fp8_pool = cache.dtype == KV_FP8_DTYPE
+    tiling = decode_tiling or (DECODE_TILING_FP8 if fp8_pool else DECODE_TILING)
+    programs = num_tokens * triton.cdiv(num_heads, block_h)
+    if decode_kernel is None:
+        decode_kernel = decode_kernel_enabled() and decode_kernel_default(fp8_pool, programs)
+    use_decode = decode_kernel and decode and decode_tile_fits(cache.shape[1], tiling[0])
     max_splits, min_span, programs_per_sm = split_policy(use_decode, tiling[0] if use_decode else block_n,
-                                                         max_splits, min_span, programs_per_sm)
+                                                         max_splits, min_span, programs_per_sm, programs)
     splits = splits or mla_splits(num_tokens, num_heads, block_h, q_latent.device, max_splits, meta.max_context_len,
                                   min_span, programs_per_sm)
     out = torch.empty(q_latent.shape, dtype=q_latent.dtype, device=q_latent.device)  # (T, H, R) contiguous

@@ -122,11 +122,30 @@ def _mla_decode_kernel(q_lat_ptr, q_rope_ptr, cache_ptr, part_ptr, lse_ptr, bloc
 
 # (BLOCK_N, num_warps, STAGES) of the decode kernel; STAGES 0: the next tile prefetched into registers
 # instead of Triton's pipeliner (which leaves an FP8 pool's loads, converted before the products, unpipelined:
-# sm_90 compile, Triton 3.9). BLOCK_N must divide the pool's page.
+# sm_90 compile, Triton 3.9). BLOCK_N must divide the pool's page. H200, V2-Lite's 16 heads, graph replays
+# (2026-11-30 18:00, benchmarks/kernels/mla_kernel_bench.py, us a layer at batch 1 x 1k / 8k / 32k and 32 x 1k /
+# 8k / 32k; the general kernel 8.3 / 13.7 / 32.1 / 27.7 / 167.3 / 681.5): bf16 32 x 4 warps x 3 stages 6.7 /
+# 11.6 / 24.9 / 24.4 / 130.1 / 541.4 (64 x 8 x 3 within 3% of it but at 32 x 1k, 32 x 8 x 3 and the register
+# prefetch 32 x 8 x 0 slower everywhere); FP8 pools 32 x 8 x 0 8.1 / - / 31.7 / 36.5 / - / 1000.4 (general
+# 8.7 / 39.1 / 31.0 / 998.8; 32 x 8 x 3 slower still).
 DECODE_TILING = (32, 4, 3)
 DECODE_TILING_FP8 = (32, 8, 0)
-# The decode kernel's split policy (kernels/mla_attention.py mla_splits): (max_splits, min_span, programs_per_sm).
-DECODE_SPLITS = (128, 32, 2)
+# The decode kernel's split policy (kernels/mla_attention.py split_policy, mla_splits): (max_splits, min_span,
+# programs_per_sm) -- up to 128 splits, the grid covering the GPU 8 times, 32 keys a split at least; and from
+# DECODE_BATCHED_PROGRAMS (sequence x head-block) programs on, 128 keys a split at least (a split's float32
+# partial, 32 KB for 16 heads of R = 512, then stays under a quarter of its latent bytes). Same sweep: at batch
+# 32 the grid covering the GPU twice (9 splits) took 130.1 / 541.4 us at 8k / 32k, 8 times (33) 118.9 / 353.0
+# (81% of the copy bandwidth); at batch 1 x 1k, 128-key splits (8) took 11.4 us against 6.7 for 32-key ones (32).
+DECODE_SPLITS = (128, 32, 8)
+DECODE_BATCHED_PROGRAMS = 16
+DECODE_BATCHED_MIN_SPAN = 128
+
+
+def decode_kernel_default(fp8_pool: bool, programs: int) -> bool:
+    """Where the decode kernel is the default (switched on, not asked for by name): every pool but an FP8 one
+    from DECODE_BATCHED_PROGRAMS programs on, where the general kernel measured as fast or faster (batch 32 x
+    1k: 31.0 against 36.5 us; both ~14% of the copy bandwidth, bound by the FP8 conversion, not the bytes)."""
+    return not (fp8_pool and programs >= DECODE_BATCHED_PROGRAMS)
 
 
 def decode_tile_fits(page: int, block_n: int) -> bool:

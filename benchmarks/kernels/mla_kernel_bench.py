@@ -57,6 +57,7 @@ from benchmarks.common import (command_line, cuda_time_ms, git_commit, graph_cal
                                machine_summary, print_table, utc_now)
 from kernels.attention import KV_FP8_DTYPE  # noqa: E402
 from kernels.attention_metadata import AttentionMetadata  # noqa: E402
+from kernels.mla_decode import DECODE_TILING  # noqa: E402
 from kernels.mla_attention import (MAX_SPLITS, MIN_SPAN, mla_attention_ref, mla_attention_triton,  # noqa: E402
                                    mla_splits, split_policy)
 
@@ -148,7 +149,8 @@ def splits_of(config: dict, num_tokens: int, heads: int, device, max_context_len
     """The split count mla_attention_triton picks for ``config`` (mla_splits with its arguments)."""
     decode = config.get("decode_kernel", False)
     policy = split_policy(decode, config["decode_tiling"][0] if decode else config.get("block_n", 32),
-                          config.get("max_splits"), config.get("min_span"), config.get("programs_per_sm"))
+                          config.get("max_splits"), config.get("min_span"), config.get("programs_per_sm"),
+                          num_tokens * -(-heads // config.get("block_h", 16)))
     max_splits, min_span, programs_per_sm = policy
     return mla_splits(num_tokens, heads, config.get("block_h", 16), device, max_splits, max_context_len, min_span,
                       programs_per_sm)
@@ -242,7 +244,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pool", default="bf16,fp8", help="comma-separated: bf16 (the queries' dtype) and/or fp8")
     p.add_argument("--tree", type=int, default=0, help="verify an N-node chain per sequence (tree-mask path)")
     p.add_argument("--repeat", type=int, default=50)
-    p.add_argument("--configs", default=f"16:{MAX_SPLITS}:{MIN_SPAN}",
+    p.add_argument("--configs", default=f"16:{MAX_SPLITS}:{MIN_SPAN},d{':'.join(map(str, DECODE_TILING))}",
                    help="comma-separated block_h:max_splits:min_span[:block_n[:warps]] (the general kernel; 16:16:32 = "
                         "the split policy before 2026-11-29) or d<block_n>:warps:stages[:max_splits[:min_span[:pps]]] "
                         "(the decode kernel)")

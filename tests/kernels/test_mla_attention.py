@@ -193,12 +193,17 @@ def test_decode_kernel_equals_reference_and_the_general_kernel(device, dtype, ca
 
 def test_split_policy_is_each_kernels_own_unless_given():
     """mla_attention_triton's max_splits / min_span / programs_per_sm left None: the general kernel's
-    MAX_SPLITS, MIN_SPAN, 2 or the decode kernel's DECODE_SPLITS; given ones kept; min_span a whole tile."""
+    MAX_SPLITS, MIN_SPAN, 2 or the decode kernel's DECODE_SPLITS (longer splits once batched); given ones
+    kept; min_span a whole tile."""
     from kernels.mla_attention import MAX_SPLITS, split_policy
-    from kernels.mla_decode import DECODE_SPLITS
+    from kernels.mla_decode import DECODE_BATCHED_MIN_SPAN, DECODE_BATCHED_PROGRAMS, DECODE_SPLITS
 
-    assert split_policy(False, 32) == (MAX_SPLITS, MIN_SPAN, 2)
+    assert split_policy(False, 32) == split_policy(False, 32, programs=64) == (MAX_SPLITS, MIN_SPAN, 2)
     assert split_policy(True, 16) == (DECODE_SPLITS[0], max(DECODE_SPLITS[1], 16), DECODE_SPLITS[2])
+    # from DECODE_BATCHED_PROGRAMS (token x head-block) programs on, longer splits
+    batched = split_policy(True, 16, programs=DECODE_BATCHED_PROGRAMS)
+    assert batched == (DECODE_SPLITS[0], DECODE_BATCHED_MIN_SPAN, DECODE_SPLITS[2]) and batched[1] > DECODE_SPLITS[1]
+    assert split_policy(True, 16, programs=DECODE_BATCHED_PROGRAMS - 1)[1] == DECODE_SPLITS[1]
     assert split_policy(True, 64, 7, 128, 3) == (7, 128, 3)
     assert split_policy(False, 64, min_span=16) == (MAX_SPLITS, 64, 2)  # raised to one tile
     with pytest.raises(AssertionError):
@@ -208,7 +213,7 @@ def test_split_policy_is_each_kernels_own_unless_given():
 def test_decode_kernel_is_taken_only_where_its_tile_fits(monkeypatch):
     """The decode kernel serves decode-only steps whose page its BLOCK_N divides; a mixed step or pages
     of 4 keep the general kernel (which launch ran is recorded); unasked, the environment's switch or
-    the module default decides."""
+    the module default decides, and an FP8 pool's batched steps keep the general kernel."""
     from kernels import mla_decode
 
     taken = []
@@ -234,6 +239,17 @@ def test_decode_kernel_is_taken_only_where_its_tile_fits(monkeypatch):
         taken.clear()
         mla_attention_triton(q, rope, cache, meta, 0.2, splits=1)
         assert taken == [want], (env, default)
+    # FP8 pools: by default the decode kernel only below DECODE_BATCHED_PROGRAMS programs (5 heads: one head
+    # block a token); asked for by name, at any batch
+    monkeypatch.setenv(mla_attention_module.MLA_DECODE_ENV, "")
+    monkeypatch.setattr(mla_attention_module, "USE_DECODE_KERNEL", True)
+    for batch, asked, want in ((2, None, "decode"), (mla_decode.DECODE_BATCHED_PROGRAMS, None, "general"),
+                               (mla_decode.DECODE_BATCHED_PROGRAMS, True, "decode")):
+        _, cache, meta = paged_batch([9] * batch, [1] * batch, page=32, cache_dtype=KV_FP8_DTYPE)
+        taken.clear()
+        mla_attention_triton(torch.zeros(batch, HEADS, RANK), torch.zeros(batch, HEADS, ROPE), cache, meta, 0.2,
+                             splits=1, decode_kernel=asked)
+        assert taken == [want], (batch, asked)
 
 
 @pytest.mark.parametrize("context_lens,q_lens", [([37, 5, 70], [1, 1, 1]), ([30, 9, 2], [11, 1, 2])])
