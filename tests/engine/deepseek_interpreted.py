@@ -5,8 +5,8 @@ interpreter (TRITON_INTERPRET=1); logits of packed chunks, 8-9-token steps and s
 steps against transformers' (the one-token expert GEMMs in tiles marked as the load-time
 choice marks them). Run by test_deepseek.py in a subprocess (the patch must precede every
 kernel import); prints one "ok <version> <max error> <decode-path expert calls> <of them with the norm in
-the router's launch> <MLA decode-kernel launches>" line a version. DEEPSEEK_INTERPRETED_PAGE: the pages'
-tokens (4 by default; 32 lets kernels/mla_decode.py's tiles fit, which TRITONLLM_MLA_DECODE=1 then takes).
+the router's launch> <MLA decode-kernel launches of this version>" line a version. A version "v2:32" runs on
+pages of 32 tokens (4 otherwise): kernels/mla_decode.py's tiles fit there, so its decode steps take that kernel.
 """
 import os
 import pathlib
@@ -28,7 +28,6 @@ from engine.executor.runner import ModelRunner  # noqa: E402
 from kernels.moe_decode_tiles import DECODE_TILE_CANDIDATES, mark_decode_tiles  # noqa: E402
 
 decode_calls = normed_calls = mla_decode_launches = 0
-PAGE = int(os.environ.get("DEEPSEEK_INTERPRETED_PAGE", "4"))
 _mla_decode_launch = mla_attention.mla_decode_launch
 
 
@@ -56,9 +55,11 @@ def counted_normed(self, *args, **kwargs):
 
 deepseek.DeepseekExperts._routed = counted
 deepseek.DeepseekExperts.forward_normed = counted_normed
-for version in sys.argv[1:] or ["v2", "v3"]:
+for spec in sys.argv[1:] or ["v2", "v3"]:
+    version, _, page = spec.partition(":")
+    mla_decode_launches = 0
     hf = tiny_deepseek(version)
-    runner = ModelRunner(make_engine(hf, pathlib.Path(tempfile.mkdtemp()) / "engine", tokens_per_block=PAGE))
+    runner = ModelRunner(make_engine(hf, pathlib.Path(tempfile.mkdtemp()) / "engine", tokens_per_block=int(page or 4)))
     assert all(layer.attn.qkv_a_proj is not None for layer in runner.model.layers)
     # one-token expert GEMMs in tiles other than the table's, as a load-time choice marks them on CUDA
     experts = runner.model.decode_experts()
@@ -77,4 +78,4 @@ for version in sys.argv[1:] or ["v2", "v3"]:
     for i, token in enumerate(extra):  # single-token steps: one block an expert, no alignment
         (row,) = session.step([(1, [token])])
         worst = max(worst, (row - hf_logits(hf, seqs[1] + extra[:i + 1])[-1:]).abs().max().item())
-    print("ok", version, worst, decode_calls, normed_calls, mla_decode_launches, flush=True)
+    print("ok", spec, worst, decode_calls, normed_calls, mla_decode_launches, flush=True)
