@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import dense, jit, tl, triton, use_triton
+from kernels._triton import TensorDescriptor, dense, jit, tl, triton, use_triton
 from kernels.attention_metadata import AttentionMetadata
 from kernels.one_query_attention import one_query_attention_triton
 from kernels.relative_position_bias import paged_attention_bias_ref, relative_position_bucket
@@ -214,9 +214,9 @@ def _t5_dense_kernel(
 
 @jit
 def _dense_key_tiles(q, scores_ahead, m_i, l_i, acc, k_rows, v_rows, stride_kt, stride_vt, bias_rows, start, end,
-                     length, far_bias, scale_log2, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
-                     BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, NEAR: tl.constexpr, TAIL: tl.constexpr,
-                     AHEAD: tl.constexpr):
+                     length, far_bias, scale_log2, k_desc, v_desc, desc_row, desc_col, HEAD_DIM: tl.constexpr,
+                     DIM_PAD: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, NEAR: tl.constexpr,
+                     TAIL: tl.constexpr, AHEAD: tl.constexpr, TMA: tl.constexpr):
     """Key tiles [start, end) (a multiple of BLOCK_N apart unless TAIL) into the online softmax (base 2) of one
     query tile -> (scores_ahead, m_i, l_i, acc). NEAR: each score's bias loaded from ``bias_rows[row] + key``
     (a ``dense_distance_bias`` table, log2 units, every distance of the input in range: no clamp; 16-byte
@@ -225,7 +225,10 @@ def _dense_key_tiles(q, scores_ahead, m_i, l_i, acc, k_rows, v_rows, stride_kt, 
     ``length`` hidden by the bias load's -inf (no other mask work: full tiles take none). AHEAD: the tile's
     scores q k^T came in ``scores_ahead`` (computed by the tile before, or the kernel for the first), and each
     tile issues the next tile's product (its keys clamped to the input: past the end, wasted but in bounds)
-    before its own softmax, so that the tensor cores run it during the exponentials."""
+    before its own softmax, so that the tensor cores run it during the exponentials. TMA: K and V tiles read
+    through the descriptors ``k_desc`` / ``v_desc`` over the batch's (token, head x dim) rows, key j of this
+    input at row ``desc_row`` + j, this head's dims at column ``desc_col`` (rows past the input are the next
+    input's or zeros: finite, their scores hidden by the TAIL's bias like masked keys)."""
     cols = tl.arange(0, BLOCK_N)
     dims = tl.arange(0, DIM_PAD)
     dim_mask = (dims < HEAD_DIM)[None, :]
@@ -233,6 +236,9 @@ def _dense_key_tiles(q, scores_ahead, m_i, l_i, acc, k_rows, v_rows, stride_kt, 
         k_pos = start_n + cols
         if AHEAD:
             scores = scores_ahead
+        elif TMA:
+            k = k_desc.load([desc_row + start_n, desc_col])
+            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         else:
             k_offsets = k_pos[:, None] * stride_kt + dims[None, :]
             if TAIL or HEAD_DIM != DIM_PAD:
@@ -255,7 +261,9 @@ def _dense_key_tiles(q, scores_ahead, m_i, l_i, acc, k_rows, v_rows, stride_kt, 
                 k_next = tl.load(k_rows + next_keys)
             scores_ahead = tl.dot(q, tl.trans(k_next), input_precision=PRECISION)
         v_offsets = k_pos[:, None] * stride_vt + dims[None, :]
-        if TAIL or HEAD_DIM != DIM_PAD:
+        if TMA:
+            v = v_desc.load([desc_row + start_n, desc_col])
+        elif TAIL or HEAD_DIM != DIM_PAD:
             v = tl.load(v_rows + v_offsets, mask=(k_pos < length)[:, None] & dim_mask, other=0.0)
         else:
             v = tl.load(v_rows + v_offsets)
@@ -274,12 +282,12 @@ def _dense_key_tiles(q, scores_ahead, m_i, l_i, acc, k_rows, v_rows, stride_kt, 
 
 @jit
 def _t5_dense_split_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, bias_ptr, lengths_ptr, scale_log2,
+    q_ptr, k_ptr, v_ptr, out_ptr, bias_ptr, lengths_ptr, scale_log2, q_desc, k_desc, v_desc,
     stride_qb, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_ob, stride_ot, stride_oh, stride_bias, bias_width, bias_zero, seq_len,
     REACH: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr, SPLIT_FAR: tl.constexpr,
-    AHEAD: tl.constexpr, BIAS_VECTOR: tl.constexpr,
+    AHEAD: tl.constexpr, BIAS_VECTOR: tl.constexpr, TMA: tl.constexpr,
 ):
     """Program (m tile, batch row, head): queries [m * BLOCK_M, +BLOCK_M) over keys [0, lengths[b]), the bias
     from a ``dense_distance_bias`` table (log2 units; query row i reads copy i % BIAS_VECTOR from column
@@ -289,8 +297,9 @@ def _t5_dense_split_kernel(
     run in loops by kind: with SPLIT_FAR, the tiles whose every distance is at or past -REACH (left)
     or +REACH (right) take their side's one bias value (no load); the rest (near) load theirs; the
     partial last tile alone masks. AHEAD: each tile's q k^T is issued by the tile before (across the
-    loops), overlapping the tensor cores with the softmax. Rows past seq_len repeat the last query
-    (finite; not stored)."""
+    loops), overlapping the tensor cores with the softmax. TMA: q, K and V tiles through the descriptors
+    (``_dense_key_tiles``; q rows past seq_len are the next input's or zeros). Rows past seq_len repeat the
+    last query (finite; not stored)."""
     m_tile = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
     head = tl.program_id(2)
@@ -300,7 +309,11 @@ def _t5_dense_split_kernel(
     q_pos = tl.minimum(rows, seq_len - 1)
     dims = tl.arange(0, DIM_PAD)
     q_ptrs = q_ptr + b * stride_qb + q_pos[:, None] * stride_qt + head * stride_qh + dims[None, :]
-    if HEAD_DIM != DIM_PAD:
+    desc_row = (b * seq_len).to(tl.int32)
+    desc_col = head * HEAD_DIM
+    if TMA:
+        q = q_desc.load([desc_row + first, desc_col])
+    elif HEAD_DIM != DIM_PAD:
         q = tl.load(q_ptrs, mask=(dims < HEAD_DIM)[None, :], other=0.0)
     else:
         q = tl.load(q_ptrs)
@@ -328,20 +341,25 @@ def _t5_dense_split_kernel(
         far_right = tl.load(bias_head + bias_width - 1)  # its last: >= REACH
         scores, m_i, l_i, acc = _dense_key_tiles(
             q, scores, m_i, l_i, acc, k_rows, v_rows, stride_kt, stride_vt, bias_rows, 0, left_end, length,
-            far_left, scale_log2, HEAD_DIM, DIM_PAD, BLOCK_N, PRECISION, False, False, AHEAD)
+            far_left, scale_log2, k_desc, v_desc, desc_row, desc_col, HEAD_DIM, DIM_PAD, BLOCK_N, PRECISION, False,
+            False, AHEAD, TMA)
         scores, m_i, l_i, acc = _dense_key_tiles(
             q, scores, m_i, l_i, acc, k_rows, v_rows, stride_kt, stride_vt, bias_rows, left_end, right_start, length,
-            0.0, scale_log2, HEAD_DIM, DIM_PAD, BLOCK_N, PRECISION, True, False, AHEAD)
+            0.0, scale_log2, k_desc, v_desc, desc_row, desc_col, HEAD_DIM, DIM_PAD, BLOCK_N, PRECISION, True, False,
+            AHEAD, TMA)
         scores, m_i, l_i, acc = _dense_key_tiles(
             q, scores, m_i, l_i, acc, k_rows, v_rows, stride_kt, stride_vt, bias_rows, right_start, full_end, length,
-            far_right, scale_log2, HEAD_DIM, DIM_PAD, BLOCK_N, PRECISION, False, False, AHEAD)
+            far_right, scale_log2, k_desc, v_desc, desc_row, desc_col, HEAD_DIM, DIM_PAD, BLOCK_N, PRECISION, False,
+            False, AHEAD, TMA)
     else:
         scores, m_i, l_i, acc = _dense_key_tiles(
             q, scores, m_i, l_i, acc, k_rows, v_rows, stride_kt, stride_vt, bias_rows, 0, full_end, length,
-            0.0, scale_log2, HEAD_DIM, DIM_PAD, BLOCK_N, PRECISION, True, False, AHEAD)
+            0.0, scale_log2, k_desc, v_desc, desc_row, desc_col, HEAD_DIM, DIM_PAD, BLOCK_N, PRECISION, True, False,
+            AHEAD, TMA)
     scores, m_i, l_i, acc = _dense_key_tiles(
         q, scores, m_i, l_i, acc, k_rows, v_rows, stride_kt, stride_vt, bias_rows, full_end, length, length,
-        0.0, scale_log2, HEAD_DIM, DIM_PAD, BLOCK_N, PRECISION, True, True, AHEAD)
+        0.0, scale_log2, k_desc, v_desc, desc_row, desc_col, HEAD_DIM, DIM_PAD, BLOCK_N, PRECISION, True, True,
+        AHEAD, TMA)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # l_i == 0: an input of no tokens
     tl.store(out_ptr + b * stride_ob + rows[:, None] * stride_ot + head * stride_oh + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=(rows < seq_len)[:, None] & (dims < HEAD_DIM)[None, :])
@@ -361,12 +379,13 @@ DECODE_TILING = (1, 32, 1, 1)
 # SM), (128, 32, 8, 2) 5.08, (128, 64, 8, 2) 6.68 (162 registers, one program an SM), the old kernel 8.35-8.52 (66);
 # ahead fastest at (64, 32, 4, 2), 4.71 ms (125 registers).
 PAGED_TILING = (64, 4, 2)
-DENSE_TILINGS = {"split": (64, 32, 4, 3), "ahead": (64, 32, 4, 2), "gather": (128, 64, 8, 2, 128),
-                 "old": (128, 64, 8, 2)}
+DENSE_TILINGS = {"split": (64, 32, 4, 3), "ahead": (64, 32, 4, 2), "tma": (64, 32, 4, 3),
+                 "gather": (128, 64, 8, 2, 128), "old": (128, 64, 8, 2)}
 # The encoder's kernel: "split" (_t5_dense_split_kernel, far key tiles without bias loads), "ahead" (the same,
-# each tile's q k^T issued by the tile before), "gather" (split's kernel loading every tile's bias) or "old"
+# each tile's q k^T issued by the tile before), "tma" (the same reading q, K and V through TMA descriptors where
+# the views allow: _tma_rows; else as split), "gather" (split's kernel loading every tile's bias) or "old"
 # (_t5_dense_kernel: clamped bias gathers and masks on every tile).
-DENSE_KERNELS = ("split", "ahead", "gather", "old")
+DENSE_KERNELS = ("split", "ahead", "tma", "gather", "old")
 DENSE_KERNEL = "split"
 # Floats a bias load of the new kernels (4, 2 or 1; dense_distance_bias has 4 shifted copies, enough for each).
 DENSE_BIAS_VECTOR = 4
@@ -450,6 +469,17 @@ def _cached_dense_distance_bias(bias: torch.Tensor, length: int, block_m: int) -
     return cached[2], cached[3]
 
 
+def _tma_rows(t: torch.Tensor) -> bool:
+    """Whether TMA can read the (batch, L, heads, head_dim) view ``t`` as (batch x L, heads x head_dim) rows:
+    Triton's host descriptors, inputs packed one after another (views of a projection's output are), heads
+    adjacent, a power-of-two head dim (a tile of one head's dims), 16-byte aligned base and row stride."""
+    batch, length, heads, dim = t.shape
+    size = t.element_size()
+    return (TensorDescriptor is not None and t.stride(3) == 1 and t.stride(2) == dim and dim == _dim_pad(dim)
+            and (batch == 1 or t.stride(0) == length * t.stride(1)) and t.data_ptr() % 16 == 0
+            and t.stride(1) * size % 16 == 0)
+
+
 def t5_dense_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor, scale: float,
                               bias: torch.Tensor, *, tiling: tuple[int, ...] | None = None,
                               kernel: str | None = None, bias_vector: int | None = None) -> torch.Tensor:
@@ -480,11 +510,16 @@ def t5_dense_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         return out
     assert scale > 0, "the far tiles' max assumes a positive scale"
     table, zero = _cached_dense_distance_bias(bias, length, block_m)
+    tma = kernel == "tma" and all(_tma_rows(t) for t in (q, k, v))  # else the same kernel's pointer loads
+    rows_shape = [batch * length, num_heads * head_dim]
+    q_desc, k_desc, v_desc = ((TensorDescriptor(t, rows_shape, [t.stride(1), 1], [rows, head_dim])
+                               for t, rows in ((q, block_m), (k, block_n), (v, block_n))) if tma else (None,) * 3)
     _t5_dense_split_kernel[grid](
-        q, k, v, out, table, lengths, scale * _LOG2E, *strides, table.stride(0), table.shape[2], zero, length,
+        q, k, v, out, table, lengths, scale * _LOG2E, q_desc, k_desc, v_desc, *strides, table.stride(0), table.shape[2],
+        zero, length,
         REACH=(bias.shape[1] - 1) // 2, HEAD_DIM=head_dim, DIM_PAD=_dim_pad(head_dim),
         BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_precision(q), SPLIT_FAR=kernel != "gather",
-        AHEAD=kernel == "ahead", BIAS_VECTOR=bias_vector or DENSE_BIAS_VECTOR, **launch)
+        AHEAD=kernel == "ahead", BIAS_VECTOR=bias_vector or DENSE_BIAS_VECTOR, TMA=tma, **launch)
     return out
 
 

@@ -69,7 +69,7 @@ def test_greedy_ids_and_logits_equal_transformers(built, executor):
 
 @pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
                     reason="the Triton kernels: CUDA, or TRITON_INTERPRET=1 on the CPU")
-@pytest.mark.parametrize("kernel", ["split", "ahead", "old"])
+@pytest.mark.parametrize("kernel", ["split", "ahead", "tma", "old"])
 def test_t5_encoder_kernels_in_the_executor_equal_transformers(built, monkeypatch, kernel):
     """T5's encoder attention through each dense kernel (kernels/t5_bias_attention.py; on the CPU in Triton's
     interpreter) inside the executor, whose tensors are inference tensors (torch.inference_mode: no version

@@ -182,6 +182,22 @@ def test_dense_kernel_far_tiles_equal_reference(device, kernel, dim):
             assert relative_error(out[row], ref[row]) < TOLERANCE[dtype], (dtype, row)
 
 
+def test_dense_tma_kernel_reads_views_of_one_projection(device):
+    """The TMA variant over q, k, v as the engine passes them (views of one (batch, L, 3, heads, dim) projection
+    output, read as (batch x L, heads x dim) rows): inputs of 40, 23 and 9 tokens padded to 40 (their key tiles
+    past the input read the next input's rows, hidden by the bias), 16 x 16 tiles, max_distance 6."""
+    torch.manual_seed(6)
+    heads, dim = 2, 16
+    lengths = torch.tensor([40, 23, 9], dtype=torch.int32, device=device)
+    bias = distance_bias(torch.randn(6, heads, device=device), bidirectional=True, max_distance=6)
+    for dtype in low_precision_dtypes(device):
+        q, k, v = torch.randn(3, 40, 3, heads, dim, device=device).to(dtype).unbind(2)
+        out = t5_dense_attention_triton(q, k, v, lengths, 1.0, bias, kernel="tma", tiling=(16, 16, 4, 2))
+        ref = t5_dense_attention_ref(q.float(), k.float(), v.float(), lengths, 1.0, bias)
+        for row in range(3):
+            assert relative_error(out[row], ref[row]) < TOLERANCE[dtype], (dtype, row)
+
+
 @pytest.mark.parametrize("kernel, bias_vector", [("split", 2), ("split", 1), ("ahead", 2)])
 def test_dense_kernel_bias_vectors_equal_reference(device, kernel, bias_vector):
     """The bias read in runs of 2 or 1 floats (rows from copies i % 2 / copy 0 of the same table) at the far-tiles
@@ -258,7 +274,7 @@ def sm90_resource_usage(kernel, pointers: dict, const: dict, floats: tuple, unal
 
     names = kernel.arg_names
     signature = {n: pointers.get(n, "constexpr" if n in const else "fp32" if n in floats else "i32") for n in names}
-    aligned = [n for n in names if n in pointers or (signature[n] == "i32" and n not in unaligned)]
+    aligned = [n for n in names if signature[n].startswith("*") or (signature[n] == "i32" and n not in unaligned)]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     options = {"num_warps": warps, "num_stages": stages, **({"maxnreg": max_registers} if max_registers else {})}
     compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=const, attrs=attrs),
@@ -283,7 +299,12 @@ def test_dense_kernels_compile_for_sm90_without_spills(kernel, tmp_path):
                     lengths_ptr="*i32")
     const = dict(REACH=128, HEAD_DIM=64, DIM_PAD=64, BLOCK_M=block_m, BLOCK_N=block_n, PRECISION="tf32")
     if kernel != "old":
-        const.update(SPLIT_FAR=kernel != "gather", AHEAD=kernel == "ahead", BIAS_VECTOR=4)
+        const.update(SPLIT_FAR=kernel != "gather", AHEAD=kernel == "ahead", BIAS_VECTOR=4, TMA=kernel == "tma")
+        descriptors = dict(q_desc=block_m, k_desc=block_n, v_desc=block_n)
+        if kernel == "tma":  # TensorDescriptor arguments: (rows, head dim) bf16 tiles
+            pointers.update({name: f"tensordesc<bf16[{rows}, 64]>" for name, rows in descriptors.items()})
+        else:
+            const.update(dict.fromkeys(descriptors))  # None
     usage = sm90_resource_usage(_t5_dense_kernel if kernel == "old" else _t5_dense_split_kernel, pointers, const,
                                 ("scale_log2",), ("stride_bias", "seq_len") if kernel == "old" else ("seq_len",),
                                 warps, stages, tmp_path, *max_registers)
