@@ -78,13 +78,15 @@ L2_BYTES = 60 << 20  # pools this large in all are read from HBM (H200: 50 MB of
 
 
 def encoder_case(batch: int, length: int, device, *, sweep=True, flex: bool = False, on_path=None,
-                 defaults=DENSE_KERNELS, sdpa: bool = True) -> dict:
+                 defaults=DENSE_KERNELS, sdpa: bool = True, ceilings: bool = False) -> dict:
     """The encoder attention at ``batch`` x ``length`` (every input full): each of DENSE_KERNELS at its default
     tiling (``defaults``: those kernels only) and, ``sweep`` True (or a list of DENSE_SWEEP keys: those), the new
     ones at DENSE_SWEEP's; (``sdpa``) torch SDPA with the materialized (1, heads, L, L) bias (bf16 and float32;
     default, memory-efficient and cuDNN backends) and
     (``flex``) FlexAttention with the bias as a score_mod: ms (CUDA events, median) and TFLOPS (QK and PV), max
-    abs error against the float32 reference on the first two rows. ``on_path(entry)`` after every path (a run cut
+    abs error against the float32 reference on the first two rows. ``ceilings``: two rows without T5's bias
+    work, their errors not comparable: the default kernel with a table of max_distance 1 (every key tile off
+    the diagonal far: no bias loads) and torch's flash attention without a bias. ``on_path(entry)`` after every path (a run cut
     short keeps what it measured)."""
     table = torch.randn(BUCKETS, HEADS, device=device, dtype=torch.bfloat16)
     qkv = torch.randn(batch, length, 3, HEADS, DIM, device=device, dtype=torch.bfloat16)
@@ -127,6 +129,15 @@ def encoder_case(batch: int, length: int, device, *, sweep=True, flex: bool = Fa
                 with sdpa_kernel(backend) if backend is not None else contextlib.nullcontext():
                     return F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=1.0).transpose(1, 2)
             timed(f"sdpa {backend_name}, bias {mask_name} (1, heads, L, L)", run_sdpa)
+    if ceilings:
+        near_diagonal = distance_bias(torch.zeros(BUCKETS, HEADS, device=device), bidirectional=True, max_distance=1)
+        timed(f"{DENSE_KERNEL} default, max_distance 1 (ceiling: far tiles only)",
+              lambda: t5_dense_attention_triton(q, k, v, lengths, 1.0, near_diagonal))
+
+        def flash():
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                return F.scaled_dot_product_attention(qt, kt, vt, scale=1.0).transpose(1, 2)
+        timed("sdpa flash, no bias (ceiling)", flash)
     if flex:
         from torch.nn.attention.flex_attention import flex_attention
 
@@ -275,6 +286,8 @@ def main(argv=None) -> dict:
     p.add_argument("--encoder-defaults", default=",".join(DENSE_KERNELS),
                    help="encoder kernels timed at their default tiling (comma-separated; \"\" none)")
     p.add_argument("--no-sdpa", action="store_true", help="skip the encoder section's torch SDPA paths")
+    p.add_argument("--ceilings", action="store_true", help="also time the encoder without T5's bias work (the "
+                   "default kernel with max_distance 1; torch's flash attention without a bias)")
     p.add_argument("--encoder-md", default=None, help="write the encoder section's markdown here (after every shape)")
     p.add_argument("--decode", default="256x64x160,256x128x160,64x128x160",
                    help="sequences x context x table width of the decode self-attention")
@@ -299,7 +312,7 @@ def main(argv=None) -> dict:
         sweep = {"0": False, "1": True}.get(args.encoder_sweep, args.encoder_sweep.split(","))
         results["encoder"].append(encoder_case(batch, length, device, sweep=sweep, flex=args.flex, on_path=save_encoder,
                                                defaults=[k for k in args.encoder_defaults.split(",") if k],
-                                               sdpa=not args.no_sdpa))
+                                               sdpa=not args.no_sdpa, ceilings=args.ceilings))
     if results["encoder"]:
         print(encoder_markdown(results["encoder"], argv))
     for seqs, context, width in shapes(args.decode):
