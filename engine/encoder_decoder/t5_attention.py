@@ -16,7 +16,8 @@ $TRITONLLM_T5_DECODE_KERNEL=0 runs decode steps through the paged kernel's tenso
 instead of its decode kernel (kernels/t5_bias_attention.py): an A/B switch too, read at every call
 (a CUDA graph keeps the path it was captured with).
 $TRITONLLM_T5_DENSE_KERNEL picks the encoder's kernel among kernels/t5_bias_attention.py DENSE_KERNELS
-("old": the kernel before the split one, for A/B; unset: DENSE_KERNEL), read at every call.
+(split, ahead, tma, gather; "old": the kernel before the split one; unset: DENSE_KERNEL), for A/B, read at
+every call.
 """
 from __future__ import annotations
 
