@@ -60,8 +60,11 @@ from kernels.mxfp4_codes import exponent_factor
 # test cover.
 WORD_TILES = ((16, 4, 4), (32, 4, 4, "p"), (16, 4, 4, "f"))
 SWEEP_TILES = ((16, 4, 4), (16, 2, 2), (32, 4, 4), (32, 2, 4), (32, 4, 2), (64, 2, 4), (64, 4, 4), (16, 8, 4),
-               (8, 8, 2), (32, 1, 2), (64, 1, 4), (16, 4, 4, "p"), (32, 4, 4, "p"), (16, 2, 4, "p"),
-               (16, 4, 4, "f"), (32, 4, 4, "f"), (16, 4, 4, "fp"), (32, 4, 4, "fp"))
+               (32, 1, 2), (64, 1, 4), (16, 4, 4, "p"), (32, 4, 4, "p"), (16, 4, 4, "f"), (32, 4, 4, "f"),
+               (16, 4, 4, "fp"), (32, 4, 4, "fp"))
+# (The asm's packs need each thread to hold 4 contiguous words of one row and group: tests/kernels/
+# test_mxfp4_gemv.py's sm_90 compile checks every SWEEP_TILES entry; (16, 2, 4) (2 words a thread) and (8, 8, 2)
+# fail it.)
 DEFAULT_WORD_TILES = ((16, 4, 4), (16, 4, 4))
 assert all(t in SWEEP_TILES for t in WORD_TILES + DEFAULT_WORD_TILES)
 WORDS_ENV = "TRITONLLM_MXFP4_WORDS"  # "0": the load-time choice never takes this path (moe_gemv's and the grouped)
@@ -307,6 +310,13 @@ def _words_gate_up_kernel(
     rounded to x's dtype (x_ptr: read for its dtype alone), stored as down's float16 pairs (act_pairs_ptr: (T * K,
     I) float16) times DOWN_SCALE."""
     pdl_prologue(PDL)
+    # Word strides are whole 32-byte groups (K % 64 == 0): written as multiples of 8 so Triton knows each row's
+    # groups are 16-byte aligned (a row of gpt-oss-20b is 360 words, not a multiple of 16: unspecialized). Then a
+    # thread's 4 contiguous words are one 16-byte load and one pack of the inline asm, which relies on them sharing
+    # a row and a scale group (it chains them in float16 and applies the first one's factors).
+    stride_wn = (stride_wn // 8) * 8
+    stride_we = (stride_we // 8) * 8
+    half_words = (half_words // 8) * 8
     a = tl.program_id(0)
     tile = tl.program_id(1)
     token = a // TOP_K
@@ -343,6 +353,9 @@ def _words_down_kernel(
     FOLD: program_id(0) is a token t, and out[t, rows] is the sum over its TOP_K assignments, accumulated in float32
     and rounded once (no out_k, no summing launch)."""
     pdl_prologue(PDL)
+    stride_wn = (stride_wn // 8) * 8  # (as in _words_gate_up_kernel: 16-byte aligned groups, the asm's packs)
+    stride_we = (stride_we // 8) * 8
+    half_words = (half_words // 8) * 8
     tile = tl.program_id(1)
     rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     rows_ok = rows < H

@@ -25,9 +25,11 @@ from kernels.moe_gemv import moe_gemv_ref
 from kernels.mxfp4_gemv import (SWEEP_TILES, WORD_TILES, down_shift, is_word_mark, mxfp4_words_triton, word_mark,
                                 word_path_supported)
 
-HIDDEN, INTER, EXPERTS, TOP_K = 128, 64, 8, 2  # K % 64 == 0 in both products
+# K % 64 == 0 in both products; rows of 40 and 8 words, not multiples of 16 (as gpt-oss's 360: Triton specializes
+# no divisibility for them, so the kernels must state the rows' 16-byte alignment themselves)
+HIDDEN, INTER, EXPERTS, TOP_K = 320, 64, 8, 2
 LIMIT = 0.4  # (small: the clamp bites on these products)
-TILES = ((16, 2, 2), (32, 1, 2))  # every group of a row in one step: HIDDEN 128 is 2 groups a side, INTER 64 one
+TILES = ((16, 2, 2), (32, 1, 2))  # HIDDEN 320: 5 groups a side, 2 full steps and a masked one; INTER 64: one group
 TOLERANCES = {torch.float32: 2e-3, torch.bfloat16: 1e-2}
 
 
@@ -76,12 +78,12 @@ def test_words_equal_the_widened_reference(device, num_tokens):
 @pytest.mark.gpu
 @pytest.mark.parametrize("options", ["", "fp"])
 def test_given_routing_other_tiles_and_the_sum(device, options):
-    """Routing given, several groups a step (H 384: 6 groups a side, 4 a step: a full step and a masked one; I 192:
-    3 groups, 2 a step), the rows summed over the K experts: by torch after the down launch, or ("f") inside it,
-    each program summing its token's experts; "p": the codes prefetched a step ahead (gate_up: H 384 with 1 group a
-    step, 6 full steps)."""
+    """Routing given, several groups a step (H 320: 5 groups a side, 4 a step: a full step and a masked one; I 192:
+    3 groups, 4 a step: a masked one), the rows summed over the K experts: by torch after the down launch, or ("f") inside it,
+    each program summing its token's experts; "p": the codes prefetched a step ahead. Tiles among SWEEP_TILES (their
+    asm packs checked by the sm_90 compile test)."""
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    x, logits, kernel, widened, epilogue, ref_epilogue = gpt_oss_problem(2, seed=91, dtype=dtype, hidden=384, inter=192)
+    x, logits, kernel, widened, epilogue, ref_epilogue = gpt_oss_problem(2, seed=91, dtype=dtype, hidden=320, inter=192)
     weights, ids = route_tokens_ref(logits, TOP_K, False)
     ref = moe_gemv_ref(x.float(), *widened, weights, ids, epilogue=ref_epilogue).sum(dim=1)
     codes = [on(device, k["codes"], k["scales"]) for k in kernel]
@@ -89,8 +91,8 @@ def test_given_routing_other_tiles_and_the_sum(device, options):
     for asm in variants(device):
         out = mxfp4_words_triton(x.to(device), codes[0][0], codes[1][0], codes[0][1], codes[1][1], top_k=TOP_K,
                                  epilogue=on_device, topk_weights=weights.to(device), topk_ids=ids.to(device),
-                                 tiles=((8, 1 if "p" in options else 4, 2, options), (64, 2, 4, options)), asm=asm)
-        assert out.shape == (2, 384) and relative_error(out, ref) < TOLERANCES[dtype], asm
+                                 tiles=((16, 4, 4, options.replace("f", "")), (32, 4, 4, options)), asm=asm)
+        assert out.shape == (2, 320) and relative_error(out, ref) < TOLERANCES[dtype], asm
 
 
 @pytest.mark.gpu
@@ -134,8 +136,13 @@ AOT = pytest.mark.skipif(os.environ.get("TRITONLLM_AOT_SM90") != "1",
                          reason="set TRITONLLM_AOT_SM90=1 to compile for sm_90 on this machine (~5 s a kernel)")
 
 
+GPT_OSS_ARGS = dict(I=2880, H=2880, half_words=360, stride_we=5760 * 360, stride_wn=360, stride_se=90 * 5760,
+                    stride_be=5760, stride_o=2880)  # (gate_up's; down's alike): Triton specializes those % 16 == 0
+
+
 def compile_sm90(which: str, tiles: tuple, asm: bool = True):
-    """gpt-oss-20b's launch (H = I = 2880, top 4 of 32, biases, clamped SwiGLU 7) compiled for sm_90."""
+    """gpt-oss-20b's launch (H = I = 2880, top 4 of 32, biases, clamped SwiGLU 7) compiled for sm_90, with the
+    divisibility Triton's launcher would find in its arguments (a row is 360 words: not a multiple of 16)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -153,9 +160,16 @@ def compile_sm90(which: str, tiles: tuple, asm: bool = True):
     names = fn.arg_names
     const = {n: v for n, v in const.items() if n in names}
     signature = {n: pointers.get(n, "constexpr" if n in const else "i32") for n in names}
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n not in const}
+    aligned = [n for n in names if n in pointers or GPT_OSS_ARGS.get(n, 1) % 16 == 0]
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=const, attrs=attrs),
                           target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+
+
+def asm_packs(llir: str) -> list[list[str]]:
+    """Each inline-asm call's operand values (LLVM IR): outputs aside, 7 inputs x 4 elements."""
+    calls = [line for line in llir.splitlines() if "fma.rn.f16x2" in line and " asm " in line]
+    return [[v.strip().split()[-1] for v in call.rsplit('"(', 1)[1].split(")")[0].split(",")] for call in calls]
 
 
 @AOT
@@ -169,6 +183,11 @@ def test_compiles_for_sm90_without_spills(which, tiles, tmp_path):
         pytest.skip("summing the experts in the launch is down's option")
     compiled = compile_sm90(which, tiles)
     assert "fma.rn.f16x2" in compiled.asm["ptx"]
+    # each pack of 4 words is one thread's 16-byte load of one row's scale group: one factor pair for all 4, and
+    # 128-bit code loads (with rows of 360 words, as gpt-oss's, which Triton does not specialize)
+    packs = asm_packs(compiled.asm["llir"])
+    assert packs and all(len(set(p[20:24])) == 1 and len(set(p[24:28])) == 1 and len(set(p[0:4])) == 4 for p in packs)
+    assert ".v4.b32" in compiled.asm["ptx"] or "ld.global.v4" in compiled.asm["ptx"]
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     if cuobjdump.exists():
         cubin = Path(tmp_path) / "kernel.cubin"
@@ -195,7 +214,7 @@ def test_choice_times_the_word_path_and_its_mark_dispatches(words, monkeypatch, 
     monkeypatch.setenv(WORDS_ENV, words)
     monkeypatch.setattr(moe_gemv_choice, "candidate_tiles", lambda kind: GEMV_TILES[:2])
     monkeypatch.setattr(moe_gemv_choice, "WORD_TILES", WORD_TILES[:2])
-    x, logits, gate_up_stored, down_stored, (gu_bias, d_bias) = problem(3, 256, 128, EXPERTS, seed=93)
+    x, logits, gate_up_stored, down_stored, (gu_bias, d_bias) = problem(3, 320, 192, EXPERTS, seed=93)
     kernel = [prepare_mxfp4_experts(*[t.cuda() for t in stored], torch.bfloat16, for_kernel=True)
               for stored in (gate_up_stored, down_stored)]
     dense = [prepare_mxfp4_experts(*stored, torch.float32, for_kernel=False).dense.cuda()
