@@ -58,14 +58,14 @@ from kernels.mxfp4_codes import exponent_factor
 # in the launch. The load-time choice (kernels/moe_gemv_choice.py) times WORD_TILES (few: a compile each at every
 # cold engine load); SWEEP_TILES are what benchmarks/kernels/moe_gemv_bench.py --word-tiles and the sm_90 compile
 # test cover.
-WORD_TILES = ((16, 4, 4), (32, 4, 4, "p"), (16, 4, 4, "f"))
+WORD_TILES = ((32, 4, 4), (16, 8, 4), (32, 4, 4, "p"))  # (H200 call 27: the best of both launches at 1-8 tokens)
 SWEEP_TILES = ((16, 4, 4), (16, 2, 2), (32, 4, 4), (32, 2, 4), (32, 4, 2), (64, 2, 4), (64, 4, 4), (16, 8, 4),
                (32, 1, 2), (64, 1, 4), (16, 4, 4, "p"), (32, 4, 4, "p"), (16, 4, 4, "f"), (32, 4, 4, "f"),
                (16, 4, 4, "fp"), (32, 4, 4, "fp"))
 # (The asm's packs need each thread to hold 4 contiguous words of one row and group: tests/kernels/
 # test_mxfp4_gemv.py's sm_90 compile checks every SWEEP_TILES entry; (16, 2, 4) (2 words a thread) and (8, 8, 2)
 # fail it.)
-DEFAULT_WORD_TILES = ((16, 4, 4), (16, 4, 4))
+DEFAULT_WORD_TILES = ((32, 4, 4), (32, 4, 4))
 assert all(t in SWEEP_TILES for t in WORD_TILES + DEFAULT_WORD_TILES)
 WORDS_ENV = "TRITONLLM_MXFP4_WORDS"  # "0": the load-time choice never takes this path (moe_gemv's and the grouped)
 WORD_PATH = "words"  # the first element of a mark (kernels/moe_gemv.py mark_gemv) that takes this path

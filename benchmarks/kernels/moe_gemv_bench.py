@@ -108,7 +108,7 @@ def gpt_oss_main(args) -> None:
         entry, (ref_gate_up, ref_down, ref_epilogue), codes_bytes = gpt_oss_experts(kind)
         per_expert = expert_bytes(entry)
         rows = {}
-        for tokens in moe_gemv_choice.TIMED_TOKENS:  # one count at a time: each row printed as soon as timed
+        for tokens in args.tokens or moe_gemv_choice.TIMED_TOKENS:  # one count at a time: each row printed when timed
             timed = moe_gemv_choice.TIMED_TOKENS
             moe_gemv_choice.TIMED_TOKENS = (tokens,)
             try:
@@ -161,6 +161,7 @@ def main() -> None:
     parser.add_argument("--model", choices=["qwen3_30b_a3b", "gpt_oss_20b"], default="qwen3_30b_a3b")
     parser.add_argument("--gemv-candidates", type=int, default=0)
     parser.add_argument("--word-tiles", nargs="+", default=None)
+    parser.add_argument("--tokens", nargs="+", type=int, default=None, help="gpt_oss_20b: these token counts only")
     parser.add_argument("--out", default="moe_gemv.json")
     args = parser.parse_args()
     if args.model == "gpt_oss_20b":
