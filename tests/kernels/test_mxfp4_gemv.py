@@ -4,7 +4,8 @@ experts widened exactly, routed in the prepare launch or given, with gpt-oss's b
 activation pair slots; what the path supports; an sm_90 compile without spills (TRITONLLM_AOT_SM90=1).
 
 Tolerances (||kernel - reference|| / ||reference||, module docstring of kernels/mxfp4_gemv.py): float32 on the
-interpreter: the activations rounded once to float16 (2^-12 relative) in both products, float32 sums: 2e-3;
+interpreter: the activations rounded once to float16 (2^-12 relative) in both products, float32 sums: 2e-3 (the
+inline PTX on float32 activations: 5e-3, its 8-product float16 sums ~1e-3);
 bf16 on the GPU: the products and 4-word sums in float16 besides the reference's own bf16 roundings: 1e-2 (as
 tests/kernels/test_moe_gemv.py's bf16 bound)."""
 from __future__ import annotations
@@ -31,6 +32,7 @@ HIDDEN, INTER, EXPERTS, TOP_K = 320, 64, 8, 2
 LIMIT = 0.4  # (small: the clamp bites on these products)
 TILES = ((16, 2, 2), (32, 1, 2))  # HIDDEN 320: 5 groups a side, 2 full steps and a masked one; INTER 64: one group
 TOLERANCES = {torch.float32: 2e-3, torch.bfloat16: 1e-2}
+ASM_FLOAT32 = 5e-3  # float32 activations through the inline PTX: its float16 sums (~1e-3) besides the rounding
 
 
 def gpt_oss_problem(num_tokens: int, *, seed: int, dtype=torch.float32, hidden: int = HIDDEN, inter: int = INTER):
@@ -111,7 +113,7 @@ def test_large_and_small_activations_keep_their_precision(device):
                                  epilogue=on_device, router_logits=logits.to(device), renormalize=True, tiles=TILES,
                                  sum_experts=False, asm=asm)
         for t in range(2):
-            assert relative_error(out[t], ref[t]) < TOLERANCES[torch.float32], (asm, t)
+            assert relative_error(out[t], ref[t]) < (ASM_FLOAT32 if asm else TOLERANCES[torch.float32]), (asm, t)
 
 
 def test_support_and_marks():
