@@ -203,7 +203,8 @@ def test_compiles_for_sm90_without_spills(which, tiles, tmp_path):
 @pytest.mark.parametrize("words", ["1", "0"])
 def test_choice_times_the_word_path_and_its_mark_dispatches(words, monkeypatch, tmp_path):
     """gpt-oss's experts listed as GptOssExperts.gemv_experts lists them: the choice times the word path beside
-    moe_gemv's pair at 1, 2, 4, 8 tokens (not with $TRITONLLM_MXFP4_WORDS=0: the old paths alone); a forced word
+    moe_gemv's pair at 1, 2, 4, 8 tokens (not with $TRITONLLM_MXFP4_WORDS=0: the old paths alone) and checks it
+    against the grouped path (a disagreeing word path is never marked); a forced word
     mark makes moe_forward_mxfp4 give the word path's summed rows, equal to the widened reference, also replayed
     from a CUDA graph. Two candidates of each path (the compiles' time)."""
     from kernels import choice_cache, moe_gemv_choice
@@ -231,6 +232,12 @@ def test_choice_times_the_word_path_and_its_mark_dispatches(words, monkeypatch, 
         assert "words_us" not in report and not any(is_word_mark(t) for t in report["tiles"].values())
         return
     assert set(report["words_us"]) == {1, 2, 4, 8} and all(us > 0 for us in report["words_us"].values())
+    assert all(diff < moe_gemv_choice.WORDS_AGREEMENT for diff in report["words_rel_diff"].values())
+    # a word path that disagrees with the grouped path is never marked, however fast
+    monkeypatch.setattr(moe_gemv_choice, "words_difference", lambda *args: float("nan"))
+    monkeypatch.setenv(choice_cache.CACHE_ENV, str(tmp_path / "again"))
+    (again,) = [r for key, r in choose_decode_tiles([entry]).items() if key[0] == "gemv"]
+    assert not any(is_word_mark(t) for t in again["tiles"].values())
     for tokens, tiles in report["tiles"].items():
         assert (gemv_tiles(entry.gate_up, tokens) == tiles) if tiles else gemv_tiles(entry.gate_up, tokens) is None
     mark_gemv(entry.gate_up, {t: word_mark(((16, 2, 2), (32, 1, 2))) for t in (1, 2, 4, 8)})
