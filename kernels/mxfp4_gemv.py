@@ -1,7 +1,8 @@
 """MXFP4 experts (gpt-oss) at 1-8 tokens with the codes read as 32-bit words and multiplied two at a time in
-float16 pairs (HFMA2): kernels/moe_gemv.py's decode GEMV, for MXFP4_GROUPS experts only, at ~2.5 instructions a
-code where moe_gemv's _mxfp4_products and fused_moe_mxfp4's FMA kernel spend ~8-10 (one nibble at a time:
-unpack, widen to float32, scale the activation, FMA; 0.5-0.6 TB/s of codes on an H200, issue 53).
+float16 pairs (HFMA2): kernels/moe_gemv.py's decode GEMV, for MXFP4_GROUPS experts only, at ~3 SASS instructions
+a code in the row loop (sm_90, gate_up (32, 4, 4): 368 a step for a thread's 128 codes, of which 11-13 integer and
+4 HFMA2 a word of 8) where moe_gemv's _mxfp4_products and fused_moe_mxfp4's FMA kernel spend ~8-10 (one nibble at
+a time: unpack, widen to float32, scale the activation, FMA; 0.5-0.6 TB/s of codes on an H200, issue 53).
 
 Layout: kernels/fused_moe_mxfp4.py's kernel layout, unpadded (K % 64 == 0: ``moe_gemv.gemv_supported``): byte j
 of a row holds column j (low nibble) and KH + j (high nibble), KH = K / 2 the bytes a row; E8M0 exponents (E,
@@ -14,7 +15,7 @@ Widening (per word, four stages s = 0..3, t = word << 4s): the top nibble of eac
 (t & 0x80008000) | ((t >> 3) & 0x0E000E00) places its sign at bit 15 and its exponent and mantissa at bits
 11-9 of a float16 pair: each half is the code's value times 2^-14, exactly (kernels/mxfp4_codes.py). Stage s
 pairs nibbles (n[3-s], n[7-s]): s = 0: columns (KH + 4w + 1, KH + 4w + 3), 1: (4w + 1, 4w + 3), 2: (KH + 4w,
-KH + 4w + 2), 3: (4w, 4w + 2). The activations are prepared once in the same order (``pair_slots``): a float16
+KH + 4w + 2), 3: (4w, 4w + 2). The activations are prepared once in the same order (``_pair_offsets``): a float16
 buffer (rows, 4 stages, KH / 4 words, 2), stage s of word w the float16 pair meeting stage s's codes, so a
 stage's pairs of 4 words are one 16-byte load.
 
@@ -35,11 +36,16 @@ ceil(I / BLOCK_N)), program (a, tile) streams BLOCK_N gate rows and the matching
 all KH bytes, GROUPS 32-byte groups a row a step ((BLOCK_N, GROUPS, 8) words, each thread 4 contiguous words =
 one 16-byte load); bias, activation, rounded to x's dtype, stored as down's float16 pairs. (3) down: grid
 (T * K, ceil(H / BLOCK_N)), the same stream over I against the activation pairs, plus the down bias, times the
-routing weight, rounded to x's dtype: out_k (T * K, H).
+routing weight, rounded to x's dtype: out_k (T * K, H) (option "f": grid (T, ...), each program summing its
+token's K experts: out (T, H)).
 
 ASM: the stage arithmetic and HFMA2 run as inline PTX (``tl.inline_asm_elementwise``, pack 4: a thread's 4
 contiguous words, which lie in one scale group, chained in float16 and returned as one float32 in the first
-element, 0 in the others). Triton's CPU interpreter cannot run inline assembly: ``ASM=False`` computes the same
+element, 0 in the others). That needs Triton to give each thread 4 contiguous words of a row (one 16-byte load):
+the kernels state the word strides as multiples of 8 (a row of gpt-oss-20b is 360 words, which Triton does not
+specialize; without it the loads were scalar, a pack spanned rows and groups, and the results were wrong: H200
+call 27), the sm_90 compile test checks every SWEEP_TILES entry's packs, and the load-time choice marks the path
+only where it agrees with the grouped path (kernels/moe_gemv_choice.py WORDS_AGREEMENT). Triton's CPU interpreter cannot run inline assembly: ``ASM=False`` computes the same
 stages with Triton integer ops and float32 sums (the interpreter's tests; the GPU tests run both).
 """
 from __future__ import annotations
