@@ -68,14 +68,15 @@ def choose_gemv(experts: GemvExperts) -> dict | None:
         "moe_gemv", gemv_key(experts), gate_up.device, lambda: time_gemv(experts),
         sources=(__file__, moe_gemv.__file__, fused_moe.__file__, fused_moe_fp8.__file__, fused_moe_wna16.__file__,
                  fused_moe_mxfp4.__file__, mxfp4_gemv.__file__),
-        candidates=(GEMV_TILES, WORD_TILES if words_enabled(experts) else ()), valid=lambda r: set(r.get("tiles", {})) == set(TIMED_TOKENS))
+        candidates=(GEMV_TILES, WORD_TILES if words_enabled(experts) else ()),
+        valid=lambda r: set(r.get("tiles", {})) == set(TIMED_TOKENS))
     mark_gemv(gate_up, report["tiles"])
     return report
 
 
 def words_enabled(experts: GemvExperts) -> bool:
-    """MXFP4 experts that kernels/mxfp4_gemv.py's word path takes (gpt-oss's clamped SwiGLU), unless $TRITONLLM_MXFP4_WORDS
-    is 0: the choice times it beside moe_gemv's pair."""
+    """MXFP4 experts that kernels/mxfp4_gemv.py's word path takes (gpt-oss's clamped SwiGLU), unless
+    $TRITONLLM_MXFP4_WORDS is 0: the choice times it beside moe_gemv's pair."""
     if experts.mxfp4 is None or os.environ.get(WORDS_ENV, "1").strip() == "0":
         return False
     probe = torch.empty(1, experts.down.shape[1], dtype=experts.dtype, device=experts.gate_up.device)

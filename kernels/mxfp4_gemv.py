@@ -45,7 +45,8 @@ element, 0 in the others). That needs Triton to give each thread 4 contiguous wo
 the kernels state the word strides as multiples of 8 (a row of gpt-oss-20b is 360 words, which Triton does not
 specialize; without it the loads were scalar, a pack spanned rows and groups, and the results were wrong: H200
 call 27), the sm_90 compile test checks every SWEEP_TILES entry's packs, and the load-time choice marks the path
-only where it agrees with the grouped path (kernels/moe_gemv_choice.py WORDS_AGREEMENT). Triton's CPU interpreter cannot run inline assembly: ``ASM=False`` computes the same
+only where it agrees with the grouped path (kernels/moe_gemv_choice.py WORDS_AGREEMENT). Triton's CPU
+interpreter cannot run inline assembly: ``ASM=False`` computes the same
 stages with Triton integer ops and float32 sums (the interpreter's tests; the GPU tests run both).
 """
 from __future__ import annotations
@@ -344,7 +345,8 @@ def _words_gate_up_kernel(
         act = gate / (1.0 + tl.exp(-gate)) * up
     else:
         act = swiglu_clamped(gate, up, SWIGLU_LIMIT)
-    act = act.to(x_ptr.dtype.element_ty).to(tl.float32) * DOWN_SCALE  # (rounded as the reference rounds it; exact in float16)
+    # (rounded as the reference rounds it; exact in float16)
+    act = act.to(x_ptr.dtype.element_ty).to(tl.float32) * DOWN_SCALE
     tl.store(act_pairs_ptr + a.to(tl.int64) * I + _pair_offsets(rows, I // 2), act.to(tl.float16), mask=rows_ok)
 
 

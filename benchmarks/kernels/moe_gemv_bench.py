@@ -12,8 +12,9 @@ that time (TB/s), with every GEMV candidate's time; plus the best pair's relativ
 7), kinds mxfp4 (kernels/fused_moe_mxfp4.py's kernel layout; the grouped path is its FMA kernel at 1 token) and
 bf16: beside the grouped path and moe_gemv's pair, kernels/mxfp4_gemv.py's word path with each of its candidates
 (the load-time choice's timing), in us and GB/s of the experts' bytes (MXFP4: codes and exponents; "codes GB/s"
-the word path's, the codes alone). --gemv-candidates N times only moe_gemv's first N candidates, --word-tiles N,G,W[,OPTIONS] ... only those
-of the word path (the device call's time: a compile each).
+the word path's, the codes alone). --gemv-candidates N times only moe_gemv's first N candidates, --word-tiles
+N,G,W[,OPTIONS] ... only those of the word path (the device call's time: a compile each), --tokens only those
+counts.
 """
 from __future__ import annotations
 

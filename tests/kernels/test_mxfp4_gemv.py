@@ -81,9 +81,9 @@ def test_words_equal_the_widened_reference(device, num_tokens):
 @pytest.mark.parametrize("options", ["", "fp"])
 def test_given_routing_other_tiles_and_the_sum(device, options):
     """Routing given, several groups a step (H 320: 5 groups a side, 4 a step: a full step and a masked one; I 192:
-    3 groups, 4 a step: a masked one), the rows summed over the K experts: by torch after the down launch, or ("f") inside it,
-    each program summing its token's experts; "p": the codes prefetched a step ahead. Tiles among SWEEP_TILES (their
-    asm packs checked by the sm_90 compile test)."""
+    3 groups, 4 a step: a masked one), the rows summed over the K experts: by torch after the down launch, or ("f")
+    inside it, each program summing its token's experts; "p": the codes prefetched a step ahead. Tiles among
+    SWEEP_TILES (their asm packs checked by the sm_90 compile test)."""
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     x, logits, kernel, widened, epilogue, ref_epilogue = gpt_oss_problem(2, seed=91, dtype=dtype, hidden=320, inter=192)
     weights, ids = route_tokens_ref(logits, TOP_K, False)
