@@ -142,7 +142,9 @@ def _prepare_kernel(x_ptr, logits_ptr, ids_ptr, weights_ptr, pairs_ptr, inv_ptr,
     x = tl.load(x_ptr + t.to(tl.int64) * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
     amax = tl.max(tl.abs(x), 0)
     exponent = ((amax.to(tl.int32, bitcast=True) >> 23) & 255) - 127  # amax < 2^(exponent + 1)
-    p = tl.minimum(tl.maximum(13 - exponent, -100), 24)
+    # (not capped low: a row of tiny activations scaled up to 2^13 keeps its products float16 normals, whose
+    # precision the sums need; +-100 keeps 2^p and 2^-p float32 normals)
+    p = tl.minimum(tl.maximum(13 - exponent, -100), 100)
     scale = ((p + 127) << 23).to(tl.float32, bitcast=True)
     tl.store(pairs_ptr + t.to(tl.int64) * K + _pair_offsets(cols, K // 2), (x * scale).to(tl.float16), mask=ok)
     tl.store(inv_ptr + t, ((127 - p) << 23).to(tl.float32, bitcast=True))
@@ -193,14 +195,14 @@ if tl is not None:  # Triton reads module globals that are constexprs
 
 @jit
 def _stage_products(q, x, S: tl.constexpr):
-    """Float32 (interpreter) stage S of words q against the float16 pairs x (int32 bits): both halves' products
-    summed."""
+    """Stage S of words q against the float16 pairs x (int32 bits): each half's product rounded to float16 as
+    HFMA2 rounds it (subnormals included), (first halves, second halves)."""
     t = q << (4 * S)
-    w_lo = ((t & 0x8000) | ((t >> 3) & 0x0E00)).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-    w_hi = (((t >> 16) & 0x8000) | ((t >> 19) & 0x0E00)).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-    x_lo = (x & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-    x_hi = ((x >> 16) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
-    return w_lo * x_lo + w_hi * x_hi
+    w_lo = ((t & 0x8000) | ((t >> 3) & 0x0E00)).to(tl.uint16).to(tl.float16, bitcast=True)
+    w_hi = (((t >> 16) & 0x8000) | ((t >> 19) & 0x0E00)).to(tl.uint16).to(tl.float16, bitcast=True)
+    x_lo = (x & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True)
+    x_hi = ((x >> 16) & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True)
+    return w_lo * x_lo, w_hi * x_hi
 
 
 @jit
@@ -213,8 +215,14 @@ def _word_products(q, x0, x1, x2, x3, f_lo, f_hi, ASM: tl.constexpr):
             WORD_ASM, "=r,=r,=r,=r" + ",r" * 28,
             [q, x0, x1, x2, x3, f_lo.to(tl.int32, bitcast=True), f_hi.to(tl.int32, bitcast=True)],
             dtype=tl.int32, is_pure=True, pack=4).to(tl.float32, bitcast=True)
-    high = _stage_products(q, x0, 0) + _stage_products(q, x2, 2)
-    low = _stage_products(q, x1, 1) + _stage_products(q, x3, 3)
+    # the formula: float16 products and a float16 sum of a word's two stages a side, as the asm's HFMA2 chain
+    # (which chains 4 words: 8 products a half), so the interpreter sees float16's range and rounding
+    h0, h1 = _stage_products(q, x0, 0)
+    g0, g1 = _stage_products(q, x2, 2)
+    high = (h0 + g0).to(tl.float32) + (h1 + g1).to(tl.float32)
+    h0, h1 = _stage_products(q, x1, 1)
+    g0, g1 = _stage_products(q, x3, 3)
+    low = (h0 + g0).to(tl.float32) + (h1 + g1).to(tl.float32)
     return low * f_lo + high * f_hi
 
 
