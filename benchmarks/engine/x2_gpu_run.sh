@@ -19,7 +19,7 @@
 # 5, 6 session 16's retries (run). 7 (~250 s on two GPUs, ~450 s with LANES=1) session 17's one-GPU jobs in two lanes (LANES=1 on one GPU);
 #    8 (~270 s) the KV pull and NIXL GPU tests, PP 2 with stage graphs and with two steps in flight;
 #    9 (~430 s) disagg_bench at 6 and 10 req/s, then with the context executor in its own process.
-# 10-12 session 17's later calls, 13-16 session 18's, 17 session 19's first, 18 session 20's first, 19 its plan for the next session, 20 session 21's first bench call, 21 what call 20 lost, 22 session 22's, 23 session 23's middle call, 24 its last, 25 session 24's first bench call, 26 its middle call, 27 its helpers' second call (each case's comment says what it runs and
+# 10-12 session 17's later calls, 13-16 session 18's, 17 session 19's first, 18 session 20's first, 19 its plan for the next session, 20 session 21's first bench call, 21 what call 20 lost, 22 session 22's, 23 session 23's middle call, 24 its last, 25 session 24's first bench call, 26 its middle call, 27 its helpers' second call, 28 its last (each case's comment says what it runs and
 # how long).
 #
 # Everything goes to /tmp/x2_call$CALL; at the end OUT gets call$CALL.tgz (all logs and JSON), summary.txt (what
@@ -27,7 +27,7 @@
 # each job's exit status and its result lines, so the call's output_tail alone is enough to read.
 set -u
 script=$(realpath "$0")
-call=${1:?usage: x2_gpu_run.sh 1-27 [OUT]}
+call=${1:?usage: x2_gpu_run.sh 1-28 [OUT]}
 out=$(realpath -m "${2:-${OUT:-/tmp/x2_gpu_run}}")
 mkdir -p "$out"
 if [ -z "${X2_UNDER_TEE:-}" ]; then  # the console also in $out/summary.txt, complete when the call returns
@@ -45,7 +45,7 @@ smoke=${SMOKE:-0}
 if [ "$smoke" != 1 ]; then
   need=2; [ "$call" = 7 ] && [ "${LANES:-2}" = 1 ] && need=1  # call 7's lanes run one after the other on one GPU
   [ "$call" = 22 ] && [ -n "${ONLY:-}" ] && [[ ",$ONLY," != *,pp,* ]] && need=1  # call 22 without its PP part
-  { [ "$call" = 23 ] || [ "$call" = 24 ] || [ "$call" = 25 ] || [ "$call" = 26 ] || [ "$call" = 27 ]; } && need=1  # (two lanes where two GPUs are, else one after the other)
+  { [ "$call" = 23 ] || [ "$call" = 24 ] || [ "$call" = 25 ] || [ "$call" = 26 ] || [ "$call" = 27 ] || [ "$call" = 28 ]; } && need=1  # (two lanes where two GPUs are, else one after the other)
   "$PYTHON" -c "import torch; n = torch.cuda.device_count(); assert n >= $need, f'{n} GPU(s): this call needs $need'" || exit 1
 fi
 
@@ -850,7 +850,39 @@ activated_fp8_product or quantized_gated_activation or quantized_gelu_tanh or qu
 '
   grep -vi warning "$w/mxfp4.log" | tail -60 | cut -c1-400
   ;;
-*) echo "x2_gpu_run.sh: CALL must be 1 to 27, got '$call'"; exit 2 ;;
+28)
+  # Session 24's last call (one H200, ~330 s; the helpers' lines of /tmp/notes/NAME.md as they stood at 18:31): the
+  # Flan-T5-XL FP8 engine at HEAD (xattn's FP8 cross tiling, t5enc's encoder tiling), mxfp4's word path checked at
+  # gpt-oss's misaligned rows and the gpt-oss-20b MXFP4 engine, V2-Lite with the general MLA kernel
+  # (TRITONLLM_MLA_DECODE=0: call 27's decode-kernel figure's same-code baseline), t5enc's encoder sweep last.
+  export PYTHON w
+  echo "== t5_engine"
+  job t5_engine 65 bash -c '
+      timeout 60 $PYTHON -u benchmarks/engine/encdec_bench.py --sections t5 --quantization fp8 --cross-kv-cache-dtype fp8 --hf-t5-batches "" --hf-whisper-batches "" --out "$w"/encdec_t5.json --results-md "$w"/encdec_t5.md > "$w"/encdec_t5.log 2>&1; echo "engine rc $?"; grep -vi warn "$w"/encdec_t5.log | grep -E "t5|tok/s|encoder|Error|Traceback|failed" | cut -c1-400 | head -12
+'
+  grep -vi warning "$w/t5_engine.log" | tail -40 | cut -c1-400
+  echo "== mxfp4_check"
+  job mxfp4_check 62 bash -c '
+      export PYTHONPATH=$PWD; timeout 28 $PYTHON -m pytest -q -x -p no:cacheprovider $($PYTHON -c '\''import xdist'\'' 2>/dev/null && echo "-n 8") tests/kernels/test_mxfp4_gemv.py -k "words_equal or given_routing or large_and_small or choice" 2>&1 | tail -4; timeout 30 $PYTHON -u benchmarks/kernels/moe_gemv_bench.py --model gpt_oss_20b --kinds mxfp4 --tokens 1 --gemv-candidates 1 --word-tiles 32,4,4 16,8,4 32,4,4,p --out "$w"/mxfp4_gemv.json 2>&1 | grep -v -i warn
+'
+  grep -vi warning "$w/mxfp4_check.log" | tail -40 | cut -c1-400
+  echo "== gptoss_mxfp4"
+  job gptoss_mxfp4 102 bash -c '
+      export PYTHONPATH=$PWD; timeout 100 $PYTHON benchmarks/engine/engine_bench.py --sections bandwidth,decode --max-batch-size 16 --model gpt_oss_20b_mxfp4 --out "$w"/gptoss_mxfp4.json --results-md "$w"/gptoss_mxfp4.md > "$w"/gptoss_mxfp4.log 2>&1; echo "engine rc $?"; grep -E "batch-1|load " "$w"/gptoss_mxfp4.md "$w"/gptoss_mxfp4.log | cut -c1-260; $PYTHON -c "import json,sys; d=json.load(open(sys.argv[1]))['\''decode'\'']['\''gemm_choices'\'']; [print(k[:40], {n: v[n] for n in ('\''tiles'\'', '\''grouped_us'\'', '\''gemv_us'\'', '\''words_us'\'', '\''words_rel_diff'\'') if n in v}) for k,v in d.items() if '\''gemv'\'' in k]" "$w"/gptoss_mxfp4.json
+'
+  grep -vi warning "$w/gptoss_mxfp4.log" | tail -40 | cut -c1-400
+  echo "== v2lite_general"
+  job v2lite_general 80 bash -c '
+      export PYTHONPATH=$PWD; TRITONLLM_MLA_DECODE=0 timeout 78 $PYTHON benchmarks/engine/engine_bench.py --model deepseek_v2_lite --sections bandwidth,decode --max-batch-size 8 --max-num-tokens 256 --max-seq-len 1024 --out "$w"/ds_general.json --results-md "$w"/ds_general.md 2>&1 | grep -E "Error|Traceback" | head -3; tail -3 "$w"/ds_general.md; timeout 2 $PYTHON -c "import json,sys; d=json.load(open(sys.argv[1]))['\''decode'\'']; print(d.get('\''graph_step_profile'\'')); print('\''pdl'\'', d.get('\''launch_choice'\''))" "$w"/ds_general.json
+'
+  grep -vi warning "$w/v2lite_general.log" | tail -40 | cut -c1-400
+  echo "== t5enc_sweep"
+  job t5enc_sweep 32 bash -c '
+      timeout 30 $PYTHON benchmarks/kernels/t5_attention_bench.py --encoder 256x512 --encoder-defaults split,tma --encoder-sweep split/v2,tma,tma/v2 --no-sdpa --ceilings --decode "" --paths "" --out "$w"/t5_encoder3.json --encoder-md "$w"/t5_encoder3.md 2>&1 | grep "^  256x512" | cut -c1-160
+'
+  grep -vi warning "$w/t5enc_sweep.log" | tail -40 | cut -c1-400
+  ;;
+*) echo "x2_gpu_run.sh: CALL must be 1 to 28, got '$call'"; exit 2 ;;
 esac
 tar czf "$out/call$call.tgz" -C /tmp "x2_call$call"
 for md in "$w"/*.md; do [ -f "$md" ] && cp "$md" "$out/"; done
