@@ -19,7 +19,7 @@
 # 5, 6 session 16's retries (run). 7 (~250 s on two GPUs, ~450 s with LANES=1) session 17's one-GPU jobs in two lanes (LANES=1 on one GPU);
 #    8 (~270 s) the KV pull and NIXL GPU tests, PP 2 with stage graphs and with two steps in flight;
 #    9 (~430 s) disagg_bench at 6 and 10 req/s, then with the context executor in its own process.
-# 10-12 session 17's later calls, 13-16 session 18's, 17 session 19's first, 18 session 20's first, 19 its plan for the next session, 20 session 21's first bench call, 21 what call 20 lost, 22 session 22's, 23 session 23's middle call, 24 its last, 25 session 24's first bench call, 26 its middle call, 27 its helpers' second call, 28 its last (each case's comment says what it runs and
+# 10-12 session 17's later calls, 13-16 session 18's, 17 session 19's first, 18 session 20's first, 19 its plan for the next session, 20 session 21's first bench call, 21 what call 20 lost, 22 session 22's, 23 session 23's middle call, 24 its last, 25 session 24's first bench call, 26 its middle call, 27 its helpers' second call, 28 its last, 29 one more T5 run (each case's comment says what it runs and
 # how long).
 #
 # Everything goes to /tmp/x2_call$CALL; at the end OUT gets call$CALL.tgz (all logs and JSON), summary.txt (what
@@ -27,7 +27,7 @@
 # each job's exit status and its result lines, so the call's output_tail alone is enough to read.
 set -u
 script=$(realpath "$0")
-call=${1:?usage: x2_gpu_run.sh 1-28 [OUT]}
+call=${1:?usage: x2_gpu_run.sh 1-29 [OUT]}
 out=$(realpath -m "${2:-${OUT:-/tmp/x2_gpu_run}}")
 mkdir -p "$out"
 if [ -z "${X2_UNDER_TEE:-}" ]; then  # the console also in $out/summary.txt, complete when the call returns
@@ -45,7 +45,7 @@ smoke=${SMOKE:-0}
 if [ "$smoke" != 1 ]; then
   need=2; [ "$call" = 7 ] && [ "${LANES:-2}" = 1 ] && need=1  # call 7's lanes run one after the other on one GPU
   [ "$call" = 22 ] && [ -n "${ONLY:-}" ] && [[ ",$ONLY," != *,pp,* ]] && need=1  # call 22 without its PP part
-  { [ "$call" = 23 ] || [ "$call" = 24 ] || [ "$call" = 25 ] || [ "$call" = 26 ] || [ "$call" = 27 ] || [ "$call" = 28 ]; } && need=1  # (two lanes where two GPUs are, else one after the other)
+  { [ "$call" = 23 ] || [ "$call" = 24 ] || [ "$call" = 25 ] || [ "$call" = 26 ] || [ "$call" = 27 ] || [ "$call" = 28 ] || [ "$call" = 29 ]; } && need=1  # (two lanes where two GPUs are, else one after the other)
   "$PYTHON" -c "import torch; n = torch.cuda.device_count(); assert n >= $need, f'{n} GPU(s): this call needs $need'" || exit 1
 fi
 
@@ -882,7 +882,14 @@ activated_fp8_product or quantized_gated_activation or quantized_gelu_tanh or qu
 '
   grep -vi warning "$w/t5enc_sweep.log" | tail -40 | cut -c1-400
   ;;
-*) echo "x2_gpu_run.sh: CALL must be 1 to 28, got '$call'"; exit 2 ;;
+29)
+  # Session 24's very last call (one H200, ~55 s): the Flan-T5-XL FP8 engine with t5enc's split/v2 encoder tiling as
+  # the default (2.43 against 4.69 ms a layer in call 28's sweep).
+  job t5_engine 60 "$PYTHON" -u benchmarks/engine/encdec_bench.py --sections t5 --quantization fp8 --cross-kv-cache-dtype fp8 \
+    --hf-t5-batches "" --hf-whisper-batches "" --out "$w/encdec_t5.json" --results-md "$w/encdec_t5.md"
+  grep -vi warn "$w/t5_engine.log" | grep -E "t5|tok/s|encoder|Error|Traceback|failed" | cut -c1-400 | head -12
+  ;;
+*) echo "x2_gpu_run.sh: CALL must be 1 to 29, got '$call'"; exit 2 ;;
 esac
 tar czf "$out/call$call.tgz" -C /tmp "x2_call$call"
 for md in "$w"/*.md; do [ -f "$md" ] && cp "$md" "$out/"; done
