@@ -198,10 +198,11 @@ def test_dense_tma_kernel_reads_views_of_one_projection(device):
             assert relative_error(out[row], ref[row]) < TOLERANCE[dtype], (dtype, row)
 
 
-@pytest.mark.parametrize("kernel, bias_vector", [("split", 2), ("split", 1), ("ahead", 2)])
+@pytest.mark.parametrize("kernel, bias_vector", [("split", 4), ("split", 1), ("ahead", 4), ("tma", 4)])
 def test_dense_kernel_bias_vectors_equal_reference(device, kernel, bias_vector):
-    """The bias read in runs of 2 or 1 floats (rows from copies i % 2 / copy 0 of the same table) at the far-tiles
-    test's shapes (16 x 16 tiles, inputs of 70, 64, 33 and 1 tokens, max_distance 5)."""
+    """The bias read in runs of 4 or 1 floats (rows from copies i % 4 / copy 0 of the same table; the default, 2,
+    runs in every other dense test) at the far-tiles test's shapes (16 x 16 tiles, inputs of 70, 64, 33 and 1
+    tokens, max_distance 5)."""
     torch.manual_seed(5)
     heads, dim = 3, 16
     lengths = torch.tensor([70, 64, 33, 1], dtype=torch.int32, device=device)
@@ -292,14 +293,15 @@ def sm90_resource_usage(kernel, pointers: dict, const: dict, floats: tuple, unal
 def test_dense_kernels_compile_for_sm90_without_spills(kernel, tmp_path):
     """Each encoder kernel at its DENSE_TILINGS entry for Flan-T5-XL's heads (64 dims, max_distance 128, bf16):
     no spills (local memory or stack)."""
-    from kernels.t5_bias_attention import DENSE_TILINGS, _t5_dense_kernel, _t5_dense_split_kernel
+    from kernels.t5_bias_attention import DENSE_BIAS_VECTOR, DENSE_TILINGS, _t5_dense_kernel, _t5_dense_split_kernel
 
     block_m, block_n, warps, stages, *max_registers = DENSE_TILINGS[kernel]
     pointers = dict(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", out_ptr="*bf16", bias_ptr="*fp32",
                     lengths_ptr="*i32")
     const = dict(REACH=128, HEAD_DIM=64, DIM_PAD=64, BLOCK_M=block_m, BLOCK_N=block_n, PRECISION="tf32")
     if kernel != "old":
-        const.update(SPLIT_FAR=kernel != "gather", AHEAD=kernel == "ahead", BIAS_VECTOR=4, TMA=kernel == "tma")
+        const.update(SPLIT_FAR=kernel != "gather", AHEAD=kernel == "ahead", BIAS_VECTOR=DENSE_BIAS_VECTOR,
+                     TMA=kernel == "tma")
         descriptors = dict(q_desc=block_m, k_desc=block_n, v_desc=block_n)
         if kernel == "tma":  # TensorDescriptor arguments: (rows, head dim) bf16 tiles
             pointers.update({name: f"tensordesc<bf16[{rows}, 64]>" for name, rows in descriptors.items()})
