@@ -30,12 +30,14 @@ log in the kernel to round differently at a bucket edge.
   row's valid keys (finite; the encoder drops them). ``_t5_dense_split_kernel`` (DENSE_KERNEL
   "split"): its bias comes from ``dense_distance_bias``, a per-call table with a column per distance
   of the input in log2 units, in 4 shifted copies so that each query row's keys are one aligned
-  run (16-byte loads, no clamp, no per-score index math); key tiles whose every distance is at or
+  run (no clamp, no per-score index math); key tiles whose every distance is at or
   past max_distance on one side (about 40% at 512 tokens) add that side's one value with no load and
   fold it into the exponent's FMA; only the partial last key tile masks. "ahead" is the same kernel
   issuing each key tile's q k^T one tile early, so that ptxas runs the tensor cores' product among the
-  previous tile's exponentials; BIAS_VECTOR 2 or 1 reads the bias in 8- or 4-byte pieces, which Triton
-  copies through L1 (16-byte copies bypass it). ``_t5_dense_kernel`` ("old") gathers a clamped index
+  previous tile's exponentials; "tma" reads q, K and V through TMA descriptors. BIAS_VECTOR (default
+  DENSE_BIAS_VECTOR 2) reads the bias in 8-byte pieces, which Triton copies through L1, where a tile's
+  bias rows (shifted copies of each other) hit; 16-byte copies (4) bypass L1 and took twice the time on
+  an H200. ``_t5_dense_kernel`` ("old") gathers a clamped index
   and masks on every tile (kept for A/B). Made per call (cached per table and length), the table is a
   few KB a head.
 
