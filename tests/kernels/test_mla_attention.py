@@ -5,13 +5,13 @@ decode rows and mixed chunks, model dtypes and an FP8 pool, and the latent write
 """
 from __future__ import annotations
 
-import os
 import random
 
 import pytest
 import torch
 
 from kernel_testing import TOLERANCE, low_precision_dtypes, relative_error
+from sm90_compile import AOT_SM90, compile_for_sm90, resource_usage_or_skip, strides_but_block_table
 from kernels.attention import KV_FP8_DTYPE
 from kernels.attention_metadata import AttentionMetadata
 from kernels import mla_attention as mla_attention_module
@@ -366,42 +366,23 @@ def _on_cpu(meta: AttentionMetadata) -> AttentionMetadata:
                              context_lens_host=meta.context_lens_host)
 
 
-@pytest.mark.skipif(os.environ.get("TRITONLLM_AOT_SM90") != "1" or os.environ.get("TRITON_INTERPRET") == "1",
-                    reason="set TRITONLLM_AOT_SM90=1 (without TRITON_INTERPRET=1, whose kernels do not compile) "
-                           "to compile for sm_90 on this machine (~5 s a kernel)")
+@AOT_SM90
 @pytest.mark.parametrize("pool", ["*bf16", "*fp8e4nv"])
 @pytest.mark.parametrize("direct", [False, True])
 def test_decode_kernel_compiles_for_sm90_without_spills(pool, direct, tmp_path):
     """Triton's compiler and ptxas (no GPU) on the decode kernel at its default tiling for the pool,
     DeepSeek's 512 + 64 per row, 16 heads, pages of 64: no local memory (spills); the bf16 pool's tile
     loads pipelined as cp.async copies (the point of its STAGES)."""
-    import subprocess
-    from pathlib import Path
-
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from kernels.mla_decode import DECODE_TILING, DECODE_TILING_FP8, _mla_decode_kernel
 
     block_n, warps, stages = DECODE_TILING if pool == "*bf16" else DECODE_TILING_FP8
-    names = _mla_decode_kernel.arg_names
     pointers = dict(q_lat_ptr="*bf16", q_rope_ptr="*bf16", cache_ptr=pool, part_ptr="*bf16" if direct else "*fp32",
                     lse_ptr="*fp32", block_tables_ptr="*i32", ctx_ptr="*i32")
     const = dict(RANK=512, ROPE=64, RANK_PAD=512, ROPE_PAD=64, PAGE=64, BLOCK_H=16, BLOCK_N=block_n,
                  STAGES=max(1, stages), PREFETCH=stages == 0, DIRECT=direct, DOT_PRECISION="tf32", PDL=False)
-    signature = {n: pointers.get(n, "constexpr" if n in const else "fp32" if n == "scale_log2" else "i32")
-                 for n in names}
-    aligned = [n for n in names if n in pointers or (n.startswith("stride") and n != "stride_bt")]
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
-    compiled = triton.compile(ASTSource(fn=_mla_decode_kernel, signature=signature, constexprs=const, attrs=attrs),
-                              target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": 1})
+    compiled = compile_for_sm90(_mla_decode_kernel, pointers, const, warps=warps, stages=1, floats=("scale_log2",),
+                                aligned_int=strides_but_block_table)
     if pool == "*bf16":
         assert "cp.async" in compiled.asm["ptx"]
-    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    if not cuobjdump.exists():
-        pytest.skip("no cuobjdump beside Triton's ptxas")
-    cubin = tmp_path / "kernel.cubin"
-    cubin.write_bytes(compiled.asm["cubin"])
-    usage = subprocess.run([str(cuobjdump), "-res-usage", str(cubin)], capture_output=True, text=True).stdout
+    usage = resource_usage_or_skip(compiled, tmp_path)
     assert "LOCAL:0 " in usage, usage

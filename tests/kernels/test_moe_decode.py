@@ -9,13 +9,11 @@ the activation rounded to the model dtype in both; 1e-5 in float32 (the interpre
 bf16 / fp16 (a gate or up value crossing a rounding moves its activation by 2^-8)."""
 from __future__ import annotations
 
-import os
-import subprocess
-from pathlib import Path
 
 import pytest
 import torch
 from kernel_testing import low_precision_dtypes, relative_error
+from sm90_compile import AOT_SM90, compile_for_sm90, resource_usage, stack_bytes
 
 from kernels.fp8 import quantize_rows
 from kernels.fp8_block import quantize_blocks
@@ -205,8 +203,7 @@ def test_the_switch_routes_decode_sized_forwards_here(device, monkeypatch):
 
 # ---- ahead of time for sm_90 on the CPU (TRITONLLM_AOT_SM90=1) ---------------------------------
 
-AOT = pytest.mark.skipif(os.environ.get("TRITONLLM_AOT_SM90") != "1",
-                         reason="set TRITONLLM_AOT_SM90=1 to compile for sm_90 on this machine (~5-10 s a kernel)")
+AOT = AOT_SM90
 
 
 @AOT
@@ -215,10 +212,6 @@ AOT = pytest.mark.skipif(os.environ.get("TRITONLLM_AOT_SM90") != "1",
 def test_compiles_for_sm90_without_spills(kind, tiles, tmp_path):
     """Triton's compiler and ptxas (no GPU needed) on the Qwen3-30B-A3B shape's kernel, routed in the
     kernel (4 bits: groups of 128), for every tiling the bench times: catches what the interpreter lets through, and spills."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from kernels.moe_decode import _moe_decode_kernel as fn
 
     block_i, block_k, block_h, warps, stages = tiles
@@ -233,19 +226,11 @@ def test_compiles_for_sm90_without_spills(kind, tiles, tmp_path):
     const = dict(TOP_K=8, K_PAD=8, E_PAD=128, ROUTE_IN_KERNEL=True, RENORMALIZE=True, W_KIND=kind, HAS_BIAS=False,
                  ACTIVATION=0, SWIGLU_LIMIT=0.0, DOT_PRECISION="tf32", BLOCK_M=16, BLOCK_I=block_i, BLOCK_K=block_k,
                  BLOCK_H=block_h)
-    names = fn.arg_names
-    signature = {n: pointers.get(n, "constexpr" if n in const else "i32") for n in names}
     # what a launch with these shapes specializes: 16-byte aligned pointers, sizes and strides divisible by 16
-    aligned = [n for n in names if n in pointers or n in ("hidden", "inter", "stride_x", "stride_l", "stride_o",
-                                                          "stride_gue", "stride_gun", "stride_de", "stride_dn",
-                                                          "group_size", "group_down")]
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
-    compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=const, attrs=attrs),
-                              target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+    aligned = ("hidden", "inter", "stride_x", "stride_l", "stride_o", "stride_gue", "stride_gun", "stride_de", "stride_dn",
+               "group_size", "group_down")
+    compiled = compile_for_sm90(fn, pointers, const, warps=warps, stages=stages, aligned_int=lambda name: name in aligned)
     assert "mma" in compiled.asm["ptx"]
-    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    if cuobjdump.exists():  # ptxas's register use: no local memory (spills), at most a tiny stack frame
-        cubin = Path(tmp_path) / "kernel.cubin"
-        cubin.write_bytes(compiled.asm["cubin"])
-        usage = subprocess.run([str(cuobjdump), "-res-usage", str(cubin)], capture_output=True, text=True).stdout
-        assert "LOCAL:0 " in usage and int(usage.split("STACK:")[1].split()[0]) <= 8, usage
+    usage = resource_usage(compiled, tmp_path)
+    if usage is not None:  # ptxas's register use: no local memory (spills), at most a tiny stack frame
+        assert "LOCAL:0 " in usage and stack_bytes(usage) <= 8, usage

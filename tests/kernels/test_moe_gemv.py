@@ -9,13 +9,11 @@ activation and each expert's row rounded to the model dtype in both; 1e-5 in flo
 in bf16."""
 from __future__ import annotations
 
-import os
-import subprocess
-from pathlib import Path
 
 import pytest
 import torch
 from kernel_testing import relative_error
+from sm90_compile import AOT_SM90, compile_for_sm90, resource_usage, stack_bytes
 from test_moe_decode import distinct_logits, randn
 from test_moe_decode import experts as moe_decode_experts
 
@@ -296,8 +294,7 @@ def test_mxfp4_choice_and_dispatch(monkeypatch, tmp_path):
 
 # ---- ahead of time for sm_90 on the CPU (TRITONLLM_AOT_SM90=1) ---------------------------------
 
-AOT = pytest.mark.skipif(os.environ.get("TRITONLLM_AOT_SM90") != "1",
-                         reason="set TRITONLLM_AOT_SM90=1 to compile for sm_90 on this machine (~5 s a kernel)")
+AOT = AOT_SM90
 
 
 @AOT
@@ -307,10 +304,6 @@ AOT = pytest.mark.skipif(os.environ.get("TRITONLLM_AOT_SM90") != "1",
 def test_compiles_for_sm90_without_spills(kind, which, tiles, tmp_path):
     """Triton's compiler and ptxas (no GPU) on the Qwen3-30B-A3B shape's kernels for every candidate (MXFP4:
     gpt-oss's, with its biases and clamped SwiGLU): no local memory (spills)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from kernels.moe_gemv import _gemv_down_kernel, _gemv_gate_up_kernel
 
     fn = _gemv_gate_up_kernel if which == "gate_up" else _gemv_down_kernel
@@ -325,18 +318,9 @@ def test_compiles_for_sm90_without_spills(kind, which, tiles, tmp_path):
                  RENORMALIZE=True, SCALES=kind, BLOCK_N=block_n, BLOCK_K=block_k,
                  SUB_K=32 if mxfp4 else min(block_k, 128), HAS_BIAS=mxfp4, ACTIVATION=int(mxfp4),
                  SWIGLU_LIMIT=7.0 if mxfp4 else 0.0, PDL=True)
-    names = fn.arg_names
-    const = {n: v for n, v in const.items() if n in names}
-    signature = {n: pointers.get(n, "constexpr" if n in const else "i32") for n in names}
-    aligned = [n for n in names if n in pointers or n in ("H", "I", "group", "stride_x", "stride_l", "stride_we",
-                                                          "stride_wn", "stride_act", "stride_o", "stride_se",
-                                                          "stride_sn", "stride_be")]
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
-    compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=const, attrs=attrs),
-                              target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
-    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    if cuobjdump.exists():
-        cubin = Path(tmp_path) / "kernel.cubin"
-        cubin.write_bytes(compiled.asm["cubin"])
-        usage = subprocess.run([str(cuobjdump), "-res-usage", str(cubin)], capture_output=True, text=True).stdout
-        assert "LOCAL:0 " in usage and int(usage.split("STACK:")[1].split()[0]) <= 8, usage
+    aligned = ("H", "I", "group", "stride_x", "stride_l", "stride_we", "stride_wn", "stride_act", "stride_o", "stride_se",
+               "stride_sn", "stride_be")
+    compiled = compile_for_sm90(fn, pointers, const, warps=warps, stages=stages, aligned_int=lambda name: name in aligned)
+    usage = resource_usage(compiled, tmp_path)
+    if usage is not None:
+        assert "LOCAL:0 " in usage and stack_bytes(usage) <= 8, usage

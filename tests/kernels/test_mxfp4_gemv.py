@@ -10,13 +10,11 @@ bf16 on the GPU: the products and 4-word sums in float16 besides the reference's
 tests/kernels/test_moe_gemv.py's bf16 bound)."""
 from __future__ import annotations
 
-import os
-import subprocess
-from pathlib import Path
 
 import pytest
 import torch
 from kernel_testing import relative_error
+from sm90_compile import AOT_SM90, compile_for_sm90, resource_usage, stack_bytes
 from test_fused_moe_mxfp4 import problem
 
 from kernels.fused_moe import route_tokens_ref
@@ -134,8 +132,7 @@ def test_support_and_marks():
 
 # ---- ahead of time for sm_90 on the CPU (TRITONLLM_AOT_SM90=1) ---------------------------------
 
-AOT = pytest.mark.skipif(os.environ.get("TRITONLLM_AOT_SM90") != "1",
-                         reason="set TRITONLLM_AOT_SM90=1 to compile for sm_90 on this machine (~5 s a kernel)")
+AOT = AOT_SM90
 
 
 GPT_OSS_ARGS = dict(I=2880, H=2880, half_words=360, stride_we=5760 * 360, stride_wn=360, stride_se=90 * 5760,
@@ -145,10 +142,6 @@ GPT_OSS_ARGS = dict(I=2880, H=2880, half_words=360, stride_we=5760 * 360, stride
 def compile_sm90(which: str, tiles: tuple, asm: bool = True):
     """gpt-oss-20b's launch (H = I = 2880, top 4 of 32, biases, clamped SwiGLU 7) compiled for sm_90, with the
     divisibility Triton's launcher would find in its arguments (a row is 360 words: not a multiple of 16)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from kernels.mxfp4_gemv import _words_down_kernel, _words_gate_up_kernel
 
     fn = _words_gate_up_kernel if which == "gate_up" else _words_down_kernel
@@ -159,13 +152,8 @@ def compile_sm90(which: str, tiles: tuple, asm: bool = True):
                     x_ptr="*bf16", out_ptr="*bf16")  # (down reads the pairs as words)
     const = dict(DOWN_SCALE=256.0, INV_SCALE=1 / 256, TOP_K=4, BLOCK_N=block_n, GROUPS=groups, HAS_BIAS=True,
                  ACTIVATION=1, SWIGLU_LIMIT=7.0, ASM=asm, PDL=True, FOLD="f" in options, PREFETCH="p" in options)
-    names = fn.arg_names
-    const = {n: v for n, v in const.items() if n in names}
-    signature = {n: pointers.get(n, "constexpr" if n in const else "i32") for n in names}
-    aligned = [n for n in names if n in pointers or GPT_OSS_ARGS.get(n, 1) % 16 == 0]
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
-    return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=const, attrs=attrs),
-                          target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+    return compile_for_sm90(fn, pointers, const, warps=warps,
+                            aligned_int=lambda name: GPT_OSS_ARGS.get(name, 1) % 16 == 0)
 
 
 def asm_packs(llir: str) -> list[list[str]]:
@@ -179,8 +167,6 @@ def asm_packs(llir: str) -> list[list[str]]:
 @pytest.mark.parametrize("tiles", SWEEP_TILES)
 def test_compiles_for_sm90_without_spills(which, tiles, tmp_path):
     """Triton's compiler and ptxas (no GPU), every candidate: the inline PTX assembles, no local memory."""
-    import triton
-
     if which == "gate_up" and "f" in (tiles[3:] or ("",))[0]:
         pytest.skip("summing the experts in the launch is down's option")
     compiled = compile_sm90(which, tiles)
@@ -190,12 +176,9 @@ def test_compiles_for_sm90_without_spills(which, tiles, tmp_path):
     packs = asm_packs(compiled.asm["llir"])
     assert packs and all(len(set(p[20:24])) == 1 and len(set(p[24:28])) == 1 and len(set(p[0:4])) == 4 for p in packs)
     assert ".v4.b32" in compiled.asm["ptx"] or "ld.global.v4" in compiled.asm["ptx"]
-    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    if cuobjdump.exists():
-        cubin = Path(tmp_path) / "kernel.cubin"
-        cubin.write_bytes(compiled.asm["cubin"])
-        usage = subprocess.run([str(cuobjdump), "-res-usage", str(cubin)], capture_output=True, text=True).stdout
-        assert "LOCAL:0 " in usage and int(usage.split("STACK:")[1].split()[0]) <= 8, usage
+    usage = resource_usage(compiled, tmp_path)
+    if usage is not None:
+        assert "LOCAL:0 " in usage and stack_bytes(usage) <= 8, usage
 
 
 @pytest.mark.gpu

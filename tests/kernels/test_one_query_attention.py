@@ -4,13 +4,10 @@ with key splits, a sequence of no new token and one of no keys, and its sm_90 co
 callers' tilings."""
 from __future__ import annotations
 
-import os
-import subprocess
-from pathlib import Path
-
 import pytest
 import torch
 from kernel_testing import TOLERANCE, relative_error
+from sm90_compile import AOT_SM90, compile_for_sm90, registers, resource_usage_or_skip, strides_but_block_table
 
 from kernels.attention_metadata import AttentionMetadata
 from kernels.one_query_attention import one_query_attention_triton
@@ -42,9 +39,7 @@ def test_bias_with_key_splits_and_rows_of_no_token_or_no_keys(device):
         assert torch.equal(out[2].float(), torch.zeros_like(out[2].float())), (splits, merge)
 
 
-@pytest.mark.skipif(os.environ.get("TRITONLLM_AOT_SM90") != "1" or os.environ.get("TRITON_INTERPRET") == "1",
-                    reason="set TRITONLLM_AOT_SM90=1 (without TRITON_INTERPRET=1, whose kernels do not compile) "
-                           "to compile for sm_90 on this machine (~5 s a kernel)")
+@AOT_SM90
 @pytest.mark.parametrize("user", ["t5_self", "cross"])
 @pytest.mark.parametrize("pool", ["*bf16", "*fp8e4nv"])
 def test_kernel_compiles_for_sm90_without_spills(user, pool, tmp_path):
@@ -52,32 +47,18 @@ def test_kernel_compiles_for_sm90_without_spills(user, pool, tmp_path):
     32, max_distance 128) and on the cross-attention's tiling of the pool (256 rows of 32 heads) without, with the
     in-kernel merge: no local memory (spills), at most 128 registers a thread (decode is bound by the K/V bytes in
     flight: many programs an SM)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from kernels.cross_attention_decode import cross_tiling
     from kernels.one_query_attention import _one_query_kernel
     from kernels.t5_bias_attention import DECODE_TILING
 
     pool_dtype = torch.bfloat16 if pool == "*bf16" else torch.float8_e4m3fn
     heads, block_n, warps, stages = DECODE_TILING if user == "t5_self" else cross_tiling(pool_dtype, 256, 32)
-    names = _one_query_kernel.arg_names
     pointers = dict(q_ptr="*bf16", k_cache_ptr=pool, v_cache_ptr=pool, out_ptr="*bf16", part_out_ptr="*fp32",
                     part_lse_ptr="*fp32", arrivals_ptr="*i32", bias_ptr="*fp32", block_tables_ptr="*i32",
                     cu_seqlens_q_ptr="*i32", context_lens_ptr="*i32")
     const = dict(HAS_BIAS=user == "t5_self", REACH=128, HEAD_DIM=64, DIM_PAD=64, PAGE_SIZE=32, HEADS=heads,
                  BLOCK_N=block_n, ONE_TOKEN_ROWS=user == "cross", PREFETCH=stages > 1, MERGE_HERE=True, PDL=True)
-    signature = {n: pointers.get(n, "constexpr" if n in const else "fp32" if n == "scale_log2" else "i32")
-                 for n in names}
-    aligned = [n for n in names if n in pointers or (n.startswith("stride") and n != "stride_bt")]
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
-    compiled = triton.compile(ASTSource(fn=_one_query_kernel, signature=signature, constexprs=const, attrs=attrs),
-                              target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": 1})
-    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    if not cuobjdump.exists():
-        pytest.skip("no cuobjdump beside Triton's ptxas")
-    cubin = tmp_path / "kernel.cubin"
-    cubin.write_bytes(compiled.asm["cubin"])
-    usage = subprocess.run([str(cuobjdump), "-res-usage", str(cubin)], capture_output=True, text=True).stdout
-    assert "LOCAL:0 " in usage and int(usage.split("REG:")[1].split()[0]) <= 128, usage
+    compiled = compile_for_sm90(_one_query_kernel, pointers, const, warps=warps, stages=1, floats=("scale_log2",),
+                                aligned_int=strides_but_block_table)
+    usage = resource_usage_or_skip(compiled, tmp_path)
+    assert "LOCAL:0 " in usage and registers(usage) <= 128, usage

@@ -5,10 +5,6 @@ steps through both the decode kernel and the tensor-core path) and the encoder's
 bidirectional attention (inputs of several lengths)."""
 from __future__ import annotations
 
-import os
-import subprocess
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -17,6 +13,7 @@ from kernels.attention_metadata import AttentionMetadata
 from kernels.t5_bias_attention import (DENSE_KERNELS, bias_of_distances, dense_distance_bias, distance_bias,
                                        t5_dense_attention_ref, t5_dense_attention_triton, t5_paged_attention_ref,
                                        t5_paged_attention_triton)
+from sm90_compile import AOT_SM90, compile_for_sm90, resource_usage_or_skip
 
 
 @pytest.mark.parametrize("bidirectional", [True, False])
@@ -258,36 +255,6 @@ def test_dense_table_made_once_per_bias_and_length(device):
     assert relative_error(out[0], ref[0]) < TOLERANCE[torch.float32] and relative_error(out[1, :9], ref[1, :9]) < 1e-5
 
 
-AOT_SM90 = pytest.mark.skipif(
-    os.environ.get("TRITONLLM_AOT_SM90") != "1" or os.environ.get("TRITON_INTERPRET") == "1",
-    reason="set TRITONLLM_AOT_SM90=1 (without TRITON_INTERPRET=1, whose kernels do not compile) to compile for "
-           "sm_90 on this machine (~5-10 s a kernel)")
-
-
-def sm90_resource_usage(kernel, pointers: dict, const: dict, floats: tuple, unaligned: tuple, warps: int, stages: int,
-                        tmp_path, max_registers: int | None = None) -> str:
-    """Triton's compiler and ptxas (no GPU) on ``kernel`` for sm_90: cuobjdump's resource line (REG, LOCAL...).
-    ``pointers``: argument -> pointer type; ``const``: constexprs; ``floats``: fp32 scalars; ``unaligned``: integer
-    arguments not divisible by 16 (the rest are, as Triton specializes them)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    names = kernel.arg_names
-    signature = {n: pointers.get(n, "constexpr" if n in const else "fp32" if n in floats else "i32") for n in names}
-    aligned = [n for n in names if signature[n].startswith("*") or (signature[n] == "i32" and n not in unaligned)]
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
-    options = {"num_warps": warps, "num_stages": stages, **({"maxnreg": max_registers} if max_registers else {})}
-    compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=const, attrs=attrs),
-                              target=GPUTarget("cuda", 90, 32), options=options)
-    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    if not cuobjdump.exists():
-        pytest.skip("no cuobjdump beside Triton's ptxas")
-    cubin = tmp_path / "kernel.cubin"
-    cubin.write_bytes(compiled.asm["cubin"])
-    return subprocess.run([str(cuobjdump), "-res-usage", str(cubin)], capture_output=True, text=True).stdout
-
-
 @AOT_SM90
 @pytest.mark.parametrize("kernel", DENSE_KERNELS)
 def test_dense_kernels_compile_for_sm90_without_spills(kernel, tmp_path):
@@ -307,7 +274,9 @@ def test_dense_kernels_compile_for_sm90_without_spills(kernel, tmp_path):
             pointers.update({name: f"tensordesc<bf16[{rows}, 64]>" for name, rows in descriptors.items()})
         else:
             const.update(dict.fromkeys(descriptors))  # None
-    usage = sm90_resource_usage(_t5_dense_kernel if kernel == "old" else _t5_dense_split_kernel, pointers, const,
-                                ("scale_log2",), ("stride_bias", "seq_len") if kernel == "old" else ("seq_len",),
-                                warps, stages, tmp_path, *max_registers)
+    unaligned = ("stride_bias", "seq_len") if kernel == "old" else ("seq_len",)
+    compiled = compile_for_sm90(_t5_dense_kernel if kernel == "old" else _t5_dense_split_kernel, pointers, const,
+                                warps=warps, stages=stages, floats=("scale_log2",),
+                                aligned_int=lambda name: name not in unaligned, max_registers=(max_registers or [None])[0])
+    usage = resource_usage_or_skip(compiled, tmp_path)
     assert "LOCAL:0 " in usage and "STACK:0 " in usage, usage

@@ -9,15 +9,14 @@ tiling compiled for sm_90 here (wgmma, no spills).
 """
 from __future__ import annotations
 
-import os
 import re
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 from kernel_testing import TOLERANCE, half_inputs, relative_error, replayed
+from sm90_compile import AOT_SM90, resource_usage
 
 from kernels import wna16, wna16_mma, wna16_mma_dense, wna16_mma_gemm
 from kernels.wna16 import (MMA_GEMM_KIND, MMA_GEMM_VARIANTS, WNA16Weight, dequantize, gemm_variants_for,
@@ -170,8 +169,7 @@ def test_dispatch_through_prepare_the_timing_and_a_cuda_graph(monkeypatch):
     assert relative_error(captured, F.linear(x.float(), weight)) < TOLERANCE[torch.bfloat16]
 
 
-AOT = pytest.mark.skipif(os.environ.get("TRITONLLM_AOT_SM90") != "1",
-                         reason="set TRITONLLM_AOT_SM90=1 to compile for sm_90 on this machine (~5-20 s a tiling)")
+AOT = AOT_SM90
 
 
 @AOT
@@ -197,10 +195,7 @@ def test_compiles_for_sm90_with_wgmma_and_no_spills(variant, tmp_path):
                                         attrs=attrs), target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": options["num_warps"], "num_stages": options["num_stages"]})
     assert "wgmma.mma_async" in compiled.asm["ptx"]
-    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    if cuobjdump.exists():
-        cubin = Path(tmp_path) / "kernel.cubin"
-        cubin.write_bytes(compiled.asm["cubin"])
-        usage = subprocess.run([str(cuobjdump), "-res-usage", str(cubin)], capture_output=True, text=True).stdout
+    usage = resource_usage(compiled, tmp_path)
+    if usage is not None:
         stack = int(re.search(r"STACK:(\d+)", usage).group(1))
         assert stack <= (32 if options["split_k"] >= 4 else 0), usage

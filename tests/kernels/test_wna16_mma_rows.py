@@ -8,15 +8,13 @@ tiling, dtypes, groupings, bias, the default dispatch through prepare_wna16 and 
 """
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 from kernel_testing import TOLERANCE, half_inputs, relative_error, replayed
+from sm90_compile import AOT_SM90, resource_usage
 
 from kernels import wna16, wna16_mma, wna16_mma_rows
 from kernels.wna16 import (DENSE, MMA_ROWS_KIND, ROWS_DEFAULT, ROWS_VARIANTS, WNA16Weight, dequantize, prepare_wna16,
@@ -143,8 +141,7 @@ def test_default_dispatch_through_prepare_and_a_cuda_graph(monkeypatch):
     assert relative_error(captured, F.linear(x.float(), weight)) < TOLERANCE[torch.bfloat16]
 
 
-AOT = pytest.mark.skipif(os.environ.get("TRITONLLM_AOT_SM90") != "1",
-                         reason="set TRITONLLM_AOT_SM90=1 to compile for sm_90 on this machine (~10 s a kernel)")
+AOT = AOT_SM90
 
 
 @AOT
@@ -173,9 +170,6 @@ def test_compiles_for_sm90_without_spills(variant, fp16, group, tmp_path):
                                         attrs=attrs), target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": options["num_warps"], "num_stages": 1})
     assert compiled.asm["ptx"].count("mma.sync") >= 4
-    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    if cuobjdump.exists():  # ptxas's register use: no stack (spills) and no local memory
-        cubin = Path(tmp_path) / "kernel.cubin"
-        cubin.write_bytes(compiled.asm["cubin"])
-        usage = subprocess.run([str(cuobjdump), "-res-usage", str(cubin)], capture_output=True, text=True).stdout
+    usage = resource_usage(compiled, tmp_path)
+    if usage is not None:  # ptxas's register use: no stack (spills) and no local memory
         assert "STACK:0 " in usage and "LOCAL:0 " in usage, usage
