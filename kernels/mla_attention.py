@@ -36,6 +36,7 @@ from kernels.attention_metadata import AttentionMetadata
 from kernels.head_matmul import head_matmul
 from kernels.mla_decode import (DECODE_BATCHED_MIN_SPAN, DECODE_BATCHED_PROGRAMS, DECODE_SPLITS, DECODE_TILING,
                                 DECODE_TILING_FP8, decode_kernel_default, decode_tile_fits, mla_decode_launch)
+from kernels.mla_partials import store_split_output
 from kernels.online_softmax import online_softmax_step
 
 
@@ -202,17 +203,8 @@ def _mla_attention_kernel(q_lat_ptr, q_rope_ptr, cache_ptr, part_ptr, lse_ptr, b
             visible = visible & (bits != 0)
         scores = tl.where(visible[None, :], scores * scale, -float("inf"))
         m, denom, acc = online_softmax_step(scores, latent, m, denom, acc, DOT_PRECISION)
-    has_keys = denom > 0
-    out = acc / tl.where(has_keys, denom, 1.0)[:, None]
-    if DIRECT:
-        tl.store(part_ptr + (token * num_heads + heads)[:, None] * RANK + r[None, :],
-                 out.to(part_ptr.dtype.element_ty), mask=head_ok[:, None] & (r < RANK)[None, :])
-    else:
-        row_out = (token * splits + split) * num_heads + heads
-        tl.store(part_ptr + row_out[:, None] * RANK + r[None, :], out,
-                 mask=(head_ok & has_keys)[:, None] & (r < RANK)[None, :])
-        tl.store(lse_ptr + (token * num_heads + heads) * splits + split,
-                 tl.where(has_keys, m + tl.log(tl.where(has_keys, denom, 1.0)), -float("inf")), mask=head_ok)
+    store_split_output(part_ptr, lse_ptr, acc, denom, m + tl.log(tl.where(denom > 0, denom, 1.0)), token, heads,
+                       head_ok, r, num_heads, splits, split, RANK, DIRECT)
 
 
 @jit

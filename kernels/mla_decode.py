@@ -22,6 +22,7 @@ import math
 import torch
 
 from kernels._triton import jit, pdl_options, pdl_prologue, tl, triton
+from kernels.mla_partials import store_split_output
 
 LOG2E = 1.0 / math.log(2.0)
 
@@ -106,18 +107,9 @@ def _mla_decode_kernel(q_lat_ptr, q_rope_ptr, cache_ptr, part_ptr, lse_ptr, bloc
                                    ROPE_PAD, PAGE, BLOCK_N)
             m, denom, acc = _fold_tile(q_lat, q_rope, latent.to(q_lat.dtype), k_rope.to(q_lat.dtype), start + n < last,
                                        m, denom, acc, scale_log2, DOT_PRECISION)
-    has_keys = denom > 0
-    out = acc / tl.where(has_keys, denom, 1.0)[:, None]
-    if DIRECT:
-        tl.store(part_ptr + (seq * num_heads + heads)[:, None] * RANK + r[None, :],
-                 out.to(part_ptr.dtype.element_ty), mask=head_ok[:, None] & (r < RANK)[None, :])
-    else:
-        row_out = (seq * splits + split) * num_heads + heads
-        tl.store(part_ptr + row_out[:, None] * RANK + r[None, :], out,
-                 mask=(head_ok & has_keys)[:, None] & (r < RANK)[None, :])
-        lse = (m + tl.log2(tl.where(has_keys, denom, 1.0))) / 1.4426950408889634  # natural-log units
-        tl.store(lse_ptr + (seq * num_heads + heads) * splits + split, tl.where(has_keys, lse, -float("inf")),
-                 mask=head_ok)
+    lse = (m + tl.log2(tl.where(denom > 0, denom, 1.0))) / 1.4426950408889634  # natural-log units
+    store_split_output(part_ptr, lse_ptr, acc, denom, lse, seq, heads, head_ok, r, num_heads, splits, split, RANK,
+                       DIRECT)
 
 
 # (BLOCK_N, num_warps, STAGES) of the decode kernel; STAGES 0: the next tile prefetched into registers
