@@ -442,9 +442,10 @@ def dense_distance_bias(bias: torch.Tensor, length: int, block_m: int) -> tuple[
     """The split kernel's bias table for inputs padded to ``length`` in query tiles of ``block_m``, from a
     bidirectional ``distance_bias`` table: (table, zero), table (num_heads, 4, width) float32 in log2 units
     (times log2 e), copy s column x holding each head's bias at key-minus-query distance x - s - zero, for every
-    distance of the input and its padding query rows (clamped: no clamp in the kernel). Query row i reads copy
-    i % 4 from column zero - 4 * (i // 4): each row's keys are a contiguous run starting at a multiple of 4
-    columns (16-byte vector loads). width and zero are multiples of 16."""
+    distance of the input and its padding query rows (clamped: no clamp in the kernel). With bias loads of V
+    floats (the kernel's BIAS_VECTOR: 4, 2 or 1; the 4 copies serve each) query row i reads copy i % V from
+    column zero - V * (i // V): each row's keys are a contiguous run starting at a multiple of V columns (V-float
+    vector loads). width and zero are multiples of 16."""
     reach = (bias.shape[1] - 1) // 2
     zero = triton.cdiv(triton.cdiv(length, block_m) * block_m, 16) * 16
     width = triton.cdiv(zero + length, 16) * 16
