@@ -135,6 +135,22 @@ def cuda_time_ms(fn, *, warmup: int = 3, repeat: int = 20) -> float:
     return statistics.median(times)
 
 
+def copy_bandwidth(device: str = "cuda", *, repeat: int = 30) -> float:
+    """Bytes/s of a 2 GiB device-to-device copy (read + write counted), the denominator of the benches'
+    rooflines and "% of copy" columns; 0.0 off CUDA (no roofline)."""
+    if not str(device).startswith("cuda"):
+        return 0.0
+    import torch
+
+    src = torch.randn(1 << 30, dtype=torch.bfloat16, device=device)  # random: never zeros
+    dst = torch.empty_like(src)
+    ms = cuda_time_ms(lambda: dst.copy_(src), repeat=repeat)
+    bandwidth = 2 * src.numel() * src.element_size() / (ms / 1e3)
+    del src, dst
+    torch.cuda.empty_cache()
+    return bandwidth
+
+
 def graph_call_us(fn, inputs, replays: int = 3) -> float:
     """Device microseconds per fn(*args) call, from CUDA-graph replays: one graph holds one call per
     entry of ``inputs`` (different tensors each, so weights picked by different routings or rows come

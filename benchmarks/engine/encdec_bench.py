@@ -54,10 +54,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: engine, kernels, benchmarks
 
-from benchmarks.common import (command_line, environment_set, free_device_memory, git_commit,  # noqa: E402
-                               machine_summary, print_table, sync, timed_generate, utc_now)
+from benchmarks.common import (command_line, copy_bandwidth, environment_set, free_device_memory,  # noqa: E402
+                               git_commit, machine_summary, print_table, sync, timed_generate, utc_now)
 from benchmarks.engine.engine_bench import drain_offline, iteration_breakdown  # noqa: E402
-from benchmarks.engine.hybrid_bench import copy_bandwidth  # noqa: E402
 from engine.config import BuildConfig, EngineConfig  # noqa: E402
 from engine.encoder_decoder.spec import spec_from_hf  # noqa: E402
 from engine.executor.executor import Executor, ExecutorConfig  # noqa: E402

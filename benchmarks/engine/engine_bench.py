@@ -47,9 +47,9 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: engine, kernels, benchmarks
 
-from benchmarks.common import (MODELS, add_model_arguments, command_line, cuda_time_ms, device_name,  # noqa: E402
-                               free_device_memory, git_commit, insert_before_marker, percentile, utc_now,
-                               write_config_only_engine)
+from benchmarks.common import (MODELS, add_model_arguments, command_line, copy_bandwidth, cuda_time_ms,  # noqa: E402
+                               device_name, free_device_memory, git_commit, insert_before_marker, percentile,
+                               utc_now, write_config_only_engine)
 from benchmarks.engine.step_timeline import profile_device, reset, summarize, timed  # noqa: E402
 from engine.config import ModelConfig  # noqa: E402
 from engine.executor.load_phases import LOAD_LOG_ENV, load_phase  # noqa: E402
@@ -98,13 +98,7 @@ def param_bytes(model: torch.nn.Module) -> tuple[int, int]:
 
 def bench_bandwidth(results: dict, model_cfg: ModelConfig, dtype_bytes: int, quantization: str | None = None) -> None:
     """Device-to-device copy of 2 GiB (counting read + write bytes), and the model's roofline."""
-    n = 1 << 30
-    src = torch.randn(n, dtype=torch.bfloat16, device="cuda")  # 2 GiB, random (never zeros)
-    dst = torch.empty_like(src)
-    ms = cuda_time_ms(lambda: dst.copy_(src), repeat=30)
-    bandwidth = 2 * src.numel() * src.element_size() / (ms / 1e3)
-    del src, dst
-    torch.cuda.empty_cache()
+    bandwidth = copy_bandwidth("cuda")
     c = model_cfg
     blocks_read, blocks_all = decoder_block_params(c)
     lm_head = c.vocab_size * c.hidden_size

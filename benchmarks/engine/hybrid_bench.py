@@ -32,11 +32,9 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: engine, kernels, benchmarks
 
-from benchmarks.common import (command_line, cuda_time_ms, device_name, free_device_memory, git_commit,  # noqa: E402
+from benchmarks.common import (command_line, copy_bandwidth, device_name, free_device_memory, git_commit,  # noqa: E402
                                utc_now, write_config_only_engine)
 from benchmarks.engine.engine_bench import bench_offline  # noqa: E402
 from engine.executor.executor import Executor, ExecutorConfig  # noqa: E402
@@ -44,18 +42,6 @@ from engine.executor.runner import ForwardBatch, ModelRunner  # noqa: E402
 
 SECTIONS = ["decode", "offline", "capacity"]
 GOALS = {"hybrid_roofline_fraction": 0.70}  # issue 58: batch-1 decode of the Nemotron-H-8B shape
-
-
-def copy_bandwidth(device: str) -> float:
-    """Bytes/s of a 2 GiB device-to-device copy (read + write counted); CPU: 0 (no roofline)."""
-    if device != "cuda":
-        return 0.0
-    src = torch.randn(1 << 30, dtype=torch.bfloat16, device="cuda")
-    dst = torch.empty_like(src)
-    ms = cuda_time_ms(lambda: dst.copy_(src), repeat=30)
-    del src, dst
-    torch.cuda.empty_cache()
-    return 2 * (1 << 30) * 2 / (ms / 1e3)
 
 
 def step_bytes(runner: ModelRunner, context: int) -> int:

@@ -26,8 +26,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.common import command_line, git_commit, graph_call_us, machine_summary, utc_now  # noqa: E402
-from benchmarks.engine.hybrid_bench import copy_bandwidth  # noqa: E402
+from benchmarks.common import (command_line, copy_bandwidth, git_commit, graph_call_us, machine_summary,  # noqa: E402
+                               utc_now)
 from kernels.attention import paged_attention  # noqa: E402
 from kernels.attention_metadata import AttentionMetadata  # noqa: E402
 from kernels.cross_attention_decode import (cross_attention_decode_ref, cross_attention_decode_triton,  # noqa: E402

@@ -53,8 +53,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: engine, kernels, benchmarks
 
-from benchmarks.common import (command_line, cuda_time_ms, git_commit, graph_call_us, int_list,  # noqa: E402
-                               machine_summary, print_table, utc_now)
+from benchmarks.common import (command_line, copy_bandwidth, cuda_time_ms, git_commit, graph_call_us,  # noqa: E402
+                               int_list, machine_summary, print_table, utc_now)
 from kernels.attention import KV_FP8_DTYPE  # noqa: E402
 from kernels.attention_metadata import AttentionMetadata  # noqa: E402
 from kernels.mla_decode import DECODE_TILING  # noqa: E402
@@ -67,19 +67,6 @@ PAGE = 64
 GOAL = 0.80
 POOL_BYTES = 256 << 20  # the graph's sets of block tables cover at least this much pool (> 5x L2)
 MAX_SETS = 128
-
-
-def copy_bandwidth(device: str) -> float | None:
-    """Bytes/s of a 2 GiB device-to-device copy (read + write), the denominator of the goal."""
-    if device == "cpu":
-        return None
-    src = torch.randn(1 << 30, dtype=torch.bfloat16, device=device)
-    dst = torch.empty_like(src)
-    ms = cuda_time_ms(lambda: dst.copy_(src), repeat=20)
-    bandwidth = 2 * src.numel() * src.element_size() / (ms / 1e3)
-    del src, dst
-    torch.cuda.empty_cache()
-    return bandwidth
 
 
 def decode_step(shape: dict, batch: int, context: int, pool: str, tree: int, device: str, dtype: torch.dtype,
@@ -159,7 +146,7 @@ def splits_of(config: dict, num_tokens: int, heads: int, device, max_context_len
 def run(args: argparse.Namespace) -> dict:
     shape = SHAPES[args.shape]
     dtype = getattr(torch, args.dtype)
-    bandwidth = copy_bandwidth(args.device)
+    bandwidth = copy_bandwidth(args.device, repeat=20) or None  # None: no roofline (CPU)
     scale = (shape["rank"] // 4 + shape["rope"]) ** -0.5
     rows = []
     for pool in args.pool:
