@@ -294,7 +294,7 @@ def _t5_dense_split_kernel(
     """Program (m tile, batch row, head): queries [m * BLOCK_M, +BLOCK_M) over keys [0, lengths[b]), the bias
     from a ``dense_distance_bias`` table (log2 units; query row i reads copy i % BIAS_VECTOR from column
     bias_zero - BIAS_VECTOR * (i // BIAS_VECTOR), key j at + j: a run of keys is loads of BIAS_VECTOR floats
-    (4: 16-byte cp.async, which bypass L1; 2 and 1: 8- and 4-byte ones, cached in L1, where the tile's bias rows,
+    (4: 16-byte cp.async, which bypass L1; 2: 8-byte ones, cached in L1, where the tile's bias rows,
     shifted copies of each other, hit). Key tiles
     run in loops by kind: with SPLIT_FAR, the tiles whose every distance is at or past -REACH (left)
     or +REACH (right) take their side's one bias value (no load); the rest (near) load theirs; the
@@ -389,7 +389,9 @@ DENSE_TILINGS = {"split": (64, 32, 4, 3), "ahead": (64, 32, 4, 2), "tma": (64, 3
 # (_t5_dense_kernel: clamped bias gathers and masks on every tile).
 DENSE_KERNELS = ("split", "ahead", "tma", "gather", "old")
 DENSE_KERNEL = "split"
-# Floats a bias load of the new kernels (4, 2 or 1; dense_distance_bias has 4 shifted copies, enough for each). 2:
+# Floats a bias load of the new kernels (4 or 2; dense_distance_bias has 4 shifted copies, enough for each). 1 is
+# refused: on an H200 (2026-11-30 suite) its 4-byte runs faulted with a misaligned address (Triton vectorized
+# them as if the row starts, zero - i, were aligned). 2:
 # 8-byte copies, cached in L1, where a near tile's bias rows (shifted copies of each other) hit; 16-byte ones
 # bypass L1 and read every row from L2 (twice the tile's K/V bytes). H200, 256 x 512 (call 28, cbbbda0): split
 # (64, 32, 4, 3) 2.43 ms = 226 TFLOPS at 2 against 4.69 at 4; tma 2.65 against 4.89; the same kernel with no bias
@@ -443,7 +445,7 @@ def dense_distance_bias(bias: torch.Tensor, length: int, block_m: int) -> tuple[
     bidirectional ``distance_bias`` table: (table, zero), table (num_heads, 4, width) float32 in log2 units
     (times log2 e), copy s column x holding each head's bias at key-minus-query distance x - s - zero, for every
     distance of the input and its padding query rows (clamped: no clamp in the kernel). With bias loads of V
-    floats (the kernel's BIAS_VECTOR: 4, 2 or 1; the 4 copies serve each) query row i reads copy i % V from
+    floats (the kernel's BIAS_VECTOR: 4 or 2; the 4 copies serve each) query row i reads copy i % V from
     column zero - V * (i // V): each row's keys are a contiguous run starting at a multiple of V columns (V-float
     vector loads). width and zero are multiples of 16."""
     reach = (bias.shape[1] - 1) // 2
@@ -494,8 +496,8 @@ def t5_dense_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     device; ``bias`` a bidirectional ``distance_bias`` table -> (batch, L, heads, head_dim) contiguous.
     ``tiling``: (BLOCK_M queries, BLOCK_N keys, warps, stages[, most registers a thread]) instead of the
     default (sweeps; the register cap, ptxas' maxnreg, can fit two 8-warp programs on an SM);
-    ``kernel``: one of DENSE_KERNELS instead of DENSE_KERNEL (A/B); ``bias_vector``: floats a bias load (4, 2
-    or 1) of the new kernels instead of DENSE_BIAS_VECTOR (sweeps)."""
+    ``kernel``: one of DENSE_KERNELS instead of DENSE_KERNEL (A/B); ``bias_vector``: floats a bias load (4 or
+    2) of the new kernels instead of DENSE_BIAS_VECTOR (sweeps)."""
     batch, length, num_heads, head_dim = q.shape
     out = torch.empty(batch, length, num_heads, head_dim, dtype=q.dtype, device=q.device)
     if out.numel() == 0:
@@ -516,6 +518,8 @@ def t5_dense_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_precision(q), **launch)
         return out
     assert scale > 0, "the far tiles' max assumes a positive scale"
+    vector = bias_vector or DENSE_BIAS_VECTOR
+    assert vector in (2, 4), f"bias loads of 4 or 2 floats, not {vector}"
     table, zero = _cached_dense_distance_bias(bias, length, block_m)
     tma = kernel == "tma" and all(_tma_rows(t) for t in (q, k, v))  # else the same kernel's pointer loads
     rows_shape = [batch * length, num_heads * head_dim]
@@ -526,7 +530,7 @@ def t5_dense_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         zero, length,
         REACH=(bias.shape[1] - 1) // 2, HEAD_DIM=head_dim, DIM_PAD=_dim_pad(head_dim),
         BLOCK_M=block_m, BLOCK_N=block_n, PRECISION=_precision(q), SPLIT_FAR=kernel != "gather",
-        AHEAD=kernel == "ahead", BIAS_VECTOR=bias_vector or DENSE_BIAS_VECTOR, TMA=tma, **launch)
+        AHEAD=kernel == "ahead", BIAS_VECTOR=vector, TMA=tma, **launch)
     return out
 
 

@@ -27,7 +27,7 @@
 # each job's exit status and its result lines, so the call's output_tail alone is enough to read.
 set -u
 script=$(realpath "$0")
-call=${1:?usage: x2_gpu_run.sh 1-29 [OUT]}
+call=${1:?usage: x2_gpu_run.sh 1-30 [OUT]}
 out=$(realpath -m "${2:-${OUT:-/tmp/x2_gpu_run}}")
 mkdir -p "$out"
 if [ -z "${X2_UNDER_TEE:-}" ]; then  # the console also in $out/summary.txt, complete when the call returns
@@ -45,7 +45,7 @@ smoke=${SMOKE:-0}
 if [ "$smoke" != 1 ]; then
   need=2; [ "$call" = 7 ] && [ "${LANES:-2}" = 1 ] && need=1  # call 7's lanes run one after the other on one GPU
   [ "$call" = 22 ] && [ -n "${ONLY:-}" ] && [[ ",$ONLY," != *,pp,* ]] && need=1  # call 22 without its PP part
-  { [ "$call" = 23 ] || [ "$call" = 24 ] || [ "$call" = 25 ] || [ "$call" = 26 ] || [ "$call" = 27 ] || [ "$call" = 28 ] || [ "$call" = 29 ]; } && need=1  # (two lanes where two GPUs are, else one after the other)
+  { [ "$call" = 23 ] || [ "$call" = 24 ] || [ "$call" = 25 ] || [ "$call" = 26 ] || [ "$call" = 27 ] || [ "$call" = 28 ] || [ "$call" = 29 ] || [ "$call" = 30 ]; } && need=1  # (two lanes where two GPUs are, else one after the other)
   "$PYTHON" -c "import torch; n = torch.cuda.device_count(); assert n >= $need, f'{n} GPU(s): this call needs $need'" || exit 1
 fi
 
@@ -878,7 +878,7 @@ activated_fp8_product or quantized_gated_activation or quantized_gelu_tanh or qu
   grep -vi warning "$w/v2lite_general.log" | tail -40 | cut -c1-400
   echo "== t5enc_sweep"
   job t5enc_sweep 32 bash -c '
-      timeout 30 $PYTHON benchmarks/kernels/t5_attention_bench.py --encoder 256x512 --encoder-defaults split,tma --encoder-sweep split/v2,tma,tma/v2 --no-sdpa --ceilings --decode "" --paths "" --out "$w"/t5_encoder3.json --encoder-md "$w"/t5_encoder3.md 2>&1 | grep "^  256x512" | cut -c1-160
+      timeout 30 $PYTHON benchmarks/kernels/t5_attention_bench.py --encoder 256x512 --encoder-defaults split,tma --encoder-sweep split/v4,tma,tma/v4 --no-sdpa --ceilings --decode "" --paths "" --out "$w"/t5_encoder3.json --encoder-md "$w"/t5_encoder3.md 2>&1 | grep "^  256x512" | cut -c1-160
 '
   grep -vi warning "$w/t5enc_sweep.log" | tail -40 | cut -c1-400
   ;;
@@ -889,7 +889,29 @@ activated_fp8_product or quantized_gated_activation or quantized_gelu_tanh or qu
     --hf-t5-batches "" --hf-whisper-batches "" --out "$w/encdec_t5.json" --results-md "$w/encdec_t5.md"
   grep -vi warn "$w/t5_engine.log" | grep -E "t5|tok/s|encoder|Error|Traceback|failed" | cut -c1-400 | head -12
   ;;
-*) echo "x2_gpu_run.sh: CALL must be 1 to 29, got '$call'"; exit 2 ;;
+30)
+  # Session 25's second call (~200 s, two lanes; one after the other on one GPU): lane 0 re-runs the suite's three
+  # failures after their fixes (T5's 4-byte bias runs refused, the MXFP4 choice test reading the last choice's
+  # marks, the engine-process cancel after the first token) and the wna16 files the T5 crash took down with its
+  # worker; lane 1 the Flan-T5-XL engine with d0455ef's encoder default, FP8 then bf16 weights, then Whisper
+  # large-v3 with the one-query cross kernel.
+  export PYTHON w
+  lane1_gpu=1; "$PYTHON" -c "import torch, sys; sys.exit(torch.cuda.device_count() < 2)" || lane1_gpu=0
+  CUDA_VISIBLE_DEVICES=0 job fixes 150 bash -c '
+      timeout 140 $PYTHON -m pytest -q -p no:cacheprovider -n 8 tests/kernels/test_t5_bias_attention.py tests/kernels/test_mxfp4_gemv.py tests/executor/test_engine_process.py tests/kernels/test_wna16.py tests/kernels/test_wna16_mma.py tests/kernels/test_wna16_mma_dense.py tests/kernels/test_wna16_mma_gemm.py tests/kernels/test_wna16_mma_rows.py 2>&1 | grep -E "passed|failed|FAILED|Error" | head -30
+' &
+  fixes_pid=$!
+  [ "$lane1_gpu" = 0 ] && wait $fixes_pid
+  CUDA_VISIBLE_DEVICES=$lane1_gpu job t5_whisper 260 bash -c '
+      for q in fp8 none; do
+        timeout 70 $PYTHON -u benchmarks/engine/encdec_bench.py --sections t5 --quantization $q --cross-kv-cache-dtype fp8 --hf-t5-batches "" --hf-whisper-batches "" --out "$w"/encdec_t5_$q.json --results-md "$w"/encdec_t5_$q.md > "$w"/encdec_t5_$q.log 2>&1; echo "t5 $q rc $?"; grep -vi warn "$w"/encdec_t5_$q.log | grep -E "tok/s|encoder|Error|Traceback" | tail -6 | cut -c1-300
+      done
+      timeout 110 $PYTHON -u benchmarks/engine/encdec_bench.py --sections whisper --hf-whisper-batches "" --out "$w"/encdec_whisper.json --results-md "$w"/encdec_whisper.md > "$w"/encdec_whisper.log 2>&1; echo "whisper rc $?"; grep -vi warn "$w"/encdec_whisper.log | grep -E "audio|tok/s|Error|Traceback" | tail -6 | cut -c1-300
+'
+  wait
+  for name in fixes t5_whisper; do echo "== $name"; grep -vi warning "$w/$name.log" | tail -40 | cut -c1-400; done
+  ;;
+*) echo "x2_gpu_run.sh: CALL must be 1 to 30, got '$call'"; exit 2 ;;
 esac
 tar czf "$out/call$call.tgz" -C /tmp "x2_call$call"
 for md in "$w"/*.md; do [ -f "$md" ] && cp "$md" "$out/"; done

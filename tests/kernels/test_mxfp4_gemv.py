@@ -221,7 +221,7 @@ def test_choice_times_the_word_path_and_its_mark_dispatches(words, monkeypatch, 
     monkeypatch.setenv(choice_cache.CACHE_ENV, str(tmp_path / "again"))
     (again,) = [r for key, r in choose_decode_tiles([entry]).items() if key[0] == "gemv"]
     assert not any(is_word_mark(t) for t in again["tiles"].values())
-    for tokens, tiles in report["tiles"].items():
+    for tokens, tiles in again["tiles"].items():  # the marks are the last choice's
         assert (gemv_tiles(entry.gate_up, tokens) == tiles) if tiles else gemv_tiles(entry.gate_up, tokens) is None
     mark_gemv(entry.gate_up, {t: word_mark(((16, 2, 2), (32, 1, 2))) for t in (1, 2, 4, 8)})
     x, logits = x.to("cuda", torch.bfloat16), logits.to("cuda", torch.bfloat16)
