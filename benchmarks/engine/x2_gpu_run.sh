@@ -27,7 +27,7 @@
 # each job's exit status and its result lines, so the call's output_tail alone is enough to read.
 set -u
 script=$(realpath "$0")
-call=${1:?usage: x2_gpu_run.sh 1-31 [OUT]}
+call=${1:?usage: x2_gpu_run.sh 1-32 [OUT]}
 out=$(realpath -m "${2:-${OUT:-/tmp/x2_gpu_run}}")
 mkdir -p "$out"
 if [ -z "${X2_UNDER_TEE:-}" ]; then  # the console also in $out/summary.txt, complete when the call returns
@@ -45,7 +45,7 @@ smoke=${SMOKE:-0}
 if [ "$smoke" != 1 ]; then
   need=2; [ "$call" = 7 ] && [ "${LANES:-2}" = 1 ] && need=1  # call 7's lanes run one after the other on one GPU
   [ "$call" = 22 ] && [ -n "${ONLY:-}" ] && [[ ",$ONLY," != *,pp,* ]] && need=1  # call 22 without its PP part
-  { [ "$call" = 23 ] || [ "$call" = 24 ] || [ "$call" = 25 ] || [ "$call" = 26 ] || [ "$call" = 27 ] || [ "$call" = 28 ] || [ "$call" = 29 ] || [ "$call" = 30 ] || [ "$call" = 31 ]; } && need=1  # (two lanes where two GPUs are, else one after the other)
+  { [ "$call" = 23 ] || [ "$call" = 24 ] || [ "$call" = 25 ] || [ "$call" = 26 ] || [ "$call" = 27 ] || [ "$call" = 28 ] || [ "$call" = 29 ] || [ "$call" = 30 ] || [ "$call" = 31 ] || [ "$call" = 32 ]; } && need=1  # (two lanes where two GPUs are, else one after the other)
   "$PYTHON" -c "import torch; n = torch.cuda.device_count(); assert n >= $need, f'{n} GPU(s): this call needs $need'" || exit 1
 fi
 
@@ -929,7 +929,26 @@ activated_fp8_product or quantized_gated_activation or quantized_gelu_tanh or qu
   wait
   for name in fixes whisper; do echo "== $name"; grep -vi warning "$w/$name.log" | tail -40 | cut -c1-400; done
   ;;
-*) echo "x2_gpu_run.sh: CALL must be 1 to 31, got '$call'"; exit 2 ;;
+32)
+  # Session 25's third call (~200 s, two lanes): lane 0 the Flan-T5-XL FP8 engine with the self pool in FP8 too
+  # (call 30: 26,076 tok/s with a bf16 self pool, 4.94x), then the bf16 tower's profiler table at 448 x 448 batch 32
+  # (issue 48's gap); lane 1 the engine-process tests after the cancel fix, then the Whisper batch-1 step's variants
+  # with profiler tables (issue 49's roofline goal).
+  export PYTHON w
+  lane1_gpu=1; "$PYTHON" -c "import torch, sys; sys.exit(torch.cuda.device_count() < 2)" || lane1_gpu=0
+  CUDA_VISIBLE_DEVICES=0 job t5_tower 200 bash -c '
+      timeout 70 $PYTHON -u benchmarks/engine/encdec_bench.py --sections t5 --quantization fp8 --kv-cache-dtype fp8 --cross-kv-cache-dtype fp8 --hf-t5-batches "" --hf-whisper-batches "" --out "$w"/encdec_t5_fp8kv.json --results-md "$w"/encdec_t5_fp8kv.md > "$w"/encdec_t5_fp8kv.log 2>&1; echo "t5 fp8 kv rc $?"; grep -vi warn "$w"/encdec_t5_fp8kv.log | grep -E "tok/s|encoder|Error|Traceback" | tail -4 | cut -c1-400
+      mkdir -p "$w"/towerprof; timeout 120 $PYTHON -u benchmarks/engine/vlm_bench.py --sections encoder --image-sizes 448 --encoder-batches 32 --encoder-repeats 2 --hf-batches "" --profile-dir "$w"/towerprof --out "$w"/vlm_tower.json > "$w"/vlm_tower.log 2>&1; echo "tower rc $?"; grep -vi warn "$w"/vlm_tower.log | grep -E "encoder|images/s|Error|Traceback" | tail -4 | cut -c1-300; ls "$w"/towerprof; head -45 "$w"/towerprof/*.txt | cut -c1-200
+' &
+  [ "$lane1_gpu" = 0 ] && wait
+  CUDA_VISIBLE_DEVICES=$lane1_gpu job eproc_wstep 200 bash -c '
+      timeout 75 $PYTHON -m pytest -q -p no:cacheprovider -n 4 tests/executor/test_engine_process.py > "$w"/eproc.log 2>&1; echo "engine_process rc $?: $(tail -1 "$w"/eproc.log)"; grep -E "^FAILED|^E  " "$w"/eproc.log | head -6
+      mkdir -p "$w"/wprof; timeout 110 $PYTHON -u benchmarks/engine/encdec_bench.py --sections whisper_step --step-variants unfused,fused --profile-dir "$w"/wprof --out "$w"/wstep.json --results-md "$w"/wstep.md > "$w"/wstep.log 2>&1; echo "wstep rc $?"; grep -vi warn "$w"/wstep.md | tail -8 | cut -c1-300
+' &
+  wait
+  for name in t5_tower eproc_wstep; do echo "== $name"; grep -vi warning "$w/$name.log" | tail -70 | cut -c1-300; done
+  ;;
+*) echo "x2_gpu_run.sh: CALL must be 1 to 32, got '$call'"; exit 2 ;;
 esac
 tar czf "$out/call$call.tgz" -C /tmp "x2_call$call"
 for md in "$w"/*.md; do [ -f "$md" ] && cp "$md" "$out/"; done
