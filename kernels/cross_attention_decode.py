@@ -48,7 +48,7 @@ def cross_attention_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cach
                                   max_len: int, *, tiling: tuple[int, int, int, int] | None = None,
                                   splits: int | None = None, merge_in_kernel: bool | None = None) -> torch.Tensor:
     """``tiling`` / ``splits`` / ``merge_in_kernel`` instead of ``cross_tiling`` / one_query_attention.py's
-    ``decode_splits`` / MERGE_IN_KERNEL (sweeps)."""
+    ``decode_splits`` / $TRITONLLM_ONE_QUERY_MERGE (sweeps)."""
     return one_query_attention_triton(q, k_cache, v_cache, block_tables, lengths, scale,
                                       tiling=tiling or cross_tiling(k_cache.dtype, *q.shape[:2]),
                                       max_context_len=max_len,

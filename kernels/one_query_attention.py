@@ -25,6 +25,8 @@ returns at once; one of no keys stores zeros.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from kernels._triton import dense, jit, num_sms, pdl_options, pdl_prologue, tl, triton
@@ -41,8 +43,14 @@ _LOG2E = 1.4426950408889634
 IN_FLIGHT_BYTES_PER_SM = 96 << 10
 MIN_SPLIT_STEPS = 2
 MAX_SPLITS = 64
-# Splits merged in the kernel by their last program (no second launch) rather than by triton_attention's merge kernel.
-MERGE_IN_KERNEL = False
+# Splits merged in the kernel by their last program (no second launch) rather than by triton_attention's merge
+# kernel: $TRITONLLM_ONE_QUERY_MERGE=kernel (read at each launch: a CUDA graph keeps what its capture read).
+MERGE_ENV = "TRITONLLM_ONE_QUERY_MERGE"
+
+
+def merge_in_kernel_default() -> bool:
+    """Whether a launch that does not say merges its splits in the kernel ($TRITONLLM_ONE_QUERY_MERGE)."""
+    return os.environ.get(MERGE_ENV, "launch") == "kernel"
 
 
 @jit
@@ -199,7 +207,7 @@ def one_query_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     loads: they feed no tl.dot); ``splits``: key splits (a power of 2;
     None: ``decode_splits``); ``max_context_len``: the longest context the launch must cover;
     ``merge_in_kernel``: the splits merged by the last of them to finish (arrival counters) instead of a second
-    launch (None: MERGE_IN_KERNEL)."""
+    launch (None: $TRITONLLM_ONE_QUERY_MERGE, ``merge_in_kernel_default``)."""
     num_tokens, num_heads, head_dim = q.shape
     out = torch.empty_like(q)
     num_seqs = context_lens.shape[0]
@@ -225,7 +233,7 @@ def one_query_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     else:
         part_out = part_lse = out
         ps = pt = ph = 0
-    merge_here = splits > 1 and (MERGE_IN_KERNEL if merge_in_kernel is None else merge_in_kernel)
+    merge_here = splits > 1 and (merge_in_kernel_default() if merge_in_kernel is None else merge_in_kernel)
     arrivals = _arrival_counters(q.device, num_tokens * groups) if merge_here else out
     _one_query_kernel[(num_seqs, groups, splits)](
         q, k_cache, v_cache, out, part_out, part_lse, arrivals, q if bias is None else bias, tables,

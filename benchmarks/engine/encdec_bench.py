@@ -312,15 +312,23 @@ def decoder_step_bytes(runner, context: int, encoder_len: int) -> int:
     return weights + rows + (encoder_len + context) * per_token
 
 
-# --step-variants: name -> the decode-path switches (engine/encoder_decoder/fused_decode.py, cross_attention.py)
-# set before the decode graphs are captured again on the same runner (the graphs read them at capture)
+# --step-variants: name -> the decode-path switches (engine/encoder_decoder/fused_decode.py, cross_attention.py,
+# kernels/one_query_attention.py), every other switch unset (its default), set before the decode graphs are
+# captured again on the same runner (the graphs read them at capture)
 STEP_VARIANTS = {
+    "default": {},  # every switch unset: the engine's defaults, captured again (the re-capture's own cost)
     "unfused": {"TRITONLLM_ENCDEC_FUSED": "0", "TRITONLLM_ENCDEC_CROSS_KERNEL": "1"},
     "unfused-paged": {"TRITONLLM_ENCDEC_FUSED": "0", "TRITONLLM_ENCDEC_CROSS_KERNEL": "0"},
     "fused": {"TRITONLLM_ENCDEC_FUSED": "1", "TRITONLLM_ENCDEC_ROW_STATS": "1", "TRITONLLM_ENCDEC_CROSS_KERNEL": "1"},
     "fused-recompute": {"TRITONLLM_ENCDEC_FUSED": "1", "TRITONLLM_ENCDEC_ROW_STATS": "0",
                         "TRITONLLM_ENCDEC_CROSS_KERNEL": "1"},
     "fused-paged": {"TRITONLLM_ENCDEC_FUSED": "1", "TRITONLLM_ENCDEC_ROW_STATS": "1", "TRITONLLM_ENCDEC_CROSS_KERNEL": "0"},
+    # the cross-attention's key splits merged by their last program (kernels/one_query_attention.py), no merge launch
+    "merge-kernel": {"TRITONLLM_ONE_QUERY_MERGE": "kernel"},
+    "fused-merge": {"TRITONLLM_ENCDEC_FUSED": "1", "TRITONLLM_ONE_QUERY_MERGE": "kernel"},
+    # + kernels/norm_linear.py's PRELOAD tiling (each program's weight tile read before the PDL wait)
+    "fused-preload": {"TRITONLLM_ENCDEC_FUSED": "1", "TRITONLLM_ONE_QUERY_MERGE": "kernel",
+                      "TRITONLLM_NORM_LINEAR_PRELOAD": "1"},
 }
 
 
@@ -356,11 +364,15 @@ def _bench_whisper_step(args, bandwidth: float) -> dict:
     cross = list(range(-(-encoder_len // page)))
     runner.encode_into([clip_features(config, 1)[0]], [cross])
     entry = time_whisper_step(args, bandwidth, runner, encoder_len, cross, "whisper_step_profile.txt")
+    print(f"whisper_step default: step {entry['step_ms_median']:.3f} ms, replay {entry.get('replay_ms', 0):.3f} ms; "
+          f"breakdown {entry.get('breakdown')}", file=sys.stderr, flush=True)
     if args.step_variants:
         entry["variants"] = {}
         every_switch = {name: "" for switches in STEP_VARIANTS.values() for name in switches}
         with environment_set(every_switch):  # (as they were, after)
             for name in args.step_variants:
+                for switch in every_switch:  # unset: a switch's own default ("" is not always it)
+                    os.environ.pop(switch, None)
                 os.environ.update(STEP_VARIANTS[name])
                 runner.decode_graphs = None
                 runner.model.fused_decode = False  # capture_cuda_graphs prepares the fused path again if asked
@@ -379,7 +391,7 @@ def _bench_whisper_step(args, bandwidth: float) -> dict:
                 default = {key: round(value, 3) for key, value in entry.items() if key.startswith("replay_ms")}
                 print(f"whisper_step {name}: step {v['step_ms_median']:.3f} ms, replay {v.get('replay_ms', 0):.3f} ms, "
                       f"{kernels} kernels, capture {capture:.1f} s, {wide} (default: step {entry['step_ms_median']:.3f} "
-                      f"ms, {default})", file=sys.stderr, flush=True)
+                      f"ms, {default}); breakdown {v.get('breakdown')}", file=sys.stderr, flush=True)
     del runner
     free_device_memory(args.device)
     return entry
@@ -413,6 +425,9 @@ def time_whisper_step(args, bandwidth: float, runner, encoder_len: int, cross: l
     if runner.decode_graphs is not None:
         from kernels.linear import replay_time_ms
 
+        calls = min(steps, 30)  # (the last ``calls`` positions again: within the table and max_seq_len)
+        entry["breakdown"] = step_breakdown(step, runner, token, len(prompt) + steps - calls, calls)
+
         graph = runner.decode_graphs.graphs[1]
         entry["replay_ms"] = replay_time_ms(graph, replays=50)
         if bandwidth:
@@ -429,6 +444,61 @@ def time_whisper_step(args, bandwidth: float, runner, encoder_len: int, cross: l
                                         cross_block_tables=[cross] * wide))
             entry[f"replay_ms_b{wide}"] = replay_time_ms(runner.decode_graphs.graphs[wide], replays=50)
     return entry
+
+
+def step_breakdown(step, runner, token: int, position: int, calls: int) -> dict:
+    """Where a graphed step's wall time goes (CUDA events and host clocks around its parts; medians of
+    ``calls`` steps at positions ``position``..., in us): ``host_to_replay`` the host from the step's start to the graph launch;
+    ``launch`` the host inside ``graph.replay()``; ``gpu_before_replay`` the device from the step's start
+    event to the replay's (idle while the host packs, then the input copies); ``replay`` the replay on the
+    device as the step runs it (not back to back); ``logits`` the LM head after it; ``after_logits`` the
+    argmax; ``sync`` the host's wait in ``.item()``; ``wall`` the whole step (``step``: time_whisper_step's)."""
+    graph = runner.decode_graphs.graphs[1]
+    model = runner.model
+    replay, compute_logits = graph.replay, model.compute_logits
+    marks: dict[str, object] = {}
+
+    def event(name):
+        marks[name] = e = torch.cuda.Event(enable_timing=True)
+        e.record()
+
+    def timed_replay():
+        marks["host_replay"] = time.perf_counter()
+        event("replay_start")
+        replay()
+        event("replay_end")
+        marks["host_replayed"] = time.perf_counter()
+
+    def timed_logits(hidden):
+        logits = compute_logits(hidden)
+        event("logits_end")
+        return logits
+
+    rows: dict[str, list[float]] = {}
+    graph.replay, model.compute_logits = timed_replay, timed_logits
+    try:
+        for i in range(calls):
+            marks.clear()
+            started = time.perf_counter()
+            event("start")
+            argmax = step([token], [position + i], position + i + 1).argmax(-1)
+            event("end")
+            synced = time.perf_counter()
+            token = int(argmax.item())
+            done = time.perf_counter()
+            gpu = {name: marks[name] for name in ("start", "replay_start", "replay_end", "logits_end", "end")}
+            figures = {"host_to_replay": (marks["host_replay"] - started) * 1e6,
+                       "launch": (marks["host_replayed"] - marks["host_replay"]) * 1e6,
+                       "gpu_before_replay": gpu["start"].elapsed_time(gpu["replay_start"]) * 1e3,
+                       "replay": gpu["replay_start"].elapsed_time(gpu["replay_end"]) * 1e3,
+                       "logits": gpu["replay_end"].elapsed_time(gpu["logits_end"]) * 1e3,
+                       "after_logits": gpu["logits_end"].elapsed_time(gpu["end"]) * 1e3,
+                       "sync": (done - synced) * 1e6, "wall": (done - started) * 1e6}
+            for name, value in figures.items():
+                rows.setdefault(name, []).append(value)
+    finally:
+        del graph.replay, model.compute_logits  # the instance attributes: the class's methods again
+    return {name: round(statistics.median(values), 1) for name, values in rows.items()}
 
 
 def safe_profile(fn, path: Path, calls: int) -> dict | str:
@@ -553,6 +623,11 @@ def markdown(results: dict) -> str:
                          f"| {kernels:.0f} | {v.get('roofline_fraction', float('nan')):.0%} | "
                          + ", ".join(f"{key[len('replay_ms_'):]} {value:.3f} ms" for key, value in v.items()
                                      if key.startswith("replay_ms_b")) + " |")
+    if s and s.get("breakdown"):
+        lines += ["", "Where a graphed batch-1 step's wall time goes (step_breakdown, medians, us):", ""]
+        for name, entry in [("default", s)] + list(s.get("variants", {}).items()):
+            if entry.get("breakdown"):
+                lines.append(f"- {name}: " + ", ".join(f"{key} {value:.1f}" for key, value in entry["breakdown"].items()))
     for name, entry in section_runs(results, "whisper") + section_runs(results, "t5"):
         if "iterations" in entry:
             it = entry["iterations"]

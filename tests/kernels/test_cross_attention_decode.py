@@ -103,3 +103,31 @@ def test_kernel_replays_in_a_cuda_graph(device, splits, merge):
     out = replayed(launch, q)
     ref = cross_attention_decode_ref(q, k, v, tables, lengths, 0.125)
     assert relative_error(out[:3], ref[:3]) < TOLERANCE[torch.bfloat16]
+
+
+def test_merge_switch_merges_in_the_kernel(device, monkeypatch):
+    """$TRITONLLM_ONE_QUERY_MERGE=kernel: a launch that does not say how merges its 4 splits in the kernel (no
+    merge launch); unset: the merge kernel as before. Both equal the reference."""
+    import kernels.one_query_attention as one_query
+    from kernels.cross_attention_decode import cross_attention_decode_ref, cross_attention_decode_triton
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    q, k, v, tables, lengths = _case(device, dtype, lengths=(150, 17), heads=2, dim=32)
+    expected = cross_attention_decode_ref(q, k, v, tables, lengths, 0.125)
+    merge_kernel, merge_grids = one_query._merge_splits_kernel, []
+
+    class CountedMerge:
+        def __getitem__(self, grid):
+            merge_grids.append(grid)
+            return merge_kernel[grid]
+
+    monkeypatch.setattr(one_query, "_merge_splits_kernel", CountedMerge())
+    for value, merge_launches in (("kernel", 0), (None, 1)):
+        if value is None:
+            monkeypatch.delenv(one_query.MERGE_ENV, raising=False)
+        else:
+            monkeypatch.setenv(one_query.MERGE_ENV, value)
+        merge_grids.clear()
+        got = cross_attention_decode_triton(q, k, v, tables, lengths, 0.125, 150, splits=4)
+        assert len(merge_grids) == merge_launches, value
+        assert relative_error(got, expected) < TOLERANCE[dtype], value
