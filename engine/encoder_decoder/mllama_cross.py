@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
+
+from engine.planless_attention import planless_sdpa
 
 
 @dataclass
@@ -103,6 +104,6 @@ def cross_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if heads != kv_heads:
         k, v = k.repeat_interleave(heads // kv_heads, dim=2), v.repeat_interleave(heads // kv_heads, dim=2)
     queries = q[step.query_index]  # (R, Qmax, heads, head_dim)
-    out = F.scaled_dot_product_attention(queries.transpose(1, 2), k.transpose(1, 2).to(q.dtype),
-                                         v.transpose(1, 2).to(q.dtype), attn_mask=step.mask[:, None], scale=scale)
+    out = planless_sdpa(queries.transpose(1, 2), k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
+                        attn_mask=step.mask[:, None], scale=scale)  # (a new shape each step: no cuDNN plans)
     return out.transpose(1, 2)[step.valid]  # rows in step order: sequence by sequence, token by token

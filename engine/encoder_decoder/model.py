@@ -42,6 +42,7 @@ from engine.encoder_decoder.cross_attention import cross_attention
 from engine.encoder_decoder.spec import EncDecSpec
 from engine.encoder_decoder.t5_attention import decoder_self_attention, encoder_attention, kernels_enabled
 from engine.models.tables import uninitialized_table
+from engine.planless_attention import planless_sdpa
 from kernels.activation import gelu_tanh_and_mul
 from kernels.attention import write_kv_cache
 from kernels.attention_metadata import AttentionMetadata
@@ -359,7 +360,8 @@ class EncoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None, t5=None) -> torch.Tensor:
         """x: (B, L, d); bias: (B or 1, heads or 1, L or 1, L), -inf at padded keys, or None (no
         padding, no position bias). CPU: float32 scores (bias float32); CUDA: torch's fused
-        attention in the model dtype (bias in it too), as transformers' sdpa attention runs it.
+        attention in the model dtype (bias in it too; engine/planless_attention.py), as transformers' sdpa
+        attention runs it.
         ``t5`` (T5 on CUDA): (stack, lengths) for t5_attention.encoder_attention instead of ``bias``.
         (Pre-norm stacks run ``pre_norm_step`` instead: Encoder.encode.)"""
         x = _sublayer(self.attn_norm, self.pre_norm, x, lambda h: self.attend(h, bias, t5))
@@ -375,8 +377,8 @@ class EncoderLayer(nn.Module):
         if t5 is not None:
             return self.attn.o(encoder_attention(t5[0], q, k, v, t5[1], self.attn.scale).flatten(2))
         if q.is_cuda:
-            out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                 attn_mask=bias, scale=self.attn.scale).transpose(1, 2)
+            out = planless_sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=bias,
+                                scale=self.attn.scale).transpose(1, 2)  # (no cuDNN plan per new batch)
             return self.attn.o(out.flatten(2))
         dtype = q.dtype
         q, k, v = q.float(), k.float(), v.float()
