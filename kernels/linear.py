@@ -100,7 +100,7 @@ def _skinny_gemm_kernel(
     HAS_BIAS: tl.constexpr, GATED: tl.constexpr, HAS_SCALE: tl.constexpr, X_SCALE: tl.constexpr,
     SWAP_AB: tl.constexpr, M_PAD: tl.constexpr, ACTIVATION: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr,
-    BALANCED: tl.constexpr = False, INT8_DOT: tl.constexpr = False,
+    BALANCED: tl.constexpr = False, INT8_DOT: tl.constexpr = False, PREFETCH: tl.constexpr = False,
 ):
     """One program: BLOCK_N output features for all M rows, streaming its (BLOCK_N, K) weight rows once.
 
@@ -134,6 +134,9 @@ def _skinny_gemm_kernel(
     (|sum| <= BLOCK_K * 127 * 127 < 2**24 for BLOCK_K <= 1024), but a float32 running sum over
     Llama's K = 14336 could pass 2**24 and round; int32 holds K * 127 * 127 exactly for K < 133,000,
     so the kernel has the exact integers, as int8_linear_ref (float64) and torch._int_mm do.
+    PREFETCH (with PDL): before the PDL wait, the program asks L2 for its whole weight range
+    (prefetch_weight_l2): weights are never written by a step's kernels, so their bytes stream in while
+    the kernel before still runs, and the loop after the wait reads them from L2.
     """
     cols, col_ok = output_columns(N, ROWS, BLOCK_N, BALANCED)
     rows = tl.arange(0, M_PAD)
@@ -150,6 +153,10 @@ def _skinny_gemm_kernel(
     x_base = x_ptr + rows[:, None] * stride_xm
     k_begin = tl.program_id(1) * K_PER_SPLIT
     k_end = tl.minimum(k_begin + K_PER_SPLIT, K)
+    if PREFETCH:
+        prefetch_weight_l2(w_ptr, w_base, col_ok, k_begin, k_end, BLOCK_K)
+        if GATED:
+            prefetch_weight_l2(w_ptr, w_up_base, col_ok, k_begin, k_end, BLOCK_K)
     pdl_prologue(PDL)
     for k0 in range(k_begin, k_end, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
@@ -183,6 +190,39 @@ def _skinny_gemm_kernel(
         product_epilogue(acc.to(tl.float32), acc_up.to(tl.float32), rows, cols, row_ok, col_ok, mask, bias_ptr,
                          scale_ptr, x_scale_ptr, out_ptr, N,
                          stride_om, HAS_BIAS, GATED, HAS_SCALE, X_SCALE, ACTIVATION)
+
+
+# "1": the skinny products launched with PDL prefetch their weights into L2 before the PDL wait (PREFETCH
+# in the kernel), "0": never; read at every launch, like PDL's own switch. Off by default until measured.
+PREFETCH_ENV = "TRITONLLM_SKINNY_PREFETCH"
+PREFETCH_DEFAULT = "0"
+# Weights up to this size prefetch (with PDL): the whole weight of a decode product then sits in a
+# third of an H100/H200's 50 MB L2, not evicting itself; larger ones (a wide lm_head, Llama-70B's
+# MLP) would only trade one DRAM read for another.
+PREFETCH_MAX_BYTES = 16 << 20
+
+
+def prefetches(weight: torch.Tensor, pdl: bool) -> bool:
+    """Whether a skinny product of ``weight`` launched with PDL (``pdl``) prefetches it into L2
+    before its PDL wait (PREFETCH_ENV, PREFETCH_MAX_BYTES)."""
+    return (pdl and weight.numel() * weight.element_size() <= PREFETCH_MAX_BYTES
+            and os.environ.get(PREFETCH_ENV, PREFETCH_DEFAULT) != "0")
+
+
+@jit
+def prefetch_weight_l2(w_ptr, w_rows, row_ok, k_begin, k_end, BLOCK_K: tl.constexpr):
+    """``prefetch.global.L2`` of columns [k_begin, k_end) of the weight rows at ``w_rows`` ((BLOCK_N, 1)
+    pointers; rows where not ``row_ok`` skipped): one prefetch every PREFETCH_STRIDE elements (a 128-byte
+    line of bf16; FP8 rows get two a line). Nothing is loaded into registers and nothing waits for it:
+    the lines are in L2 (or on their way) when the product's loads ask for them. (64: elements between
+    two prefetches along a row.) Addresses that are not
+    the weight's (masked rows and columns) prefetch the weight's first line instead."""
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K // 64) * 64
+        ok = row_ok[:, None] & (k < k_end)[None, :]
+        lines = tl.where(ok, w_rows + k[None, :], w_ptr)
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [lines], dtype=tl.int32,
+                                  is_pure=False, pack=1)
 
 
 @jit
@@ -333,6 +373,7 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
                  X_SCALE=x_scale is not None, SWAP_AB=swap_ab, M_PAD=padded_rows(m), BLOCK_N=block_n,
                  ACTIVATION=ACTIVATIONS.index(activation) + 1 if activation else 0,
                  SPLIT_K=split_k, BALANCED=waves > 0, INT8_DOT=int8_dot, **pdl_options(x))
+    flags["PREFETCH"] = prefetches(weight, flags["PDL"])
     rows_per_program = min(block_n, triton.cdiv(n, waves * num_sms(x.device))) if waves > 0 else block_n
     tiles = triton.cdiv(n, rows_per_program)
     arrivals = _arrival_counters(x.device, tiles) if split_k > 1 else part
