@@ -633,6 +633,8 @@ def markdown(results: dict) -> str:
             it = entry["iterations"]
             step = (f"; decode-only iterations at batch {it['decode_batch']}: {it['decode_step_ms_median']:.2f} ms "
                     f"median" if "decode_batch" in it else "")
+            step += ("; slowest decode-only iterations (index, ms): "
+                     + ", ".join(f"{i} {ms:.1f}" for i, ms in it["decode_slowest"]) if it.get("decode_slowest") else "")
             replay = f" (its graph's replay {it['decode_graph_replay_ms']:.2f} ms)" if "decode_graph_replay_ms" in it else ""
             pools = (f"KV pools: self {entry['self_pool_dtype'].removeprefix('torch.')}, cross "
                      f"{entry['cross_pool_dtype'].removeprefix('torch.')}; " if "cross_pool_dtype" in entry else "")

@@ -720,6 +720,11 @@ def iteration_breakdown(executor, since_ns: int) -> dict:
         widest = max(h.num_gen_requests for h in decode_only)
         steps = [h.iter_latency_ms for h in decode_only if h.num_gen_requests == widest]
         out.update(decode_batch=widest, decode_step_ms_median=statistics.median(steps))
+        # the three slowest decode-only iterations (index among the run's iterations, ms): a stall (a compile, a
+        # planner, a pool growing) shows as a sum far above median x count
+        out["decode_slowest"] = sorted(((i, h.iter_latency_ms) for i, h in enumerate(history)
+                                        if h.num_context_requests == 0 and h.num_gen_requests > 0),
+                                       key=lambda pair: -pair[1])[:3]
         graphs = getattr(executor.runner, "decode_graphs", None)
         if graphs is not None and widest <= graphs.max_batch_size:
             out["decode_graph_replay_ms"] = cuda_time_ms(graphs.graphs[graphs.bucket_for(widest)].replay, repeat=10)
