@@ -81,6 +81,7 @@ from engine.vision.encode_queue import ImageEncodeQueue  # noqa: E402
 from engine.vision.mlp_width import pad_mlp_widths, padded_width  # noqa: E402
 from engine.vision.mrope import request_mrope  # noqa: E402
 from engine.vision.tower_fp8 import TOWER_FP8_ENV, embedding_cosines, quantize_tower_linears, tower_fp8_scope  # noqa: E402
+from kernels.window_attention import HEADS_ENV as WINDOW_HEADS_ENV  # noqa: E402
 
 SECTIONS = ["encoder", "ttft", "offline"]
 GOALS = {"offline_vs_text": 0.85, "offline_vs_hf": 5.0}
@@ -171,7 +172,11 @@ def write_language_engine(config, args, max_batch_size: int) -> str:
 TOWER_VARIANTS = {"fused": {}, "unfused": {qwen2_vl.UNFUSED_ENV: "1"},
                   **{f"sdpa-{name}": {qwen2_vl.SDPA_ENV: name} for name in qwen2_vl.SDPA_BACKENDS},
                   **{f"window-sdpa-{name}": {qwen2_vl.WINDOW_SDPA_ENV: name} for name in qwen2_vl.SDPA_BACKENDS},
-                  "fp8": {TOWER_FP8_ENV: "1"}, "fp8-mlp": {TOWER_FP8_ENV: "mlp"}}
+                  "fp8": {TOWER_FP8_ENV: "1"}, "fp8-mlp": {TOWER_FP8_ENV: "mlp"},
+                  # the window blocks' attention (engine/vision/qwen2_5_vl.py WINDOW_KERNEL_ENV); -hN: N heads a program
+                  **{f"window-{name}": {qwen2_5_vl.WINDOW_KERNEL_ENV: name} for name in qwen2_5_vl.WINDOW_KERNELS},
+                  **{f"window-triton-h{n}": {qwen2_5_vl.WINDOW_KERNEL_ENV: "triton", WINDOW_HEADS_ENV: str(n)}
+                     for n in (2, 4)}}
 # --offline-variants: queue runs of the offline section changed in one way each, "+" joins them. fp8-tower: the
 # tower's linears in E4M3 (engine/vision/tower_fp8.py), fp8-mlp-tower: its MLPs' only; flash-attn: the tower's
 # attention on flash (TRITONLLM_TOWER_SDPA=flash: no per-shape plan); cudnn-attn: on torch's own choice, cuDNN on an
@@ -179,8 +184,11 @@ TOWER_VARIANTS = {"fused": {}, "unfused": {qwen2_vl.UNFUSED_ENV: "1"},
 # 5 images (then 32, 32, 32, 27: image counts the untimed round did not make, as when a burst's first requests beat the
 # rest to the queue; call 14's stalled runs had 4-5, then 27-28); first-full: the queue's first forward takes the whole
 # batch (not 8 images), so the executor's first step is a full one; tower-graphs: the queue replays the forwards of
-# image batches seen before from CUDA graphs (engine/vision/tower_graphs.py; TRITONLLM_TOWER_GRAPHS=8; off by default)
-OFFLINE_VARIANTS = ("fp8-tower", "fp8-mlp-tower", "flash-attn", "cudnn-attn", "first-odd", "first-full", "tower-graphs")
+# image batches seen before from CUDA graphs (engine/vision/tower_graphs.py; TRITONLLM_TOWER_GRAPHS=8; off by default);
+# window-triton / window-sdpa: the window blocks' attention (TRITONLLM_TOWER_WINDOW_KERNEL: kernels/window_attention.py
+# or rotary + SDPA)
+OFFLINE_VARIANTS = ("fp8-tower", "fp8-mlp-tower", "flash-attn", "cudnn-attn", "first-odd", "first-full", "tower-graphs",
+                    "window-triton", "window-sdpa")
 TOWER_GRAPHS_KEPT = 8
 ODD_FIRST_IMAGES = 5
 FP8_TOWER_SCOPES = {"fp8-tower": "all", "fp8-mlp-tower": "mlp"}  # (engine/vision/tower_fp8.py FP8_SCOPES)
@@ -217,7 +225,7 @@ def bench_encoder(args, config, variant: str = "") -> dict:
             rows[-1]["profile"] = profile_tower(encoder, random_patches([grid] * batches[-1], args.device), [grid] * batches[-1],
                                                 Path(args.profile_dir) / f"vlm_tower_{side}{variant}_profile.txt")
         print(f"encoder {side}: " + ", ".join(f"b{r['batch']} {r['images_per_s']:.1f} images/s" for r in rows)
-              + f" ({tower_setting()})", file=sys.stderr, flush=True)
+              + f" ({tower_setting(args.device)})", file=sys.stderr, flush=True)
         entry[str(side)] = {"grid": grid, "rows_per_image": grid[0] * grid[1] * grid[2] // MERGE ** 2,
                             "batches": rows, "best_images_per_s": best["images_per_s"], "best_batch": best["batch"]}
     del encoder
@@ -225,12 +233,15 @@ def bench_encoder(args, config, variant: str = "") -> dict:
     return entry
 
 
-def tower_setting() -> str:
+def tower_setting(device: str) -> str:
     """How the tower's blocks ran: fused (engine/vision/qwen2_5_vl.py) or as before (TRITONLLM_TOWER_UNFUSED=1),
-    and the attention backends asked of torch (TRITONLLM_TOWER_SDPA, TRITONLLM_TOWER_WINDOW_SDPA)."""
+    and the attention backends asked of torch (TRITONLLM_TOWER_SDPA, TRITONLLM_TOWER_WINDOW_SDPA) or the window
+    blocks' Triton kernel (TRITONLLM_TOWER_WINDOW_KERNEL, on CUDA by default where DEFAULT_WINDOW_KERNEL says)."""
     blocks = "unfused blocks" if os.environ.get(qwen2_vl.UNFUSED_ENV) == "1" else "fused blocks"
     fp8 = f", FP8 linears ({tower_fp8_scope()})" if tower_fp8_scope() else ""
-    return f"{blocks}{fp8}, SDPA {sdpa_backend()}, windows {sdpa_backend(windows=True)}"
+    windows = (f"the Triton window kernel (heads a program: {os.environ.get(WINDOW_HEADS_ENV, '1')})"
+               if qwen2_5_vl.window_kernel(torch.empty(0, device=device)) == "triton" else sdpa_backend(windows=True))
+    return f"{blocks}{fp8}, SDPA {sdpa_backend()}, windows {windows}"
 
 
 def profile_tower(encoder, patches: torch.Tensor, grids: list[list[int]], path: Path) -> str:
@@ -484,8 +495,7 @@ def bench_offline(args, ex, config, encode, encoder, encoder_config, grid, num_r
             queue_run(variant_run_name(variant, i, args.offline_variants), TOWER_PRIORITY, seed=30 + 2 * i, warm_seed=31 + 2 * i, warm_tokens=None,
                       tower=fp8_towers.get(fp8), first_images=args.encode_batch if "first-full" in parts else 8,
                       timed_first_images=ODD_FIRST_IMAGES if "first-odd" in parts else None,
-                      environment={qwen2_vl.SDPA_ENV: "flash"} if "flash-attn" in parts else
-                      {qwen2_vl.SDPA_ENV: "auto"} if "cudnn-attn" in parts else None,
+                      environment=variant_environment(parts),
                       max_graphs=TOWER_GRAPHS_KEPT if "tower-graphs" in parts else None)
         except Exception as error:  # (a Triton compile error is no RuntimeError)
             entry.setdefault("variant_errors", {})[variant] = repr(error)[:300]
@@ -822,6 +832,17 @@ def variant_run_name(variant: str, index: int, variants: list[str]) -> str:
     return f"image_{variant}" + (f"_{repeat + 1}" if repeat else "")
 
 
+def variant_environment(parts: list[str]) -> dict | None:
+    """The environment an offline variant's parts set (None: none)."""
+    environment = {}
+    for part, name, value in (("flash-attn", qwen2_vl.SDPA_ENV, "flash"), ("cudnn-attn", qwen2_vl.SDPA_ENV, "auto"),
+                              ("window-triton", qwen2_5_vl.WINDOW_KERNEL_ENV, "triton"),
+                              ("window-sdpa", qwen2_5_vl.WINDOW_KERNEL_ENV, "sdpa")):
+        if part in parts:
+            environment[name] = value
+    return environment or None
+
+
 def offline_variant_label(variant: str, o: dict) -> str:
     cosine = ("(engine/vision/tower_fp8.py; its rows' cosine to the unquantized tower's: min {min:.4f}, mean {mean:.4f} "
               "over {images} images)")
@@ -830,7 +851,9 @@ def offline_variant_label(variant: str, o: dict) -> str:
               "flash-attn": "the tower's attention on flash (TRITONLLM_TOWER_SDPA=flash)",
               "cudnn-attn": "the tower's attention on torch's choice, cuDNN (TRITONLLM_TOWER_SDPA=auto, the old default)",
               "first-odd": f"the first forward {ODD_FIRST_IMAGES} images (counts the untimed round did not make)",
-              "tower-graphs": f"the tower's forwards replayed from CUDA graphs (TRITONLLM_TOWER_GRAPHS={TOWER_GRAPHS_KEPT})"}
+              "tower-graphs": f"the tower's forwards replayed from CUDA graphs (TRITONLLM_TOWER_GRAPHS={TOWER_GRAPHS_KEPT})",
+              "window-triton": "the window blocks' rotary and attention in one Triton kernel (TRITONLLM_TOWER_WINDOW_KERNEL=triton)",
+              "window-sdpa": "the window blocks' rotary, then SDPA (TRITONLLM_TOWER_WINDOW_KERNEL=sdpa)"}
     unknown = {"min": float("nan"), "mean": float("nan"), "images": 0}
     return "the same, " + " and ".join(labels[part].format(**(o.get(f"{part}_cosines") or unknown))
                                        for part in variant.split("+"))
@@ -904,14 +927,14 @@ def main(argv=None) -> dict:
     results = {"date": utc_now(), "device": args.device, "machine": machine_summary(args.device), "commit": git_commit(),
                "command": command_line(__file__, argv), "goals": GOALS,
                "tower_mlp_width": config.vision_config.intermediate_size if args.unpadded_mlp
-               else padded_width(config.vision_config.intermediate_size), "tower_setting": tower_setting()}
+               else padded_width(config.vision_config.intermediate_size), "tower_setting": tower_setting(args.device)}
     started = time.perf_counter()
     if "encoder" in sections:
         t0 = time.perf_counter()
         results["encoder"] = bench_encoder(args, config)
         for variant in args.tower_variants:
             with tower_variant(variant):
-                entry = results.setdefault("encoder_variants", {})[variant] = {"setting": tower_setting()}
+                entry = results.setdefault("encoder_variants", {})[variant] = {"setting": tower_setting(args.device)}
                 try:  # a backend that cannot run these shapes fails its variant only
                     entry["sides"] = bench_encoder(args, config, "_" + variant)
                 except RuntimeError as err:

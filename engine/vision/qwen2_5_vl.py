@@ -12,6 +12,8 @@ Qwen2-VL's.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -25,8 +27,24 @@ from kernels._triton import use_triton
 from kernels.activation import silu_and_mul
 from kernels.fp8 import rms_norm_quantized, silu_and_mul_quantized
 from kernels.rmsnorm import rms_norm
+from kernels.window_attention import MAX_RUN, window_attention
 
 MODEL_TYPE = "qwen2_5_vl"  # builder_config.model_type
+# The window blocks' attention: "triton" (kernels/window_attention.py: rotary and attention of each window in one
+# kernel reading the qkv product; the windows' rows rotated in registers, never written back) or "sdpa" (the
+# rotary in place, then SDPA per window length: qwen2_vl.segment_attention). Unset: DEFAULT_WINDOW_KERNEL on CUDA,
+# "sdpa" elsewhere (there "triton" runs the kernel's torch reference, for the tests). Full-frame blocks: always sdpa.
+WINDOW_KERNEL_ENV = "TRITONLLM_TOWER_WINDOW_KERNEL"
+WINDOW_KERNELS = ("triton", "sdpa")
+DEFAULT_WINDOW_KERNEL = "sdpa"
+
+
+def window_kernel(x: torch.Tensor) -> str:
+    """The window blocks' attention for rows ``x`` (WINDOW_KERNEL_ENV), read per call so a bench can A/B it."""
+    name = os.environ.get(WINDOW_KERNEL_ENV, DEFAULT_WINDOW_KERNEL if x.is_cuda else "sdpa").lower()
+    if name not in WINDOW_KERNELS:
+        raise ValueError(f"{WINDOW_KERNEL_ENV}={name!r}: allowed {', '.join(WINDOW_KERNELS)}")
+    return name
 
 
 class RMSNorm(nn.Module):
@@ -61,7 +79,9 @@ class Qwen25VisionBlock(nn.Module):
     per run length), proj (-> 1,280), RMSNorm + add, gate_up (-> 2 x 3,456, one product), SiLU(gate) * up
     (one Triton pass), down (-> 1,280): 9 launches where the unfused block took 13 (two adds, gate and up
     apart, SiLU then the product), and ~0.9 GB less memory traffic at P = 32,768 (32 images at 448 x 448:
-    the adds' 0.5 GB less the norms' residual writes, SiLU-and-product 0.45 GB, h read once for gate and up)."""
+    the adds' 0.5 GB less the norms' residual writes, SiLU-and-product 0.45 GB, h read once for gate and up).
+    Window blocks with TRITONLLM_TOWER_WINDOW_KERNEL=triton: rotary and attention in one kernel reading the qkv
+    product (kernels/window_attention.py): 8 launches, and q and k never written back rotated."""
 
     def __init__(self, config: dict, dtype=None, device=None):
         super().__init__()
@@ -81,11 +101,8 @@ class Qwen25VisionBlock(nn.Module):
                 runs: Segments) -> tuple[torch.Tensor, torch.Tensor]:
         """x (patches, dim): the last sublayer's output (the embeddings before the first block, with
         residual None); residual: the sum before it -> (this block's MLP output, the sum before it)."""
-        tokens = x.shape[0]
         h, residual = self._norm(self.norm1, x, residual, self.qkv)
-        q, k, v = self.qkv(h).view(tokens, 3, self.num_heads, -1).unbind(1)  # (patches, heads, d) views
-        q, k = rotary(q, k)  # rotated in place on CUDA
-        h, residual = self._norm(self.norm2, self.proj(segment_attention(q, k, v, runs).reshape(tokens, -1)), residual,
+        h, residual = self._norm(self.norm2, self.proj(self._attention(self.qkv(h), rotary, runs)), residual,
                                  self.gate_up)
         gate_up = self.gate_up(h)
         if isinstance(self.down_proj, Fp8TowerLinear) and self.silu and gate_up.dtype != torch.float32:
@@ -96,6 +113,17 @@ class Qwen25VisionBlock(nn.Module):
         # The gate contiguous, as transformers' gate_proj output: torch's CPU SiLU rounds some elements of a
         # strided view differently (an ulp), and where depends on the row stride (the padded width)
         return self.down_proj(self.act(gate_up[:, :width].contiguous()) * gate_up[:, width:]), residual
+
+    def _attention(self, qkv: torch.Tensor, rotary: PatchRotary, runs: Segments) -> torch.Tensor:
+        """qkv (patches, 3 * dim) -> attention's output (patches, dim): rotary, then softmax within each run."""
+        if runs.windows and window_kernel(qkv) == "triton":
+            starts, lengths, longest = runs.runs()
+            if longest <= MAX_RUN:
+                return window_attention(qkv, self.num_heads, rotary.table, starts, lengths, longest)
+        tokens = qkv.shape[0]
+        q, k, v = qkv.view(tokens, 3, self.num_heads, -1).unbind(1)  # (patches, heads, d) views
+        q, k = rotary(q, k)  # rotated in place on CUDA
+        return segment_attention(q, k, v, runs).reshape(tokens, -1)
 
     @staticmethod
     def _norm(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None, product: nn.Module):

@@ -50,6 +50,8 @@ class Segments:
     def __init__(self, lengths: list[int], device=None, groups: list | None = None, windows: bool = False):
         self.lengths = list(lengths)
         self.windows = windows  # Qwen2.5-VL's windows (their attention backend may be set apart)
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self._runs = None
         if groups is None:
             starts = torch.tensor([0, *self.lengths[:-1]]).cumsum(0).tolist()
             by_length: dict[int, list[int]] = {}
@@ -58,6 +60,18 @@ class Segments:
             groups = [(n, None if len(by_length) == 1 else (torch.tensor(s)[:, None] + torch.arange(n)).to(device))
                       for n, s in by_length.items()]
         self.groups = groups
+
+    def runs(self) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(starts, lengths (runs,) int64 on the device, the longest run's length): kernels/window_attention.py's
+        runs, from the groups by device ops (no host->device copy), made once and shared by the blocks."""
+        if self._runs is None:
+            starts, lengths = [], []
+            for n, rows in self.groups:
+                first = torch.arange(len(self.lengths), device=self.device) * n if rows is None else rows[:, 0]
+                starts.append(first)
+                lengths.append(torch.full_like(first, n))
+            self._runs = (torch.cat(starts), torch.cat(lengths), max(self.lengths))
+        return self._runs
 
 
 class PatchRotary:

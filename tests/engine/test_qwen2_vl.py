@@ -67,7 +67,9 @@ def test_tower_rows_equal_transformers_image_features(built, monkeypatch):
     """The tower alone against transformers' get_image_features: three images of two sizes (windows and
     frames of several lengths, a repeated grid), twice (the second from the kept layout pieces,
     engine/vision/tower_layout.py), then through the unfused blocks (TRITONLLM_TOWER_UNFUSED=1, vlm_bench's
-    before figure), equal to the fused ones."""
+    before figure), equal to the fused ones; Qwen2.5-VL's window blocks also through the fused window kernel's
+    path (TRITONLLM_TOWER_WINDOW_KERNEL=triton: its torch reference here, the kernel on CUDA below)."""
+    from engine.vision.qwen2_5_vl import WINDOW_KERNEL_ENV
     from engine.vision.qwen2_vl import UNFUSED_ENV
 
     engine, hf = built
@@ -79,9 +81,12 @@ def test_tower_rows_equal_transformers_image_features(built, monkeypatch):
     expected = torch.cat(list(getattr(expected, "pooler_output", expected)))
     encoder = load_vision_encoder(vision_encoder_dir(engine))
     runs = [torch.cat(encoder.image_features(images["pixel_values"], grids)) for _ in range(2)]
+    monkeypatch.setenv(WINDOW_KERNEL_ENV, "triton")
+    window_kernel = torch.cat(encoder.image_features(images["pixel_values"], grids))
+    monkeypatch.delenv(WINDOW_KERNEL_ENV)
     monkeypatch.setenv(UNFUSED_ENV, "1")
     runs.append(torch.cat(encoder.image_features(images["pixel_values"], grids)))
-    for rows in runs:
+    for rows in [*runs, window_kernel]:
         torch.testing.assert_close(rows, expected, atol=1e-5, rtol=1e-5)
     assert all(torch.equal(rows, runs[0]) for rows in runs)
 
@@ -212,11 +217,16 @@ def test_encode_queue_batches_pending_requests_into_one_forward(built):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_cuda_tower_rows_equal_cpu_rows(built):
+@pytest.mark.parametrize("window_kernel", ["triton", "sdpa"])
+def test_cuda_tower_rows_equal_cpu_rows(built, monkeypatch, window_kernel):
     """The tower on a GPU (float32): Triton rotary, the norms adding the residual in their pass (Qwen2-VL's
     LayerNorm, Qwen2.5-VL's RMSNorm), Qwen2.5-VL's fused gate_up and Triton SiLU-and-product, MLP widths
     padded to 128 at load, two images of other sizes in one batch (frames and windows of several lengths),
-    the layout from pieces kept on the GPU = the CPU reference's rows (unpadded)."""
+    the layout from pieces kept on the GPU = the CPU reference's rows (unpadded); Qwen2.5-VL's window blocks
+    through kernels/window_attention.py and through rotary + SDPA (TRITONLLM_TOWER_WINDOW_KERNEL)."""
+    from engine.vision.qwen2_5_vl import WINDOW_KERNEL_ENV
+
+    monkeypatch.setenv(WINDOW_KERNEL_ENV, window_kernel)
     engine, _ = built
     images = image_processor()([make_image(0, (52, 40)), make_image(1, (28, 56))], return_tensors="pt")
     grids = images["image_grid_thw"].tolist()
