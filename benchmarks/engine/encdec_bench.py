@@ -326,6 +326,11 @@ STEP_VARIANTS = {
     # the cross-attention's key splits merged by their last program (kernels/one_query_attention.py), no merge launch
     "merge-kernel": {"TRITONLLM_ONE_QUERY_MERGE": "kernel"},
     "fused-merge": {"TRITONLLM_ENCDEC_FUSED": "1", "TRITONLLM_ONE_QUERY_MERGE": "kernel"},
+    # + each product's weight 1 (2) products ahead prefetched into L2 from a side stream (kernels/l2_prefetch.py)
+    "fused-prefetch": {"TRITONLLM_ENCDEC_FUSED": "1", "TRITONLLM_ONE_QUERY_MERGE": "kernel",
+                       "TRITONLLM_ENCDEC_PREFETCH": "1"},
+    "fused-prefetch2": {"TRITONLLM_ENCDEC_FUSED": "1", "TRITONLLM_ONE_QUERY_MERGE": "kernel",
+                        "TRITONLLM_ENCDEC_PREFETCH": "2"},
     # + kernels/norm_linear.py's PRELOAD tiling (each program's weight tile read before the PDL wait)
     "fused-preload": {"TRITONLLM_ENCDEC_FUSED": "1", "TRITONLLM_ONE_QUERY_MERGE": "kernel",
                       "TRITONLLM_NORM_LINEAR_PRELOAD": "1"},

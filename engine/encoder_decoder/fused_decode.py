@@ -48,6 +48,7 @@ import torch
 from torch import nn
 
 from engine.encoder_decoder.cross_attention import cross_attention
+from kernels.l2_prefetch import L2Prefetcher, region_table
 from kernels.linear import MAX_SKINNY_ROWS
 from kernels.norm_linear import MAX_ROWS, PRELOAD_ENV, norm_linear
 from kernels.rope_attention import append_paged_attention
@@ -59,6 +60,11 @@ FUSED_ENV = "TRITONLLM_ENCDEC_FUSED"  # the fused layer for decode steps of up t
 # "0": the fused layer's LayerNorms recompute their rows' statistics (each program of the product
 # re-reads the rows) instead of reading the partials the residual product before them emitted.
 ROW_STATS_ENV = "TRITONLLM_ENCDEC_ROW_STATS"
+
+
+# "N" (1-3): each product of the fused layer first has the weight N products ahead of it prefetched into L2
+# from a side stream (kernels/l2_prefetch.py; Hopper GPUs only); "0": none. Read at ``prepare``.
+PREFETCH_ENV = "TRITONLLM_ENCDEC_PREFETCH"
 
 
 def enabled(name: str, default: str = "0") -> bool:
@@ -92,7 +98,47 @@ def prepare(decoder: nn.Module) -> list[torch.Tensor]:
     for layer in decoder.layers:
         fuse_qkv(layer.self_attn)
     decoder.fused_decode = True
+    decoder.l2_plan = PrefetchPlan.for_decoder(decoder, int(os.environ.get(PREFETCH_ENV, "0") or 0))
     return [layer.self_attn.qkv_weight for layer in decoder.layers]
+
+
+def layer_products(layer: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """(weight, bias) of ``layer_step``'s six products, in the order it runs them."""
+    attn, cross, mlp = layer.self_attn, layer.cross_attn, layer.mlp
+    return [(attn.qkv_weight, attn.qkv_bias), (attn.o.weight, attn.o.bias), (cross.q.weight, cross.q.bias),
+            (cross.o.weight, cross.o.bias), (mlp.up.weight, mlp.up.bias), (mlp.down.weight, mlp.down.bias)]
+
+
+class PrefetchPlan:
+    """Which weights a fused decode step prefetches into L2 where (PREFETCH_ENV): before product k of the step
+    (layer k // 6, its (k % 6)-th product) the weight ``distance`` products ahead; the first ``distance`` at the
+    step's start. Region tables made once (the weights never move)."""
+
+    def __init__(self, decoder: nn.Module, distance: int):
+        products = [pair for layer in decoder.layers for pair in layer_products(layer)]
+        device = products[0][0].device
+        self.prefetcher = L2Prefetcher(device)
+        tables = [region_table([t for t in pair if t is not None], device) for pair in products]
+        self.start_tables = tables[:distance]
+        self.ahead = tables[distance:] + [None] * distance  # ahead[k]: what product k prefetches
+
+    @classmethod
+    def for_decoder(cls, decoder: nn.Module, distance: int) -> PrefetchPlan | None:
+        """The plan, or None where nothing would be prefetched (distance 0, or no Hopper GPU)."""
+        if distance <= 0:
+            return None
+        plan = cls(decoder, distance)
+        return plan if plan.prefetcher.on else None
+
+    def start(self) -> None:
+        for table in self.start_tables:
+            self.prefetcher.issue(table)
+
+    def before(self, layer: int, product: int) -> None:
+        self.prefetcher.issue(self.ahead[6 * layer + product])
+
+    def join(self) -> None:
+        self.prefetcher.join()
 
 
 def mark_tilings(decoder: nn.Module, reports: dict) -> None:
@@ -128,22 +174,46 @@ def _residual_product(x, weight, bias, residual):
     return _product(x, weight, bias, residual=residual, emit_stats=True)
 
 
+def decode_layers(decoder: nn.Module, x: torch.Tensor, kv_cache: torch.Tensor, cross_pool: torch.Tensor, meta,
+                  cross_meta) -> torch.Tensor:
+    """Every layer of ``decoder`` through ``layer_step`` (its L2 prefetches, if any, joined at the end) -> the
+    last layer's output rows."""
+    plan = getattr(decoder, "l2_plan", None)
+    if plan is not None:
+        plan.start()
+    stats = None  # the rows' statistics for the next LayerNorm, as the layer's last product emitted them
+    for index, layer in enumerate(decoder.layers):
+        prefetch = None if plan is None else (lambda product, index=index: plan.before(index, product))
+        x, stats = layer_step(layer, x, stats, kv_cache[index], cross_pool[index], meta, cross_meta, prefetch)
+    if plan is not None:
+        plan.join()
+    return x
+
+
 def layer_step(layer: nn.Module, x: torch.Tensor, stats, kv_cache: torch.Tensor, cross_pool: torch.Tensor, meta,
-               cross_meta) -> tuple[torch.Tensor, torch.Tensor | None]:
+               cross_meta, prefetch=None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One decoder layer over (rows, d_model) decode rows -> (the layer's output rows, their row
     statistics or None). ``stats``: x's row statistics as the previous layer's fc2 product emitted
     them (kernels/norm_linear.py ``row_stats``), or None (the first layer: its norm reads x);
     kv_cache / cross_pool: this layer's (2, blocks, tokens_per_block, heads, head_dim) self and cross
-    pools; meta / cross_meta: the step's metadata."""
+    pools; meta / cross_meta: the step's metadata; ``prefetch(k)``, if given, runs before the layer's k-th product
+    (PrefetchPlan.before)."""
     rows, attn, cross, mlp = x.shape[0], layer.self_attn, layer.cross_attn, layer.mlp
+    before = prefetch or (lambda product: None)
+    before(0)
     qkv = _product(x, attn.qkv_weight, attn.qkv_bias, norm=_norm(layer.self_norm), row_stats=stats)
     q, k, v = qkv.view(rows, 3, attn.heads, attn.head_dim).unbind(1)
     out = append_paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, attn.scale)
+    before(1)
     x, stats = _residual_product(out.flatten(1), attn.o.weight, attn.o.bias, x)
+    before(2)
     q = _product(x, cross.q.weight, cross.q.bias, norm=_norm(layer.cross_norm),
                  row_stats=stats).view(rows, cross.heads, cross.head_dim)
     out = cross_attention(q, cross_pool[0], cross_pool[1], cross_meta, cross.scale, decode_step=True)
+    before(3)
     x, stats = _residual_product(out.flatten(1), cross.o.weight, cross.o.bias, x)
+    before(4)
     h = _product(x, mlp.up.weight, mlp.up.bias, norm=_norm(layer.mlp_norm), activation=mlp.activation_name,
                  row_stats=stats)
+    before(5)
     return _residual_product(h, mlp.down.weight, mlp.down.bias, x)

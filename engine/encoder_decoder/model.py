@@ -570,10 +570,7 @@ class Decoder(_Stack):
         """input_ids, positions: (num_tokens,); kv_cache: the paged self-attention pool -> (num_tokens, d)."""
         x = self.embed(input_ids, positions)
         if fused_decode.takes(self, x, meta):  # few decode rows, pre-norm LayerNorm: fused_decode.py
-            stats = None  # the rows' statistics for the next LayerNorm, as the layer's last product emitted them
-            for index, layer in enumerate(self.layers):
-                x, stats = fused_decode.layer_step(layer, x, stats, kv_cache[index], cross.pool[index], meta,
-                                                   cross.meta)
+            x = fused_decode.decode_layers(self, x, kv_cache, cross.pool, meta, cross.meta)
             return x if self.final_norm is None else self.final_norm(x)
         # Pre-norm (T5, Whisper): each sublayer's residual add is done by the next norm (Norm.add_and_norm: it
         # adds, normalizes and, FP8 on the W8A8 path, quantizes for the next products in one kernel).

@@ -4,7 +4,8 @@ layer gives the unfused layer's ids and transformers'.
 CPU: the same requests through the executor unfused, then with the decoder prepared (q/k/v one
 weight, LayerNorm/bias/GELU/residual folded into the products: kernels/norm_linear.py's torch
 reference here), equal ids, and the fused layer served the decode steps. GPU (marked): a float32
-engine's CUDA graphs, fused against TRITONLLM_ENCDEC_FUSED=0 and transformers."""
+engine's CUDA graphs, fused (also with L2 prefetches and the in-kernel split merge) against
+TRITONLLM_ENCDEC_FUSED=0 and transformers."""
 from __future__ import annotations
 
 import importlib.util
@@ -16,6 +17,7 @@ import torch
 from engine.encoder_decoder import fused_decode
 from engine.encoder_decoder.cross_attention import CROSS_KERNEL_ENV
 from engine.executor import Executor, ExecutorConfig, OutputConfig, Request
+from kernels.one_query_attention import MERGE_ENV
 from tests.executor.executor_testing import collect, final_tokens
 from tiny_encdec import WHISPER_PROMPT, build_engine, generate_whisper, write_checkpoint
 
@@ -53,10 +55,49 @@ def test_fused_layer_ids_equal_unfused_and_transformers(whisper, monkeypatch):
         steps = []
         step = fused_decode.layer_step
         monkeypatch.setattr(fused_decode, "layer_step", lambda layer, x, *a: steps.append(x.shape[0]) or step(layer, x, *a))
+        # The L2 prefetch schedule (a no-op off Hopper GPUs, so recorded here): 2 products ahead
+        order, events = _record_prefetch_schedule(decoder, monkeypatch, distance=2)
         got = [final_tokens(r) for r in collect(ex, ex.enqueue_requests(_requests(features))).values()]
     assert got == expected and steps
+    # each step: the first 2 products' weights at its start, then before product k the weight of product k + 2,
+    # then the join; the step's products in order
+    products = len(order)
+    one_step = [("prefetch", order[0]), ("prefetch", order[1])]
+    for k in range(products):
+        one_step += ([("prefetch", order[k + 2])] if k + 2 < products else []) + [("product", order[k])]
+    one_step.append(("join", None))
+    assert len(events) == len(steps) // len(decoder.layers) * len(one_step)
+    assert events == one_step * (len(events) // len(one_step))
     for f, tokens in zip(features[:2], got):
         assert tokens == [t for t in generate_whisper(model, f, 8) if t != 1]
+
+
+def _record_prefetch_schedule(decoder, monkeypatch, *, distance: int):
+    """A PrefetchPlan of ``distance`` on ``decoder`` whose prefetcher records what it is asked (each region table's
+    first address), beside the fused products it runs (their weights' addresses). Returns (the products' weight
+    addresses in step order, the shared event list)."""
+    events = []
+
+    class Recorder:
+        def issue(self, table):
+            if table is not None:
+                events.append(("prefetch", int(table[0, 0])))
+
+        def join(self):
+            events.append(("join", None))
+
+    plan = fused_decode.PrefetchPlan(decoder, distance)
+    plan.prefetcher = Recorder()
+    monkeypatch.setattr(decoder, "l2_plan", plan, raising=False)
+    product = fused_decode.norm_linear
+
+    def recorded(x, weight, *args, **kwargs):
+        events.append(("product", weight.data_ptr()))
+        return product(x, weight, *args, **kwargs)
+
+    monkeypatch.setattr(fused_decode, "norm_linear", recorded)
+    order = [weight.data_ptr() for layer in decoder.layers for weight, _ in fused_decode.layer_products(layer)]
+    return order, events
 
 
 @pytest.mark.gpu
@@ -68,15 +109,22 @@ def test_fused_graphs_equal_unfused_on_gpu(whisper, monkeypatch):
     model, engine = whisper
     features = _features()
     results = {}
-    for fused in ("1", "0"):
+    hopper = torch.cuda.get_device_capability()[0] >= 9
+    # the fused layer with the cross decode kernel; again with L2 prefetches 2 products ahead and the splits merged
+    # in the cross kernel; unfused without either
+    for name, fused, prefetch, merge in (("fused", "1", "0", "launch"), ("prefetch", "1", "2", "kernel"),
+                                         ("unfused", "0", "0", "launch")):
         monkeypatch.setenv(fused_decode.FUSED_ENV, fused)
-        monkeypatch.setenv(CROSS_KERNEL_ENV, fused)  # the fused layer with the cross decode kernel, unfused without
+        monkeypatch.setenv(CROSS_KERNEL_ENV, fused)
+        monkeypatch.setenv(fused_decode.PREFETCH_ENV, prefetch)
+        monkeypatch.setenv(MERGE_ENV, merge)
         with Executor(engine, ExecutorConfig(max_batch_size=4), device="cuda") as ex:
             assert getattr(ex.runner.model, "fused_decode", False) == (fused == "1")
+            assert (getattr(ex.runner.model, "l2_plan", None) is not None) == (prefetch != "0" and hopper)
             assert sorted(ex.runner.decode_graphs.graphs) == [1, 2, 4]
-            results[fused] = [final_tokens(r) for r in collect(ex, ex.enqueue_requests(_requests(features))).values()]
-    assert results["1"] == results["0"]
-    for f, tokens in zip(features[:2], results["1"]):
+            results[name] = [final_tokens(r) for r in collect(ex, ex.enqueue_requests(_requests(features))).values()]
+    assert results["fused"] == results["unfused"] == results["prefetch"]
+    for f, tokens in zip(features[:2], results["fused"]):
         assert tokens == [t for t in generate_whisper(model, f, 8) if t != 1]
 
 
