@@ -11,7 +11,8 @@ boundaries; the product then reads its weight from L2.
 [address, bytes] rows, ``region_table``), each issuing ``cp.async.bulk.prefetch.L2`` (sm_90 and later: the
 copy engine reads, no registers, nothing waits) over its region in CHUNK-byte pieces, BLOCK at once. A
 prefetch changes no value anywhere: at worst it costs bandwidth and evicts lines.
-``L2Prefetcher.issue(regions)`` launches it on a side stream that first waits for the current stream's
+``l2_prefetch_pages``: a paged pool's pages of each row (a decode step's cross K/V), from block tables on the
+device. ``L2Prefetcher.issue(regions)`` (``issue_pages(...)``) launches it on a side stream that first waits for the current stream's
 work so far (inside a CUDA-graph capture: a branch of the graph beside the next kernels);
 ``L2Prefetcher.join()`` makes the current stream wait for the prefetches (a capture must end joined).
 Off the GPU, on GPUs before Hopper and under Triton's interpreter (no inline PTX) both do nothing.
@@ -43,6 +44,50 @@ def _l2_prefetch_kernel(regions_ptr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
     for start in range(0, size, BLOCK * CHUNK):
         offsets = start + lanes
         _bulk_prefetch(base + offsets, tl.minimum(size - offsets, CHUNK).to(tl.int32))
+
+
+@jit
+def _l2_prefetch_pages_kernel(k_ptr, v_ptr, tables_ptr, lengths_ptr, stride_table, stride_kb, stride_vb, page_bytes,
+                              PAGE: tl.constexpr, BLOCK: tl.constexpr):
+    """Program ``row``: the K and V pages of its first ``lengths[row]`` tokens (pages ``tables[row, :]``, each
+    ``page_bytes`` contiguous at ``ptr + page * stride_*b`` elements)."""
+    row = tl.program_id(0)
+    pages = tl.cdiv(tl.load(lengths_ptr + row), PAGE)
+    lanes = tl.arange(0, BLOCK)
+    for first in range(0, pages, BLOCK):
+        index = first + lanes
+        ok = index < pages
+        page = tl.load(tables_ptr + row.to(tl.int64) * stride_table + index, mask=ok, other=0).to(tl.int64)
+        nbytes = tl.where(ok, page_bytes, 0).to(tl.int32)
+        _bulk_prefetch((k_ptr + page * stride_kb).to(tl.int64, bitcast=True), nbytes)
+        _bulk_prefetch((v_ptr + page * stride_vb).to(tl.int64, bitcast=True), nbytes)
+
+
+def l2_prefetch_pages(k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor
+                      ) -> None:
+    """Prefetch each row's K and V pages into L2, on the current stream: ``k_pool`` / ``v_pool`` (blocks, page,
+    heads, head_dim) views whose blocks are each one contiguous span (head-major pools: the runner's);
+    ``tables`` (rows, width) int32 block ids; ``lengths`` (rows,) int32 tokens. Device values only (CUDA-graph
+    safe)."""
+    if not prefetches(k_pool.device):
+        return
+    page, block_elements = k_pool.shape[1], k_pool[0].numel()
+    for pool in (k_pool, v_pool):
+        assert pool.stride(0) >= block_elements and _one_span(pool[0]), "a pool block is one contiguous span"
+    assert tables.stride(1) == 1 and lengths.is_contiguous()
+    _l2_prefetch_pages_kernel[(tables.shape[0],)](
+        k_pool, v_pool, tables, lengths, tables.stride(0), k_pool.stride(0), v_pool.stride(0),
+        block_elements * k_pool.element_size() // 16 * 16, PAGE=page, BLOCK=64, num_warps=2)
+
+
+def _one_span(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill one contiguous span in some order (strides a permutation of a dense layout)."""
+    expected = 1
+    for size, stride in sorted(zip(t.shape, t.stride()), key=lambda pair: pair[1]):
+        if size > 1 and stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def region_table(tensors: list[torch.Tensor], device) -> torch.Tensor | None:
@@ -86,6 +131,15 @@ class L2Prefetcher:
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
             l2_prefetch(regions)
+        self.pending = True
+
+    def issue_pages(self, k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor,
+                    lengths: torch.Tensor) -> None:
+        if not self.on:
+            return
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            l2_prefetch_pages(k_pool, v_pool, tables, lengths)
         self.pending = True
 
     def join(self) -> None:

@@ -331,6 +331,9 @@ STEP_VARIANTS = {
                        "TRITONLLM_ENCDEC_PREFETCH": "1"},
     "fused-prefetch2": {"TRITONLLM_ENCDEC_FUSED": "1", "TRITONLLM_ONE_QUERY_MERGE": "kernel",
                         "TRITONLLM_ENCDEC_PREFETCH": "2"},
+    # + each layer's cross K/V pages prefetched before its o product
+    "fused-prefetch-kv": {"TRITONLLM_ENCDEC_FUSED": "1", "TRITONLLM_ONE_QUERY_MERGE": "kernel",
+                          "TRITONLLM_ENCDEC_PREFETCH": "2", "TRITONLLM_ENCDEC_PREFETCH_KV": "1"},
     # + kernels/norm_linear.py's PRELOAD tiling (each program's weight tile read before the PDL wait)
     "fused-preload": {"TRITONLLM_ENCDEC_FUSED": "1", "TRITONLLM_ONE_QUERY_MERGE": "kernel",
                       "TRITONLLM_NORM_LINEAR_PRELOAD": "1"},

@@ -65,6 +65,10 @@ ROW_STATS_ENV = "TRITONLLM_ENCDEC_ROW_STATS"
 # "N" (1-3): each product of the fused layer first has the weight N products ahead of it prefetched into L2
 # from a side stream (kernels/l2_prefetch.py; Hopper GPUs only); "0": none. Read at ``prepare``.
 PREFETCH_ENV = "TRITONLLM_ENCDEC_PREFETCH"
+# "1": also each layer's cross K/V pages of the step's rows, prefetched before its o product (so they stream while
+# the o and cross q products run). Read at ``prepare``.
+PREFETCH_KV_ENV = "TRITONLLM_ENCDEC_PREFETCH_KV"
+KV_PREFETCH_PRODUCT = 1
 
 
 def enabled(name: str, default: str = "0") -> bool:
@@ -98,7 +102,8 @@ def prepare(decoder: nn.Module) -> list[torch.Tensor]:
     for layer in decoder.layers:
         fuse_qkv(layer.self_attn)
     decoder.fused_decode = True
-    decoder.l2_plan = PrefetchPlan.for_decoder(decoder, int(os.environ.get(PREFETCH_ENV, "0") or 0))
+    decoder.l2_plan = PrefetchPlan.for_decoder(decoder, int(os.environ.get(PREFETCH_ENV, "0") or 0),
+                                               kv=enabled(PREFETCH_KV_ENV))
     return [layer.self_attn.qkv_weight for layer in decoder.layers]
 
 
@@ -112,30 +117,38 @@ def layer_products(layer: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor | 
 class PrefetchPlan:
     """Which weights a fused decode step prefetches into L2 where (PREFETCH_ENV): before product k of the step
     (layer k // 6, its (k % 6)-th product) the weight ``distance`` products ahead; the first ``distance`` at the
-    step's start. Region tables made once (the weights never move)."""
+    step's start. Region tables made once (the weights never move). With ``kv`` (PREFETCH_KV_ENV), before each
+    layer's KV_PREFETCH_PRODUCT also its cross K/V pages of the step's rows."""
 
-    def __init__(self, decoder: nn.Module, distance: int):
+    def __init__(self, decoder: nn.Module, distance: int, kv: bool = False):
         products = [pair for layer in decoder.layers for pair in layer_products(layer)]
         device = products[0][0].device
         self.prefetcher = L2Prefetcher(device)
         tables = [region_table([t for t in pair if t is not None], device) for pair in products]
         self.start_tables = tables[:distance]
-        self.ahead = tables[distance:] + [None] * distance  # ahead[k]: what product k prefetches
+        # ahead[k]: what product k prefetches
+        self.ahead = tables[distance:] + [None] * distance if distance else [None] * len(tables)
+        self.kv = kv
 
     @classmethod
-    def for_decoder(cls, decoder: nn.Module, distance: int) -> PrefetchPlan | None:
-        """The plan, or None where nothing would be prefetched (distance 0, or no Hopper GPU)."""
-        if distance <= 0:
+    def for_decoder(cls, decoder: nn.Module, distance: int, kv: bool = False) -> PrefetchPlan | None:
+        """The plan, or None where nothing would be prefetched (distance 0 without kv, or no Hopper GPU)."""
+        if distance <= 0 and not kv:
             return None
-        plan = cls(decoder, distance)
+        plan = cls(decoder, max(distance, 0), kv)
         return plan if plan.prefetcher.on else None
 
     def start(self) -> None:
         for table in self.start_tables:
             self.prefetcher.issue(table)
 
-    def before(self, layer: int, product: int) -> None:
+    def before(self, layer: int, product: int, cross_pool: torch.Tensor, cross_meta) -> None:
+        """Before the layer's ``product``: its weight prefetch, and the layer's cross pages where asked
+        (``cross_pool``: the layer's (2, blocks, page, heads, head_dim) pool; ``cross_meta``: the step's)."""
         self.prefetcher.issue(self.ahead[6 * layer + product])
+        if self.kv and product == KV_PREFETCH_PRODUCT:
+            self.prefetcher.issue_pages(cross_pool[0], cross_pool[1], cross_meta.block_tables,
+                                        cross_meta.context_lens)
 
     def join(self) -> None:
         self.prefetcher.join()
@@ -183,7 +196,8 @@ def decode_layers(decoder: nn.Module, x: torch.Tensor, kv_cache: torch.Tensor, c
         plan.start()
     stats = None  # the rows' statistics for the next LayerNorm, as the layer's last product emitted them
     for index, layer in enumerate(decoder.layers):
-        prefetch = None if plan is None else (lambda product, index=index: plan.before(index, product))
+        prefetch = None if plan is None else (
+            lambda product, index=index: plan.before(index, product, cross_pool[index], cross_meta))
         x, stats = layer_step(layer, x, stats, kv_cache[index], cross_pool[index], meta, cross_meta, prefetch)
     if plan is not None:
         plan.join()

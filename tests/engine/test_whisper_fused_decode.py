@@ -55,16 +55,20 @@ def test_fused_layer_ids_equal_unfused_and_transformers(whisper, monkeypatch):
         steps = []
         step = fused_decode.layer_step
         monkeypatch.setattr(fused_decode, "layer_step", lambda layer, x, *a: steps.append(x.shape[0]) or step(layer, x, *a))
-        # The L2 prefetch schedule (a no-op off Hopper GPUs, so recorded here): 2 products ahead
+        # The L2 prefetch schedule (a no-op off Hopper GPUs, so recorded here): 2 products ahead, and the cross pages
         order, events = _record_prefetch_schedule(decoder, monkeypatch, distance=2)
+        pages = [ex.runner.cross_pool[index, 0].data_ptr() for index in range(len(decoder.layers))]
         got = [final_tokens(r) for r in collect(ex, ex.enqueue_requests(_requests(features))).values()]
     assert got == expected and steps
-    # each step: the first 2 products' weights at its start, then before product k the weight of product k + 2,
-    # then the join; the step's products in order
+    # each step: the first 2 products' weights at its start, then before product k the weight of product k + 2
+    # (and before each layer's o product, KV_PREFETCH_PRODUCT, that layer's cross K/V pages), then the join; the
+    # step's products in order
     products = len(order)
     one_step = [("prefetch", order[0]), ("prefetch", order[1])]
     for k in range(products):
-        one_step += ([("prefetch", order[k + 2])] if k + 2 < products else []) + [("product", order[k])]
+        one_step += [("prefetch", order[k + 2])] if k + 2 < products else []
+        one_step += [("pages", pages[k // 6])] if k % 6 == fused_decode.KV_PREFETCH_PRODUCT else []
+        one_step.append(("product", order[k]))
     one_step.append(("join", None))
     assert len(events) == len(steps) // len(decoder.layers) * len(one_step)
     assert events == one_step * (len(events) // len(one_step))
@@ -73,7 +77,7 @@ def test_fused_layer_ids_equal_unfused_and_transformers(whisper, monkeypatch):
 
 
 def _record_prefetch_schedule(decoder, monkeypatch, *, distance: int):
-    """A PrefetchPlan of ``distance`` on ``decoder`` whose prefetcher records what it is asked (each region table's
+    """A PrefetchPlan of ``distance`` (and the cross pages) on ``decoder`` whose prefetcher records what it is asked (each region table's
     first address), beside the fused products it runs (their weights' addresses). Returns (the products' weight
     addresses in step order, the shared event list)."""
     events = []
@@ -83,10 +87,13 @@ def _record_prefetch_schedule(decoder, monkeypatch, *, distance: int):
             if table is not None:
                 events.append(("prefetch", int(table[0, 0])))
 
+        def issue_pages(self, k_pool, v_pool, tables, lengths):
+            events.append(("pages", k_pool.data_ptr()))
+
         def join(self):
             events.append(("join", None))
 
-    plan = fused_decode.PrefetchPlan(decoder, distance)
+    plan = fused_decode.PrefetchPlan(decoder, distance, kv=True)
     plan.prefetcher = Recorder()
     monkeypatch.setattr(decoder, "l2_plan", plan, raising=False)
     product = fused_decode.norm_linear
