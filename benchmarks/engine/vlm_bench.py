@@ -176,7 +176,11 @@ TOWER_VARIANTS = {"fused": {}, "unfused": {qwen2_vl.UNFUSED_ENV: "1"},
                   # the window blocks' attention (engine/vision/qwen2_5_vl.py WINDOW_KERNEL_ENV); -hN: N heads a program
                   **{f"window-{name}": {qwen2_5_vl.WINDOW_KERNEL_ENV: name} for name in qwen2_5_vl.WINDOW_KERNELS},
                   **{f"window-triton-h{n}": {qwen2_5_vl.WINDOW_KERNEL_ENV: "triton", WINDOW_HEADS_ENV: str(n)}
-                     for n in (2, 4)}}
+                     for n in (2, 4)},
+                  # the MLP's gate_up product with its SiLU-and-product in one Triton GEMM, or cuBLAS then silu_and_mul
+                  **{f"gated-{name}": {qwen2_5_vl.GATED_GEMM_ENV: name} for name in qwen2_5_vl.GATED_GEMMS},
+                  "both-triton": {qwen2_5_vl.WINDOW_KERNEL_ENV: "triton", qwen2_5_vl.GATED_GEMM_ENV: "triton"},
+                  "both-old": {qwen2_5_vl.WINDOW_KERNEL_ENV: "sdpa", qwen2_5_vl.GATED_GEMM_ENV: "cublas"}}
 # --offline-variants: queue runs of the offline section changed in one way each, "+" joins them. fp8-tower: the
 # tower's linears in E4M3 (engine/vision/tower_fp8.py), fp8-mlp-tower: its MLPs' only; flash-attn: the tower's
 # attention on flash (TRITONLLM_TOWER_SDPA=flash: no per-shape plan); cudnn-attn: on torch's own choice, cuDNN on an
@@ -186,9 +190,10 @@ TOWER_VARIANTS = {"fused": {}, "unfused": {qwen2_vl.UNFUSED_ENV: "1"},
 # batch (not 8 images), so the executor's first step is a full one; tower-graphs: the queue replays the forwards of
 # image batches seen before from CUDA graphs (engine/vision/tower_graphs.py; TRITONLLM_TOWER_GRAPHS=8; off by default);
 # window-triton / window-sdpa: the window blocks' attention (TRITONLLM_TOWER_WINDOW_KERNEL: kernels/window_attention.py
-# or rotary + SDPA)
+# or rotary + SDPA); gated-triton / gated-cublas: the MLP's gate_up and SiLU-and-product (TRITONLLM_TOWER_GATED_GEMM:
+# kernels/gated_gemm.py or cuBLAS + silu_and_mul)
 OFFLINE_VARIANTS = ("fp8-tower", "fp8-mlp-tower", "flash-attn", "cudnn-attn", "first-odd", "first-full", "tower-graphs",
-                    "window-triton", "window-sdpa")
+                    "window-triton", "window-sdpa", "gated-triton", "gated-cublas")
 TOWER_GRAPHS_KEPT = 8
 ODD_FIRST_IMAGES = 5
 FP8_TOWER_SCOPES = {"fp8-tower": "all", "fp8-mlp-tower": "mlp"}  # (engine/vision/tower_fp8.py FP8_SCOPES)
@@ -241,7 +246,8 @@ def tower_setting(device: str) -> str:
     fp8 = f", FP8 linears ({tower_fp8_scope()})" if tower_fp8_scope() else ""
     windows = (f"the Triton window kernel (heads a program: {os.environ.get(WINDOW_HEADS_ENV, '1')})"
                if qwen2_5_vl.window_kernel(torch.empty(0, device=device)) == "triton" else sdpa_backend(windows=True))
-    return f"{blocks}{fp8}, SDPA {sdpa_backend()}, windows {windows}"
+    gated = ", gate_up + SiLU in one Triton GEMM" if qwen2_5_vl.gated_gemm_choice() == "triton" else ""
+    return f"{blocks}{fp8}, SDPA {sdpa_backend()}, windows {windows}{gated}"
 
 
 def profile_tower(encoder, patches: torch.Tensor, grids: list[list[int]], path: Path) -> str:
@@ -837,7 +843,9 @@ def variant_environment(parts: list[str]) -> dict | None:
     environment = {}
     for part, name, value in (("flash-attn", qwen2_vl.SDPA_ENV, "flash"), ("cudnn-attn", qwen2_vl.SDPA_ENV, "auto"),
                               ("window-triton", qwen2_5_vl.WINDOW_KERNEL_ENV, "triton"),
-                              ("window-sdpa", qwen2_5_vl.WINDOW_KERNEL_ENV, "sdpa")):
+                              ("window-sdpa", qwen2_5_vl.WINDOW_KERNEL_ENV, "sdpa"),
+                              ("gated-triton", qwen2_5_vl.GATED_GEMM_ENV, "triton"),
+                              ("gated-cublas", qwen2_5_vl.GATED_GEMM_ENV, "cublas")):
         if part in parts:
             environment[name] = value
     return environment or None
@@ -853,7 +861,9 @@ def offline_variant_label(variant: str, o: dict) -> str:
               "first-odd": f"the first forward {ODD_FIRST_IMAGES} images (counts the untimed round did not make)",
               "tower-graphs": f"the tower's forwards replayed from CUDA graphs (TRITONLLM_TOWER_GRAPHS={TOWER_GRAPHS_KEPT})",
               "window-triton": "the window blocks' rotary and attention in one Triton kernel (TRITONLLM_TOWER_WINDOW_KERNEL=triton)",
-              "window-sdpa": "the window blocks' rotary, then SDPA (TRITONLLM_TOWER_WINDOW_KERNEL=sdpa)"}
+              "window-sdpa": "the window blocks' rotary, then SDPA (TRITONLLM_TOWER_WINDOW_KERNEL=sdpa)",
+              "gated-triton": "the MLP's gate_up and SiLU-and-product in one Triton GEMM (TRITONLLM_TOWER_GATED_GEMM=triton)",
+              "gated-cublas": "the MLP's gate_up by cuBLAS, then silu_and_mul (TRITONLLM_TOWER_GATED_GEMM=cublas)"}
     unknown = {"min": float("nan"), "mean": float("nan"), "images": 0}
     return "the same, " + " and ".join(labels[part].format(**(o.get(f"{part}_cosines") or unknown))
                                        for part in variant.split("+"))

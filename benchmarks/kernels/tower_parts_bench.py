@@ -8,7 +8,10 @@ windows of 64 patches, frames of 1,024), bf16, one GPU. Device milliseconds (CUD
 - ``frame``: a full-frame block's rotary + SDPA (for scale: what the kernel does not take);
 - ``residual``: the proj and down products with their bias then the RMSNorm adding the residual (reads 2, writes 2 rows), against
   the residual added by the product (``addmm_`` in place, beta = 1) then a norm of one input (the bias would ride
-  in the norm as a column vector: not timed, a few bytes).
+  in the norm as a column vector: not timed, a few bytes);
+- ``gated``: the MLP's gate_up product (cuBLAS, bias in its epilogue) then silu_and_mul, against
+  kernels/gated_gemm.py (SiLU-and-product in the GEMM's epilogue) at each of GATED_GEMM_TILINGS (largest
+  difference from the unfused path and TFLOPS printed).
 
     python benchmarks/kernels/tower_parts_bench.py --out tower_parts.json
 """
@@ -28,6 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmarks.common import cuda_time_ms, git_commit, utc_now  # noqa: E402
 from engine.vision.qwen2_vl import segment_attention  # noqa: E402
 from engine.vision.tower_layout import PatchRotary, Segments  # noqa: E402
+from kernels.activation import silu_and_mul  # noqa: E402
+from kernels.gated_gemm import GATED_GEMM_TILINGS, gated_gemm  # noqa: E402
 from kernels.rmsnorm import rms_norm  # noqa: E402
 from kernels.window_attention import HEADS_ENV, window_attention  # noqa: E402
 
@@ -48,7 +53,7 @@ def main(argv=None) -> None:
     p.add_argument("--window", type=int, default=64)
     p.add_argument("--frame", type=int, default=1024)
     p.add_argument("--mlp", type=int, default=3456, help="the down product's input width (padded MLP)")
-    p.add_argument("--parts", default="window,frame,residual")
+    p.add_argument("--parts", default="window,frame,residual,gated")
     p.add_argument("--device", default="cuda", help="cpu: a smoke run of the code (small --patches; wall times)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -109,6 +114,27 @@ def main(argv=None) -> None:
         }
         results[f"residual_k{width}"] = row
         print(f"residual (K {width}):", json.dumps(row), flush=True)
+    if "gated" in parts:  # the MLP's widening product and its SiLU-and-product
+        h = torch.randn(n, dim, device=dev, dtype=dtype)
+        weight = torch.randn(2 * args.mlp, dim, device=dev, dtype=dtype) / dim ** 0.5
+        bias = torch.randn(2 * args.mlp, device=dev, dtype=dtype) * 0.1
+        want = silu_and_mul(F.linear(h, weight, bias)).float()
+        row = {"cublas_ms": timed(lambda: F.linear(h, weight, bias)),
+               "cublas_then_silu_and_mul_ms": timed(lambda: silu_and_mul(F.linear(h, weight, bias)))}
+        for tiling in GATED_GEMM_TILINGS if dev == "cuda" else GATED_GEMM_TILINGS[:1]:
+            name = "x".join(map(str, tiling))
+            try:
+                got = gated_gemm(h, weight, bias, tiling).float()
+                row[f"fused_{name}_ms"] = timed(lambda: gated_gemm(h, weight, bias, tiling))
+                row[f"fused_{name}_max_abs_diff"] = (got - want).abs().max().item()
+            except Exception as error:  # noqa: BLE001 (a tiling that does not compile here: its name and why)
+                row[f"fused_{name}_error"] = f"{type(error).__name__}: {str(error)[:120]}"
+        flops = 2 * n * dim * 2 * args.mlp
+        best = min((v for key, v in row.items() if key.startswith("fused_") and key.endswith("_ms")), default=None)
+        row["best_fused_tflops"] = flops / best / 1e9 if best else None
+        row["cublas_tflops"] = flops / row["cublas_ms"] / 1e9
+        results["gated"] = row
+        print("gated (per block):", json.dumps(row), flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))
 
