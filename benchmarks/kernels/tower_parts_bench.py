@@ -53,7 +53,7 @@ def main(argv=None) -> None:
     p.add_argument("--window", type=int, default=64)
     p.add_argument("--frame", type=int, default=1024)
     p.add_argument("--mlp", type=int, default=3456, help="the down product's input width (padded MLP)")
-    p.add_argument("--parts", default="window,frame,residual,gated")
+    p.add_argument("--parts", default="gated,window,residual,frame", help="which (they run gated, window, frame, residual)")
     p.add_argument("--device", default="cuda", help="cpu: a smoke run of the code (small --patches; wall times)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -76,6 +76,31 @@ def main(argv=None) -> None:
 
     copy_ms = timed(lambda: work.copy_(qkv))
     results["qkv_copy_ms"] = copy_ms
+    if "gated" in parts:  # the MLP's widening product and its SiLU-and-product
+        h = torch.randn(n, dim, device=dev, dtype=dtype)
+        weight = torch.randn(2 * args.mlp, dim, device=dev, dtype=dtype) / dim ** 0.5
+        bias = torch.randn(2 * args.mlp, device=dev, dtype=dtype) * 0.1
+        want = silu_and_mul(F.linear(h, weight, bias)).float()
+        row = {"cublas_ms": timed(lambda: F.linear(h, weight, bias)),
+               "cublas_then_silu_and_mul_ms": timed(lambda: silu_and_mul(F.linear(h, weight, bias)))}
+        for tiling in GATED_GEMM_TILINGS if dev == "cuda" else GATED_GEMM_TILINGS[:1]:
+            name = "x".join(map(str, tiling))
+            try:
+                got = gated_gemm(h, weight, bias, tiling).float()
+                row[f"fused_{name}_ms"] = timed(lambda: gated_gemm(h, weight, bias, tiling))
+                row[f"fused_{name}_max_abs_diff"] = (got - want).abs().max().item()
+            except Exception as error:  # noqa: BLE001 (a tiling that does not compile here: its name and why)
+                row[f"fused_{name}_error"] = f"{type(error).__name__}: {str(error)[:120]}"
+        flops = 2 * n * dim * 2 * args.mlp
+        best = min((v for key, v in row.items() if key.startswith("fused_") and key.endswith("_ms")), default=None)
+        row["best_fused_tflops"] = flops / best / 1e9 if best else None
+        row["cublas_tflops"] = flops / row["cublas_ms"] / 1e9
+        results["gated"] = row
+        print(f"gated (per block): cuBLAS {row['cublas_ms']:.3f} ms ({row['cublas_tflops']:.0f} TFLOPS), + silu_and_mul "
+              f"{row['cublas_then_silu_and_mul_ms']:.3f}; fused: " + "; ".join(
+                  f"{'x'.join(map(str, t))} " + (f"{row[f'fused_{name}_ms']:.3f} (d {row[f'fused_{name}_max_abs_diff']:.3g})"
+                                                 if f"fused_{name}_ms" in row else row.get(f"fused_{name}_error", "?")[:60])
+                  for t in GATED_GEMM_TILINGS for name in ["x".join(map(str, t))]), flush=True)
     if "window" in parts:
         windows = Segments([args.window] * (n // args.window), dev, windows=True)
         starts, lengths, longest = windows.runs()
@@ -114,27 +139,6 @@ def main(argv=None) -> None:
         }
         results[f"residual_k{width}"] = row
         print(f"residual (K {width}):", json.dumps(row), flush=True)
-    if "gated" in parts:  # the MLP's widening product and its SiLU-and-product
-        h = torch.randn(n, dim, device=dev, dtype=dtype)
-        weight = torch.randn(2 * args.mlp, dim, device=dev, dtype=dtype) / dim ** 0.5
-        bias = torch.randn(2 * args.mlp, device=dev, dtype=dtype) * 0.1
-        want = silu_and_mul(F.linear(h, weight, bias)).float()
-        row = {"cublas_ms": timed(lambda: F.linear(h, weight, bias)),
-               "cublas_then_silu_and_mul_ms": timed(lambda: silu_and_mul(F.linear(h, weight, bias)))}
-        for tiling in GATED_GEMM_TILINGS if dev == "cuda" else GATED_GEMM_TILINGS[:1]:
-            name = "x".join(map(str, tiling))
-            try:
-                got = gated_gemm(h, weight, bias, tiling).float()
-                row[f"fused_{name}_ms"] = timed(lambda: gated_gemm(h, weight, bias, tiling))
-                row[f"fused_{name}_max_abs_diff"] = (got - want).abs().max().item()
-            except Exception as error:  # noqa: BLE001 (a tiling that does not compile here: its name and why)
-                row[f"fused_{name}_error"] = f"{type(error).__name__}: {str(error)[:120]}"
-        flops = 2 * n * dim * 2 * args.mlp
-        best = min((v for key, v in row.items() if key.startswith("fused_") and key.endswith("_ms")), default=None)
-        row["best_fused_tflops"] = flops / best / 1e9 if best else None
-        row["cublas_tflops"] = flops / row["cublas_ms"] / 1e9
-        results["gated"] = row
-        print("gated (per block):", json.dumps(row), flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))
 
