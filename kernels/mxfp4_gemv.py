@@ -37,7 +37,11 @@ all KH bytes, GROUPS 32-byte groups a row a step ((BLOCK_N, GROUPS, 8) words, ea
 one 16-byte load); bias, activation, rounded to x's dtype, stored as down's float16 pairs. (3) down: grid
 (T * K, ceil(H / BLOCK_N)), the same stream over I against the activation pairs, plus the down bias, times the
 routing weight, rounded to x's dtype: out_k (T * K, H) (option "f": grid (T, ...), each program summing its
-token's K experts: out (T, H)).
+token's K experts: out (T, H); option "r": the last program of a token's tile to arrive sums its K experts' rows,
+each rounded to x's dtype as out_k's are, in expert order: out (T, H) with no summing launch). A digit S in a
+tile's options splits each row's groups over S programs (grid (..., S)), each storing its float32 sums; the last
+to arrive adds them in split order and finishes the tile (deterministic; kernels/linear.py's self-resetting
+arrival counters): S times the programs at 1 token, where ~2.7 programs an SM kept few bytes in flight.
 
 ASM: the stage arithmetic and HFMA2 run as inline PTX (``tl.inline_asm_elementwise``, pack 4: a thread's 4
 contiguous words, which lie in one scale group, chained in float16 and returned as one float32 in the first
@@ -56,19 +60,24 @@ import math
 import torch
 
 from kernels._triton import jit, pdl_options, pdl_prologue, tl, triton
+from kernels.linear import _arrival_counters
 from kernels.moe_epilogue import ACTIVATIONS, ExpertEpilogue, swiglu_clamped
 from kernels.moe_routing import _top_k_of_row
 from kernels.mxfp4_codes import exponent_factor
 
 # (BLOCK_N rows, GROUPS of 32 bytes a row a step, num_warps[, options]) of the gate_up launch (gate and up rows
 # each) and the down launch; options: "p" the codes prefetched a step ahead, "f" (down alone) the K experts summed
-# in the launch. The load-time choice (kernels/moe_gemv_choice.py) times WORD_TILES (few: a compile each at every
-# cold engine load); SWEEP_TILES are what benchmarks/kernels/moe_gemv_bench.py --word-tiles and the sm_90 compile
-# test cover.
+# in the launch, a digit S: S programs split each row's groups (more programs, more bytes in flight at 1 token;
+# the tile's last arrival adds the S sums), "r" (down alone) the last arrival of a token's tile sums its K experts
+# (no summing launch, and S * K programs share the sum). The load-time choice (kernels/moe_gemv_choice.py) times
+# WORD_TILES (few: a compile each at every cold engine load); SWEEP_TILES are what
+# benchmarks/kernels/moe_gemv_bench.py --word-tiles and the sm_90 compile test cover.
 WORD_TILES = ((32, 4, 4), (16, 8, 4), (32, 4, 4, "p"))  # (H200 call 27: the best of both launches at 1-8 tokens)
 SWEEP_TILES = ((16, 4, 4), (16, 2, 2), (32, 4, 4), (32, 2, 4), (32, 4, 2), (64, 2, 4), (64, 4, 4), (16, 8, 4),
                (32, 1, 2), (64, 1, 4), (16, 4, 4, "p"), (32, 4, 4, "p"), (16, 4, 4, "f"), (32, 4, 4, "f"),
-               (16, 4, 4, "fp"), (32, 4, 4, "fp"))
+               (16, 4, 4, "fp"), (32, 4, 4, "fp"), (16, 8, 4, "p"), (64, 4, 8, "p"), (32, 4, 4, "p2"),
+               (16, 4, 4, "p2"), (16, 8, 4, "p2"), (32, 4, 4, "p3"), (16, 8, 4, "r"), (16, 8, 4, "pr"),
+               (16, 8, 4, "r2"), (16, 8, 4, "pr2"), (16, 4, 4, "pr2"), (32, 4, 4, "pr2"), (16, 8, 4, "r3"))
 # (The asm's packs need each thread to hold 4 contiguous words of one row and group: tests/kernels/
 # test_mxfp4_gemv.py's sm_90 compile checks every SWEEP_TILES entry; (16, 2, 4) (2 words a thread) and (8, 8, 2)
 # fail it.)
@@ -82,6 +91,13 @@ MAX_X_EXPONENT = 13  # x' = x * 2^p < 2^(MAX_X_EXPONENT + 1)
 def word_mark(tiles: tuple) -> tuple:
     """The mark moe_forward_mxfp4 reads as this path's: (WORD_PATH, gate_up tiles, down tiles)."""
     return (WORD_PATH, *tiles)
+
+
+def tile_split(options: str) -> int:
+    """The splits over K a tile's options ask for (their digits, "2": two programs share each row's groups,
+    the last arrival finishing; kernels/linear.py's split-K), 1 without digits."""
+    digits = "".join(c for c in options if c.isdigit())
+    return int(digits) if digits else 1
 
 
 def is_word_mark(mark) -> bool:
@@ -234,12 +250,12 @@ def _step_words(g0, GROUPS: tl.constexpr):
 
 
 @jit
-def _step_codes(w_rows, w_rows_2, rows_ok, groups_k, g0, TWO: tl.constexpr, GROUPS: tl.constexpr,
+def _step_codes(w_rows, w_rows_2, rows_ok, g_end, g0, TWO: tl.constexpr, GROUPS: tl.constexpr,
                 TAIL: tl.constexpr):
-    """The words of one step (a full one: masked by the rows alone, no zero fill; TAIL: groups past groups_k too)."""
+    """The words of one step (a full one: masked by the rows alone, no zero fill; TAIL: groups from g_end too)."""
     wk, grp = _step_words(g0, GROUPS)
     if TAIL:
-        ok = rows_ok[:, None, None] & (grp < groups_k)[None, :, None]
+        ok = rows_ok[:, None, None] & (grp < g_end)[None, :, None]
     else:
         ok = rows_ok[:, None, None]
     q = tl.load(w_rows + wk, mask=ok, eviction_policy="evict_first")
@@ -250,14 +266,15 @@ def _step_codes(w_rows, w_rows_2, rows_ok, groups_k, g0, TWO: tl.constexpr, GROU
 
 
 @jit
-def _step_products(acc, acc_2, q, q_2, pairs_row, s_base, rows, rows_2, rows_ok, num_rows, groups_k, g0,
+def _step_products(acc, acc_2, q, q_2, pairs_row, s_base, rows, rows_2, rows_ok, num_rows, groups_k, g_end, g0,
                    TWO: tl.constexpr, GROUPS: tl.constexpr, ASM: tl.constexpr, TAIL: tl.constexpr):
-    """acc (acc_2) plus one step's words q (q_2) against their activation pairs, times their groups' factors. TAIL:
-    groups past groups_k read pairs and exponents 0, so the codes' unread registers multiply zeros."""
+    """acc (acc_2) plus one step's words q (q_2) against their activation pairs, times their groups' factors
+    (groups_k groups a side of a row). TAIL: groups from g_end read pairs and exponents 0, so the codes' unread
+    registers multiply zeros."""
     wk, grp = _step_words(g0, GROUPS)
     half_words = groups_k * 8
     if TAIL:
-        grp_ok = grp < groups_k
+        grp_ok = grp < g_end
         x_ok = grp_ok[None, :, None]
         f_ok = rows_ok[:, None] & grp_ok[None, :]
         x0 = tl.load(pairs_row + wk, mask=x_ok, other=0)
@@ -284,46 +301,74 @@ def _step_products(acc, acc_2, q, q_2, pairs_row, s_base, rows, rows_2, rows_ok,
 
 @jit
 def _stream_words(acc, acc_2, pairs_row, w_rows, w_rows_2, s_base, rows, rows_2, rows_ok, num_rows, half_words,
-                  TWO: tl.constexpr, GROUPS: tl.constexpr, ASM: tl.constexpr, PREFETCH: tl.constexpr):
+                  g_begin, g_end, TWO: tl.constexpr, GROUPS: tl.constexpr, ASM: tl.constexpr,
+                  PREFETCH: tl.constexpr):
     """(acc, acc_2) (BLOCK_N, GROUPS, 8) float32 plus rows ``w_rows`` (int32 word pointers (BLOCK_N, 1, 1); and
-    ``w_rows_2`` into acc_2 when TWO) against the pairs at pairs_row (int32: 4 stages of half_words) over all
-    half_words words, GROUPS groups of 8 words a step (the last, partial one masked); exponents of row r's group g
-    at s_base + g * num_rows + r. Rows past the matrix (rows_ok false) sum garbage, never stored. PREFETCH: each
-    full step's words are loaded before the previous step's products (twice the bytes in flight a thread)."""
+    ``w_rows_2`` into acc_2 when TWO) against the pairs at pairs_row (int32: 4 stages of half_words) over groups
+    [g_begin, g_end) of each side (all half_words / 8 of them, or a split's share: ``_split_groups``), GROUPS groups
+    of 8 words a step (the last, partial one masked); exponents of row r's group g at s_base + g * num_rows + r.
+    Rows past the matrix (rows_ok false) sum garbage, never stored. PREFETCH: each full step's words are loaded
+    before the previous step's products (twice the bytes in flight a thread)."""
     groups_k = half_words // 8
-    full = groups_k - groups_k % GROUPS
+    full = g_begin + (g_end - g_begin) // GROUPS * GROUPS
     if PREFETCH:
-        if full > 0:
-            q, q_2 = _step_codes(w_rows, w_rows_2, rows_ok, groups_k, 0, TWO, GROUPS, False)
-            for g0 in range(GROUPS, full, GROUPS):
-                q_next, q_2_next = _step_codes(w_rows, w_rows_2, rows_ok, groups_k, g0, TWO, GROUPS, False)
+        if full > g_begin:
+            q, q_2 = _step_codes(w_rows, w_rows_2, rows_ok, g_end, g_begin, TWO, GROUPS, False)
+            for g0 in range(g_begin + GROUPS, full, GROUPS):
+                q_next, q_2_next = _step_codes(w_rows, w_rows_2, rows_ok, g_end, g0, TWO, GROUPS, False)
                 acc, acc_2 = _step_products(acc, acc_2, q, q_2, pairs_row, s_base, rows, rows_2, rows_ok, num_rows,
-                                            groups_k, g0 - GROUPS, TWO, GROUPS, ASM, False)
+                                            groups_k, g_end, g0 - GROUPS, TWO, GROUPS, ASM, False)
                 q, q_2 = q_next, q_2_next
             acc, acc_2 = _step_products(acc, acc_2, q, q_2, pairs_row, s_base, rows, rows_2, rows_ok, num_rows,
-                                        groups_k, full - GROUPS, TWO, GROUPS, ASM, False)
+                                        groups_k, g_end, full - GROUPS, TWO, GROUPS, ASM, False)
     else:
-        for g0 in range(0, full, GROUPS):
-            q, q_2 = _step_codes(w_rows, w_rows_2, rows_ok, groups_k, g0, TWO, GROUPS, False)
+        for g0 in range(g_begin, full, GROUPS):
+            q, q_2 = _step_codes(w_rows, w_rows_2, rows_ok, g_end, g0, TWO, GROUPS, False)
             acc, acc_2 = _step_products(acc, acc_2, q, q_2, pairs_row, s_base, rows, rows_2, rows_ok, num_rows,
-                                        groups_k, g0, TWO, GROUPS, ASM, False)
-    if full < groups_k:
-        q, q_2 = _step_codes(w_rows, w_rows_2, rows_ok, groups_k, full, TWO, GROUPS, True)
+                                        groups_k, g_end, g0, TWO, GROUPS, ASM, False)
+    if full < g_end:
+        q, q_2 = _step_codes(w_rows, w_rows_2, rows_ok, g_end, full, TWO, GROUPS, True)
         acc, acc_2 = _step_products(acc, acc_2, q, q_2, pairs_row, s_base, rows, rows_2, rows_ok, num_rows,
-                                    groups_k, full, TWO, GROUPS, ASM, True)
+                                    groups_k, g_end, full, TWO, GROUPS, ASM, True)
     return acc, acc_2
 
 
 @jit
+def _split_groups(half_words, SPLIT: tl.constexpr, GROUPS: tl.constexpr):
+    """[g_begin, g_end) of split program_id(2)'s groups a side: SPLIT shares of whole steps (the last the shorter),
+    so a split's packs keep to one group each and its steps start on GROUPS boundaries."""
+    groups_k = half_words // 8
+    if SPLIT == 1:
+        return 0, groups_k
+    share = tl.cdiv(tl.cdiv(groups_k, SPLIT), GROUPS) * GROUPS
+    g_begin = tl.program_id(2) * share
+    return g_begin, tl.maximum(tl.minimum(g_begin + share, groups_k), g_begin)  # (past the row: empty, arrives)
+
+
+@jit
+def _arrive(arrivals_ptr, index, EXPECTED: tl.constexpr):
+    """True in the program that arrives last of EXPECTED at counter ``index`` (its partial sums, stored before
+    this, are then visible to it: a barrier, then a release; the last arrival's acquire), which sets the counter
+    back to 0 for the next launch (kernels/linear.py's split-K arrivals, the same counters)."""
+    tl.debug_barrier()
+    arrived = tl.atomic_add(arrivals_ptr + index, 1, sem="acq_rel", scope="gpu")
+    last = arrived == EXPECTED - 1
+    if last:
+        tl.store(arrivals_ptr + index, 0)
+    return last
+
+
+@jit
 def _words_gate_up_kernel(
-    pairs_ptr, inv_ptr, ids_ptr, w_ptr, s_ptr, bias_ptr, act_pairs_ptr, x_ptr, I, half_words, stride_we, stride_wn,
-    stride_se, stride_be, DOWN_SCALE: tl.constexpr, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
+    pairs_ptr, inv_ptr, ids_ptr, w_ptr, s_ptr, bias_ptr, act_pairs_ptr, x_ptr, part_ptr, arrivals_ptr, I, half_words,
+    stride_we, stride_wn, stride_se, stride_be, DOWN_SCALE: tl.constexpr, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
     GROUPS: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, SWIGLU_LIMIT: tl.constexpr,
-    PREFETCH: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
+    PREFETCH: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
 ):
-    """Program (a, tile): the activation of assignment a's rows [tile * BLOCK_N, +BLOCK_N) (module docstring, 2),
-    rounded to x's dtype (x_ptr: read for its dtype alone), stored as down's float16 pairs (act_pairs_ptr: (T * K,
-    I) float16) times DOWN_SCALE."""
+    """Program (a, tile[, split]): the activation of assignment a's rows [tile * BLOCK_N, +BLOCK_N) (module
+    docstring, 2), rounded to x's dtype (x_ptr: read for its dtype alone), stored as down's float16 pairs
+    (act_pairs_ptr: (T * K, I) float16) times DOWN_SCALE. SPLIT > 1: each split sums its share of H's groups into
+    part_ptr ((T * K * SPLIT, 2I) float32) and the tile's last arrival adds them in split order and finishes."""
     pdl_prologue(PDL)
     # Word strides are whole 32-byte groups (K % 64 == 0): written as multiples of 8 so Triton knows each row's
     # groups are 16-byte aligned (a row of gpt-oss-20b is 360 words, not a multiple of 16: unspecialized). Then a
@@ -340,12 +385,39 @@ def _words_gate_up_kernel(
     rows_ok = rows < I
     gate_rows = w_ptr + e64 * stride_we + rows.to(tl.int64)[:, None, None] * stride_wn
     pairs_row = pairs_ptr + token.to(tl.int64) * (4 * half_words)
+    g_begin, g_end = _split_groups(half_words, SPLIT, GROUPS)
     acc = tl.zeros([BLOCK_N, GROUPS, 8], dtype=tl.float32)
     acc, acc_up = _stream_words(acc, acc, pairs_row, gate_rows, gate_rows + I * stride_wn, s_ptr + e64 * stride_se,
-                                rows, rows + I, rows_ok, 2 * I, half_words, True, GROUPS, ASM, PREFETCH)
+                                rows, rows + I, rows_ok, 2 * I, half_words, g_begin, g_end, True, GROUPS, ASM,
+                                PREFETCH)
+    gate = tl.sum(tl.sum(acc, 2), 1)
+    up = tl.sum(tl.sum(acc_up, 2), 1)
+    if SPLIT > 1:
+        part = part_ptr + (a * SPLIT + tl.program_id(2)).to(tl.int64) * (2 * I)
+        tl.store(part + rows, gate, mask=rows_ok)
+        tl.store(part + I + rows, up, mask=rows_ok)
+        if _arrive(arrivals_ptr, a * tl.num_programs(1) + tile, SPLIT):
+            gate = tl.zeros([BLOCK_N], dtype=tl.float32)
+            up = tl.zeros([BLOCK_N], dtype=tl.float32)
+            for split in tl.static_range(SPLIT):  # (in split order: deterministic)
+                part = part_ptr + (a * SPLIT + split).to(tl.int64) * (2 * I)
+                gate += tl.load(part + rows, mask=rows_ok, other=0.0, cache_modifier=".cg")
+                up += tl.load(part + I + rows, mask=rows_ok, other=0.0, cache_modifier=".cg")
+            _finish_gate_up(gate, up, inv_ptr, bias_ptr, act_pairs_ptr, x_ptr, a, token, e64, rows, rows_ok, I,
+                            stride_be, DOWN_SCALE, HAS_BIAS, ACTIVATION, SWIGLU_LIMIT)
+    else:
+        _finish_gate_up(gate, up, inv_ptr, bias_ptr, act_pairs_ptr, x_ptr, a, token, e64, rows, rows_ok, I,
+                        stride_be, DOWN_SCALE, HAS_BIAS, ACTIVATION, SWIGLU_LIMIT)
+
+
+@jit
+def _finish_gate_up(gate, up, inv_ptr, bias_ptr, act_pairs_ptr, x_ptr, a, token, e64, rows, rows_ok, I, stride_be,
+                    DOWN_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
+                    SWIGLU_LIMIT: tl.constexpr):
+    """gate and up sums (of x * 2^p) -> the activation's float16 pairs for down (_words_gate_up_kernel)."""
     inv = tl.load(inv_ptr + token)
-    gate = tl.sum(tl.sum(acc, 2), 1) * inv
-    up = tl.sum(tl.sum(acc_up, 2), 1) * inv
+    gate = gate * inv
+    up = up * inv
     if HAS_BIAS:  # (E, 2I) rows [gate | up]
         gate += tl.load(bias_ptr + e64 * stride_be + rows, mask=rows_ok, other=0.0).to(tl.float32)
         up += tl.load(bias_ptr + e64 * stride_be + I + rows, mask=rows_ok, other=0.0).to(tl.float32)
@@ -359,15 +431,29 @@ def _words_gate_up_kernel(
 
 
 @jit
+def _down_row(total, a, e64, weights_ptr, bias_ptr, rows, rows_ok, stride_be, INV_SCALE: tl.constexpr,
+              HAS_BIAS: tl.constexpr):
+    """w_a * (sum * 2^-p + bias) in float32: one assignment's down row (module docstring, 3)."""
+    y = total * INV_SCALE
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + e64 * stride_be + rows, mask=rows_ok, other=0.0).to(tl.float32)
+    return y * tl.load(weights_ptr + a)
+
+
+@jit
 def _words_down_kernel(
-    act_pairs_ptr, ids_ptr, weights_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, H, half_words, stride_we, stride_wn,
-    stride_se, stride_be, stride_o, INV_SCALE: tl.constexpr, TOP_K: tl.constexpr, FOLD: tl.constexpr,
-    BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, HAS_BIAS: tl.constexpr, PREFETCH: tl.constexpr, ASM: tl.constexpr,
-    PDL: tl.constexpr,
+    act_pairs_ptr, ids_ptr, weights_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, part_ptr, arrivals_ptr, H, half_words,
+    stride_we, stride_wn, stride_se, stride_be, stride_o, INV_SCALE: tl.constexpr, TOP_K: tl.constexpr,
+    FOLD: tl.constexpr, REDUCE: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
+    HAS_BIAS: tl.constexpr, PREFETCH: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
 ):
     """out_k[a, rows] = w_a * (down_e[rows] . act[a] + bias) (module docstring, 3) for assignment a = program_id(0);
     FOLD: program_id(0) is a token t, and out[t, rows] is the sum over its TOP_K assignments, accumulated in float32
-    and rounded once (no out_k, no summing launch)."""
+    and rounded once (no out_k, no summing launch). REDUCE: grid (T * K, tiles, SPLIT), each program's sum over its
+    split's share of I stored in part_ptr ((T * K * SPLIT, H) float32); the last of a token tile's TOP_K * SPLIT
+    arrivals adds them (splits, then experts, in order: deterministic), each expert's row rounded to out's dtype
+    as the reference rounds it, into out[t] (no summing launch); SPLIT > 1 without REDUCE: the last of an
+    assignment tile's SPLIT arrivals finishes out_k[a]."""
     pdl_prologue(PDL)
     stride_wn = (stride_wn // 8) * 8  # (as in _words_gate_up_kernel: 16-byte aligned groups, the asm's packs)
     stride_we = (stride_we // 8) * 8
@@ -375,21 +461,55 @@ def _words_down_kernel(
     tile = tl.program_id(1)
     rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     rows_ok = rows < H
-    total = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for k in tl.static_range(TOP_K if FOLD else 1):
-        a = tl.program_id(0) * TOP_K + k if FOLD else tl.program_id(0)
+    if FOLD:
+        total = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for k in tl.static_range(TOP_K):
+            a = tl.program_id(0) * TOP_K + k
+            e64 = tl.load(ids_ptr + a).to(tl.int64)
+            w_rows = w_ptr + e64 * stride_we + rows.to(tl.int64)[:, None, None] * stride_wn
+            pairs_row = act_pairs_ptr + a.to(tl.int64) * (4 * half_words)
+            acc = tl.zeros([BLOCK_N, GROUPS, 8], dtype=tl.float32)
+            acc, _ = _stream_words(acc, acc, pairs_row, w_rows, w_rows, s_ptr + e64 * stride_se, rows, rows, rows_ok,
+                                   H, half_words, 0, half_words // 8, False, GROUPS, ASM, PREFETCH)
+            total += _down_row(tl.sum(tl.sum(acc, 2), 1), a, e64, weights_ptr, bias_ptr, rows, rows_ok, stride_be,
+                               INV_SCALE, HAS_BIAS)
+        tl.store(out_ptr + tl.program_id(0).to(tl.int64) * stride_o + rows, total.to(out_ptr.dtype.element_ty),
+                 mask=rows_ok)
+    else:
+        a = tl.program_id(0)
         e64 = tl.load(ids_ptr + a).to(tl.int64)
         w_rows = w_ptr + e64 * stride_we + rows.to(tl.int64)[:, None, None] * stride_wn
         pairs_row = act_pairs_ptr + a.to(tl.int64) * (4 * half_words)
+        g_begin, g_end = _split_groups(half_words, SPLIT, GROUPS)
         acc = tl.zeros([BLOCK_N, GROUPS, 8], dtype=tl.float32)
         acc, _ = _stream_words(acc, acc, pairs_row, w_rows, w_rows, s_ptr + e64 * stride_se, rows, rows, rows_ok, H,
-                               half_words, False, GROUPS, ASM, PREFETCH)
-        y = tl.sum(tl.sum(acc, 2), 1) * INV_SCALE
-        if HAS_BIAS:
-            y += tl.load(bias_ptr + e64 * stride_be + rows, mask=rows_ok, other=0.0).to(tl.float32)
-        total += y * tl.load(weights_ptr + a)
-    tl.store(out_ptr + tl.program_id(0).to(tl.int64) * stride_o + rows, total.to(out_ptr.dtype.element_ty),
-             mask=rows_ok)
+                               half_words, g_begin, g_end, False, GROUPS, ASM, PREFETCH)
+        total = tl.sum(tl.sum(acc, 2), 1)
+        if REDUCE or SPLIT > 1:
+            tl.store(part_ptr + (a * SPLIT + tl.program_id(2)).to(tl.int64) * H + rows, total, mask=rows_ok)
+            token = a // TOP_K
+            if REDUCE:  # (the first assignment, and the counter, of the rows the last arrival finishes)
+                first = token * TOP_K
+                counter = token * tl.num_programs(1) + tile
+            else:
+                first = a
+                counter = a * tl.num_programs(1) + tile
+            if _arrive(arrivals_ptr, counter, TOP_K * SPLIT if REDUCE else SPLIT):
+                out = tl.zeros([BLOCK_N], dtype=tl.float32)
+                for k in tl.static_range(TOP_K if REDUCE else 1):  # (splits, then experts, in order: deterministic)
+                    a_k = first + k
+                    part = tl.zeros([BLOCK_N], dtype=tl.float32)
+                    for split in tl.static_range(SPLIT):
+                        part += tl.load(part_ptr + (a_k * SPLIT + split).to(tl.int64) * H + rows, mask=rows_ok,
+                                        other=0.0, cache_modifier=".cg")
+                    y = _down_row(part, a_k, tl.load(ids_ptr + a_k).to(tl.int64), weights_ptr, bias_ptr, rows,
+                                  rows_ok, stride_be, INV_SCALE, HAS_BIAS)
+                    out += y.to(out_ptr.dtype.element_ty).to(tl.float32)  # (each expert's row rounded, as out_k's)
+                tl.store(out_ptr + (token if REDUCE else a).to(tl.int64) * stride_o + rows,
+                         out.to(out_ptr.dtype.element_ty), mask=rows_ok)
+        else:
+            y = _down_row(total, a, e64, weights_ptr, bias_ptr, rows, rows_ok, stride_be, INV_SCALE, HAS_BIAS)
+            tl.store(out_ptr + a.to(tl.int64) * stride_o + rows, y.to(out_ptr.dtype.element_ty), mask=rows_ok)
 
 
 def mxfp4_words_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, gate_up_scale: torch.Tensor,
@@ -411,7 +531,9 @@ def mxfp4_words_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tenso
     asm = x.is_cuda if asm is None else asm
     (gn, gg, gw, *g_opts), (dn, dg, dw, *d_opts) = tiles or DEFAULT_WORD_TILES
     g_opts, d_opts = (g_opts or [""])[0], (d_opts or [""])[0]
+    g_split, d_split = tile_split(g_opts), tile_split(d_opts)
     fold = "f" in d_opts and sum_experts
+    reduce = "r" in d_opts and sum_experts and not fold
     device = x.device
     route = router_logits is not None
     if route:
@@ -433,21 +555,29 @@ def mxfp4_words_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tenso
     gu_b, d_b = epilogue.gate_up_bias, epilogue.down_bias
     act_pairs = torch.empty(num_tokens * top_k, inter, dtype=torch.float16, device=device)
     gu_words, d_words = gate_up.view(torch.int32), down.view(torch.int32)
-    _words_gate_up_kernel[(num_tokens * top_k, triton.cdiv(inter, gn))](
-        pairs.view(torch.int32), inv, ids, gu_words, gate_up_scale, x if gu_b is None else gu_b, act_pairs, x, inter,
-        half_h // 4, gu_words.stride(0), gu_words.stride(1), gate_up_scale.stride(0),
+    gu_tiles, d_tiles = triton.cdiv(inter, gn), triton.cdiv(hidden, dn)
+    arrivals = inv  # (unread without splits or the reduction)
+    if g_split > 1 or d_split > 1 or reduce:
+        arrivals = _arrival_counters(device, num_tokens * top_k * max(gu_tiles, d_tiles))
+    gu_part = torch.empty(num_tokens * top_k * g_split, two_inter, dtype=torch.float32, device=device) \
+        if g_split > 1 else inv
+    _words_gate_up_kernel[(num_tokens * top_k, gu_tiles, g_split)](
+        pairs.view(torch.int32), inv, ids, gu_words, gate_up_scale, x if gu_b is None else gu_b, act_pairs, x,
+        gu_part, arrivals, inter, half_h // 4, gu_words.stride(0), gu_words.stride(1), gate_up_scale.stride(0),
         0 if gu_b is None else gu_b.stride(0), DOWN_SCALE=float(2.0 ** shift), TOP_K=top_k, BLOCK_N=gn, GROUPS=gg,
         HAS_BIAS=gu_b is not None, ACTIVATION=ACTIVATIONS[epilogue.activation],
-        SWIGLU_LIMIT=float(epilogue.swiglu_limit), PREFETCH="p" in g_opts, ASM=asm,
+        SWIGLU_LIMIT=float(epilogue.swiglu_limit), PREFETCH="p" in g_opts, SPLIT=g_split, ASM=asm,
         num_warps=gw, **pdl)
-    out_k = torch.empty(num_tokens if fold else num_tokens * top_k, hidden, dtype=x.dtype, device=device)
-    _words_down_kernel[(out_k.shape[0], triton.cdiv(hidden, dn))](
+    out_k = torch.empty(num_tokens if fold or reduce else num_tokens * top_k, hidden, dtype=x.dtype, device=device)
+    d_part = torch.empty(num_tokens * top_k * d_split, hidden, dtype=torch.float32, device=device) \
+        if d_split > 1 or reduce else inv
+    _words_down_kernel[(num_tokens if fold else num_tokens * top_k, d_tiles, 1 if fold else d_split)](
         act_pairs.view(torch.int32), ids, weights, d_words, down_scale, act_pairs if d_b is None else d_b, out_k,
-        hidden, inter // 8, d_words.stride(0), d_words.stride(1), down_scale.stride(0),
+        d_part, arrivals, hidden, inter // 8, d_words.stride(0), d_words.stride(1), down_scale.stride(0),
         0 if d_b is None else d_b.stride(0), out_k.stride(0), INV_SCALE=float(2.0 ** -shift), TOP_K=top_k,
-        FOLD=fold, BLOCK_N=dn, GROUPS=dg, HAS_BIAS=d_b is not None, PREFETCH="p" in d_opts, ASM=asm, num_warps=dw,
-        **pdl)
-    if fold:
+        FOLD=fold, REDUCE=reduce, SPLIT=1 if fold else d_split, BLOCK_N=dn, GROUPS=dg, HAS_BIAS=d_b is not None,
+        PREFETCH="p" in d_opts, ASM=asm, num_warps=dw, **pdl)
+    if fold or reduce:
         return out_k
     out_k = out_k.view(num_tokens, top_k, hidden)
     return out_k.sum(dim=1) if sum_experts else out_k

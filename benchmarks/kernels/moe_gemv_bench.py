@@ -14,7 +14,9 @@ bf16: beside the grouped path and moe_gemv's pair, kernels/mxfp4_gemv.py's word 
 (the load-time choice's timing), in us and GB/s of the experts' bytes (MXFP4: codes and exponents; "codes GB/s"
 the word path's, the codes alone). --gemv-candidates N times only moe_gemv's first N candidates, --word-tiles
 N,G,W[,OPTIONS] ... only those of the word path (the device call's time: a compile each), --tokens only those
-counts.
+counts. --launches: each word-path launch's own device time besides (the best pair, eager, PDL off so that no
+kernel's time includes its wait for the one before, under torch.profiler; the sum against the graph's time shows
+the launches' gaps).
 """
 from __future__ import annotations
 
@@ -86,6 +88,31 @@ def gpt_oss_experts(kind: str) -> tuple[GemvExperts, tuple, int]:
     return entry, (dense[0], dense[1], ref_epilogue), stored[0][0][0].numel() + stored[1][0][0].numel()
 
 
+def launch_times(run, calls: int = 40) -> dict[str, float]:
+    """{kernel name: mean device us a call} of ``calls`` eager run() calls with PDL off (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from kernels import _triton
+
+    before = _triton._pdl_enabled
+    _triton.set_pdl(False)
+    try:
+        run()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(calls):
+                run()
+            torch.cuda.synchronize()
+    finally:
+        _triton._pdl_enabled = before
+    totals: dict[str, float] = {}
+    for event in prof.events():
+        if event.device_type.name == "CUDA":
+            name = event.name if len(event.name) < 40 else event.name[:37] + "..."
+            totals[name] = totals.get(name, 0.0) + event.time_range.elapsed_us()
+    return {name: us / calls for name, us in totals.items()}
+
+
 def gpt_oss_main(args) -> None:
     """The --model gpt_oss_20b sweep (module docstring)."""
     from kernels import moe_gemv_choice
@@ -140,12 +167,28 @@ def gpt_oss_main(args) -> None:
                 rel = ((out.float() - ref).norm() / ref.norm()).item()
                 tiles = f"{best[0]}; {best[1]}"
             row["rel_diff"] = rel
+            if args.launches and words_us is not None:
+                sets = moe_gemv_choice.routing_sets(tokens, experts_n, top_k, "cuda")
+                turn = [0]
+
+                def words_call() -> None:
+                    turn[0] += 1
+                    mxfp4_words_triton(x, entry.gate_up, entry.down, entry.gate_up_scale, entry.down_scale,
+                                       top_k=top_k, epilogue=entry.epilogue,
+                                       router_logits=sets[turn[0] % len(sets)].bfloat16(), renormalize=True,
+                                       tiles=best)
+
+                row["launch_us"] = launch_times(words_call)
             rows[tokens] = row
             results["kinds"][kind] = rows
             Path(args.out).write_text(json.dumps(results, indent=1, default=str))  # (kept if the call runs out)
             print(f"| {kind} | {tokens} | {grouped_us:.1f} | {gemv_us or float('nan'):.1f} | "
                   f"{words_us or float('nan'):.1f} | {moved * per_expert / best_us / 1e3:.0f} | "
                   f"{moved * codes_bytes / (words_us or float('nan')) / 1e3:.0f} | {tiles} | {rel:.1e} |", flush=True)
+            if "launch_us" in row:
+                print(f"  {kind} {tokens} token(s) launches (eager, PDL off; sum "
+                      f"{sum(row['launch_us'].values()):.1f} us): "
+                      + ", ".join(f"{k} {v:.1f}" for k, v in row["launch_us"].items()), flush=True)
             for name in ("gate_up_us", "down_us", "words_gate_up_us", "words_down_us"):
                 if name in row:
                     print(f"  {kind} {tokens} token(s) {name}: "
@@ -163,6 +206,7 @@ def main() -> None:
     parser.add_argument("--gemv-candidates", type=int, default=0)
     parser.add_argument("--word-tiles", nargs="+", default=None)
     parser.add_argument("--tokens", nargs="+", type=int, default=None, help="gpt_oss_20b: these token counts only")
+    parser.add_argument("--launches", action="store_true", help="gpt_oss_20b: the word path's launches timed apart")
     parser.add_argument("--out", default="moe_gemv.json")
     args = parser.parse_args()
     if args.model == "gpt_oss_20b":
