@@ -21,6 +21,7 @@ import torch
 
 from kernels import choice_cache, fused_moe, fused_moe_fp8, fused_moe_mxfp4, fused_moe_wna16, moe_gemv, mxfp4_gemv
 from kernels._triton import use_triton
+from kernels.linear import _arrival_counters
 from kernels.moe_gemv import (DEFAULT_TILES, GEMV_ATTR, GEMV_TILES, GemvExperts, candidate_tiles, gemv_supported,
                               mark_gemv, moe_gemv_triton)
 from kernels.mxfp4_gemv import (DEFAULT_WORD_TILES, WORD_TILES, WORDS_ENV, mxfp4_words_triton, word_mark,
@@ -71,6 +72,8 @@ def choose_gemv(experts: GemvExperts) -> dict | None:
         candidates=(GEMV_TILES, WORD_TILES if words_enabled(experts) else ()),
         valid=lambda r: set(r.get("tiles", {})) == set(TIMED_TOKENS))
     mark_gemv(gate_up, report["tiles"])
+    if words_enabled(experts):  # (split / "r" word tiles count arrivals: the counters allocated now, eagerly, even
+        _arrival_counters(gate_up.device, 1)  # when the report came from the cache: never in a graph's capture)
     return report
 
 
