@@ -69,7 +69,8 @@ from kernels.mxfp4_codes import exponent_factor
 # each) and the down launch; options: "p" the codes prefetched a step ahead, "f" (down alone) the K experts summed
 # in the launch, a digit S: S programs split each row's groups (more programs, more bytes in flight at 1 token;
 # the tile's last arrival adds the S sums), "r" (down alone) the last arrival of a token's tile sums its K experts
-# (no summing launch, and S * K programs share the sum). The load-time choice (kernels/moe_gemv_choice.py) times
+# (no summing launch, and S * K programs share the sum), "x" (gate_up alone) no prepare launch: each gate_up program
+# routes its token and writes its activation pairs itself. The load-time choice (kernels/moe_gemv_choice.py) times
 # WORD_TILES (few: a compile each at every cold engine load); SWEEP_TILES are what
 # benchmarks/kernels/moe_gemv_bench.py --word-tiles and the sm_90 compile test cover.
 WORD_TILES = ((32, 4, 4), (16, 8, 4), (32, 4, 4, "p"))  # (H200 call 27: the best of both launches at 1-8 tokens)
@@ -77,7 +78,8 @@ SWEEP_TILES = ((16, 4, 4), (16, 2, 2), (32, 4, 4), (32, 2, 4), (32, 4, 2), (64, 
                (32, 1, 2), (64, 1, 4), (16, 4, 4, "p"), (32, 4, 4, "p"), (16, 4, 4, "f"), (32, 4, 4, "f"),
                (16, 4, 4, "fp"), (32, 4, 4, "fp"), (16, 8, 4, "p"), (64, 4, 8, "p"), (32, 4, 4, "p2"),
                (16, 4, 4, "p2"), (16, 8, 4, "p2"), (32, 4, 4, "p3"), (16, 8, 4, "r"), (16, 8, 4, "pr"),
-               (16, 8, 4, "r2"), (16, 8, 4, "pr2"), (16, 4, 4, "pr2"), (32, 4, 4, "pr2"), (16, 8, 4, "r3"))
+               (16, 8, 4, "r2"), (16, 8, 4, "pr2"), (16, 4, 4, "pr2"), (32, 4, 4, "pr2"), (16, 8, 4, "r3"),
+               (32, 4, 4, "px"), (16, 8, 4, "px"), (32, 4, 4, "px2"), (16, 8, 4, "px2"))
 # (The asm's packs need each thread to hold 4 contiguous words of one row and group: tests/kernels/
 # test_mxfp4_gemv.py's sm_90 compile checks every SWEEP_TILES entry; (16, 2, 4) (2 words a thread) and (8, 8, 2)
 # fail it.)
@@ -153,17 +155,24 @@ def _prepare_kernel(x_ptr, logits_ptr, ids_ptr, weights_ptr, pairs_ptr, inv_ptr,
         slots = tl.arange(0, K_PAD)
         tl.store(ids_ptr + t * TOP_K + slots, chosen_id, mask=slots < TOP_K)
         tl.store(weights_ptr + t * TOP_K + slots, chosen_w, mask=slots < TOP_K)
+    inv = _prepare_row(x_ptr + t.to(tl.int64) * stride_x, pairs_ptr + t.to(tl.int64) * K, K, BLOCK)
+    tl.store(inv_ptr + t, inv)
+
+
+@jit
+def _prepare_row(x_row, pairs_row, K, BLOCK: tl.constexpr):
+    """One token's activations x (K) as float16 pairs x * 2^p at pairs_row (module docstring); returns 2^-p."""
     cols = tl.arange(0, BLOCK)
     ok = cols < K
-    x = tl.load(x_ptr + t.to(tl.int64) * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+    x = tl.load(x_row + cols, mask=ok, other=0.0).to(tl.float32)
     amax = tl.max(tl.abs(x), 0)
     exponent = ((amax.to(tl.int32, bitcast=True) >> 23) & 255) - 127  # amax < 2^(exponent + 1)
     # (not capped low: a row of tiny activations scaled up to 2^13 keeps its products float16 normals, whose
     # precision the sums need; +-100 keeps 2^p and 2^-p float32 normals)
     p = tl.minimum(tl.maximum(13 - exponent, -100), 100)
     scale = ((p + 127) << 23).to(tl.float32, bitcast=True)
-    tl.store(pairs_ptr + t.to(tl.int64) * K + _pair_offsets(cols, K // 2), (x * scale).to(tl.float16), mask=ok)
-    tl.store(inv_ptr + t, ((127 - p) << 23).to(tl.float32, bitcast=True))
+    tl.store(pairs_row + _pair_offsets(cols, K // 2), (x * scale).to(tl.float16), mask=ok)
+    return ((127 - p) << 23).to(tl.float32, bitcast=True)
 
 
 # Four words a call (pack 4): $0-$3 out (float32 bits), $4-$7 words, $8-$11 / $12-$15 / $16-$19 / $20-$23 the
@@ -361,14 +370,20 @@ def _arrive(arrivals_ptr, index, EXPECTED: tl.constexpr):
 @jit
 def _words_gate_up_kernel(
     pairs_ptr, inv_ptr, ids_ptr, w_ptr, s_ptr, bias_ptr, act_pairs_ptr, x_ptr, part_ptr, arrivals_ptr, I, half_words,
-    stride_we, stride_wn, stride_se, stride_be, DOWN_SCALE: tl.constexpr, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
+    stride_we, stride_wn, stride_se, stride_be, pairs16_ptr, logits_ptr, weights_ptr, num_experts, stride_x,
+    stride_l, DOWN_SCALE: tl.constexpr, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
     GROUPS: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, SWIGLU_LIMIT: tl.constexpr,
-    PREFETCH: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
+    PREFETCH: tl.constexpr, SPLIT: tl.constexpr, PREPARE: tl.constexpr, ROUTE_IN_KERNEL: tl.constexpr,
+    RENORMALIZE: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_H: tl.constexpr, ASM: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Program (a, tile[, split]): the activation of assignment a's rows [tile * BLOCK_N, +BLOCK_N) (module
     docstring, 2), rounded to x's dtype (x_ptr: read for its dtype alone), stored as down's float16 pairs
     (act_pairs_ptr: (T * K, I) float16) times DOWN_SCALE. SPLIT > 1: each split sums its share of H's groups into
-    part_ptr ((T * K * SPLIT, 2I) float32) and the tile's last arrival adds them in split order and finishes."""
+    part_ptr ((T * K * SPLIT, 2I) float32) and the tile's last arrival adds them in split order and finishes.
+    PREPARE: no prepare launch: each program routes its token itself (ROUTE_IN_KERNEL; tile 0 of split 0 stores the
+    slot's id and weight for down) and writes its token's pairs (pairs16_ptr: the same buffer as float16), the same
+    values every program of the token writes, then reads them after a barrier (its own writes, or equal ones)."""
     pdl_prologue(PDL)
     # Word strides are whole 32-byte groups (K % 64 == 0): written as multiples of 8 so Triton knows each row's
     # groups are 16-byte aligned (a row of gpt-oss-20b is 360 words, not a multiple of 16: unspecialized). Then a
@@ -380,7 +395,24 @@ def _words_gate_up_kernel(
     a = tl.program_id(0)
     tile = tl.program_id(1)
     token = a // TOP_K
-    e64 = tl.load(ids_ptr + a).to(tl.int64)
+    if PREPARE:
+        if ROUTE_IN_KERNEL:
+            chosen_w, chosen_id = _top_k_of_row(logits_ptr + token.to(tl.int64) * stride_l, num_experts, TOP_K,
+                                                K_PAD, E_PAD, RENORMALIZE)
+            is_slot = tl.arange(0, K_PAD) == a % TOP_K
+            expert = tl.sum(tl.where(is_slot, chosen_id, 0), 0)
+            if (tile == 0) & (tl.program_id(2) == 0):  # (for the down launch)
+                tl.store(ids_ptr + a, expert)
+                tl.store(weights_ptr + a, tl.sum(tl.where(is_slot, chosen_w, 0.0), 0))
+        else:
+            expert = tl.load(ids_ptr + a)
+        inv = _prepare_row(x_ptr + token.to(tl.int64) * stride_x, pairs16_ptr + token.to(tl.int64) * (8 * half_words),
+                           8 * half_words, BLOCK_H)
+        tl.debug_barrier()  # (every thread's pairs stored before any thread reads its step's)
+    else:
+        expert = tl.load(ids_ptr + a)
+        inv = tl.load(inv_ptr + token)
+    e64 = expert.to(tl.int64)
     rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     rows_ok = rows < I
     gate_rows = w_ptr + e64 * stride_we + rows.to(tl.int64)[:, None, None] * stride_wn
@@ -403,19 +435,18 @@ def _words_gate_up_kernel(
                 part = part_ptr + (a * SPLIT + split).to(tl.int64) * (2 * I)
                 gate += tl.load(part + rows, mask=rows_ok, other=0.0, cache_modifier=".cg")
                 up += tl.load(part + I + rows, mask=rows_ok, other=0.0, cache_modifier=".cg")
-            _finish_gate_up(gate, up, inv_ptr, bias_ptr, act_pairs_ptr, x_ptr, a, token, e64, rows, rows_ok, I,
+            _finish_gate_up(gate, up, inv, bias_ptr, act_pairs_ptr, x_ptr, a, token, e64, rows, rows_ok, I,
                             stride_be, DOWN_SCALE, HAS_BIAS, ACTIVATION, SWIGLU_LIMIT)
     else:
-        _finish_gate_up(gate, up, inv_ptr, bias_ptr, act_pairs_ptr, x_ptr, a, token, e64, rows, rows_ok, I,
+        _finish_gate_up(gate, up, inv, bias_ptr, act_pairs_ptr, x_ptr, a, token, e64, rows, rows_ok, I,
                         stride_be, DOWN_SCALE, HAS_BIAS, ACTIVATION, SWIGLU_LIMIT)
 
 
 @jit
-def _finish_gate_up(gate, up, inv_ptr, bias_ptr, act_pairs_ptr, x_ptr, a, token, e64, rows, rows_ok, I, stride_be,
+def _finish_gate_up(gate, up, inv, bias_ptr, act_pairs_ptr, x_ptr, a, token, e64, rows, rows_ok, I, stride_be,
                     DOWN_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
                     SWIGLU_LIMIT: tl.constexpr):
-    """gate and up sums (of x * 2^p) -> the activation's float16 pairs for down (_words_gate_up_kernel)."""
-    inv = tl.load(inv_ptr + token)
+    """gate and up sums (of x * 2^p; inv: 2^-p) -> the activation's float16 pairs for down (_words_gate_up_kernel)."""
     gate = gate * inv
     up = up * inv
     if HAS_BIAS:  # (E, 2I) rows [gate | up]
@@ -546,11 +577,14 @@ def mxfp4_words_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tenso
     pairs = torch.empty(num_tokens, hidden, dtype=torch.float16, device=device)
     inv = torch.empty(num_tokens, dtype=torch.float32, device=device)
     pdl = pdl_options(x)
-    _prepare_kernel[(num_tokens,)](
-        x, router_logits if route else x, ids, weights, pairs, inv, num_experts, hidden, x.stride(0),
-        router_logits.stride(0) if route else 0, TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k),
-        E_PAD=triton.next_power_of_2(num_experts), ROUTE_IN_KERNEL=route, RENORMALIZE=renormalize,
-        BLOCK=triton.next_power_of_2(hidden), num_warps=4, **pdl)
+    prepare = "x" in g_opts  # (no prepare launch: gate_up's programs route and prepare themselves)
+    routing = dict(TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), E_PAD=triton.next_power_of_2(num_experts),
+                   ROUTE_IN_KERNEL=route, RENORMALIZE=renormalize)
+    if not prepare:
+        _prepare_kernel[(num_tokens,)](
+            x, router_logits if route else x, ids, weights, pairs, inv, num_experts, hidden, x.stride(0),
+            router_logits.stride(0) if route else 0, BLOCK=triton.next_power_of_2(hidden), num_warps=4, **routing,
+            **pdl)
     shift = down_shift(epilogue)
     gu_b, d_b = epilogue.gate_up_bias, epilogue.down_bias
     act_pairs = torch.empty(num_tokens * top_k, inter, dtype=torch.float16, device=device)
@@ -564,10 +598,11 @@ def mxfp4_words_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tenso
     _words_gate_up_kernel[(num_tokens * top_k, gu_tiles, g_split)](
         pairs.view(torch.int32), inv, ids, gu_words, gate_up_scale, x if gu_b is None else gu_b, act_pairs, x,
         gu_part, arrivals, inter, half_h // 4, gu_words.stride(0), gu_words.stride(1), gate_up_scale.stride(0),
-        0 if gu_b is None else gu_b.stride(0), DOWN_SCALE=float(2.0 ** shift), TOP_K=top_k, BLOCK_N=gn, GROUPS=gg,
-        HAS_BIAS=gu_b is not None, ACTIVATION=ACTIVATIONS[epilogue.activation],
-        SWIGLU_LIMIT=float(epilogue.swiglu_limit), PREFETCH="p" in g_opts, SPLIT=g_split, ASM=asm,
-        num_warps=gw, **pdl)
+        0 if gu_b is None else gu_b.stride(0), pairs, router_logits if route else x, weights, num_experts,
+        x.stride(0), router_logits.stride(0) if route else 0, DOWN_SCALE=float(2.0 ** shift), BLOCK_N=gn,
+        GROUPS=gg, HAS_BIAS=gu_b is not None, ACTIVATION=ACTIVATIONS[epilogue.activation],
+        SWIGLU_LIMIT=float(epilogue.swiglu_limit), PREFETCH="p" in g_opts, SPLIT=g_split, PREPARE=prepare,
+        BLOCK_H=triton.next_power_of_2(hidden), ASM=asm, num_warps=gw, **routing, **pdl)
     out_k = torch.empty(num_tokens if fold or reduce else num_tokens * top_k, hidden, dtype=x.dtype, device=device)
     d_part = torch.empty(num_tokens * top_k * d_split, hidden, dtype=torch.float32, device=device) \
         if d_split > 1 or reduce else inv

@@ -96,23 +96,28 @@ def test_given_routing_other_tiles_and_the_sum(device, options):
 
 
 @pytest.mark.gpu
-def test_split_launches_and_the_last_arrivals_sum(device):
+def test_split_folded_launches_and_the_last_arrivals_sum(device):
     """Splits over K (the tile option's digit: H 128 and I 128 are 2 groups a side, so 3 splits leave one empty)
     whose last arrival finishes the tile, and down's "r": the last of a token tile's K * splits arrivals sums its
-    experts (no summing launch); then other activations through splits without "r" (unsummed rows): the first
-    call's arrival counters are back at 0. (Tiles of 64 rows: few programs on the interpreter.)"""
+    experts (no summing launch); then other activations through splits without "r" (unsummed rows; the first
+    call's arrival counters are back at 0) and "x": no prepare launch, gate_up's programs route (or, last, read the
+    given routing) and write the activation pairs themselves. (Tiles of 128 rows: few programs on the
+    interpreter.)"""
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     x, logits, kernel, widened, epilogue, ref_epilogue = gpt_oss_problem(1, seed=94, dtype=dtype, hidden=128,
                                                                          inter=128)
     weights, ids = route_tokens_ref(logits, TOP_K, True)
     codes = [on(device, k["codes"], k["scales"]) for k in kernel]
     on_device = ExpertEpilogue(*on(device, epilogue.gate_up_bias, epilogue.down_bias), "swiglu_clamped", LIMIT)
-    for x_call, tiles, sum_experts in ((x, ((64, 1, 2, "2"), (64, 1, 2, "r3")), True),
-                                       (-2 * x, ((64, 1, 2, "p3"), (64, 1, 2, "2")), False)):
+    routed = dict(router_logits=logits.to(device), renormalize=True)
+    given = dict(topk_weights=weights.to(device), topk_ids=ids.to(device))
+    for x_call, tiles, sum_experts, routing in ((x, ((128, 1, 4, "2"), (128, 1, 4, "r3")), True, routed),
+                                                (-2 * x, ((128, 1, 4, "px3"), (128, 1, 4, "2")), False, routed),
+                                                (x / 4, ((128, 1, 4, "x"), (128, 1, 4, "r")), True, given)):
         ref = moe_gemv_ref(x_call.float(), *widened, weights, ids, epilogue=ref_epilogue)
         out = mxfp4_words_triton(x_call.to(device), codes[0][0], codes[1][0], codes[0][1], codes[1][1], top_k=TOP_K,
-                                 epilogue=on_device, router_logits=logits.to(device), renormalize=True, tiles=tiles,
-                                 sum_experts=sum_experts, asm=device == "cuda")
+                                 epilogue=on_device, tiles=tiles, sum_experts=sum_experts, asm=device == "cuda",
+                                 **routing)
         ref = ref.sum(dim=1) if sum_experts else ref
         assert out.shape == ref.shape and relative_error(out, ref) < TOLERANCES[dtype], tiles
 
@@ -157,8 +162,9 @@ def test_support_and_marks():
 AOT = AOT_SM90
 
 
+# (gate_up's; down's alike): Triton specializes those % 16 == 0
 GPT_OSS_ARGS = dict(I=2880, H=2880, half_words=360, stride_we=5760 * 360, stride_wn=360, stride_se=90 * 5760,
-                    stride_be=5760, stride_o=2880)  # (gate_up's; down's alike): Triton specializes those % 16 == 0
+                    stride_be=5760, stride_o=2880, stride_x=2880, num_experts=32, stride_l=32)
 
 
 def compile_sm90(which: str, tiles: tuple, asm: bool = True):
@@ -171,11 +177,12 @@ def compile_sm90(which: str, tiles: tuple, asm: bool = True):
     options = (options or [""])[0]
     pointers = dict(pairs_ptr="*i32", inv_ptr="*fp32", ids_ptr="*i32", weights_ptr="*fp32", w_ptr="*i32",
                     s_ptr="*u8", bias_ptr="*bf16", act_pairs_ptr="*fp16" if which == "gate_up" else "*i32",
-                    x_ptr="*bf16", out_ptr="*bf16", part_ptr="*fp32", arrivals_ptr="*i32")  # (down reads the
-    # pairs as words)
+                    x_ptr="*bf16", out_ptr="*bf16", part_ptr="*fp32", arrivals_ptr="*i32", pairs16_ptr="*fp16",
+                    logits_ptr="*bf16")  # (down reads the pairs as words)
     const = dict(DOWN_SCALE=256.0, INV_SCALE=1 / 256, TOP_K=4, BLOCK_N=block_n, GROUPS=groups, HAS_BIAS=True,
                  ACTIVATION=1, SWIGLU_LIMIT=7.0, ASM=asm, PDL=True, FOLD="f" in options, PREFETCH="p" in options,
-                 REDUCE="r" in options, SPLIT=tile_split(options))
+                 REDUCE="r" in options, SPLIT=tile_split(options), PREPARE="x" in options, ROUTE_IN_KERNEL=True,
+                 RENORMALIZE=True, K_PAD=4, E_PAD=32, BLOCK_H=4096)
     return compile_for_sm90(fn, pointers, const, warps=warps,
                             aligned_int=lambda name: GPT_OSS_ARGS.get(name, 1) % 16 == 0)
 
