@@ -74,6 +74,45 @@ def pdl_prologue(PDL: tl.constexpr):
         gdc_launch_dependents()
 
 
+# Which PDL kernels prefetch the weights they are about to read into L2 before their PDL wait
+# (prefetch_weight_l2): "1" all, "0" or "" none, or a comma-separated list of WEIGHT_PREFETCH_KINDS. Read at
+# every launch (a CUDA graph keeps what its capture saw).
+WEIGHT_PREFETCH_ENV = "TRITONLLM_WEIGHT_PREFETCH"
+# skinny: kernels/linear.py's products (weights up to PREFETCH_MAX_BYTES); shared: a one-token grouped gate_up
+# GEMM's appended shared experts (kernels/fused_moe.py); mla: W_UK in the latent write's launch and W_UV in the
+# MLA combine (kernels/mla_latent_write.py, kernels/mla_attention.py); router: the decode router's weight
+# (kernels/moe_router.py).
+WEIGHT_PREFETCH_KINDS = ("skinny", "shared", "mla", "router")
+WEIGHT_PREFETCH_DEFAULT = ""  # none until measured on a GPU
+
+
+def weight_prefetch(kind: str, pdl: bool) -> bool:
+    """Whether a launch of ``kind`` (WEIGHT_PREFETCH_KINDS) with PDL on (``pdl``) prefetches its weights."""
+    assert kind in WEIGHT_PREFETCH_KINDS, kind
+    if not pdl:
+        return False
+    value = os.environ.get(WEIGHT_PREFETCH_ENV, WEIGHT_PREFETCH_DEFAULT).strip()
+    return value == "1" or kind in value.split(",")
+
+
+@jit
+def prefetch_weight_l2(w_ptr, w_rows, row_ok, k_begin, k_end):
+    """``prefetch.global.L2`` of columns [k_begin, k_end) of the weight rows at ``w_rows`` ((BLOCK_N, 1)
+    pointers; rows where not ``row_ok`` skipped), for a PDL kernel to run before ``pdl_prologue``: weights
+    are never written by a step's kernels, so their bytes can stream into L2 while the kernel before still
+    runs, and the product's loads after the wait find them there. One prefetch a 128-byte line of a row
+    (rows assumed to have unit column stride), 8 lines a step; nothing is loaded into registers and nothing
+    waits for it. Masked addresses prefetch ``w_ptr``'s first line instead. Inline PTX: only on CUDA (callers
+    set it with PDL, which the CPU interpreter never has)."""
+    line = 1024 // w_ptr.dtype.element_ty.primitive_bitwidth  # elements a 128-byte line
+    for k0 in range(k_begin, k_end, 8 * line):
+        k = k0 + tl.arange(0, 8) * line
+        ok = row_ok[:, None] & (k < k_end)[None, :]
+        lines = tl.where(ok, w_rows + k[None, :], w_ptr)
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [lines], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+
+
 def hopper_or_later(t) -> bool:
     """``t`` is on a GPU of compute capability >= 9.0 (grid dependency control, the tensor-memory
     accelerator); read once per device."""

@@ -23,7 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from kernels import choice_cache
-from kernels._triton import dense, jit, num_sms, pdl_options, pdl_prologue, tl, triton, use_triton
+from kernels._triton import (dense, jit, num_sms, pdl_options, pdl_prologue, prefetch_weight_l2, tl, triton, use_triton,
+                             weight_prefetch)
 
 MAX_SKINNY_ROWS = 16
 # Rows skinny_linear_triton takes at all: past MAX_SKINNY_ROWS the rows are padded to the next power of
@@ -154,9 +155,9 @@ def _skinny_gemm_kernel(
     k_begin = tl.program_id(1) * K_PER_SPLIT
     k_end = tl.minimum(k_begin + K_PER_SPLIT, K)
     if PREFETCH:
-        prefetch_weight_l2(w_ptr, w_base, col_ok, k_begin, k_end, BLOCK_K)
+        prefetch_weight_l2(w_ptr, w_base, col_ok, k_begin, k_end)
         if GATED:
-            prefetch_weight_l2(w_ptr, w_up_base, col_ok, k_begin, k_end, BLOCK_K)
+            prefetch_weight_l2(w_ptr, w_up_base, col_ok, k_begin, k_end)
     pdl_prologue(PDL)
     for k0 in range(k_begin, k_end, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
@@ -192,10 +193,6 @@ def _skinny_gemm_kernel(
                          stride_om, HAS_BIAS, GATED, HAS_SCALE, X_SCALE, ACTIVATION)
 
 
-# "1": the skinny products launched with PDL prefetch their weights into L2 before the PDL wait (PREFETCH
-# in the kernel), "0": never; read at every launch, like PDL's own switch. Off by default until measured.
-PREFETCH_ENV = "TRITONLLM_SKINNY_PREFETCH"
-PREFETCH_DEFAULT = "0"
 # Weights up to this size prefetch (with PDL): the whole weight of a decode product then sits in a
 # third of an H100/H200's 50 MB L2, not evicting itself; larger ones (a wide lm_head, Llama-70B's
 # MLP) would only trade one DRAM read for another.
@@ -204,25 +201,8 @@ PREFETCH_MAX_BYTES = 16 << 20
 
 def prefetches(weight: torch.Tensor, pdl: bool) -> bool:
     """Whether a skinny product of ``weight`` launched with PDL (``pdl``) prefetches it into L2
-    before its PDL wait (PREFETCH_ENV, PREFETCH_MAX_BYTES)."""
-    return (pdl and weight.numel() * weight.element_size() <= PREFETCH_MAX_BYTES
-            and os.environ.get(PREFETCH_ENV, PREFETCH_DEFAULT) != "0")
-
-
-@jit
-def prefetch_weight_l2(w_ptr, w_rows, row_ok, k_begin, k_end, BLOCK_K: tl.constexpr):
-    """``prefetch.global.L2`` of columns [k_begin, k_end) of the weight rows at ``w_rows`` ((BLOCK_N, 1)
-    pointers; rows where not ``row_ok`` skipped): one prefetch every PREFETCH_STRIDE elements (a 128-byte
-    line of bf16; FP8 rows get two a line). Nothing is loaded into registers and nothing waits for it:
-    the lines are in L2 (or on their way) when the product's loads ask for them. (64: elements between
-    two prefetches along a row.) Addresses that are not
-    the weight's (masked rows and columns) prefetch the weight's first line instead."""
-    for k0 in range(k_begin, k_end, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K // 64) * 64
-        ok = row_ok[:, None] & (k < k_end)[None, :]
-        lines = tl.where(ok, w_rows + k[None, :], w_ptr)
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [lines], dtype=tl.int32,
-                                  is_pure=False, pack=1)
+    before its PDL wait (kernels/_triton.py weight_prefetch "skinny", up to PREFETCH_MAX_BYTES)."""
+    return weight.numel() * weight.element_size() <= PREFETCH_MAX_BYTES and weight_prefetch("skinny", pdl)
 
 
 @jit

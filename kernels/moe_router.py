@@ -33,7 +33,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import dense, jit, pdl_options, pdl_prologue, tl, triton, use_triton
+from kernels._triton import (dense, jit, pdl_options, pdl_prologue, prefetch_weight_l2, tl, triton, use_triton,
+                             weight_prefetch)
 from kernels.moe_grouped_routing import route_grouped
 from kernels.rmsnorm import _rms_normalized, rms_norm_ref
 
@@ -147,23 +148,32 @@ def _route_decode_kernel(x_ptr, w_ptr, bias_ptr, pad_ptr, logits_ptr, count_ptr,
                          N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, G_PAD: tl.constexpr,
                          HAS_BIAS: tl.constexpr, HAS_PAD: tl.constexpr, RENORMALIZE: tl.constexpr,
                          E_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
-                         RANKED: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
+                         RANKED: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr = False):
     """Program p: the logits of experts p * BLOCK_E ... for every token; the last program routes them.
     RANKED: the top-k by places (_top_k_rank, (BLOCK_T, E_PAD, E_PAD) comparisons), else serially.
     PDL: launched while the launch before it ends (kernels/_triton.py pdl_prologue).
     NORM (BLOCK_H >= hidden): x is the attention's output, and every program first computes the layer's
     post-attention norm of x + residual as kernels/rmsnorm.py does (the sum rounded to x's dtype, float32
     statistics, the normalised value rounded before the weight, the output rounded); program 0 stores
-    the new residual and the normed rows (what the expert GEMMs read next)."""
-    pdl_prologue(PDL)
-    tokens = tl.arange(0, BLOCK_T)
-    t_ok = tokens < num_tokens
+    the new residual and the normed rows (what the expert GEMMs read next).
+    PREFETCH (with PDL): the program's router rows are read before the PDL wait (weights: no kernel of
+    the step writes them), with NORM into registers (its one (BLOCK_E, BLOCK_H) load), else into L2
+    (kernels/_triton.py prefetch_weight_l2)."""
     mine = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
     mine_ok = mine < num_experts
-    acc = tl.zeros([BLOCK_T, BLOCK_E], tl.float32)
     if NORM:
         h = tl.arange(0, BLOCK_H)
         h_ok = h < hidden
+        if PREFETCH:
+            ws = tl.load(w_ptr + mine.to(tl.int64)[:, None] * stride_w + h[None, :],
+                         mask=mine_ok[:, None] & h_ok[None, :], other=0.0).to(tl.float32)  # (BLOCK_E, BLOCK_H)
+    elif PREFETCH:
+        prefetch_weight_l2(w_ptr, w_ptr + mine.to(tl.int64)[:, None] * stride_w, mine_ok, 0, hidden)
+    pdl_prologue(PDL)
+    tokens = tl.arange(0, BLOCK_T)
+    t_ok = tokens < num_tokens
+    acc = tl.zeros([BLOCK_T, BLOCK_E], tl.float32)
+    if NORM:
         rows_ok = t_ok[:, None] & h_ok[None, :]
         xs = tl.load(x_ptr + tokens[:, None] * stride_x + h[None, :], mask=rows_ok, other=0.0)
         xs = (xs.to(tl.float32) + tl.load(res_ptr + tokens[:, None] * stride_r + h[None, :], mask=rows_ok,
@@ -174,8 +184,9 @@ def _route_decode_kernel(x_ptr, w_ptr, bias_ptr, pad_ptr, logits_ptr, count_ptr,
         if tl.program_id(0) == 0:
             tl.store(res_out_ptr + tokens[:, None] * hidden + h[None, :], xs, mask=rows_ok)
             tl.store(normed_ptr + tokens[:, None] * hidden + h[None, :], normed, mask=rows_ok)
-        ws = tl.load(w_ptr + mine.to(tl.int64)[:, None] * stride_w + h[None, :],
-                     mask=mine_ok[:, None] & h_ok[None, :], other=0.0).to(tl.float32)  # (BLOCK_E, BLOCK_H)
+        if not PREFETCH:
+            ws = tl.load(w_ptr + mine.to(tl.int64)[:, None] * stride_w + h[None, :],
+                         mask=mine_ok[:, None] & h_ok[None, :], other=0.0).to(tl.float32)  # (BLOCK_E, BLOCK_H)
         acc += tl.sum(normed.to(tl.float32)[:, None, :] * ws[None, :, :], 2)
     else:
         for h0 in range(0, hidden, BLOCK_H):
@@ -290,6 +301,9 @@ def route_decode_triton(x: torch.Tensor, router_weight: torch.Tensor, top_k: int
         normed, residual_out = torch.empty_like(x), torch.empty_like(x)
     else:
         normed = residual_out = x
+    pdl = pdl_options(x)
+    # (NORM's register load before the wait needs no PDL to be right: the CPU interpreter runs it too)
+    prefetch = {"PREFETCH": True} if weight_prefetch("router", pdl["PDL"] or norm is not None) else {}
     _route_decode_kernel[(triton.cdiv(num_experts, block_e),)](
         x, router_weight, score_bias if score_bias is not None else router_weight, pad if pad is not None else x,
         logits, counter, weights, ids, residual, norm_weight, normed, residual_out, float(eps), residual.stride(0),
@@ -300,7 +314,7 @@ def route_decode_triton(x: torch.Tensor, router_weight: torch.Tensor, top_k: int
         G_PAD=max(2, triton.next_power_of_2(n_group if group_limited else 1)), HAS_BIAS=score_bias is not None,
         HAS_PAD=pad is not None, RENORMALIZE=renormalize, E_PAD=e_pad, BLOCK_T=block_t, BLOCK_E=block_e,
         RANKED=block_t * e_pad * e_pad <= RANKED_VALUES, NORM=norm is not None,
-        BLOCK_H=block_h, num_warps=4, **pdl_options(x))
+        BLOCK_H=block_h, num_warps=4, **pdl, **prefetch)
     return (weights, ids) if norm is None else (weights, ids, normed, residual_out)
 
 

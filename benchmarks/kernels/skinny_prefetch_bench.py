@@ -8,7 +8,7 @@ as a decode step runs it: right behind another kernel (the RMSNorm that feeds it
 Per (shape, tiling) four figures, microseconds a call from graph replays (kernels.linear.graph_time_ms):
 ``pair`` = rms_norm then the product (the product's prefetch can run while the norm does), and
 ``alone`` = the product after the product (how the load-time choice times it), each with
-$TRITONLLM_SKINNY_PREFETCH=0 (off) and 1 (on); ``norm`` = the norm alone, so pair - norm is what the
+$TRITONLLM_WEIGHT_PREFETCH=0 (off) and skinny (on); ``norm`` = the norm alone, so pair - norm is what the
 product adds to a step. The products cycle through enough copies of the weight (>= 192 MB) that none
 is read from L2 by an earlier call. cuBLAS (F.linear) rows are the reference. Each tiling's output is
 checked against F.linear first (prefetch on). Default shapes: DeepSeek-V2-Lite's stacked q_proj +
@@ -27,7 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: en
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from kernels.linear import PREFETCH_ENV, graph_time_ms, half_variants, skinny_linear_triton, variant_options  # noqa: E402
+from kernels._triton import WEIGHT_PREFETCH_ENV  # noqa: E402
+from kernels.linear import graph_time_ms, half_variants, skinny_linear_triton, variant_options  # noqa: E402
 from kernels.rmsnorm import rms_norm  # noqa: E402
 
 COLD_BYTES = 192 << 20
@@ -84,7 +85,7 @@ def main() -> None:
             figures = {}
             try:
                 for setting in ("0", "1"):
-                    os.environ[PREFETCH_ENV] = setting
+                    os.environ[WEIGHT_PREFETCH_ENV] = "skinny" if setting == "1" else "0"
                     got = skinny(x, weights[0]).float()
                     want = F.linear(x, weights[0]).float()
                     error = ((got - want).abs().max() / want.abs().max()).item()
@@ -98,7 +99,7 @@ def main() -> None:
             print(f"{shape} {':'.join(map(str, variant)):<16} pair off {off['pair']:6.2f} on {on['pair']:6.2f} | "
                   f"alone off {off['alone']:6.2f} on {on['alone']:6.2f} | GB/s pair-norm on "
                   f"{n * k * 2 / max(on['pair'] - norm_us, 1e-3) / 1e3:6.0f} | err {on['rel_err']:.1e}", flush=True)
-        os.environ.pop(PREFETCH_ENV, None)
+        os.environ.pop(WEIGHT_PREFETCH_ENV, None)
         results.append(row)
         del weights
         torch.cuda.empty_cache()

@@ -358,7 +358,8 @@ class DeepseekExperts(nn.Module):
             out = fused_moe_fp8(x, gate_up, gate_up_scale, down, down_scale, weights, ids,
                                 sum_experts=self.tp_group is not None)
         elif shared:
-            out = fused_moe(x, *self.with_shared, weights, ids, sum_experts=self.tp_group is not None)
+            out = fused_moe(x, *self.with_shared, weights, ids, sum_experts=self.tp_group is not None,
+                            num_shared=self.num_shared)
         else:
             out = self._experts(x, weights, ids)
             if self.shared:

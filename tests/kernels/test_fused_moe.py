@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from kernel_testing import relative_error
+from sm90_compile import AOT_SM90, compile_for_sm90
 
 from kernels.fused_moe import (
     fused_moe_ref,
@@ -259,6 +260,58 @@ def test_every_block_size_and_tile_config(device, block_m):
         out = fused_moe_triton(x.to(device), gate_up.to(device), down.to(device), weights.to(device),
                                ids.to(device), block_m=block_m, config=gemm_config(config_block))
         assert relative_error(out, expected) < TOLERANCE[torch.float32], config_block
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the prefetch is inline PTX, run with PDL (CUDA)")
+@pytest.mark.parametrize("prefetch", ["1", "0"])
+def test_one_token_with_shared_experts_appended_prefetching_or_not(prefetch, monkeypatch):
+    """DeepSeek's decode layout (two shared experts appended after the routed ones, in the last two slots,
+    weight 1): the one-token gate_up launch that prefetches the shared experts' weights before its PDL wait
+    (TRITONLLM_WEIGHT_PREFETCH=1) and the one that does not give the reference's rows, bit for bit alike."""
+    from kernels._triton import WEIGHT_PREFETCH_ENV
+    from kernels.fused_moe import fused_moe_triton
+
+    routed, shared, top_k = 12, 2, 3
+    x, gate_up, down, logits = make_problem(1, 256, 136, routed + shared, top_k, seed=31)
+    weights, ids = route_tokens_ref(distinct_logits(1, routed, seed=31), top_k, True)
+    ids = torch.cat([ids, torch.tensor([[routed, routed + 1]], dtype=ids.dtype)], dim=1)
+    weights = torch.cat([weights, torch.ones(1, shared)], dim=1)
+    args = [t.to("cuda", torch.bfloat16) for t in (x, gate_up, down)]
+    expected = fused_moe_ref(*[t.cpu() for t in args], weights, ids)
+    plain = fused_moe_triton(*args, weights.cuda(), ids.cuda().to(torch.int32))
+    monkeypatch.setenv(WEIGHT_PREFETCH_ENV, prefetch)
+    out = fused_moe_triton(*args, weights.cuda(), ids.cuda().to(torch.int32), num_shared=shared)
+    assert relative_error(out, expected) < TOLERANCE[torch.bfloat16] and torch.equal(out, plain)
+
+
+def test_shared_prefetch_only_with_pdl_small_shared_experts_and_switched_on(monkeypatch):
+    from kernels._triton import WEIGHT_PREFETCH_ENV
+    from kernels.fused_moe import SHARED_PREFETCH_MAX_BYTES, shared_prefetch_slots
+
+    v2_lite = torch.empty(66, 2 * 1408, 2048, dtype=torch.bfloat16, device="meta")  # 64 routed + 2 shared: 23 MB
+    too_large = torch.empty(3, SHARED_PREFETCH_MAX_BYTES // 2 + 1, 1, dtype=torch.bfloat16, device="meta")
+    monkeypatch.setenv(WEIGHT_PREFETCH_ENV, "shared")
+    assert shared_prefetch_slots(v2_lite, 2, pdl=True) == 2
+    assert shared_prefetch_slots(v2_lite, 2, pdl=False) == 0 and shared_prefetch_slots(v2_lite, 0, pdl=True) == 0
+    assert shared_prefetch_slots(too_large, 1, pdl=True) == 0
+    monkeypatch.setenv(WEIGHT_PREFETCH_ENV, "skinny")
+    assert shared_prefetch_slots(v2_lite, 2, pdl=True) == 0
+
+
+@AOT_SM90
+def test_shared_prefetch_compiles_for_sm90_before_the_pdl_wait():
+    """The grouped GEMM's shared-expert prefetch (inline PTX) compiles for sm_90, before griddepcontrol.wait."""
+    from kernels.fused_moe import _grouped_gemm_kernel
+
+    pointers = {name: "*bf16" for name in ("a_ptr", "w_ptr", "out_ptr", "logits_ptr", "bias_ptr")}
+    pointers.update(sorted_ids_ptr="*i32", block_expert_ptr="*i32", num_padded_ptr="*i32", topk_ids_ptr="*i32",
+                    topk_weights_ptr="*fp32")
+    const = dict(TOP_K=8, ROWS_PER_TOKEN=True, GATED=True, MUL_WEIGHT=False, HAS_BIAS=False, ACTIVATION=0,
+                 SWIGLU_LIMIT=0.0, ONE_PER_BLOCK=True, ROUTE_IN_KERNEL=False, RENORMALIZE=False, K_PAD=8, E_PAD=128,
+                 DOT_PRECISION="tf32", BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, PDL=True, PREFETCH_SHARED=2)
+    ptx = compile_for_sm90(_grouped_gemm_kernel, pointers, const, warps=4, stages=3).asm["ptx"]
+    wait = ptx.index("griddepcontrol.wait")
+    assert ptx[:wait].count("prefetch.global.L2") >= 2 and "prefetch.global.L2" not in ptx[wait:]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="captures a CUDA graph")

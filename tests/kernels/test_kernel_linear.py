@@ -41,10 +41,10 @@ def test_every_load_time_variant_is_correct(m, prefetch, monkeypatch):
     of SKINNY_VARIANTS): each must compute the same product, plain, with a bias and an activation,
     and gated; with the L2 weight prefetch before the PDL wait (where PDL is on) and without."""
     from kernels.activation import silu_and_mul
-    from kernels.linear import (PREFETCH_ENV, SKINNY_VARIANTS, activation_ref, half_variants, skinny_linear_triton,
-                                variant_options)
+    from kernels._triton import WEIGHT_PREFETCH_ENV
+    from kernels.linear import SKINNY_VARIANTS, activation_ref, half_variants, skinny_linear_triton, variant_options
 
-    monkeypatch.setenv(PREFETCH_ENV, prefetch)
+    monkeypatch.setenv(WEIGHT_PREFETCH_ENV, prefetch)
 
     x = torch.randn(m, 1000, dtype=torch.bfloat16, device="cuda")
     w = torch.randn(334, 1000, dtype=torch.bfloat16, device="cuda") * 0.05
@@ -158,20 +158,23 @@ def test_split_k_equals_one_program_per_tile(m, split_k):
     assert relative_error(fp8_split, fp8_whole.double()) < ROUNDING[torch.bfloat16]
 
 
-def test_weight_prefetch_only_with_pdl_small_weights_and_not_switched_off(monkeypatch):
+def test_weight_prefetch_only_with_pdl_small_weights_and_switched_on(monkeypatch):
     """The L2 prefetch before the PDL wait: only for PDL launches (before any wait there is nothing to
-    overlap), only weights up to PREFETCH_MAX_BYTES (larger ones would evict their own lines), and
-    never with $TRITONLLM_SKINNY_PREFETCH=0; unset, PREFETCH_DEFAULT decides."""
-    from kernels.linear import PREFETCH_DEFAULT, PREFETCH_ENV, PREFETCH_MAX_BYTES, prefetches
+    overlap), only weights up to PREFETCH_MAX_BYTES (larger ones would evict their own lines), and only
+    where $TRITONLLM_WEIGHT_PREFETCH names "skinny" (or is 1); unset, WEIGHT_PREFETCH_DEFAULT decides."""
+    from kernels._triton import WEIGHT_PREFETCH_DEFAULT, WEIGHT_PREFETCH_ENV
+    from kernels.linear import PREFETCH_MAX_BYTES, prefetches
 
     small = torch.empty(3648, 2048, dtype=torch.bfloat16, device="meta")  # DeepSeek-V2-Lite's q_proj + kv_a_proj
     large = torch.empty(PREFETCH_MAX_BYTES // 2 + 1, 1, dtype=torch.bfloat16, device="meta")
-    monkeypatch.delenv(PREFETCH_ENV, raising=False)
-    assert prefetches(small, pdl=True) == (PREFETCH_DEFAULT != "0")
-    monkeypatch.setenv(PREFETCH_ENV, "1")
-    assert prefetches(small, pdl=True) and not prefetches(small, pdl=False) and not prefetches(large, pdl=True)
-    monkeypatch.setenv(PREFETCH_ENV, "0")
-    assert not prefetches(small, pdl=True)
+    monkeypatch.delenv(WEIGHT_PREFETCH_ENV, raising=False)
+    assert prefetches(small, pdl=True) == (WEIGHT_PREFETCH_DEFAULT == "1" or "skinny" in WEIGHT_PREFETCH_DEFAULT)
+    for on in ("1", "skinny", "mla,skinny"):
+        monkeypatch.setenv(WEIGHT_PREFETCH_ENV, on)
+        assert prefetches(small, pdl=True) and not prefetches(small, pdl=False) and not prefetches(large, pdl=True)
+    for off in ("0", "", "shared,mla"):
+        monkeypatch.setenv(WEIGHT_PREFETCH_ENV, off)
+        assert not prefetches(small, pdl=True)
 
 
 @AOT_SM90
