@@ -155,13 +155,14 @@ def _prepare_kernel(x_ptr, logits_ptr, ids_ptr, weights_ptr, pairs_ptr, inv_ptr,
         slots = tl.arange(0, K_PAD)
         tl.store(ids_ptr + t * TOP_K + slots, chosen_id, mask=slots < TOP_K)
         tl.store(weights_ptr + t * TOP_K + slots, chosen_w, mask=slots < TOP_K)
-    inv = _prepare_row(x_ptr + t.to(tl.int64) * stride_x, pairs_ptr + t.to(tl.int64) * K, K, BLOCK)
+    inv = _prepare_row(x_ptr + t.to(tl.int64) * stride_x, pairs_ptr + t.to(tl.int64) * K, K, 0, K // 64, BLOCK)
     tl.store(inv_ptr + t, inv)
 
 
 @jit
-def _prepare_row(x_row, pairs_row, K, BLOCK: tl.constexpr):
-    """One token's activations x (K) as float16 pairs x * 2^p at pairs_row (module docstring); returns 2^-p."""
+def _prepare_row(x_row, pairs_row, K, g_begin, g_end, BLOCK: tl.constexpr):
+    """One token's activations x (K) as float16 pairs x * 2^p at pairs_row (module docstring), those of groups
+    [g_begin, g_end) of each half (2^p from the whole row); returns 2^-p."""
     cols = tl.arange(0, BLOCK)
     ok = cols < K
     x = tl.load(x_row + cols, mask=ok, other=0.0).to(tl.float32)
@@ -171,7 +172,9 @@ def _prepare_row(x_row, pairs_row, K, BLOCK: tl.constexpr):
     # precision the sums need; +-100 keeps 2^p and 2^-p float32 normals)
     p = tl.minimum(tl.maximum(13 - exponent, -100), 100)
     scale = ((p + 127) << 23).to(tl.float32, bitcast=True)
-    tl.store(pairs_row + _pair_offsets(cols, K // 2), (x * scale).to(tl.float16), mask=ok)
+    group = (cols % (K // 2)) // 32
+    tl.store(pairs_row + _pair_offsets(cols, K // 2), (x * scale).to(tl.float16),
+             mask=ok & (group >= g_begin) & (group < g_end))
     return ((127 - p) << 23).to(tl.float32, bitcast=True)
 
 
@@ -406,8 +409,9 @@ def _words_gate_up_kernel(
                 tl.store(weights_ptr + a, tl.sum(tl.where(is_slot, chosen_w, 0.0), 0))
         else:
             expert = tl.load(ids_ptr + a)
+        g_begin, g_end = _split_groups(half_words, SPLIT, GROUPS)
         inv = _prepare_row(x_ptr + token.to(tl.int64) * stride_x, pairs16_ptr + token.to(tl.int64) * (8 * half_words),
-                           8 * half_words, BLOCK_H)
+                           8 * half_words, g_begin, g_end, BLOCK_H)  # (the pairs of its split's groups alone)
         tl.debug_barrier()  # (every thread's pairs stored before any thread reads its step's)
     else:
         expert = tl.load(ids_ptr + a)
