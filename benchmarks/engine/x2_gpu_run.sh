@@ -27,7 +27,7 @@
 # each job's exit status and its result lines, so the call's output_tail alone is enough to read.
 set -u
 script=$(realpath "$0")
-call=${1:?usage: x2_gpu_run.sh 1-32 [OUT]}
+call=${1:?usage: x2_gpu_run.sh 1-33 [OUT]}
 out=$(realpath -m "${2:-${OUT:-/tmp/x2_gpu_run}}")
 mkdir -p "$out"
 if [ -z "${X2_UNDER_TEE:-}" ]; then  # the console also in $out/summary.txt, complete when the call returns
@@ -45,7 +45,7 @@ smoke=${SMOKE:-0}
 if [ "$smoke" != 1 ]; then
   need=2; [ "$call" = 7 ] && [ "${LANES:-2}" = 1 ] && need=1  # call 7's lanes run one after the other on one GPU
   [ "$call" = 22 ] && [ -n "${ONLY:-}" ] && [[ ",$ONLY," != *,pp,* ]] && need=1  # call 22 without its PP part
-  { [ "$call" = 23 ] || [ "$call" = 24 ] || [ "$call" = 25 ] || [ "$call" = 26 ] || [ "$call" = 27 ] || [ "$call" = 28 ] || [ "$call" = 29 ] || [ "$call" = 30 ] || [ "$call" = 31 ] || [ "$call" = 32 ]; } && need=1  # (two lanes where two GPUs are, else one after the other)
+  { [ "$call" = 23 ] || [ "$call" = 24 ] || [ "$call" = 25 ] || [ "$call" = 26 ] || [ "$call" = 27 ] || [ "$call" = 28 ] || [ "$call" = 29 ] || [ "$call" = 30 ] || [ "$call" = 31 ] || [ "$call" = 32 ] || [ "$call" = 33 ]; } && need=1  # (two lanes where two GPUs are, else one after the other)
   "$PYTHON" -c "import torch; n = torch.cuda.device_count(); assert n >= $need, f'{n} GPU(s): this call needs $need'" || exit 1
 fi
 
@@ -948,7 +948,55 @@ activated_fp8_product or quantized_gated_activation or quantized_gelu_tanh or qu
   wait
   for name in t5_tower eproc_wstep; do echo "== $name"; grep -vi warning "$w/$name.log" | tail -70 | cut -c1-300; done
   ;;
-*) echo "x2_gpu_run.sh: CALL must be 1 to 32, got '$call'"; exit 2 ;;
+33)
+  # Session 25's helpers' first call (two lanes, ~6 min; one after the other on one GPU): each helper's lines from
+  # /tmp/notes/NAME.md "## GPU command" as they stood at 20:20 UTC, its $OUT a folder of this call's archive; then the
+  # lead's: Whisper 64 clips with the encoder's planless attention and with torch's choice (TRITONLLM_PLANLESS_SDPA=0),
+  # the Flan-T5-XL FP8 engine with the FP8 self pool again (call 32: 5.71-ms median step, 1.10 s over 127 steps).
+  export PYTHON w
+  lane1_gpu=1; "$PYTHON" -c "import torch, sys; sys.exit(torch.cuda.device_count() < 2)" || lane1_gpu=0
+  cat > "$w/tower48.sh" <<'HELPER_LINES'
+export PYTHONPATH=$PWD
+timeout 40 $PYTHON -m pytest -q -rfEs -p no:cacheprovider tests/kernels/test_window_attention.py tests/kernels/test_gated_gemm.py tests/engine/test_qwen2_vl.py -k "window or gated or ((cuda_tower_rows_equal_cpu_rows or bf16_tower) and qwen2_5_vl)" > $OUT/t48_tests.log 2>&1; echo "tests rc $?"; tail -5 $OUT/t48_tests.log | cut -c1-300
+timeout 35 $PYTHON benchmarks/kernels/tower_parts_bench.py --parts gated,window,residual --out $OUT/t48_parts.json 2>&1 | grep -E "^(gated|window|residual)|Error" | cut -c1-600
+timeout 25 $PYTHON benchmarks/engine/vlm_bench.py --sections encoder --image-sizes 448 --encoder-batches 32 --encoder-repeats 3 --hf-batches= --tower-variants both-triton,window-triton,gated-triton --out $OUT/t48_tower.json > $OUT/t48_tower.log 2>&1; echo "tower rc $?"; grep -E "^encoder|Error" $OUT/t48_tower.log | cut -c1-300
+HELPER_LINES
+  cat > "$w/wstep49.sh" <<'HELPER_LINES'
+export PYTHONPATH=$PWD; timeout 40 $PYTHON -m pytest -q -p no:cacheprovider tests/kernels/test_l2_prefetch.py tests/kernels/test_cross_attention_decode.py -k "graph or merge_switch" 2>&1 | tail -2; mkdir -p $OUT/wprof; timeout 105 $PYTHON -u benchmarks/engine/encdec_bench.py --sections whisper_step --step-variants default,fused,fused-prefetch2,fused-prefetch-kv,fused-merge,fused-prefetch,merge-kernel --profile-dir $OUT/wprof --out $OUT/wstep.json --results-md $OUT/wstep.md > $OUT/wstep.log 2>&1; echo "wstep rc $?"; grep -E "^whisper_step|Error|Traceback" $OUT/wstep.log | cut -c1-600 | tail -9
+HELPER_LINES
+  cat > "$w/mla55.sh" <<'HELPER_LINES'
+export PYTHONPATH=$PWD
+TRITONLLM_WEIGHT_PREFETCH=1 timeout 30 $PYTHON -m pytest -q -p no:cacheprovider tests/kernels/test_kernel_linear.py tests/kernels/test_fused_moe.py tests/kernels/test_moe_router.py tests/kernels/test_mla_latent_write.py tests/kernels/test_mla_attention.py -k "prefetch or (split_k_equals and 2-1) or post_attention or w_uk_product or combine_applies" 2>&1 | tail -2
+timeout 35 $PYTHON benchmarks/kernels/skinny_prefetch_bench.py --variants 16:512:4:4,32:256:4:4,32:256:4:4:2,64:128:4:6:1:1:1 --out $OUT/prefetch.json 2>&1 | grep -E "^[0-9]+x|Error|Traceback" | head -12
+TRITONLLM_WEIGHT_PREFETCH=1 timeout 80 $PYTHON benchmarks/engine/engine_bench.py --model deepseek_v2_lite --sections bandwidth,decode --max-batch-size 8 --max-num-tokens 256 --max-seq-len 1024 --out $OUT/ds_pf.json --results-md $OUT/ds_pf.md 2>&1 | grep -E "Error|Traceback" | head -3; tail -3 $OUT/ds_pf.md; timeout 5 $PYTHON -c "import json,sys; d=json.load(open(sys.argv[1]))['decode']; print(d.get('graph_step_profile'))" $OUT/ds_pf.json
+HELPER_LINES
+  cat > "$w/moe53.sh" <<'HELPER_LINES'
+timeout 60 $PYTHON -m pytest -q -x -n 4 -p no:cacheprovider tests/kernels/test_mxfp4_gemv.py 2>&1 | tail -4
+timeout 85 $PYTHON benchmarks/kernels/moe_gemv_bench.py --model gpt_oss_20b --kinds mxfp4 --tokens 1 --gemv-candidates 1 --launches --word-tiles 32,4,4,p 16,8,4,p 32,4,4,p2 16,8,4,p2 32,4,4,px2 16,8,4,px 16,8,4 16,8,4,r 16,8,4,pr2 16,8,4,r2 --out $OUT/moe53.json 2>&1 | grep -v -i warn | tail -9
+HELPER_LINES
+  cat > "$w/lead_whisper.sh" <<'LEAD_LINES'
+for planless in 1 0; do
+  TRITONLLM_PLANLESS_SDPA=$planless timeout 75 $PYTHON -u benchmarks/engine/encdec_bench.py --sections whisper --hf-whisper-batches "" --out $OUT/whisper_p$planless.json --results-md $OUT/whisper_p$planless.md > $OUT/whisper_p$planless.log 2>&1; echo "whisper planless=$planless rc $?"; grep -vi warn $OUT/whisper_p$planless.log | grep -E "audio s/s|run:|Error|Traceback" | tail -3 | cut -c1-420
+done
+LEAD_LINES
+  cat > "$w/lead_t5.sh" <<'LEAD_LINES'
+timeout 70 $PYTHON -u benchmarks/engine/encdec_bench.py --sections t5 --quantization fp8 --kv-cache-dtype fp8 --cross-kv-cache-dtype fp8 --hf-t5-batches "" --hf-whisper-batches "" --out $OUT/t5_fp8kv.json --results-md $OUT/t5_fp8kv.md > $OUT/t5_fp8kv.log 2>&1; echo "t5 fp8 kv rc $?"; grep -vi warn $OUT/t5_fp8kv.log | grep -E "tok/s|run:|Error|Traceback" | tail -3 | cut -c1-480
+LEAD_LINES
+  lane() {  # GPU NAMES...: each helper's lines in turn, under a guard of its own
+    local gpu=$1 name; shift
+    for name in "$@"; do
+      mkdir -p "$w/$name"
+      OUT="$w/$name" CUDA_VISIBLE_DEVICES=$gpu job "$name" "${LIMITS[$name]}" bash "$w/$name.sh"
+    done
+  }
+  declare -A LIMITS=([tower48]=105 [wstep49]=150 [mla55]=150 [moe53]=150 [lead_whisper]=155 [lead_t5]=75)
+  lane 0 tower48 wstep49 lead_whisper &
+  [ "$lane1_gpu" = 0 ] && wait
+  lane "$lane1_gpu" mla55 moe53 lead_t5 &
+  wait
+  for name in tower48 wstep49 mla55 moe53 lead_whisper lead_t5; do echo "== $name"; grep -vi warning "$w/$name.log" | tail -40 | cut -c1-600; done
+  ;;
+*) echo "x2_gpu_run.sh: CALL must be 1 to 33, got '$call'"; exit 2 ;;
 esac
 tar czf "$out/call$call.tgz" -C /tmp "x2_call$call"
 for md in "$w"/*.md; do [ -f "$md" ] && cp "$md" "$out/"; done
