@@ -59,7 +59,7 @@ import math
 
 import torch
 
-from kernels._triton import jit, pdl_options, pdl_prologue, tl, triton
+from kernels._triton import jit, pdl_options, pdl_prologue, prefetch_weight_l2, tl, triton
 from kernels.linear import _arrival_counters
 from kernels.moe_epilogue import ACTIVATIONS, ExpertEpilogue, swiglu_clamped
 from kernels.moe_routing import _top_k_of_row
@@ -70,7 +70,8 @@ from kernels.mxfp4_codes import exponent_factor
 # in the launch, a digit S: S programs split each row's groups (more programs, more bytes in flight at 1 token;
 # the tile's last arrival adds the S sums), "r" (down alone) the last arrival of a token's tile sums its K experts
 # (no summing launch, and S * K programs share the sum), "x" (gate_up alone) no prepare launch: each gate_up program
-# routes its token and writes its activation pairs itself. The load-time choice (kernels/moe_gemv_choice.py) times
+# routes its token and writes its activation pairs itself, "l" (down alone) its rows prefetched into L2 before the
+# PDL wait (while gate_up streams). The load-time choice (kernels/moe_gemv_choice.py) times
 # WORD_TILES (few: a compile each at every cold engine load); SWEEP_TILES are what
 # benchmarks/kernels/moe_gemv_bench.py --word-tiles and the sm_90 compile test cover.
 WORD_TILES = ((32, 4, 4), (16, 8, 4), (32, 4, 4, "p"))  # (H200 call 27: the best of both launches at 1-8 tokens)
@@ -79,7 +80,8 @@ SWEEP_TILES = ((16, 4, 4), (16, 2, 2), (32, 4, 4), (32, 2, 4), (32, 4, 2), (64, 
                (16, 4, 4, "fp"), (32, 4, 4, "fp"), (16, 8, 4, "p"), (64, 4, 8, "p"), (32, 4, 4, "p2"),
                (16, 4, 4, "p2"), (16, 8, 4, "p2"), (32, 4, 4, "p3"), (16, 8, 4, "r"), (16, 8, 4, "pr"),
                (16, 8, 4, "r2"), (16, 8, 4, "pr2"), (16, 4, 4, "pr2"), (32, 4, 4, "pr2"), (16, 8, 4, "r3"),
-               (32, 4, 4, "px"), (16, 8, 4, "px"), (32, 4, 4, "px2"), (16, 8, 4, "px2"))
+               (32, 4, 4, "px"), (16, 8, 4, "px"), (32, 4, 4, "px2"), (16, 8, 4, "px2"), (16, 8, 4, "rl"),
+               (16, 8, 4, "prl2"))
 # (The asm's packs need each thread to hold 4 contiguous words of one row and group: tests/kernels/
 # test_mxfp4_gemv.py's sm_90 compile checks every SWEEP_TILES entry; (16, 2, 4) (2 words a thread) and (8, 8, 2)
 # fail it.)
@@ -480,7 +482,8 @@ def _words_down_kernel(
     act_pairs_ptr, ids_ptr, weights_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, part_ptr, arrivals_ptr, H, half_words,
     stride_we, stride_wn, stride_se, stride_be, stride_o, INV_SCALE: tl.constexpr, TOP_K: tl.constexpr,
     FOLD: tl.constexpr, REDUCE: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
-    HAS_BIAS: tl.constexpr, PREFETCH: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
+    HAS_BIAS: tl.constexpr, PREFETCH: tl.constexpr, L2_PREFETCH: tl.constexpr, NUM_EXPERTS: tl.constexpr,
+    ASM: tl.constexpr, PDL: tl.constexpr,
 ):
     """out_k[a, rows] = w_a * (down_e[rows] . act[a] + bias) (module docstring, 3) for assignment a = program_id(0);
     FOLD: program_id(0) is a token t, and out[t, rows] is the sum over its TOP_K assignments, accumulated in float32
@@ -488,14 +491,22 @@ def _words_down_kernel(
     split's share of I stored in part_ptr ((T * K * SPLIT, H) float32); the last of a token tile's TOP_K * SPLIT
     arrivals adds them (splits, then experts, in order: deterministic), each expert's row rounded to out's dtype
     as the reference rounds it, into out[t] (no summing launch); SPLIT > 1 without REDUCE: the last of an
-    assignment tile's SPLIT arrivals finishes out_k[a]."""
-    pdl_prologue(PDL)
+    assignment tile's SPLIT arrivals finishes out_k[a]. L2_PREFETCH (with PDL, not FOLD): before the PDL wait, the
+    program's rows of its split's groups are prefetched into L2 (kernels/_triton.py prefetch_weight_l2) while
+    gate_up still streams: the expert id read there is the prepare launch's (two launches back; an id read before
+    it is written, gate_up's "x", only prefetches other rows: clamped to the experts, never wrong results)."""
     stride_wn = (stride_wn // 8) * 8  # (as in _words_gate_up_kernel: 16-byte aligned groups, the asm's packs)
     stride_we = (stride_we // 8) * 8
     half_words = (half_words // 8) * 8
     tile = tl.program_id(1)
     rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     rows_ok = rows < H
+    if L2_PREFETCH and PDL and not FOLD:
+        early = tl.minimum(tl.maximum(tl.load(ids_ptr + tl.program_id(0)), 0), NUM_EXPERTS - 1).to(tl.int64)
+        first, last = _split_groups(half_words, SPLIT, GROUPS)
+        prefetch_weight_l2(w_ptr, w_ptr + early * stride_we + rows.to(tl.int64)[:, None] * stride_wn, rows_ok,
+                           first * 8, last * 8)
+    pdl_prologue(PDL)
     if FOLD:
         total = tl.zeros([BLOCK_N], dtype=tl.float32)
         for k in tl.static_range(TOP_K):
@@ -615,7 +626,7 @@ def mxfp4_words_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tenso
         d_part, arrivals, hidden, inter // 8, d_words.stride(0), d_words.stride(1), down_scale.stride(0),
         0 if d_b is None else d_b.stride(0), out_k.stride(0), INV_SCALE=float(2.0 ** -shift), TOP_K=top_k,
         FOLD=fold, REDUCE=reduce, SPLIT=1 if fold else d_split, BLOCK_N=dn, GROUPS=dg, HAS_BIAS=d_b is not None,
-        PREFETCH="p" in d_opts, ASM=asm, num_warps=dw, **pdl)
+        PREFETCH="p" in d_opts, L2_PREFETCH="l" in d_opts, NUM_EXPERTS=num_experts, ASM=asm, num_warps=dw, **pdl)
     if fold or reduce:
         return out_k
     out_k = out_k.view(num_tokens, top_k, hidden)

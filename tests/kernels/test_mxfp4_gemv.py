@@ -101,8 +101,8 @@ def test_split_folded_launches_and_the_last_arrivals_sum(device):
     whose last arrival finishes the tile, and down's "r": the last of a token tile's K * splits arrivals sums its
     experts (no summing launch); then other activations through splits without "r" (unsummed rows; the first
     call's arrival counters are back at 0) and "x": no prepare launch, gate_up's programs route (or, last, read the
-    given routing) and write the activation pairs themselves. (Tiles of 128 rows: few programs on the
-    interpreter.)"""
+    given routing) and write the activation pairs themselves ("l": down's rows prefetched into L2 before the PDL
+    wait, on CUDA alone). (Tiles of 128 rows: few programs on the interpreter.)"""
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     x, logits, kernel, widened, epilogue, ref_epilogue = gpt_oss_problem(1, seed=94, dtype=dtype, hidden=128,
                                                                          inter=128)
@@ -113,7 +113,7 @@ def test_split_folded_launches_and_the_last_arrivals_sum(device):
     given = dict(topk_weights=weights.to(device), topk_ids=ids.to(device))
     for x_call, tiles, sum_experts, routing in ((x, ((128, 1, 4, "2"), (128, 1, 4, "r3")), True, routed),
                                                 (-2 * x, ((128, 1, 4, "px3"), (128, 1, 4, "2")), False, routed),
-                                                (x / 4, ((128, 1, 4, "x"), (128, 1, 4, "r")), True, given)):
+                                                (x / 4, ((128, 1, 4, "x"), (128, 1, 4, "rl")), True, given)):
         ref = moe_gemv_ref(x_call.float(), *widened, weights, ids, epilogue=ref_epilogue)
         out = mxfp4_words_triton(x_call.to(device), codes[0][0], codes[1][0], codes[0][1], codes[1][1], top_k=TOP_K,
                                  epilogue=on_device, tiles=tiles, sum_experts=sum_experts, asm=device == "cuda",
@@ -182,7 +182,7 @@ def compile_sm90(which: str, tiles: tuple, asm: bool = True):
     const = dict(DOWN_SCALE=256.0, INV_SCALE=1 / 256, TOP_K=4, BLOCK_N=block_n, GROUPS=groups, HAS_BIAS=True,
                  ACTIVATION=1, SWIGLU_LIMIT=7.0, ASM=asm, PDL=True, FOLD="f" in options, PREFETCH="p" in options,
                  REDUCE="r" in options, SPLIT=tile_split(options), PREPARE="x" in options, ROUTE_IN_KERNEL=True,
-                 RENORMALIZE=True, K_PAD=4, E_PAD=32, BLOCK_H=4096)
+                 RENORMALIZE=True, K_PAD=4, E_PAD=32, BLOCK_H=4096, L2_PREFETCH="l" in options, NUM_EXPERTS=32)
     return compile_for_sm90(fn, pointers, const, warps=warps,
                             aligned_int=lambda name: GPT_OSS_ARGS.get(name, 1) % 16 == 0)
 
@@ -207,6 +207,9 @@ def test_compiles_for_sm90_without_spills(which, tiles, tmp_path):
     packs = asm_packs(compiled.asm["llir"])
     assert packs and all(len(set(p[20:24])) == 1 and len(set(p[24:28])) == 1 and len(set(p[0:4])) == 4 for p in packs)
     assert ".v4.b32" in compiled.asm["ptx"] or "ld.global.v4" in compiled.asm["ptx"]
+    if which == "down" and "l" in (tiles[3:] or ("",))[0]:  # the L2 prefetch comes before the PDL wait
+        ptx = compiled.asm["ptx"]
+        assert -1 < ptx.find("prefetch.global.L2") < ptx.find("griddepcontrol.wait")
     usage = resource_usage(compiled, tmp_path)
     if usage is not None:
         assert "LOCAL:0 " in usage and stack_bytes(usage) <= 8, usage
