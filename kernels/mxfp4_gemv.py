@@ -70,10 +70,10 @@ from kernels.mxfp4_codes import exponent_factor
 # in the launch, a digit S: S programs split each row's groups (more programs, more bytes in flight at 1 token;
 # the tile's last arrival adds the S sums), "r" (down alone) the last arrival of a token's tile sums its K experts
 # (no summing launch, and S * K programs share the sum), "x" (gate_up alone) no prepare launch: each gate_up program
-# routes its token and writes its activation pairs itself, "l" (down alone) its rows prefetched into L2 before the
-# PDL wait (while gate_up streams). The load-time choice (kernels/moe_gemv_choice.py) times
-# WORD_TILES (few: a compile each at every cold engine load); SWEEP_TILES are what
-# benchmarks/kernels/moe_gemv_bench.py --word-tiles and the sm_90 compile test cover.
+# routes its token and writes its activation pairs itself, "l" the program's rows prefetched into L2 before the
+# PDL wait (gate_up: while prepare runs, not with "x"; down: while gate_up streams). The load-time choice
+# (kernels/moe_gemv_choice.py) times WORD_TILES (few: a compile each at every cold engine load); SWEEP_TILES are
+# what benchmarks/kernels/moe_gemv_bench.py --word-tiles and the sm_90 compile test cover.
 WORD_TILES = ((32, 4, 4), (16, 8, 4), (32, 4, 4, "p"))  # (H200 call 27: the best of both launches at 1-8 tokens)
 SWEEP_TILES = ((16, 4, 4), (16, 2, 2), (32, 4, 4), (32, 2, 4), (32, 4, 2), (64, 2, 4), (64, 4, 4), (16, 8, 4),
                (32, 1, 2), (64, 1, 4), (16, 4, 4, "p"), (32, 4, 4, "p"), (16, 4, 4, "f"), (32, 4, 4, "f"),
@@ -81,7 +81,7 @@ SWEEP_TILES = ((16, 4, 4), (16, 2, 2), (32, 4, 4), (32, 2, 4), (32, 4, 2), (64, 
                (16, 4, 4, "p2"), (16, 8, 4, "p2"), (32, 4, 4, "p3"), (16, 8, 4, "r"), (16, 8, 4, "pr"),
                (16, 8, 4, "r2"), (16, 8, 4, "pr2"), (16, 4, 4, "pr2"), (32, 4, 4, "pr2"), (16, 8, 4, "r3"),
                (32, 4, 4, "px"), (16, 8, 4, "px"), (32, 4, 4, "px2"), (16, 8, 4, "px2"), (16, 8, 4, "rl"),
-               (16, 8, 4, "prl2"))
+               (16, 8, 4, "prl2"), (32, 4, 4, "pl"), (32, 4, 4, "pl2"), (16, 8, 4, "pl2"))
 # (The asm's packs need each thread to hold 4 contiguous words of one row and group: tests/kernels/
 # test_mxfp4_gemv.py's sm_90 compile checks every SWEEP_TILES entry; (16, 2, 4) (2 words a thread) and (8, 8, 2)
 # fail it.)
@@ -379,8 +379,8 @@ def _words_gate_up_kernel(
     stride_l, DOWN_SCALE: tl.constexpr, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
     GROUPS: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, SWIGLU_LIMIT: tl.constexpr,
     PREFETCH: tl.constexpr, SPLIT: tl.constexpr, PREPARE: tl.constexpr, ROUTE_IN_KERNEL: tl.constexpr,
-    RENORMALIZE: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_H: tl.constexpr, ASM: tl.constexpr,
-    PDL: tl.constexpr,
+    RENORMALIZE: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_H: tl.constexpr,
+    L2_PREFETCH: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (a, tile[, split]): the activation of assignment a's rows [tile * BLOCK_N, +BLOCK_N) (module
     docstring, 2), rounded to x's dtype (x_ptr: read for its dtype alone), stored as down's float16 pairs
@@ -388,8 +388,11 @@ def _words_gate_up_kernel(
     part_ptr ((T * K * SPLIT, 2I) float32) and the tile's last arrival adds them in split order and finishes.
     PREPARE: no prepare launch: each program routes its token itself (ROUTE_IN_KERNEL; tile 0 of split 0 stores the
     slot's id and weight for down) and writes its token's pairs (pairs16_ptr: the same buffer as float16), the same
-    values every program of the token writes, then reads them after a barrier (its own writes, or equal ones)."""
-    pdl_prologue(PDL)
+    values every program of the token writes, then reads them after a barrier (its own writes, or equal ones).
+    L2_PREFETCH (with PDL, not PREPARE): before the PDL wait (on the prepare launch), the program routes its token
+    from the logits (the router's, two launches back; or reads the given ids) and prefetches its gate and up rows
+    of its split's groups into L2, so the codes stream while prepare runs; the routing that counts is prepare's,
+    read after the wait (an early id is clamped to the experts: a prefetch only)."""
     # Word strides are whole 32-byte groups (K % 64 == 0): written as multiples of 8 so Triton knows each row's
     # groups are 16-byte aligned (a row of gpt-oss-20b is 360 words, not a multiple of 16: unspecialized). Then a
     # thread's 4 contiguous words are one 16-byte load and one pack of the inline asm, which relies on them sharing
@@ -400,6 +403,20 @@ def _words_gate_up_kernel(
     a = tl.program_id(0)
     tile = tl.program_id(1)
     token = a // TOP_K
+    if L2_PREFETCH and PDL and not PREPARE:
+        if ROUTE_IN_KERNEL:
+            _, early_ids = _top_k_of_row(logits_ptr + token.to(tl.int64) * stride_l, num_experts, TOP_K, K_PAD,
+                                         E_PAD, RENORMALIZE)
+            early = tl.sum(tl.where(tl.arange(0, K_PAD) == a % TOP_K, early_ids, 0), 0)
+        else:
+            early = tl.load(ids_ptr + a)
+        early = tl.minimum(tl.maximum(early, 0), num_experts - 1).to(tl.int64)
+        early_rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        early_gate = w_ptr + early * stride_we + early_rows.to(tl.int64)[:, None] * stride_wn
+        first, last = _split_groups(half_words, SPLIT, GROUPS)
+        prefetch_weight_l2(w_ptr, early_gate, early_rows < I, first * 8, last * 8)
+        prefetch_weight_l2(w_ptr, early_gate + I * stride_wn, early_rows < I, first * 8, last * 8)
+    pdl_prologue(PDL)
     if PREPARE:
         if ROUTE_IN_KERNEL:
             chosen_w, chosen_id = _top_k_of_row(logits_ptr + token.to(tl.int64) * stride_l, num_experts, TOP_K,
@@ -617,7 +634,7 @@ def mxfp4_words_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tenso
         x.stride(0), router_logits.stride(0) if route else 0, DOWN_SCALE=float(2.0 ** shift), BLOCK_N=gn,
         GROUPS=gg, HAS_BIAS=gu_b is not None, ACTIVATION=ACTIVATIONS[epilogue.activation],
         SWIGLU_LIMIT=float(epilogue.swiglu_limit), PREFETCH="p" in g_opts, SPLIT=g_split, PREPARE=prepare,
-        BLOCK_H=triton.next_power_of_2(hidden), ASM=asm, num_warps=gw, **routing, **pdl)
+        BLOCK_H=triton.next_power_of_2(hidden), L2_PREFETCH="l" in g_opts, ASM=asm, num_warps=gw, **routing, **pdl)
     out_k = torch.empty(num_tokens if fold or reduce else num_tokens * top_k, hidden, dtype=x.dtype, device=device)
     d_part = torch.empty(num_tokens * top_k * d_split, hidden, dtype=torch.float32, device=device) \
         if d_split > 1 or reduce else inv
