@@ -168,14 +168,14 @@ def gpt_oss_main(args) -> None:
                 tiles = f"{best[0]}; {best[1]}"
             row["rel_diff"] = rel
             if args.launches and words_us is not None:
-                sets = moe_gemv_choice.routing_sets(tokens, experts_n, top_k, "cuda")
+                sets = [s.bfloat16() for s in moe_gemv_choice.routing_sets(tokens, experts_n, top_k, "cuda")]
                 turn = [0]
 
                 def words_call() -> None:
                     turn[0] += 1
                     mxfp4_words_triton(x, entry.gate_up, entry.down, entry.gate_up_scale, entry.down_scale,
                                        top_k=top_k, epilogue=entry.epilogue,
-                                       router_logits=sets[turn[0] % len(sets)].bfloat16(), renormalize=True,
+                                       router_logits=sets[turn[0] % len(sets)], renormalize=True,
                                        tiles=best)
 
                 row["launch_us"] = launch_times(words_call)
