@@ -74,17 +74,20 @@ from kernels.mxfp4_codes import exponent_factor
 # PDL wait (gate_up: while prepare runs, not with "x"; down: while gate_up streams). The load-time choice
 # (kernels/moe_gemv_choice.py) times WORD_TILES (few: a compile each at every cold engine load); SWEEP_TILES are
 # what benchmarks/kernels/moe_gemv_bench.py --word-tiles and the sm_90 compile test cover.
-WORD_TILES = ((32, 4, 4), (16, 8, 4), (32, 4, 4, "p"))  # (H200 call 27: the best of both launches at 1-8 tokens)
+# (H200 call 33, gpt-oss-20b at 1 token, prepare + gate_up + down (+ sum): gate_up (32, 4, 4, "p") 46.2 us and
+# (16, 8, 4) 46.1 with down (32, 4, 4), splits 46.5-48.1, "x" 64.2-73.1; then down (16, 8, 4) 39.2, "r" 38.5, "r2"
+# 37.9, (32, 4, 4, "p") 43.5; "l" first timed by the load-time choice.)
+WORD_TILES = ((32, 4, 4, "p"), (16, 8, 4), (16, 8, 4, "r2"), (32, 4, 4, "pl"), (16, 8, 4, "rl2"))
 SWEEP_TILES = ((16, 4, 4), (16, 2, 2), (32, 4, 4), (32, 2, 4), (32, 4, 2), (64, 2, 4), (64, 4, 4), (16, 8, 4),
                (32, 1, 2), (64, 1, 4), (16, 4, 4, "p"), (32, 4, 4, "p"), (16, 4, 4, "f"), (32, 4, 4, "f"),
                (16, 4, 4, "fp"), (32, 4, 4, "fp"), (16, 8, 4, "p"), (64, 4, 8, "p"), (32, 4, 4, "p2"),
                (16, 4, 4, "p2"), (16, 8, 4, "p2"), (32, 4, 4, "p3"), (16, 8, 4, "r"), (16, 8, 4, "pr"),
                (16, 8, 4, "r2"), (16, 8, 4, "pr2"), (16, 4, 4, "pr2"), (32, 4, 4, "pr2"), (16, 8, 4, "r3"),
                (32, 4, 4, "px"), (16, 8, 4, "px"), (32, 4, 4, "px2"), (16, 8, 4, "px2"), (16, 8, 4, "rl"),
-               (16, 8, 4, "prl2"), (32, 4, 4, "pl"), (32, 4, 4, "pl2"), (16, 8, 4, "pl2"))
+               (16, 8, 4, "prl2"), (32, 4, 4, "pl"), (32, 4, 4, "pl2"), (16, 8, 4, "pl2"), (16, 8, 4, "rl2"))
 # (The asm's packs need each thread to hold 4 contiguous words of one row and group: tests/kernels/
-# test_mxfp4_gemv.py's sm_90 compile checks every SWEEP_TILES entry; (16, 2, 4) (2 words a thread) and (8, 8, 2)
-# fail it.)
+# test_mxfp4_gemv.py's sm_90 compile checks every SWEEP_TILES entry; (16, 2, 4) (2 words a thread), (8, 8, 2),
+# (8, 16, 4), (16, 16, 4) and (8, 32, 8) fail it.)
 DEFAULT_WORD_TILES = ((32, 4, 4), (32, 4, 4))
 assert all(t in SWEEP_TILES for t in WORD_TILES + DEFAULT_WORD_TILES)
 WORDS_ENV = "TRITONLLM_MXFP4_WORDS"  # "0": the load-time choice never takes this path (moe_gemv's and the grouped)
