@@ -96,21 +96,37 @@ def weight_prefetch(kind: str, pdl: bool) -> bool:
 
 
 @jit
+def _bulk_prefetch_l2(addr, nbytes):
+    """``cp.async.bulk.prefetch.L2`` of ``nbytes`` (a multiple of 16; nothing where <= 0) from ``addr`` (int64,
+    16-byte aligned): the copy engine reads them into L2; no registers, nothing waits."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,r", [addr, nbytes], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@jit
 def prefetch_weight_l2(w_ptr, w_rows, row_ok, k_begin, k_end):
-    """``prefetch.global.L2`` of columns [k_begin, k_end) of the weight rows at ``w_rows`` ((BLOCK_N, 1)
-    pointers; rows where not ``row_ok`` skipped), for a PDL kernel to run before ``pdl_prologue``: weights
-    are never written by a step's kernels, so their bytes can stream into L2 while the kernel before still
-    runs, and the product's loads after the wait find them there. One prefetch a 128-byte line of a row
-    (rows assumed to have unit column stride), 8 lines a step; nothing is loaded into registers and nothing
-    waits for it. Masked addresses prefetch ``w_ptr``'s first line instead. Inline PTX: only on CUDA (callers
-    set it with PDL, which the CPU interpreter never has)."""
-    line = 1024 // w_ptr.dtype.element_ty.primitive_bitwidth  # elements a 128-byte line
-    for k0 in range(k_begin, k_end, 8 * line):
-        k = k0 + tl.arange(0, 8) * line
-        ok = row_ok[:, None] & (k < k_end)[None, :]
-        lines = tl.where(ok, w_rows + k[None, :], w_ptr)
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [lines], dtype=tl.int32,
-                                  is_pure=False, pack=1)
+    """Columns [k_begin, k_end) of the weight rows at ``w_rows`` ((ROWS, 1) pointers; rows where not ``row_ok``
+    skipped) into L2, for a PDL kernel to run before ``pdl_prologue``: weights are never written by a step's
+    kernels, so their bytes can stream into L2 while the kernel before still runs, and the product's loads
+    after the wait find them there. Each row's span in 8 bulk prefetches (cp.async.bulk.prefetch.L2: one
+    instruction a piece, the copy engine's work, not one load request a line; 2026-11-30 call 33, one
+    prefetch.global.L2 a 128-byte line slowed every product it was tried on, up to 2x). The spans must be
+    16-byte aligned and a multiple of 16 bytes long (bulk_prefetchable on the host); rows with unit column
+    stride. Inline PTX: only on CUDA (callers set it with PDL, which the CPU interpreter never has)."""
+    total = (k_end - k_begin) * (w_ptr.dtype.element_ty.primitive_bitwidth // 8)  # bytes a row
+    piece = tl.cdiv(tl.cdiv(total, 8), 16) * 16
+    offsets = tl.arange(0, 8) * piece
+    nbytes = tl.where(row_ok[:, None], tl.minimum(total - offsets[None, :], piece), 0)
+    _bulk_prefetch_l2((w_rows + k_begin).to(tl.int64, bitcast=True) + offsets[None, :], nbytes.to(tl.int32))
+
+
+def bulk_prefetchable(t) -> bool:
+    """Every row of ``t`` (its last dimension, unit stride) starts 16-byte aligned and is a multiple of 16
+    bytes long, as prefetch_weight_l2's bulk prefetches need (a misaligned one is an illegal instruction)."""
+    size = t.element_size()
+    return (t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and (t.shape[-1] * size) % 16 == 0
+            and all((stride * size) % 16 == 0 for stride in t.stride()[:-1]))
 
 
 def hopper_or_later(t) -> bool:

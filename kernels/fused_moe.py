@@ -49,8 +49,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels._triton import (dense, jit, pdl_options, pdl_prologue, prefetch_weight_l2, tl, triton, use_triton,
-                             weight_prefetch)
+from kernels._triton import (bulk_prefetchable, dense, jit, pdl_options, pdl_prologue, prefetch_weight_l2, tl, triton,
+                             use_triton, weight_prefetch)
 from kernels.moe_epilogue import ACTIVATIONS, PLAIN_SILU, ExpertEpilogue, activate_ref
 from kernels.moe_align import (  # noqa: F401  (re-exported: the other expert kernels align through here)
     ALIGN_KERNEL_MAX_ASSIGNMENTS, max_padded_assignments, moe_align, moe_align_torch, moe_align_triton)
@@ -197,7 +197,7 @@ def shared_prefetch_slots(w: torch.Tensor, num_shared: int, pdl: bool) -> int:
     """PREFETCH_SHARED for a one-token gate_up launch over ``w`` (E + S, 2I, H) whose last ``num_shared``
     experts are shared (0: no prefetch): with PDL, kernels/_triton.py weight_prefetch "shared" on and the shared
     weights small enough."""
-    if not num_shared or not weight_prefetch("shared", pdl):
+    if not num_shared or not weight_prefetch("shared", pdl) or not bulk_prefetchable(w):
         return 0
     return num_shared if num_shared * w[0].numel() * w.element_size() <= SHARED_PREFETCH_MAX_BYTES else 0
 

@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from kernels import choice_cache
-from kernels._triton import (dense, jit, num_sms, pdl_options, pdl_prologue, prefetch_weight_l2, tl, triton, use_triton,
-                             weight_prefetch)
+from kernels._triton import (bulk_prefetchable, dense, jit, num_sms, pdl_options, pdl_prologue, prefetch_weight_l2, tl,
+                             triton, use_triton, weight_prefetch)
 
 MAX_SKINNY_ROWS = 16
 # Rows skinny_linear_triton takes at all: past MAX_SKINNY_ROWS the rows are padded to the next power of
@@ -201,8 +201,10 @@ PREFETCH_MAX_BYTES = 16 << 20
 
 def prefetches(weight: torch.Tensor, pdl: bool) -> bool:
     """Whether a skinny product of ``weight`` launched with PDL (``pdl``) prefetches it into L2
-    before its PDL wait (kernels/_triton.py weight_prefetch "skinny", up to PREFETCH_MAX_BYTES)."""
-    return weight.numel() * weight.element_size() <= PREFETCH_MAX_BYTES and weight_prefetch("skinny", pdl)
+    before its PDL wait (kernels/_triton.py weight_prefetch "skinny", up to PREFETCH_MAX_BYTES, rows fit for
+    bulk prefetches)."""
+    return (weight.numel() * weight.element_size() <= PREFETCH_MAX_BYTES and weight_prefetch("skinny", pdl)
+            and bulk_prefetchable(weight))
 
 
 @jit

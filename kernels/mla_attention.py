@@ -30,8 +30,8 @@ import os
 
 import torch
 
-from kernels._triton import (dense, jit, num_sms, pdl_options, pdl_prologue, prefetch_weight_l2, tl, triton, use_triton,
-                             weight_prefetch)
+from kernels._triton import (bulk_prefetchable, dense, jit, num_sms, pdl_options, pdl_prologue, prefetch_weight_l2, tl,
+                             triton, use_triton, weight_prefetch)
 from kernels.attention import KV_FP8_DTYPE, _as_bytes_if_fp8, gather_blocks, to_cache_dtype
 from kernels.attention_metadata import AttentionMetadata
 from kernels.head_matmul import head_matmul
@@ -409,7 +409,7 @@ def _combine(q_latent, part, lse, out, splits, w_uv):
         block_r = max(16, min(triton.next_power_of_2(rank), COMBINE_VALUES // splits_pad))
         block_v = max(16, min(32, triton.next_power_of_2(v_dim)))
         pdl = pdl_options(q_latent)
-        prefetch = {"PREFETCH": True} if weight_prefetch("mla", pdl["PDL"]) else {}
+        prefetch = {"PREFETCH": True} if weight_prefetch("mla", pdl["PDL"]) and bulk_prefetchable(w_uv) else {}
         _mla_combine_values_kernel[(num_tokens, num_heads, triton.cdiv(v_dim, block_v))](
             part, lse, w_uv, values, num_heads, splits, v_dim, w_uv.stride(0), w_uv.stride(1), RANK=rank,
             SPLITS_PAD=splits_pad, BLOCK_R=block_r, BLOCK_V=block_v, LATENT_DTYPE=_TL_DTYPES[q_latent.dtype],

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import (dense, jit, pdl_options, pdl_prologue, prefetch_weight_l2, tl, triton, use_triton,
-                             weight_prefetch)
+from kernels._triton import (bulk_prefetchable, dense, jit, pdl_options, pdl_prologue, prefetch_weight_l2, tl, triton,
+                             use_triton, weight_prefetch)
 from kernels.head_matmul import MAX_TOKENS as HEAD_MATMUL_MAX_TOKENS, head_matmul, head_matmul_launch, head_matmul_tile
 from kernels.mla_attention import write_latent_cache_ref
 from kernels.rmsnorm import _rms_normalized, rms_norm_ref
@@ -66,7 +66,7 @@ def _latent_rope_write_absorb_kernel(q_ptr, kv_ptr, w_ptr, positions_ptr, cos_si
                                      PREFETCH: tl.constexpr = False):
     """Programs 0..T-1: _latent_rope_write_kernel's rows; the next H x tiles: W_UK's per-head product
     of q_nope (kernels/head_matmul.py's tiles), which reads only the nope columns the rows leave alone.
-    PREFETCH (with PDL; W_UK with unit column stride): the product programs prefetch their W_UK tile into
+    PREFETCH (with PDL; W_UK's rows fit for bulk prefetches): the product programs prefetch their W_UK tile into
     L2 before the PDL wait (kernels/_triton.py prefetch_weight_l2)."""
     pid = tl.program_id(0)
     if PREFETCH:
@@ -134,7 +134,7 @@ def latent_rope_write_triton(q_rope: torch.Tensor, kv: torch.Tensor, norm_weight
                       PAGE=cache.shape[1], **pdl_options(kv))
     if q_nope is not None:
         q_latent, tiles, tile_constexprs = head_matmul_launch(q_nope, w_uk)
-        if w_uk.stride(2) == 1 and weight_prefetch("mla", constexprs["PDL"]):
+        if weight_prefetch("mla", constexprs["PDL"]) and bulk_prefetchable(w_uk):
             tile_constexprs["PREFETCH"] = True
         _latent_rope_write_absorb_kernel[(num_tokens + num_heads * tiles,)](
             *args, num_tokens, q_nope, w_uk, q_latent, q_nope.shape[2], w_uk.shape[2], tiles, q_nope.stride(0),

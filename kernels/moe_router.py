@@ -33,8 +33,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import (dense, jit, pdl_options, pdl_prologue, prefetch_weight_l2, tl, triton, use_triton,
-                             weight_prefetch)
+from kernels._triton import (bulk_prefetchable, dense, jit, pdl_options, pdl_prologue, prefetch_weight_l2, tl, triton,
+                             use_triton, weight_prefetch)
 from kernels.moe_grouped_routing import route_grouped
 from kernels.rmsnorm import _rms_normalized, rms_norm_ref
 
@@ -303,7 +303,8 @@ def route_decode_triton(x: torch.Tensor, router_weight: torch.Tensor, top_k: int
         normed = residual_out = x
     pdl = pdl_options(x)
     # (NORM's register load before the wait needs no PDL to be right: the CPU interpreter runs it too)
-    prefetch = {"PREFETCH": True} if weight_prefetch("router", pdl["PDL"] or norm is not None) else {}
+    prefetch = {"PREFETCH": True} if weight_prefetch("router", pdl["PDL"] or norm is not None) and (
+        norm is not None or bulk_prefetchable(router_weight)) else {}
     _route_decode_kernel[(triton.cdiv(num_experts, block_e),)](
         x, router_weight, score_bias if score_bias is not None else router_weight, pad if pad is not None else x,
         logits, counter, weights, ids, residual, norm_weight, normed, residual_out, float(eps), residual.stride(0),

@@ -311,7 +311,7 @@ def test_shared_prefetch_compiles_for_sm90_before_the_pdl_wait():
                  DOT_PRECISION="tf32", BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, PDL=True, PREFETCH_SHARED=2)
     ptx = compile_for_sm90(_grouped_gemm_kernel, pointers, const, warps=4, stages=3).asm["ptx"]
     wait = ptx.index("griddepcontrol.wait")
-    assert ptx[:wait].count("prefetch.global.L2") >= 2 and "prefetch.global.L2" not in ptx[wait:]
+    assert ptx[:wait].count("cp.async.bulk.prefetch.L2") >= 2 and "cp.async.bulk.prefetch.L2" not in ptx[wait:]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="captures a CUDA graph")

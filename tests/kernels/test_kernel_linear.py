@@ -181,7 +181,7 @@ def test_weight_prefetch_only_with_pdl_small_weights_and_switched_on(monkeypatch
 @pytest.mark.parametrize("gated", [False, True])
 def test_weight_prefetch_compiles_for_sm90_before_the_pdl_wait(gated):
     """The prefetch (inline PTX, which the CPU interpreter cannot run) compiles for sm_90 and lands before
-    griddepcontrol.wait: one prefetch.global.L2 a weight tile (two gated) ahead of the wait, none without it."""
+    griddepcontrol.wait: bulk prefetches (gated: gate and up rows) ahead of the wait, none without it."""
     from kernels.linear import _skinny_gemm_kernel
 
     pointers = {name: "*bf16" for name in ("x_ptr", "w_ptr", "bias_ptr", "scale_ptr", "x_scale_ptr", "out_ptr")}
@@ -192,10 +192,10 @@ def test_weight_prefetch_compiles_for_sm90_before_the_pdl_wait(gated):
                      ACTIVATION=0, BLOCK_N=16, BLOCK_K=512, SPLIT_K=1, PDL=True, BALANCED=False, INT8_DOT=False,
                      PREFETCH=prefetch)
         ptx[prefetch] = compile_for_sm90(_skinny_gemm_kernel, pointers, const, warps=4, stages=4).asm["ptx"]
-    assert "prefetch.global.L2" not in ptx[False]
+    assert "cp.async.bulk.prefetch.L2" not in ptx[False]
     wait = ptx[True].index("griddepcontrol.wait")
-    assert ptx[True][:wait].count("prefetch.global.L2") >= (2 if gated else 1)
-    assert "prefetch.global.L2" not in ptx[True][wait:]
+    assert ptx[True][:wait].count("cp.async.bulk.prefetch.L2") >= (2 if gated else 1)
+    assert "cp.async.bulk.prefetch.L2" not in ptx[True][wait:]
 
 
 def test_linear_without_a_marked_weight_is_f_linear():

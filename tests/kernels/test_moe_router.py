@@ -126,4 +126,4 @@ def test_compiles_for_sm90(shape, block_t):
     ptx = compiled.asm["ptx"]
     assert "atom" in ptx
     # V3's unnormed launch prefetches its router rows into L2 before the PDL wait
-    assert ("prefetch.global.L2" in ptx.split("griddepcontrol.wait")[0]) == (v3 and block_t == 2)
+    assert ("cp.async.bulk.prefetch.L2" in ptx.split("griddepcontrol.wait")[0]) == (v3 and block_t == 2)

@@ -1,6 +1,7 @@
-"""The MLA launches' weight prefetch before the PDL wait (kernels/_triton.py prefetch_weight_l2, switched by
-$TRITONLLM_WEIGHT_PREFETCH): W_UK in the latent write's launch and W_UV in the combine compile for sm_90 with
-their prefetches ahead of griddepcontrol.wait (opt-in, TRITONLLM_AOT_SM90=1), and the switch's rule.
+"""The weight prefetch before the PDL wait (kernels/_triton.py prefetch_weight_l2, switched by
+$TRITONLLM_WEIGHT_PREFETCH): the switch's rule, the alignment rule of its bulk prefetches, and the MLA launches
+(W_UK in the latent write's launch, W_UV in the combine) compiled for sm_90 with their prefetches ahead of
+griddepcontrol.wait (opt-in, TRITONLLM_AOT_SM90=1).
 (The results with the prefetch on: the kernels' own tests run on a GPU with TRITONLLM_WEIGHT_PREFETCH=1.)"""
 from __future__ import annotations
 
@@ -22,11 +23,24 @@ def test_weight_prefetch_names_kinds_and_needs_pdl(monkeypatch):
         weight_prefetch("lm_head", True)
 
 
+def test_bulk_prefetchable_needs_aligned_rows_of_whole_16_bytes():
+    """cp.async.bulk.prefetch.L2 faults on a span that is not 16-byte aligned or not a multiple of 16 bytes."""
+    import torch
+
+    from kernels._triton import bulk_prefetchable
+
+    weight = torch.empty(64, 2048, dtype=torch.bfloat16)
+    assert bulk_prefetchable(weight) and bulk_prefetchable(torch.empty(3, 8, 512, dtype=torch.bfloat16))
+    assert not bulk_prefetchable(torch.empty(64, 1000 + 4, dtype=torch.bfloat16))  # 2,008-byte rows
+    assert not bulk_prefetchable(weight[:, 4:])  # rows 8 bytes off their alignment, and 4,088 bytes long
+    assert not bulk_prefetchable(weight.t())  # no unit column stride
+
+
 def prefetches_before_the_wait(ptx: str) -> bool:
     """Prefetches, and none after the last wait (the compiler may copy the wait into each branch of the
     program's role, as it does for the latent write's rows and products)."""
     before, _, after = ptx.rpartition("griddepcontrol.wait")
-    return "prefetch.global.L2" in before and "prefetch.global.L2" not in after
+    return "cp.async.bulk.prefetch.L2" in before and "cp.async.bulk.prefetch.L2" not in after
 
 
 @AOT_SM90
@@ -39,7 +53,7 @@ def test_combine_prefetches_w_uv_before_the_pdl_wait():
     const = dict(RANK=512, SPLITS_PAD=32, BLOCK_R=256, BLOCK_V=32, LATENT_DTYPE=tl.bfloat16, PDL=True)  # V2-Lite, 1k
     plain = compile_for_sm90(_mla_combine_values_kernel, pointers, {**const, "PREFETCH": False}, warps=8).asm["ptx"]
     ptx = compile_for_sm90(_mla_combine_values_kernel, pointers, {**const, "PREFETCH": True}, warps=8).asm["ptx"]
-    assert "prefetch.global.L2" not in plain and prefetches_before_the_wait(ptx)
+    assert "cp.async.bulk.prefetch.L2" not in plain and prefetches_before_the_wait(ptx)
 
 
 @AOT_SM90
