@@ -7,9 +7,9 @@ kernels (Whisper large-v3's step moved 1.86 GB in 2.2-2.5 ms: ~0.8 TB/s of the H
 of the next product's weight, issued while the current one runs, keeps HBM streaming across the kernel
 boundaries; the product then reads its weight from L2.
 
-``l2_prefetch(regions)``: one program per region of ``regions`` (an int64 (n, 2) device tensor of
-[address, bytes] rows, ``region_table``), each issuing ``cp.async.bulk.prefetch.L2`` (sm_90 and later: the
-copy engine reads, no registers, nothing waits) over its region in CHUNK-byte pieces, BLOCK at once. A
+``l2_prefetch(regions)``: programs of SLICE bytes of each region of ``regions`` (an int64 (n, 2) device tensor
+of [address, bytes] rows, ``region_table``), each issuing ``cp.async.bulk.prefetch.L2`` (sm_90 and later: the
+SM's bulk-copy unit reads, no registers, nothing waits) over its slice in CHUNK-byte pieces, BLOCK at once. A
 prefetch changes no value anywhere: at worst it costs bandwidth and evicts lines.
 ``l2_prefetch_pages``: a paged pool's pages of each row (a decode step's cross K/V), from block tables on the
 device. ``L2Prefetcher.issue(regions)`` (``issue_pages(...)``) launches it on a side stream that first waits for the current stream's
@@ -24,7 +24,12 @@ import torch
 from kernels._triton import hopper_or_later, jit, tl, triton
 
 CHUNK = 16384  # bytes one prefetch instruction asks for (a multiple of 16, as the instruction needs)
-BLOCK = 128  # prefetch instructions a program issues at once (one per thread of its 4 warps)
+BLOCK = 32  # prefetch instructions a program issues at once (one per thread of its one warp)
+# Bytes of a region one program covers. Why split: one SM's bulk prefetches went at ~0.25-0.4 TB/s (H200,
+# 2026-11-30: one program per 3-13 MB region took 32.7 us a launch, and the side stream's chain of them, not the
+# step's kernels, set a fused Whisper step's length: 6.35 ms against 2.30 without), so a region is spread over
+# programs of SLICE bytes each (a 13 MB weight: 26 programs).
+SLICE = 512 << 10
 
 
 @jit
@@ -36,14 +41,17 @@ def _bulk_prefetch(addr, nbytes):
 
 
 @jit
-def _l2_prefetch_kernel(regions_ptr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+def _l2_prefetch_kernel(regions_ptr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, SLICE: tl.constexpr):
+    """Program (region, slice): bytes [slice * SLICE, +SLICE) of the region (none past its end)."""
     region = tl.program_id(0)
     base = tl.load(regions_ptr + 2 * region)
     size = tl.load(regions_ptr + 2 * region + 1)
+    first = tl.program_id(1).to(tl.int64) * SLICE
+    end = tl.minimum(size, first + SLICE)
     lanes = tl.arange(0, BLOCK).to(tl.int64) * CHUNK
-    for start in range(0, size, BLOCK * CHUNK):
+    for start in range(first, end, BLOCK * CHUNK):
         offsets = start + lanes
-        _bulk_prefetch(base + offsets, tl.minimum(size - offsets, CHUNK).to(tl.int32))
+        _bulk_prefetch(base + offsets, tl.minimum(end - offsets, CHUNK).to(tl.int32))
 
 
 @jit
@@ -100,7 +108,11 @@ def region_table(tensors: list[torch.Tensor], device) -> torch.Tensor | None:
         size = t.numel() * t.element_size() // 16 * 16
         if size:
             rows.append([t.data_ptr(), size])
-    return torch.tensor(rows, dtype=torch.int64, device=device) if rows else None
+    if not rows:
+        return None
+    table = torch.tensor(rows, dtype=torch.int64, device=device)
+    table.slices = -(-max(size for _, size in rows) // SLICE)  # programs a region (l2_prefetch)
+    return table
 
 
 def prefetches(device) -> bool:
@@ -110,10 +122,12 @@ def prefetches(device) -> bool:
 
 
 def l2_prefetch(regions: torch.Tensor) -> None:
-    """Prefetch every region of ``regions`` (``region_table``) into L2, on the current stream."""
+    """Prefetch every region of ``regions`` (``region_table``) into L2, on the current stream: SLICE bytes a
+    program (the table's ``slices`` attribute: its largest region's count of them)."""
     if regions is None or not prefetches(regions.device):
         return
-    _l2_prefetch_kernel[(regions.shape[0],)](regions, CHUNK=CHUNK, BLOCK=BLOCK, num_warps=4)
+    _l2_prefetch_kernel[(regions.shape[0], regions.slices)](regions, CHUNK=CHUNK, BLOCK=BLOCK, SLICE=SLICE,
+                                                            num_warps=1)
 
 
 class L2Prefetcher:

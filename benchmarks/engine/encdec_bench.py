@@ -326,14 +326,16 @@ STEP_VARIANTS = {
     # the cross-attention's key splits merged by their last program (kernels/one_query_attention.py), no merge launch
     "merge-kernel": {"TRITONLLM_ONE_QUERY_MERGE": "kernel"},
     "fused-merge": {"TRITONLLM_ENCDEC_FUSED": "1", "TRITONLLM_ONE_QUERY_MERGE": "kernel"},
-    # + each product's weight 1 (2) products ahead prefetched into L2 from a side stream (kernels/l2_prefetch.py)
-    "fused-prefetch": {"TRITONLLM_ENCDEC_FUSED": "1", "TRITONLLM_ONE_QUERY_MERGE": "kernel",
-                       "TRITONLLM_ENCDEC_PREFETCH": "1"},
-    "fused-prefetch2": {"TRITONLLM_ENCDEC_FUSED": "1", "TRITONLLM_ONE_QUERY_MERGE": "kernel",
-                        "TRITONLLM_ENCDEC_PREFETCH": "2"},
-    # + each layer's cross K/V pages prefetched before its o product
-    "fused-prefetch-kv": {"TRITONLLM_ENCDEC_FUSED": "1", "TRITONLLM_ONE_QUERY_MERGE": "kernel",
-                          "TRITONLLM_ENCDEC_PREFETCH": "2", "TRITONLLM_ENCDEC_PREFETCH_KV": "1"},
+    # the weights of the sub-layer 1 (2) ahead prefetched into L2 from a side stream (engine/encoder_decoder/
+    # l2_prefetch_plan.py), with each layer's cross K/V pages (-kv)
+    "prefetch": {"TRITONLLM_ENCDEC_PREFETCH": "1"},
+    "prefetch2": {"TRITONLLM_ENCDEC_PREFETCH": "2"},
+    "prefetch-kv": {"TRITONLLM_ENCDEC_PREFETCH": "1", "TRITONLLM_ENCDEC_PREFETCH_KV": "1"},
+    "fused-prefetch-kv": {"TRITONLLM_ENCDEC_FUSED": "1", "TRITONLLM_ENCDEC_PREFETCH": "1",
+                          "TRITONLLM_ENCDEC_PREFETCH_KV": "1"},
+    # each skinny product's weight prefetched into L2 by its own programs before their PDL wait (kernels/linear.py)
+    "weight-prefetch": {"TRITONLLM_WEIGHT_PREFETCH": "skinny"},
+    "weight-prefetch-kv": {"TRITONLLM_WEIGHT_PREFETCH": "skinny", "TRITONLLM_ENCDEC_PREFETCH_KV": "1"},
     # + kernels/norm_linear.py's PRELOAD tiling (each program's weight tile read before the PDL wait)
     "fused-preload": {"TRITONLLM_ENCDEC_FUSED": "1", "TRITONLLM_ONE_QUERY_MERGE": "kernel",
                       "TRITONLLM_NORM_LINEAR_PRELOAD": "1"},

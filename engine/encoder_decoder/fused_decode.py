@@ -48,7 +48,6 @@ import torch
 from torch import nn
 
 from engine.encoder_decoder.cross_attention import cross_attention
-from kernels.l2_prefetch import L2Prefetcher, region_table
 from kernels.linear import MAX_SKINNY_ROWS
 from kernels.norm_linear import MAX_ROWS, PRELOAD_ENV, norm_linear
 from kernels.rope_attention import append_paged_attention
@@ -60,15 +59,6 @@ FUSED_ENV = "TRITONLLM_ENCDEC_FUSED"  # the fused layer for decode steps of up t
 # "0": the fused layer's LayerNorms recompute their rows' statistics (each program of the product
 # re-reads the rows) instead of reading the partials the residual product before them emitted.
 ROW_STATS_ENV = "TRITONLLM_ENCDEC_ROW_STATS"
-
-
-# "N" (1-3): each product of the fused layer first has the weight N products ahead of it prefetched into L2
-# from a side stream (kernels/l2_prefetch.py; Hopper GPUs only); "0": none. Read at ``prepare``.
-PREFETCH_ENV = "TRITONLLM_ENCDEC_PREFETCH"
-# "1": also each layer's cross K/V pages of the step's rows, prefetched before its o product (so they stream while
-# the o and cross q products run). Read at ``prepare``.
-PREFETCH_KV_ENV = "TRITONLLM_ENCDEC_PREFETCH_KV"
-KV_PREFETCH_PRODUCT = 1
 
 
 def enabled(name: str, default: str = "0") -> bool:
@@ -102,56 +92,7 @@ def prepare(decoder: nn.Module) -> list[torch.Tensor]:
     for layer in decoder.layers:
         fuse_qkv(layer.self_attn)
     decoder.fused_decode = True
-    decoder.l2_plan = PrefetchPlan.for_decoder(decoder, int(os.environ.get(PREFETCH_ENV, "0") or 0),
-                                               kv=enabled(PREFETCH_KV_ENV))
     return [layer.self_attn.qkv_weight for layer in decoder.layers]
-
-
-def layer_products(layer: nn.Module) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-    """(weight, bias) of ``layer_step``'s six products, in the order it runs them."""
-    attn, cross, mlp = layer.self_attn, layer.cross_attn, layer.mlp
-    return [(attn.qkv_weight, attn.qkv_bias), (attn.o.weight, attn.o.bias), (cross.q.weight, cross.q.bias),
-            (cross.o.weight, cross.o.bias), (mlp.up.weight, mlp.up.bias), (mlp.down.weight, mlp.down.bias)]
-
-
-class PrefetchPlan:
-    """Which weights a fused decode step prefetches into L2 where (PREFETCH_ENV): before product k of the step
-    (layer k // 6, its (k % 6)-th product) the weight ``distance`` products ahead; the first ``distance`` at the
-    step's start. Region tables made once (the weights never move). With ``kv`` (PREFETCH_KV_ENV), before each
-    layer's KV_PREFETCH_PRODUCT also its cross K/V pages of the step's rows."""
-
-    def __init__(self, decoder: nn.Module, distance: int, kv: bool = False):
-        products = [pair for layer in decoder.layers for pair in layer_products(layer)]
-        device = products[0][0].device
-        self.prefetcher = L2Prefetcher(device)
-        tables = [region_table([t for t in pair if t is not None], device) for pair in products]
-        self.start_tables = tables[:distance]
-        # ahead[k]: what product k prefetches
-        self.ahead = tables[distance:] + [None] * distance if distance else [None] * len(tables)
-        self.kv = kv
-
-    @classmethod
-    def for_decoder(cls, decoder: nn.Module, distance: int, kv: bool = False) -> PrefetchPlan | None:
-        """The plan, or None where nothing would be prefetched (distance 0 without kv, or no Hopper GPU)."""
-        if distance <= 0 and not kv:
-            return None
-        plan = cls(decoder, max(distance, 0), kv)
-        return plan if plan.prefetcher.on else None
-
-    def start(self) -> None:
-        for table in self.start_tables:
-            self.prefetcher.issue(table)
-
-    def before(self, layer: int, product: int, cross_pool: torch.Tensor, cross_meta) -> None:
-        """Before the layer's ``product``: its weight prefetch, and the layer's cross pages where asked
-        (``cross_pool``: the layer's (2, blocks, page, heads, head_dim) pool; ``cross_meta``: the step's)."""
-        self.prefetcher.issue(self.ahead[6 * layer + product])
-        if self.kv and product == KV_PREFETCH_PRODUCT:
-            self.prefetcher.issue_pages(cross_pool[0], cross_pool[1], cross_meta.block_tables,
-                                        cross_meta.context_lens)
-
-    def join(self) -> None:
-        self.prefetcher.join()
 
 
 def mark_tilings(decoder: nn.Module, reports: dict) -> None:
@@ -189,15 +130,15 @@ def _residual_product(x, weight, bias, residual):
 
 def decode_layers(decoder: nn.Module, x: torch.Tensor, kv_cache: torch.Tensor, cross_pool: torch.Tensor, meta,
                   cross_meta) -> torch.Tensor:
-    """Every layer of ``decoder`` through ``layer_step`` (its L2 prefetches, if any, joined at the end) -> the
-    last layer's output rows."""
+    """Every layer of ``decoder`` through ``layer_step`` (with the L2 prefetches of ``decoder.l2_plan``, if any:
+    engine/encoder_decoder/l2_prefetch_plan.py, joined at the end) -> the last layer's output rows."""
     plan = getattr(decoder, "l2_plan", None)
     if plan is not None:
         plan.start()
     stats = None  # the rows' statistics for the next LayerNorm, as the layer's last product emitted them
     for index, layer in enumerate(decoder.layers):
         prefetch = None if plan is None else (
-            lambda product, index=index: plan.before(index, product, cross_pool[index], cross_meta))
+            lambda sublayer, index=index: plan.before(index, sublayer, cross_pool[index], cross_meta))
         x, stats = layer_step(layer, x, stats, kv_cache[index], cross_pool[index], meta, cross_meta, prefetch)
     if plan is not None:
         plan.join()
@@ -210,24 +151,21 @@ def layer_step(layer: nn.Module, x: torch.Tensor, stats, kv_cache: torch.Tensor,
     statistics or None). ``stats``: x's row statistics as the previous layer's fc2 product emitted
     them (kernels/norm_linear.py ``row_stats``), or None (the first layer: its norm reads x);
     kv_cache / cross_pool: this layer's (2, blocks, tokens_per_block, heads, head_dim) self and cross
-    pools; meta / cross_meta: the step's metadata; ``prefetch(k)``, if given, runs before the layer's k-th product
-    (PrefetchPlan.before)."""
+    pools; meta / cross_meta: the step's metadata; ``prefetch(s)``, if given, runs before the layer's sub-layer s
+    (0 self-attention, 1 cross-attention, 2 MLP: l2_prefetch_plan.PrefetchPlan.before)."""
     rows, attn, cross, mlp = x.shape[0], layer.self_attn, layer.cross_attn, layer.mlp
-    before = prefetch or (lambda product: None)
+    before = prefetch or (lambda sublayer: None)
     before(0)
     qkv = _product(x, attn.qkv_weight, attn.qkv_bias, norm=_norm(layer.self_norm), row_stats=stats)
     q, k, v = qkv.view(rows, 3, attn.heads, attn.head_dim).unbind(1)
     out = append_paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, attn.scale)
-    before(1)
     x, stats = _residual_product(out.flatten(1), attn.o.weight, attn.o.bias, x)
-    before(2)
+    before(1)
     q = _product(x, cross.q.weight, cross.q.bias, norm=_norm(layer.cross_norm),
                  row_stats=stats).view(rows, cross.heads, cross.head_dim)
     out = cross_attention(q, cross_pool[0], cross_pool[1], cross_meta, cross.scale, decode_step=True)
-    before(3)
     x, stats = _residual_product(out.flatten(1), cross.o.weight, cross.o.bias, x)
-    before(4)
+    before(2)
     h = _product(x, mlp.up.weight, mlp.up.bias, norm=_norm(layer.mlp_norm), activation=mlp.activation_name,
                  row_stats=stats)
-    before(5)
     return _residual_product(h, mlp.down.weight, mlp.down.bias, x)

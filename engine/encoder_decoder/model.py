@@ -579,6 +579,9 @@ class Decoder(_Stack):
         # final norm reads) may hand it their scales to apply (kernels/fp8.py "Deferred scales", chosen at load)
         defers = quantize and self.spec.norm == "rms"
         residual = None
+        plan = getattr(self, "l2_plan", None) if meta.is_decode_only else None  # l2_prefetch_plan.py
+        if plan is not None:
+            plan.start()
         for index, layer in enumerate(self.layers):
             def attend_self(h, layer=layer, index=index, defer_scales=False):
                 attn = layer.self_attn
@@ -603,11 +606,15 @@ class Decoder(_Stack):
                 x = _sublayer(layer.mlp_norm, False, x, layer.mlp.rows)
                 continue
             last = index == len(self.layers) - 1
-            for norm, sublayer, defer in ((layer.self_norm, attend_self, defers),
-                                          (layer.cross_norm, attend_encoder, defers),
-                                          (layer.mlp_norm, layer.mlp.rows, defers and not last)):
+            for position, (norm, sublayer, defer) in enumerate(((layer.self_norm, attend_self, defers),
+                                                                (layer.cross_norm, attend_encoder, defers),
+                                                                (layer.mlp_norm, layer.mlp.rows, defers and not last))):
+                if plan is not None:
+                    plan.before(index, position, cross.pool[index], cross.meta)
                 h, residual = norm.add_and_norm(x, residual, quantize=quantize)
                 x = sublayer(h, defer_scales=defer)
+        if plan is not None:
+            plan.join()
         if residual is not None:  # (pre-norm: x is the last sublayer's output, not yet added)
             if self.final_norm is None:
                 return apply_scales(x) + residual

@@ -38,6 +38,7 @@ from engine.encoder_decoder import fused_decode
 from engine.encoder_decoder.convert import check_complete
 from engine.encoder_decoder.cross_kv import cross_pool_dtype, fuse_cross_kv, project_into_pool, require_fp8
 from engine.encoder_decoder.decode_graphs import EncDecDecodeGraphs
+from engine.encoder_decoder.l2_prefetch_plan import PrefetchPlan
 from engine.encoder_decoder.model import (CrossAttentionBatch, Decoder, Encoder, Fp8Linear, cross_metadata,
                                           fuse_gated_mlps, fuse_self_attention_qkv)
 from engine.encoder_decoder.spec import EncDecSpec
@@ -153,6 +154,8 @@ class EncDecRunner(ModelRunner):
                             extra_weights=fused_decode.prepare(self.model) if fused else ())
         if fused:
             fused_decode.mark_tilings(self.model, self.gemm_choices)
+        # L2 prefetches of the weights ahead ($TRITONLLM_ENCDEC_PREFETCH, off by default): l2_prefetch_plan.py
+        self.model.l2_plan = PrefetchPlan.for_decoder(self.model)
         build = self.build_config
         self.decode_graphs = EncDecDecodeGraphs(
             self.model, self.kv_cache, self.cross_pool, tokens_per_block=self.tokens_per_block,

@@ -5,7 +5,8 @@ CPU: the same requests through the executor unfused, then with the decoder prepa
 weight, LayerNorm/bias/GELU/residual folded into the products: kernels/norm_linear.py's torch
 reference here), equal ids, and the fused layer served the decode steps. GPU (marked): a float32
 engine's CUDA graphs, fused (also with L2 prefetches and the in-kernel split merge) against
-TRITONLLM_ENCDEC_FUSED=0 and transformers."""
+TRITONLLM_ENCDEC_FUSED=0 (also with L2 prefetches) and transformers. CPU also: the L2 prefetch schedule of
+both paths (engine/encoder_decoder/l2_prefetch_plan.py), recorded."""
 from __future__ import annotations
 
 import importlib.util
@@ -16,6 +17,7 @@ import torch
 
 from engine.encoder_decoder import fused_decode
 from engine.encoder_decoder.cross_attention import CROSS_KERNEL_ENV
+from engine.encoder_decoder.l2_prefetch_plan import PREFETCH_ENV, PREFETCH_KV_ENV
 from engine.executor import Executor, ExecutorConfig, OutputConfig, Request
 from kernels.one_query_attention import MERGE_ENV
 from tests.executor.executor_testing import collect, final_tokens
@@ -44,7 +46,12 @@ def test_fused_layer_ids_equal_unfused_and_transformers(whisper, monkeypatch):
     model, engine = whisper
     features = _features()
     with Executor(engine, ExecutorConfig(max_batch_size=4), device="cpu") as ex:
+        # The L2 prefetch schedule (a no-op off Hopper GPUs, so recorded here) of the unfused decode steps, then of
+        # the fused ones: 2 sub-layers ahead, and the cross pages
+        schedule, events = _record_prefetch_schedule(ex.runner, monkeypatch)
         expected = [final_tokens(r) for r in collect(ex, ex.enqueue_requests(_requests(features))).values()]
+        assert events and events == schedule * (len(events) // len(schedule))
+        events.clear()
         decoder = ex.runner.model
         assert fused_decode.fusable(ex.runner.spec)
         fused_weights = fused_decode.prepare(decoder)
@@ -55,32 +62,25 @@ def test_fused_layer_ids_equal_unfused_and_transformers(whisper, monkeypatch):
         steps = []
         step = fused_decode.layer_step
         monkeypatch.setattr(fused_decode, "layer_step", lambda layer, x, *a: steps.append(x.shape[0]) or step(layer, x, *a))
-        # The L2 prefetch schedule (a no-op off Hopper GPUs, so recorded here): 2 products ahead, and the cross pages
-        order, events = _record_prefetch_schedule(decoder, monkeypatch, distance=2)
-        pages = [ex.runner.cross_pool[index, 0].data_ptr() for index in range(len(decoder.layers))]
         got = [final_tokens(r) for r in collect(ex, ex.enqueue_requests(_requests(features))).values()]
     assert got == expected and steps
-    # each step: the first 2 products' weights at its start, then before product k the weight of product k + 2
-    # (and before each layer's o product, KV_PREFETCH_PRODUCT, that layer's cross K/V pages), then the join; the
-    # step's products in order
-    products = len(order)
-    one_step = [("prefetch", order[0]), ("prefetch", order[1])]
-    for k in range(products):
-        one_step += [("prefetch", order[k + 2])] if k + 2 < products else []
-        one_step += [("pages", pages[k // 6])] if k % 6 == fused_decode.KV_PREFETCH_PRODUCT else []
-        one_step.append(("product", order[k]))
-    one_step.append(("join", None))
-    assert len(events) == len(steps) // len(decoder.layers) * len(one_step)
-    assert events == one_step * (len(events) // len(one_step))
+    assert len(events) == len(steps) // len(decoder.layers) * len(schedule)
+    assert events == schedule * (len(events) // len(schedule))
     for f, tokens in zip(features[:2], got):
         assert tokens == [t for t in generate_whisper(model, f, 8) if t != 1]
 
 
-def _record_prefetch_schedule(decoder, monkeypatch, *, distance: int):
-    """A PrefetchPlan of ``distance`` (and the cross pages) on ``decoder`` whose prefetcher records what it is asked (each region table's
-    first address), beside the fused products it runs (their weights' addresses). Returns (the products' weight
-    addresses in step order, the shared event list)."""
-    events = []
+def _record_prefetch_schedule(runner, monkeypatch):
+    """A PrefetchPlan 2 sub-layers ahead, with the cross pages, on ``runner``'s decoder, its prefetcher recording what
+    it is asked (each region table's first address; the pages by the K pool's address) beside the products the step
+    runs (their weights' addresses: fused_decode's norm_linear, model.py's product and linear_activated). Returns
+    (one decode step's expected events, the event list): at the step's start the first 2 sub-layers' weights;
+    before sub-layer g (layer g // 3) the weights of sub-layer g + 2, and before each layer's self-attention that
+    layer's cross pages; the sub-layer's two products; the join at the end."""
+    from engine.encoder_decoder import model as model_module
+    from engine.encoder_decoder.l2_prefetch_plan import KV_PREFETCH_SUBLAYER, PrefetchPlan, sublayer_tensors
+
+    decoder, events = runner.model, []
 
     class Recorder:
         def issue(self, table):
@@ -93,18 +93,30 @@ def _record_prefetch_schedule(decoder, monkeypatch, *, distance: int):
         def join(self):
             events.append(("join", None))
 
-    plan = fused_decode.PrefetchPlan(decoder, distance, kv=True)
+    plan = PrefetchPlan(decoder, 2, kv=True)
     plan.prefetcher = Recorder()
+    in_step = []  # (products are recorded from a decode step's start to its join: not the prompt steps')
+    start, join = plan.start, plan.join
+    plan.start, plan.join = (lambda: in_step.append(True) or start()), (lambda: join() or in_step.clear())
     monkeypatch.setattr(decoder, "l2_plan", plan, raising=False)
-    product = fused_decode.norm_linear
+    for module, name in ((fused_decode, "norm_linear"), (model_module, "product"), (model_module, "linear_activated")):
+        def recorded(x, weight, *args, product=getattr(module, name), **kwargs):
+            if in_step:
+                events.append(("product", weight.data_ptr()))
+            return product(x, weight, *args, **kwargs)
 
-    def recorded(x, weight, *args, **kwargs):
-        events.append(("product", weight.data_ptr()))
-        return product(x, weight, *args, **kwargs)
-
-    monkeypatch.setattr(fused_decode, "norm_linear", recorded)
-    order = [weight.data_ptr() for layer in decoder.layers for weight, _ in fused_decode.layer_products(layer)]
-    return order, events
+        monkeypatch.setattr(module, name, recorded)
+    groups = [tensors for layer in decoder.layers for tensors in sublayer_tensors(layer)]
+    first = [tensors[0].data_ptr() for tensors in groups]
+    schedule = [("prefetch", first[0]), ("prefetch", first[1])]
+    for g, tensors in enumerate(groups):
+        layer, sublayer = divmod(g, 3)
+        schedule += [("prefetch", first[g + 2])] if g + 2 < len(groups) else []
+        if sublayer == KV_PREFETCH_SUBLAYER:
+            schedule.append(("pages", runner.cross_pool[layer, 0].data_ptr()))
+        weights = [t for t in tensors if t.dim() == 2]  # (its products: [q | k | v] and o; q and o; up and down)
+        schedule += [("product", w.data_ptr()) for w in weights]
+    return schedule + [("join", None)], events
 
 
 @pytest.mark.gpu
@@ -117,20 +129,21 @@ def test_fused_graphs_equal_unfused_on_gpu(whisper, monkeypatch):
     features = _features()
     results = {}
     hopper = torch.cuda.get_device_capability()[0] >= 9
-    # the fused layer with the cross decode kernel; again with L2 prefetches 2 products ahead and the splits merged
-    # in the cross kernel; unfused without either
+    # the fused layer with the cross decode kernel; again with L2 prefetches 2 sub-layers ahead (and the cross pages)
+    # and the splits merged in the cross kernel; unfused without either, and with the prefetches
     for name, fused, prefetch, merge in (("fused", "1", "0", "launch"), ("prefetch", "1", "2", "kernel"),
-                                         ("unfused", "0", "0", "launch")):
+                                         ("unfused", "0", "0", "launch"), ("unfused-prefetch", "0", "1", "launch")):
         monkeypatch.setenv(fused_decode.FUSED_ENV, fused)
         monkeypatch.setenv(CROSS_KERNEL_ENV, fused)
-        monkeypatch.setenv(fused_decode.PREFETCH_ENV, prefetch)
+        monkeypatch.setenv(PREFETCH_ENV, prefetch)
+        monkeypatch.setenv(PREFETCH_KV_ENV, "1" if prefetch != "0" else "0")
         monkeypatch.setenv(MERGE_ENV, merge)
         with Executor(engine, ExecutorConfig(max_batch_size=4), device="cuda") as ex:
             assert getattr(ex.runner.model, "fused_decode", False) == (fused == "1")
             assert (getattr(ex.runner.model, "l2_plan", None) is not None) == (prefetch != "0" and hopper)
             assert sorted(ex.runner.decode_graphs.graphs) == [1, 2, 4]
             results[name] = [final_tokens(r) for r in collect(ex, ex.enqueue_requests(_requests(features))).values()]
-    assert results["fused"] == results["unfused"] == results["prefetch"]
+    assert results["fused"] == results["unfused"] == results["prefetch"] == results["unfused-prefetch"]
     for f, tokens in zip(features[:2], results["fused"]):
         assert tokens == [t for t in generate_whisper(model, f, 8) if t != 1]
 
