@@ -31,61 +31,77 @@ import os
 import torch
 
 from kernels._triton import jit, tl, triton, use_triton
-from kernels.triton_attention import rotate_neox
+from kernels.triton_attention import rotate_pair
 
 MAX_RUN = 128  # the longest run one program takes whole (its key tile); longer runs: rotary + SDPA
-HEADS_ENV = "TRITONLLM_WINDOW_ATTN_HEADS"  # heads per program (a tiling knob for GPU sweeps; default 1)
+# (heads a program, warps a program); TILING_ENV "h,w" overrides it (benchmarks/kernels/tower_parts_bench.py sweeps)
+DEFAULT_TILING = (1, 4)
+TILING_ENV = "TRITONLLM_WINDOW_ATTN_TILING"
 
 
 @jit
 def _window_attention_kernel(
     qkv_ptr, out_ptr, table_ptr, starts_ptr, lengths_ptr, qk_scale, stride_qkv, stride_out, stride_table,
-    HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK: tl.constexpr,
+    HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK: tl.constexpr,
     HEADS_PER_PROGRAM: tl.constexpr, ROTARY: tl.constexpr, PRECISION: tl.constexpr,
 ):
+    """Program (run, head group). Each head is read as its two halves (dims j and j + HEAD_DIM / 2: the rotary's
+    pairs, so the rotation needs no second load), and the products are sums over the halves: q k^T = q1 k1^T +
+    q2 k2^T, P v = [P v1 | P v2]."""
     run = tl.program_id(0)
     start = tl.load(starts_ptr + run).to(tl.int64)
     n = tl.load(lengths_ptr + run)
     rows = tl.arange(0, BLOCK)
-    dims = tl.arange(0, DIM_PAD)
+    half = tl.arange(0, HALF_PAD)
     row_ok = rows < n
-    mask = row_ok[:, None] & (dims < HEAD_DIM)[None, :]
-    tokens = start + rows
     HALF: tl.constexpr = HEAD_DIM // 2
-    first = (dims < HALF)[None, :]
-    if ROTARY:  # each dim's frequency, its partner HALF away, and the token's cos / sin of that frequency
-        freq = tl.where(dims < HALF, dims, dims - HALF)[None, :]
-        partner = tl.where(dims < HALF, dims + HALF, dims - HALF)[None, :]
-        table = table_ptr + tokens[:, None] * stride_table + freq
+    mask = row_ok[:, None] & (half < HALF)[None, :]
+    tokens = start + rows
+    if ROTARY:  # each token's cos / sin of the HALF frequencies
+        table = table_ptr + tokens[:, None] * stride_table + half[None, :]
         cos = tl.load(table, mask=mask, other=1.0)
         sin = tl.load(table + HALF, mask=mask, other=0.0)
     for i in tl.static_range(HEADS_PER_PROGRAM):
         head = tl.program_id(1) * HEADS_PER_PROGRAM + i
         if head < HEADS:
-            q_row = qkv_ptr + tokens[:, None] * stride_qkv + head * HEAD_DIM
+            q_row = qkv_ptr + tokens[:, None] * stride_qkv + head * HEAD_DIM + half[None, :]
             k_row = q_row + HEADS * HEAD_DIM
             v_row = k_row + HEADS * HEAD_DIM
-            q = tl.load(q_row + dims[None, :], mask=mask, other=0.0)
-            k = tl.load(k_row + dims[None, :], mask=mask, other=0.0)
-            if ROTARY:
-                q = rotate_neox(q, tl.load(q_row + partner, mask=mask, other=0.0), cos, sin, first)
-                k = rotate_neox(k, tl.load(k_row + partner, mask=mask, other=0.0), cos, sin, first)
-            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # log2 units
+            q1 = tl.load(q_row, mask=mask, other=0.0)
+            q2 = tl.load(q_row + HALF, mask=mask, other=0.0)
+            k1 = tl.load(k_row, mask=mask, other=0.0)
+            k2 = tl.load(k_row + HALF, mask=mask, other=0.0)
+            if ROTARY:  # kernels/rotary.py's rotation, rounded back to the input dtype as it stores it
+                r1, r2 = rotate_pair(q1, q2, cos, sin)
+                q1, q2 = r1.to(q1.dtype), r2.to(q1.dtype)
+                r1, r2 = rotate_pair(k1, k2, cos, sin)
+                k1, k2 = r1.to(k1.dtype), r2.to(k1.dtype)
+            scores = tl.dot(q1, tl.trans(k1), input_precision=PRECISION)
+            scores = tl.dot(q2, tl.trans(k2), scores, input_precision=PRECISION) * qk_scale  # log2 units
             scores = tl.where(row_ok[None, :], scores, float("-inf"))
             top = tl.max(scores, 1)
             p = tl.exp2(scores - top[:, None])
-            total = tl.sum(p, 1)
-            v = tl.load(v_row + dims[None, :], mask=mask, other=0.0)
-            out = tl.dot(p.to(v.dtype), v, input_precision=PRECISION) / total[:, None]
-            tl.store(out_ptr + tokens[:, None] * stride_out + head * HEAD_DIM + dims[None, :], out.to(q.dtype),
-                     mask=mask)
+            total = tl.sum(p, 1)[:, None]
+            v1 = tl.load(v_row, mask=mask, other=0.0)
+            v2 = tl.load(v_row + HALF, mask=mask, other=0.0)
+            p = p.to(v1.dtype)
+            out = out_ptr + tokens[:, None] * stride_out + head * HEAD_DIM + half[None, :]
+            tl.store(out, (tl.dot(p, v1, input_precision=PRECISION) / total).to(v1.dtype), mask=mask)
+            tl.store(out + HALF, (tl.dot(p, v2, input_precision=PRECISION) / total).to(v1.dtype), mask=mask)
 
 
-def heads_per_program(heads: int) -> int:
-    value = int(os.environ.get(HEADS_ENV, "1"))
-    if value < 1:
-        raise ValueError(f"{HEADS_ENV}={value}: give a positive head count")
-    return min(value, heads)
+def tiling() -> tuple[int, int]:
+    """(heads a program, warps a program): TILING_ENV ("2,8"), else DEFAULT_TILING."""
+    value = os.environ.get(TILING_ENV)
+    if not value:
+        return DEFAULT_TILING
+    try:
+        heads, warps = (int(v) for v in value.split(","))
+    except ValueError:
+        heads = warps = 0
+    if heads < 1 or warps not in (1, 2, 4, 8, 16):
+        raise ValueError(f"{TILING_ENV}={value!r}: give 'heads a program,warps' (warps a power of two up to 16)")
+    return heads, warps
 
 
 def window_attention_triton(qkv: torch.Tensor, heads: int, table: torch.Tensor | None, starts: torch.Tensor,
@@ -103,14 +119,15 @@ def window_attention_triton(qkv: torch.Tensor, heads: int, table: torch.Tensor |
     runs = starts.numel()
     if runs == 0:
         return out
-    per_program = heads_per_program(heads)
+    per_program, warps = tiling()
+    per_program = min(per_program, heads)
     scale = head_dim ** -0.5 if scale is None else scale
     _window_attention_kernel[(runs, triton.cdiv(heads, per_program))](
         qkv, out, qkv if table is None else table, starts, lengths, scale * math.log2(math.e), qkv.stride(0),
         out.stride(0), 0 if table is None else table.stride(0),
-        HEADS=heads, HEAD_DIM=head_dim, DIM_PAD=triton.next_power_of_2(head_dim),
+        HEADS=heads, HEAD_DIM=head_dim, HALF_PAD=max(16, triton.next_power_of_2(head_dim // 2)),  # (tl.dot: K >= 16)
         BLOCK=max(16, triton.next_power_of_2(max_run)), HEADS_PER_PROGRAM=per_program, ROTARY=table is not None,
-        PRECISION="ieee" if qkv.dtype == torch.float32 else "tf32", num_warps=4, num_stages=1)
+        PRECISION="ieee" if qkv.dtype == torch.float32 else "tf32", num_warps=warps, num_stages=1)
     return out
 
 

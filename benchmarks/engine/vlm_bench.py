@@ -81,7 +81,7 @@ from engine.vision.encode_queue import ImageEncodeQueue  # noqa: E402
 from engine.vision.mlp_width import pad_mlp_widths, padded_width  # noqa: E402
 from engine.vision.mrope import request_mrope  # noqa: E402
 from engine.vision.tower_fp8 import TOWER_FP8_ENV, embedding_cosines, quantize_tower_linears, tower_fp8_scope  # noqa: E402
-from kernels.window_attention import HEADS_ENV as WINDOW_HEADS_ENV  # noqa: E402
+from kernels.window_attention import TILING_ENV as WINDOW_TILING_ENV, tiling as window_tiling  # noqa: E402
 
 SECTIONS = ["encoder", "ttft", "offline"]
 GOALS = {"offline_vs_text": 0.85, "offline_vs_hf": 5.0}
@@ -173,14 +173,11 @@ TOWER_VARIANTS = {"fused": {}, "unfused": {qwen2_vl.UNFUSED_ENV: "1"},
                   **{f"sdpa-{name}": {qwen2_vl.SDPA_ENV: name} for name in qwen2_vl.SDPA_BACKENDS},
                   **{f"window-sdpa-{name}": {qwen2_vl.WINDOW_SDPA_ENV: name} for name in qwen2_vl.SDPA_BACKENDS},
                   "fp8": {TOWER_FP8_ENV: "1"}, "fp8-mlp": {TOWER_FP8_ENV: "mlp"},
-                  # the window blocks' attention (engine/vision/qwen2_5_vl.py WINDOW_KERNEL_ENV); -hN: N heads a program
+                  # the window blocks' attention (engine/vision/qwen2_5_vl.py WINDOW_KERNEL_ENV); -hNwM: N heads, M warps a program
                   **{f"window-{name}": {qwen2_5_vl.WINDOW_KERNEL_ENV: name} for name in qwen2_5_vl.WINDOW_KERNELS},
-                  **{f"window-triton-h{n}": {qwen2_5_vl.WINDOW_KERNEL_ENV: "triton", WINDOW_HEADS_ENV: str(n)}
-                     for n in (2, 4)},
-                  # the MLP's gate_up product with its SiLU-and-product in one Triton GEMM, or cuBLAS then silu_and_mul
-                  **{f"gated-{name}": {qwen2_5_vl.GATED_GEMM_ENV: name} for name in qwen2_5_vl.GATED_GEMMS},
-                  "both-triton": {qwen2_5_vl.WINDOW_KERNEL_ENV: "triton", qwen2_5_vl.GATED_GEMM_ENV: "triton"},
-                  "both-old": {qwen2_5_vl.WINDOW_KERNEL_ENV: "sdpa", qwen2_5_vl.GATED_GEMM_ENV: "cublas"}}
+                  **{f"window-triton-h{h}w{w}": {qwen2_5_vl.WINDOW_KERNEL_ENV: "triton", WINDOW_TILING_ENV: f"{h},{w}"}
+                     for h, w in ((1, 4), (1, 8), (2, 4), (2, 8), (4, 8))},
+}
 # --offline-variants: queue runs of the offline section changed in one way each, "+" joins them. fp8-tower: the
 # tower's linears in E4M3 (engine/vision/tower_fp8.py), fp8-mlp-tower: its MLPs' only; flash-attn: the tower's
 # attention on flash (TRITONLLM_TOWER_SDPA=flash: no per-shape plan); cudnn-attn: on torch's own choice, cuDNN on an
@@ -190,10 +187,9 @@ TOWER_VARIANTS = {"fused": {}, "unfused": {qwen2_vl.UNFUSED_ENV: "1"},
 # batch (not 8 images), so the executor's first step is a full one; tower-graphs: the queue replays the forwards of
 # image batches seen before from CUDA graphs (engine/vision/tower_graphs.py; TRITONLLM_TOWER_GRAPHS=8; off by default);
 # window-triton / window-sdpa: the window blocks' attention (TRITONLLM_TOWER_WINDOW_KERNEL: kernels/window_attention.py
-# or rotary + SDPA); gated-triton / gated-cublas: the MLP's gate_up and SiLU-and-product (TRITONLLM_TOWER_GATED_GEMM:
-# kernels/gated_gemm.py or cuBLAS + silu_and_mul)
+# or rotary + SDPA)
 OFFLINE_VARIANTS = ("fp8-tower", "fp8-mlp-tower", "flash-attn", "cudnn-attn", "first-odd", "first-full", "tower-graphs",
-                    "window-triton", "window-sdpa", "gated-triton", "gated-cublas")
+                    "window-triton", "window-sdpa")
 TOWER_GRAPHS_KEPT = 8
 ODD_FIRST_IMAGES = 5
 FP8_TOWER_SCOPES = {"fp8-tower": "all", "fp8-mlp-tower": "mlp"}  # (engine/vision/tower_fp8.py FP8_SCOPES)
@@ -244,10 +240,9 @@ def tower_setting(device: str) -> str:
     blocks' Triton kernel (TRITONLLM_TOWER_WINDOW_KERNEL, on CUDA by default where DEFAULT_WINDOW_KERNEL says)."""
     blocks = "unfused blocks" if os.environ.get(qwen2_vl.UNFUSED_ENV) == "1" else "fused blocks"
     fp8 = f", FP8 linears ({tower_fp8_scope()})" if tower_fp8_scope() else ""
-    windows = (f"the Triton window kernel (heads a program: {os.environ.get(WINDOW_HEADS_ENV, '1')})"
+    windows = ("the Triton window kernel (heads, warps a program: {}, {})".format(*window_tiling())
                if qwen2_5_vl.window_kernel(torch.empty(0, device=device)) == "triton" else sdpa_backend(windows=True))
-    gated = ", gate_up + SiLU in one Triton GEMM" if qwen2_5_vl.gated_gemm_choice() == "triton" else ""
-    return f"{blocks}{fp8}, SDPA {sdpa_backend()}, windows {windows}{gated}"
+    return f"{blocks}{fp8}, SDPA {sdpa_backend()}, windows {windows}"
 
 
 def profile_tower(encoder, patches: torch.Tensor, grids: list[list[int]], path: Path) -> str:
@@ -843,9 +838,7 @@ def variant_environment(parts: list[str]) -> dict | None:
     environment = {}
     for part, name, value in (("flash-attn", qwen2_vl.SDPA_ENV, "flash"), ("cudnn-attn", qwen2_vl.SDPA_ENV, "auto"),
                               ("window-triton", qwen2_5_vl.WINDOW_KERNEL_ENV, "triton"),
-                              ("window-sdpa", qwen2_5_vl.WINDOW_KERNEL_ENV, "sdpa"),
-                              ("gated-triton", qwen2_5_vl.GATED_GEMM_ENV, "triton"),
-                              ("gated-cublas", qwen2_5_vl.GATED_GEMM_ENV, "cublas")):
+                              ("window-sdpa", qwen2_5_vl.WINDOW_KERNEL_ENV, "sdpa")):
         if part in parts:
             environment[name] = value
     return environment or None
@@ -861,9 +854,7 @@ def offline_variant_label(variant: str, o: dict) -> str:
               "first-odd": f"the first forward {ODD_FIRST_IMAGES} images (counts the untimed round did not make)",
               "tower-graphs": f"the tower's forwards replayed from CUDA graphs (TRITONLLM_TOWER_GRAPHS={TOWER_GRAPHS_KEPT})",
               "window-triton": "the window blocks' rotary and attention in one Triton kernel (TRITONLLM_TOWER_WINDOW_KERNEL=triton)",
-              "window-sdpa": "the window blocks' rotary, then SDPA (TRITONLLM_TOWER_WINDOW_KERNEL=sdpa)",
-              "gated-triton": "the MLP's gate_up and SiLU-and-product in one Triton GEMM (TRITONLLM_TOWER_GATED_GEMM=triton)",
-              "gated-cublas": "the MLP's gate_up by cuBLAS, then silu_and_mul (TRITONLLM_TOWER_GATED_GEMM=cublas)"}
+              "window-sdpa": "the window blocks' rotary, then SDPA (TRITONLLM_TOWER_WINDOW_KERNEL=sdpa)"}
     unknown = {"min": float("nan"), "mean": float("nan"), "images": 0}
     return "the same, " + " and ".join(labels[part].format(**(o.get(f"{part}_cosines") or unknown))
                                        for part in variant.split("+"))

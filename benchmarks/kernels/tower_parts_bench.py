@@ -3,15 +3,11 @@ replace it, at one forward's patch count (32 images of 448 x 448: 32,768 patches
 windows of 64 patches, frames of 1,024), bf16, one GPU. Device milliseconds (CUDA events, median of 20):
 
 - ``window``: a window block's rotary in place + SDPA per window (planless: flash), against
-  kernels/window_attention.py (rotary and attention in one kernel from the qkv product) at 1, 2 and 4 heads a
-  program; the kernel's largest difference from the old path is printed (bf16: a few rounding steps);
+  kernels/window_attention.py (rotary and attention in one kernel from the qkv product) at WINDOW_TILINGS; the kernel's largest difference from the old path is printed (bf16: a few rounding steps);
 - ``frame``: a full-frame block's rotary + SDPA (for scale: what the kernel does not take);
 - ``residual``: the proj and down products with their bias then the RMSNorm adding the residual (reads 2, writes 2 rows), against
   the residual added by the product (``addmm_`` in place, beta = 1) then a norm of one input (the bias would ride
-  in the norm as a column vector: not timed, a few bytes);
-- ``gated``: the MLP's gate_up product (cuBLAS, bias in its epilogue) then silu_and_mul, against
-  kernels/gated_gemm.py (SiLU-and-product in the GEMM's epilogue) at each of GATED_GEMM_TILINGS (largest
-  difference from the unfused path and TFLOPS printed).
+  in the norm as a column vector: not timed, a few bytes).
 
     python benchmarks/kernels/tower_parts_bench.py --out tower_parts.json
 """
@@ -31,10 +27,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmarks.common import cuda_time_ms, git_commit, utc_now  # noqa: E402
 from engine.vision.qwen2_vl import segment_attention  # noqa: E402
 from engine.vision.tower_layout import PatchRotary, Segments  # noqa: E402
-from kernels.activation import silu_and_mul  # noqa: E402
-from kernels.gated_gemm import GATED_GEMM_TILINGS, gated_gemm  # noqa: E402
 from kernels.rmsnorm import rms_norm  # noqa: E402
-from kernels.window_attention import HEADS_ENV, window_attention  # noqa: E402
+from kernels.window_attention import TILING_ENV, window_attention  # noqa: E402
+
+
+WINDOW_TILINGS = ((1, 4), (1, 8), (2, 4), (2, 8), (4, 8))  # (heads a program, warps)
 
 
 def wall_ms(fn, repeat: int = 3) -> float:
@@ -53,7 +50,7 @@ def main(argv=None) -> None:
     p.add_argument("--window", type=int, default=64)
     p.add_argument("--frame", type=int, default=1024)
     p.add_argument("--mlp", type=int, default=3456, help="the down product's input width (padded MLP)")
-    p.add_argument("--parts", default="gated,window,residual,frame", help="which (they run gated, window, frame, residual)")
+    p.add_argument("--parts", default="window,residual,frame", help="which (they run window, frame, residual)")
     p.add_argument("--device", default="cuda", help="cpu: a smoke run of the code (small --patches; wall times)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -76,41 +73,23 @@ def main(argv=None) -> None:
 
     copy_ms = timed(lambda: work.copy_(qkv))
     results["qkv_copy_ms"] = copy_ms
-    if "gated" in parts:  # the MLP's widening product and its SiLU-and-product
-        h = torch.randn(n, dim, device=dev, dtype=dtype)
-        weight = torch.randn(2 * args.mlp, dim, device=dev, dtype=dtype) / dim ** 0.5
-        bias = torch.randn(2 * args.mlp, device=dev, dtype=dtype) * 0.1
-        want = silu_and_mul(F.linear(h, weight, bias)).float()
-        flops = 2 * n * dim * 2 * args.mlp
-        row = results["gated"] = {"cublas_ms": timed(lambda: F.linear(h, weight, bias)),
-                                  "cublas_then_silu_and_mul_ms": timed(lambda: silu_and_mul(F.linear(h, weight, bias)))}
-        print(f"gated (per block): cuBLAS {row['cublas_ms']:.3f} ms ({flops / row['cublas_ms'] / 1e9:.0f} TFLOPS), "
-              f"+ silu_and_mul {row['cublas_then_silu_and_mul_ms']:.3f} ms", flush=True)
-        for tiling in GATED_GEMM_TILINGS if dev == "cuda" else GATED_GEMM_TILINGS[:1]:
-            name = "x".join(map(str, tiling))
-            try:  # one line a tiling, as it is timed (the call's guard may cut the sweep)
-                got = gated_gemm(h, weight, bias, tiling).float()
-                ms = row[f"fused_{name}_ms"] = timed(lambda: gated_gemm(h, weight, bias, tiling))
-                diff = row[f"fused_{name}_max_abs_diff"] = (got - want).abs().max().item()
-                print(f"gated fused {name}: {ms:.3f} ms ({flops / ms / 1e9:.0f} TFLOPS), max |diff| {diff:.3g}", flush=True)
-            except Exception as error:  # noqa: BLE001 (a tiling that does not compile here: its name and why)
-                row[f"fused_{name}_error"] = f"{type(error).__name__}: {str(error)[:120]}"
-                print(f"gated fused {name}: {row[f'fused_{name}_error']}", flush=True)
     if "window" in parts:
         windows = Segments([args.window] * (n // args.window), dev, windows=True)
         starts, lengths, longest = windows.runs()
         old_ms = timed(lambda: old_path(windows)) - copy_ms
         want = old_path(windows).float()
         row = {"rotary_then_sdpa_ms": old_ms}
-        for per_program in (1, 2, 4):
-            os.environ[HEADS_ENV] = str(per_program)
+        print(f"window (per block): rotary + SDPA {old_ms:.3f} ms", flush=True)
+        for per_program, warps in WINDOW_TILINGS:
+            os.environ[TILING_ENV] = f"{per_program},{warps}"
             got = window_attention(qkv, heads, rotary.table, starts, lengths, longest)
-            row[f"kernel_h{per_program}_ms"] = timed(
+            ms = row[f"kernel_h{per_program}w{warps}_ms"] = timed(
                 lambda: window_attention(qkv, heads, rotary.table, starts, lengths, longest))
-            row[f"kernel_h{per_program}_max_abs_diff"] = (got.float() - want).abs().max().item()
-        os.environ.pop(HEADS_ENV)
+            diff = row[f"kernel_h{per_program}w{warps}_max_abs_diff"] = (got.float() - want).abs().max().item()
+            print(f"window kernel {per_program} heads a program, {warps} warps: {ms:.3f} ms, max |diff| {diff:.3g}",
+                  flush=True)
+        os.environ.pop(TILING_ENV)
         results["window"] = row
-        print("window (per block):", json.dumps(row), flush=True)
     if "frame" in parts:
         frames = Segments([args.frame] * (n // args.frame), dev)
         results["frame"] = {"rotary_then_sdpa_ms": timed(lambda: old_path(frames)) - copy_ms}

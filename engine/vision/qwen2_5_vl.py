@@ -26,7 +26,6 @@ from engine.vision.tower_layout import PatchRotary, Segments, tower_layout
 from kernels._triton import use_triton
 from kernels.activation import silu_and_mul
 from kernels.fp8 import rms_norm_quantized, silu_and_mul_quantized
-from kernels.gated_gemm import gated_gemm
 from kernels.rmsnorm import rms_norm
 from kernels.window_attention import MAX_RUN, window_attention
 
@@ -38,21 +37,6 @@ MODEL_TYPE = "qwen2_5_vl"  # builder_config.model_type
 WINDOW_KERNEL_ENV = "TRITONLLM_TOWER_WINDOW_KERNEL"
 WINDOW_KERNELS = ("triton", "sdpa")
 DEFAULT_WINDOW_KERNEL = "sdpa"
-
-
-# The MLP's gate_up product and SiLU-and-product on CUDA in 16-bit rows: "triton" (kernels/gated_gemm.py: one GEMM
-# with the SiLU-and-product in its epilogue, the (patches, 2 x width) product never written) or "cublas" (the product,
-# then kernels/activation.py's silu_and_mul). Unset: DEFAULT_GATED_GEMM. float32 rows and the FP8 tower: always apart.
-GATED_GEMM_ENV = "TRITONLLM_TOWER_GATED_GEMM"
-GATED_GEMMS = ("triton", "cublas")
-DEFAULT_GATED_GEMM = "cublas"
-
-
-def gated_gemm_choice() -> str:
-    name = os.environ.get(GATED_GEMM_ENV, DEFAULT_GATED_GEMM).lower()
-    if name not in GATED_GEMMS:
-        raise ValueError(f"{GATED_GEMM_ENV}={name!r}: allowed {', '.join(GATED_GEMMS)}")
-    return name
 
 
 def window_kernel(x: torch.Tensor) -> str:
@@ -120,9 +104,6 @@ class Qwen25VisionBlock(nn.Module):
         h, residual = self._norm(self.norm1, x, residual, self.qkv)
         h, residual = self._norm(self.norm2, self.proj(self._attention(self.qkv(h), rotary, runs)), residual,
                                  self.gate_up)
-        if (self.silu and type(self.gate_up) is nn.Linear and h.dtype in (torch.bfloat16, torch.float16)
-                and use_triton(h) and gated_gemm_choice() == "triton"):
-            return self.down_proj(gated_gemm(h, self.gate_up.weight, self.gate_up.bias)), residual
         gate_up = self.gate_up(h)
         if isinstance(self.down_proj, Fp8TowerLinear) and self.silu and gate_up.dtype != torch.float32:
             return self.down_proj(silu_and_mul_quantized(gate_up)), residual  # (that kernel takes 16-bit rows)
