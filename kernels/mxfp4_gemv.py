@@ -71,20 +71,22 @@ from kernels.mxfp4_codes import exponent_factor
 # the tile's last arrival adds the S sums), "r" (down alone) the last arrival of a token's tile sums its K experts
 # (no summing launch, and S * K programs share the sum), "x" (gate_up alone) no prepare launch: each gate_up program
 # routes its token and writes its activation pairs itself, "l" the program's rows prefetched into L2 before the
-# PDL wait (gate_up: while prepare runs, not with "x"; down: while gate_up streams). The load-time choice
+# PDL wait (gate_up: while prepare runs, not with "x"; down: while gate_up streams), "d" (gate_up alone) each
+# gate_up program prefetches its share of its expert's down codes into L2 as it starts. The load-time choice
 # (kernels/moe_gemv_choice.py) times WORD_TILES (few: a compile each at every cold engine load); SWEEP_TILES are
 # what benchmarks/kernels/moe_gemv_bench.py --word-tiles and the sm_90 compile test cover.
 # (H200 call 33, gpt-oss-20b at 1 token, prepare + gate_up + down (+ sum): gate_up (32, 4, 4, "p") 46.2 us and
 # (16, 8, 4) 46.1 with down (32, 4, 4), splits 46.5-48.1, "x" 64.2-73.1; then down (16, 8, 4) 39.2, "r" 38.5, "r2"
-# 37.9, (32, 4, 4, "p") 43.5; "l" first timed by the load-time choice.)
-WORD_TILES = ((32, 4, 4, "p"), (16, 8, 4), (16, 8, 4, "r2"), (32, 4, 4, "pl"), (16, 8, 4, "rl2"))
+# 37.9, (32, 4, 4, "p") 43.5; "l" and "d" first timed by the load-time choice.)
+WORD_TILES = ((32, 4, 4, "p"), (16, 8, 4, "d"), (16, 8, 4, "r2"), (32, 4, 4, "pl"), (32, 4, 4, "pd"))
 SWEEP_TILES = ((16, 4, 4), (16, 2, 2), (32, 4, 4), (32, 2, 4), (32, 4, 2), (64, 2, 4), (64, 4, 4), (16, 8, 4),
                (32, 1, 2), (64, 1, 4), (16, 4, 4, "p"), (32, 4, 4, "p"), (16, 4, 4, "f"), (32, 4, 4, "f"),
                (16, 4, 4, "fp"), (32, 4, 4, "fp"), (16, 8, 4, "p"), (64, 4, 8, "p"), (32, 4, 4, "p2"),
                (16, 4, 4, "p2"), (16, 8, 4, "p2"), (32, 4, 4, "p3"), (16, 8, 4, "r"), (16, 8, 4, "pr"),
                (16, 8, 4, "r2"), (16, 8, 4, "pr2"), (16, 4, 4, "pr2"), (32, 4, 4, "pr2"), (16, 8, 4, "r3"),
                (32, 4, 4, "px"), (16, 8, 4, "px"), (32, 4, 4, "px2"), (16, 8, 4, "px2"), (16, 8, 4, "rl"),
-               (16, 8, 4, "prl2"), (32, 4, 4, "pl"), (32, 4, 4, "pl2"), (16, 8, 4, "pl2"), (16, 8, 4, "rl2"))
+               (16, 8, 4, "prl2"), (32, 4, 4, "pl"), (32, 4, 4, "pl2"), (16, 8, 4, "pl2"), (16, 8, 4, "rl2"),
+               (32, 4, 4, "pd"), (16, 8, 4, "d"), (32, 4, 4, "pld"))
 # (The asm's packs need each thread to hold 4 contiguous words of one row and group: tests/kernels/
 # test_mxfp4_gemv.py's sm_90 compile checks every SWEEP_TILES entry; (16, 2, 4) (2 words a thread), (8, 8, 2),
 # (8, 16, 4), (16, 16, 4) and (8, 32, 8) fail it.)
@@ -363,6 +365,21 @@ def _split_groups(half_words, SPLIT: tl.constexpr, GROUPS: tl.constexpr):
 
 
 @jit
+def _prefetch_share(base, words, share, shares, LINE: tl.constexpr):
+    """``prefetch.global.L2`` of share ``share`` of ``shares`` (whole 128-byte lines of LINE elements) of the
+    ``words`` elements at ``base``: 128 lines a pass; nothing waits for them (kernels/_triton.py
+    prefetch_weight_l2's PTX)."""
+    per_share = tl.cdiv(tl.cdiv(words, shares), LINE) * LINE
+    begin = share * per_share
+    end = tl.minimum(begin + per_share, words)
+    for w0 in range(begin, end, LINE * 128):
+        lines = w0 + tl.arange(0, 128) * LINE
+        addresses = tl.where(lines < end, base + lines, base)
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [addresses], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+
+
+@jit
 def _arrive(arrivals_ptr, index, EXPECTED: tl.constexpr):
     """True in the program that arrives last of EXPECTED at counter ``index`` (its partial sums, stored before
     this, are then visible to it: a barrier, then a release; the last arrival's acquire), which sets the counter
@@ -379,11 +396,11 @@ def _arrive(arrivals_ptr, index, EXPECTED: tl.constexpr):
 def _words_gate_up_kernel(
     pairs_ptr, inv_ptr, ids_ptr, w_ptr, s_ptr, bias_ptr, act_pairs_ptr, x_ptr, part_ptr, arrivals_ptr, I, half_words,
     stride_we, stride_wn, stride_se, stride_be, pairs16_ptr, logits_ptr, weights_ptr, num_experts, stride_x,
-    stride_l, DOWN_SCALE: tl.constexpr, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
-    GROUPS: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, SWIGLU_LIMIT: tl.constexpr,
-    PREFETCH: tl.constexpr, SPLIT: tl.constexpr, PREPARE: tl.constexpr, ROUTE_IN_KERNEL: tl.constexpr,
-    RENORMALIZE: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, BLOCK_H: tl.constexpr,
-    L2_PREFETCH: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
+    stride_l, down_ptr, down_words, down_s_ptr, down_scales, DOWN_SCALE: tl.constexpr, TOP_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
+    SWIGLU_LIMIT: tl.constexpr, PREFETCH: tl.constexpr, SPLIT: tl.constexpr, PREPARE: tl.constexpr,
+    ROUTE_IN_KERNEL: tl.constexpr, RENORMALIZE: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
+    BLOCK_H: tl.constexpr, L2_PREFETCH: tl.constexpr, DOWN_PREFETCH: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (a, tile[, split]): the activation of assignment a's rows [tile * BLOCK_N, +BLOCK_N) (module
     docstring, 2), rounded to x's dtype (x_ptr: read for its dtype alone), stored as down's float16 pairs
@@ -395,7 +412,11 @@ def _words_gate_up_kernel(
     L2_PREFETCH (with PDL, not PREPARE): before the PDL wait (on the prepare launch), the program routes its token
     from the logits (the router's, two launches back; or reads the given ids) and prefetches its gate and up rows
     of its split's groups into L2, so the codes stream while prepare runs; the routing that counts is prepare's,
-    read after the wait (an early id is clamped to the experts: a prefetch only)."""
+    read after the wait (an early id is clamped to the experts: a prefetch only). DOWN_PREFETCH (CUDA): once its
+    expert is known, the program prefetches its share (one of tiles x splits) of that expert's down codes
+    (down_ptr: int32 words, down_words an expert) and exponents (down_s_ptr, down_scales) into L2, fire and
+    forget: gate_up's programs leave HBM idle between their serial steps, and the down launch then reads its codes
+    from L2."""
     # Word strides are whole 32-byte groups (K % 64 == 0): written as multiples of 8 so Triton knows each row's
     # groups are 16-byte aligned (a row of gpt-oss-20b is 360 words, not a multiple of 16: unspecialized). Then a
     # thread's 4 contiguous words are one 16-byte load and one pack of the inline asm, which relies on them sharing
@@ -439,6 +460,10 @@ def _words_gate_up_kernel(
         expert = tl.load(ids_ptr + a)
         inv = tl.load(inv_ptr + token)
     e64 = expert.to(tl.int64)
+    if DOWN_PREFETCH and ASM:
+        share, shares = tile * tl.num_programs(2) + tl.program_id(2), tl.num_programs(1) * tl.num_programs(2)
+        _prefetch_share(down_ptr + e64 * down_words, down_words, share, shares, 32)
+        _prefetch_share(down_s_ptr + e64 * down_scales, down_scales, share, shares, 128)  # (its exponents)
     rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     rows_ok = rows < I
     gate_rows = w_ptr + e64 * stride_we + rows.to(tl.int64)[:, None, None] * stride_wn
@@ -634,10 +659,13 @@ def mxfp4_words_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tenso
         pairs.view(torch.int32), inv, ids, gu_words, gate_up_scale, x if gu_b is None else gu_b, act_pairs, x,
         gu_part, arrivals, inter, half_h // 4, gu_words.stride(0), gu_words.stride(1), gate_up_scale.stride(0),
         0 if gu_b is None else gu_b.stride(0), pairs, router_logits if route else x, weights, num_experts,
-        x.stride(0), router_logits.stride(0) if route else 0, DOWN_SCALE=float(2.0 ** shift), BLOCK_N=gn,
+        x.stride(0), router_logits.stride(0) if route else 0, d_words, d_words.stride(0), down_scale,
+        down_scale.stride(0),
+        DOWN_SCALE=float(2.0 ** shift), BLOCK_N=gn,
         GROUPS=gg, HAS_BIAS=gu_b is not None, ACTIVATION=ACTIVATIONS[epilogue.activation],
         SWIGLU_LIMIT=float(epilogue.swiglu_limit), PREFETCH="p" in g_opts, SPLIT=g_split, PREPARE=prepare,
-        BLOCK_H=triton.next_power_of_2(hidden), L2_PREFETCH="l" in g_opts, ASM=asm, num_warps=gw, **routing, **pdl)
+        BLOCK_H=triton.next_power_of_2(hidden), L2_PREFETCH="l" in g_opts, DOWN_PREFETCH="d" in g_opts, ASM=asm,
+        num_warps=gw, **routing, **pdl)
     out_k = torch.empty(num_tokens if fold or reduce else num_tokens * top_k, hidden, dtype=x.dtype, device=device)
     d_part = torch.empty(num_tokens * top_k * d_split, hidden, dtype=torch.float32, device=device) \
         if d_split > 1 or reduce else inv

@@ -102,7 +102,8 @@ def test_split_folded_launches_and_the_last_arrivals_sum(device):
     experts (no summing launch); then other activations through splits without "r" (unsummed rows; the first
     call's arrival counters are back at 0) and "x": no prepare launch, gate_up's programs route (or, last, read the
     given routing) and write the activation pairs themselves ("l": down's rows prefetched into L2 before the PDL
-    wait, on CUDA alone). (Tiles of 128 rows: few programs on the interpreter.)"""
+    wait, on CUDA alone; "d": gate_up prefetching down's codes, likewise). (Tiles of 128 rows: few programs on the
+    interpreter.)"""
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     x, logits, kernel, widened, epilogue, ref_epilogue = gpt_oss_problem(1, seed=94, dtype=dtype, hidden=128,
                                                                          inter=128)
@@ -111,7 +112,7 @@ def test_split_folded_launches_and_the_last_arrivals_sum(device):
     on_device = ExpertEpilogue(*on(device, epilogue.gate_up_bias, epilogue.down_bias), "swiglu_clamped", LIMIT)
     routed = dict(router_logits=logits.to(device), renormalize=True)
     given = dict(topk_weights=weights.to(device), topk_ids=ids.to(device))
-    for x_call, tiles, sum_experts, routing in ((x, ((128, 1, 4, "2"), (128, 1, 4, "r3")), True, routed),
+    for x_call, tiles, sum_experts, routing in ((x, ((128, 1, 4, "2d"), (128, 1, 4, "r3")), True, routed),
                                                 (-2 * x, ((128, 1, 4, "px3"), (128, 1, 4, "2")), False, routed),
                                                 (x / 4, ((128, 1, 4, "x"), (128, 1, 4, "rl")), True, given)):
         ref = moe_gemv_ref(x_call.float(), *widened, weights, ids, epilogue=ref_epilogue)
@@ -164,7 +165,8 @@ AOT = AOT_SM90
 
 # (gate_up's; down's alike): Triton specializes those % 16 == 0
 GPT_OSS_ARGS = dict(I=2880, H=2880, half_words=360, stride_we=5760 * 360, stride_wn=360, stride_se=90 * 5760,
-                    stride_be=5760, stride_o=2880, stride_x=2880, num_experts=32, stride_l=32)
+                    stride_be=5760, stride_o=2880, stride_x=2880, num_experts=32, stride_l=32, down_words=2880 * 360,
+                    down_scales=90 * 2880)
 
 
 def compile_sm90(which: str, tiles: tuple, asm: bool = True):
@@ -178,11 +180,12 @@ def compile_sm90(which: str, tiles: tuple, asm: bool = True):
     pointers = dict(pairs_ptr="*i32", inv_ptr="*fp32", ids_ptr="*i32", weights_ptr="*fp32", w_ptr="*i32",
                     s_ptr="*u8", bias_ptr="*bf16", act_pairs_ptr="*fp16" if which == "gate_up" else "*i32",
                     x_ptr="*bf16", out_ptr="*bf16", part_ptr="*fp32", arrivals_ptr="*i32", pairs16_ptr="*fp16",
-                    logits_ptr="*bf16")  # (down reads the pairs as words)
+                    logits_ptr="*bf16", down_ptr="*i32", down_s_ptr="*u8")  # (down reads the pairs as words)
     const = dict(DOWN_SCALE=256.0, INV_SCALE=1 / 256, TOP_K=4, BLOCK_N=block_n, GROUPS=groups, HAS_BIAS=True,
                  ACTIVATION=1, SWIGLU_LIMIT=7.0, ASM=asm, PDL=True, FOLD="f" in options, PREFETCH="p" in options,
                  REDUCE="r" in options, SPLIT=tile_split(options), PREPARE="x" in options, ROUTE_IN_KERNEL=True,
-                 RENORMALIZE=True, K_PAD=4, E_PAD=32, BLOCK_H=4096, L2_PREFETCH="l" in options, NUM_EXPERTS=32)
+                 RENORMALIZE=True, K_PAD=4, E_PAD=32, BLOCK_H=4096, L2_PREFETCH="l" in options, NUM_EXPERTS=32,
+                 DOWN_PREFETCH="d" in options)
     return compile_for_sm90(fn, pointers, const, warps=warps,
                             aligned_int=lambda name: GPT_OSS_ARGS.get(name, 1) % 16 == 0)
 
@@ -210,6 +213,8 @@ def test_compiles_for_sm90_without_spills(which, tiles, tmp_path):
     if "l" in (tiles[3:] or ("",))[0] and "x" not in tiles[3]:  # the L2 prefetch comes before the PDL wait
         ptx = compiled.asm["ptx"]
         assert -1 < ptx.find("prefetch.global.L2") < ptx.find("griddepcontrol.wait")
+    if which == "gate_up" and "d" in (tiles[3:] or ("",))[0]:  # down's codes prefetched
+        assert "prefetch.global.L2" in compiled.asm["ptx"]
     usage = resource_usage(compiled, tmp_path)
     if usage is not None:
         assert "LOCAL:0 " in usage and stack_bytes(usage) <= 8, usage
