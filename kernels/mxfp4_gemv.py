@@ -365,18 +365,14 @@ def _split_groups(half_words, SPLIT: tl.constexpr, GROUPS: tl.constexpr):
 
 
 @jit
-def _prefetch_share(base, words, share, shares, LINE: tl.constexpr):
-    """``prefetch.global.L2`` of share ``share`` of ``shares`` (whole 128-byte lines of LINE elements) of the
-    ``words`` elements at ``base``: 128 lines a pass; nothing waits for them (kernels/_triton.py
-    prefetch_weight_l2's PTX)."""
-    per_share = tl.cdiv(tl.cdiv(words, shares), LINE) * LINE
+def _prefetch_share(base, count, share, shares, LINE: tl.constexpr):
+    """Share ``share`` of ``shares`` (whole 128-byte lines of LINE elements) of the ``count`` elements at ``base``
+    into L2: kernels/_triton.py prefetch_weight_l2's bulk prefetches (the copy engine's work, nothing waits)."""
+    per_share = tl.cdiv(tl.cdiv(count, shares), LINE) * LINE
     begin = share * per_share
-    end = tl.minimum(begin + per_share, words)
-    for w0 in range(begin, end, LINE * 128):
-        lines = w0 + tl.arange(0, 128) * LINE
-        addresses = tl.where(lines < end, base + lines, base)
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [addresses], dtype=tl.int32,
-                                  is_pure=False, pack=1)
+    end = tl.maximum(tl.minimum(begin + per_share, count), begin)
+    one = tl.arange(0, 1)
+    prefetch_weight_l2(base, base + one[:, None], one < 1, begin, end)
 
 
 @jit
@@ -414,8 +410,8 @@ def _words_gate_up_kernel(
     of its split's groups into L2, so the codes stream while prepare runs; the routing that counts is prepare's,
     read after the wait (an early id is clamped to the experts: a prefetch only). DOWN_PREFETCH (CUDA): once its
     expert is known, the program prefetches its share (one of tiles x splits) of that expert's down codes
-    (down_ptr: int32 words, down_words an expert) and exponents (down_s_ptr, down_scales) into L2, fire and
-    forget: gate_up's programs leave HBM idle between their serial steps, and the down launch then reads its codes
+    (down_ptr: int32 words, down_words an expert) and exponents (down_s_ptr, down_scales) into L2 (bulk
+    prefetches), fire and forget: gate_up's programs leave HBM idle between their serial steps, and the down launch then reads its codes
     from L2."""
     # Word strides are whole 32-byte groups (K % 64 == 0): written as multiples of 8 so Triton knows each row's
     # groups are 16-byte aligned (a row of gpt-oss-20b is 360 words, not a multiple of 16: unspecialized). Then a

@@ -210,11 +210,11 @@ def test_compiles_for_sm90_without_spills(which, tiles, tmp_path):
     packs = asm_packs(compiled.asm["llir"])
     assert packs and all(len(set(p[20:24])) == 1 and len(set(p[24:28])) == 1 and len(set(p[0:4])) == 4 for p in packs)
     assert ".v4.b32" in compiled.asm["ptx"] or "ld.global.v4" in compiled.asm["ptx"]
+    ptx = compiled.asm["ptx"]
     if "l" in (tiles[3:] or ("",))[0] and "x" not in tiles[3]:  # the L2 prefetch comes before the PDL wait
-        ptx = compiled.asm["ptx"]
-        assert -1 < ptx.find("prefetch.global.L2") < ptx.find("griddepcontrol.wait")
+        assert -1 < ptx.find("prefetch.L2") < ptx.find("griddepcontrol.wait")
     if which == "gate_up" and "d" in (tiles[3:] or ("",))[0]:  # down's codes prefetched
-        assert "prefetch.global.L2" in compiled.asm["ptx"]
+        assert "prefetch.L2" in ptx
     usage = resource_usage(compiled, tmp_path)
     if usage is not None:
         assert "LOCAL:0 " in usage and stack_bytes(usage) <= 8, usage
