@@ -41,7 +41,10 @@ token's K experts: out (T, H); option "r": the last program of a token's tile to
 each rounded to x's dtype as out_k's are, in expert order: out (T, H) with no summing launch). A digit S in a
 tile's options splits each row's groups over S programs (grid (..., S)), each storing its float32 sums; the last
 to arrive adds them in split order and finishes the tile (deterministic; kernels/linear.py's self-resetting
-arrival counters): S times the programs at 1 token, where ~2.7 programs an SM kept few bytes in flight.
+arrival counters): S times the programs at 1 token, where ~2.7 programs an SM kept few bytes in flight. Option
+"x" (gate_up) drops the prepare launch, each gate_up program routing and writing its share of its token's pairs
+itself (H200 call 33: 18-27 us slower, kept as a measured alternative); "l" prefetches a launch's own rows into
+L2 before its PDL wait; "d" has each gate_up program prefetch its share of its expert's down codes into L2.
 
 ASM: the stage arithmetic and HFMA2 run as inline PTX (``tl.inline_asm_elementwise``, pack 4: a thread's 4
 contiguous words, which lie in one scale group, chained in float16 and returned as one float32 in the first
