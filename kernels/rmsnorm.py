@@ -30,13 +30,14 @@ from kernels.int8_rows import int8_row_scale, to_int8
 
 
 def rms_norm_ref(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+    shift: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     if x.dim() == 3:
         x = x.sum(dim=1)
     if residual is not None:
         x = x + residual
-    hidden = x.float()
+    hidden = x.float() if shift is None else (x.float() + shift).to(x.dtype).float()
     hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + eps)
     return weight * hidden.to(x.dtype), x
 
@@ -55,7 +56,8 @@ def _rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, scale_ptr, x_row_scale_ptr, x_col_scale_ptr,
     stride_x, stride_xp, stride_r, stride_o, stride_ro, hidden, eps,
     HAS_RESIDUAL: tl.constexpr, NUM_PARTS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr,
-    QUANTIZE: tl.constexpr, SCALED_X: tl.constexpr, INT8: tl.constexpr = False,
+    QUANTIZE: tl.constexpr, SCALED_X: tl.constexpr, INT8: tl.constexpr = False, shift_ptr=None,
+    SHIFT: tl.constexpr = False,
 ):
     """NUM_PARTS > 1: row ``row`` of x is the sum of NUM_PARTS rows stride_xp apart (module
     docstring). QUANTIZE: out is float8_e4m3fn and the normalized row, rounded to x's dtype, is
@@ -84,6 +86,8 @@ def _rms_norm_kernel(
         x = x.to(x_ptr.dtype.element_ty)
     if HAS_RESIDUAL or NUM_PARTS > 1 or SCALED_X:
         tl.store(residual_out_ptr + row * stride_ro + cols, x, mask=mask)
+    if SHIFT:  # the row normalized is x + shift, rounded to x's dtype (x itself is the residual returned)
+        x = (x.to(tl.float32) + tl.load(shift_ptr + cols, mask=mask, other=0.0)).to(x_ptr.dtype.element_ty)
     normed = _rms_normalized(x, hidden, eps, 0)
     weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     if QUANTIZE:
@@ -101,10 +105,11 @@ def _rms_norm_kernel(
 
 
 def rms_norm_triton(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+    shift: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as ``rms_norm_ref``; rows must be contiguous in the hidden dimension."""
-    out, _, residual_out = _launch_rms_norm(x, weight, eps, residual, quantize=False)
+    out, _, residual_out = _launch_rms_norm(x, weight, eps, residual, quantize=False, shift=shift)
     return out, residual_out
 
 
@@ -129,7 +134,7 @@ def rms_norm_quantized_int8_triton(
     return _launch_rms_norm(x, weight, eps, residual, quantize=True, int8=True)
 
 
-def _launch_rms_norm(x, weight, eps, residual, *, quantize: bool, x_scales=None, int8: bool = False):
+def _launch_rms_norm(x, weight, eps, residual, *, quantize: bool, x_scales=None, int8: bool = False, shift=None):
     num_tokens, hidden = x.shape[0], x.shape[-1]
     parts = x.shape[1] if x.dim() == 3 else 1  # (num_tokens, parts, hidden): rows summed first
     assert x.stride(-1) == 1 and (residual is None or residual.stride(1) == 1)
@@ -151,17 +156,24 @@ def _launch_rms_norm(x, weight, eps, residual, *, quantize: bool, x_scales=None,
         x.stride(0), x.stride(1) if parts > 1 else 0, residual.stride(0) if residual is not None else 0,
         out.stride(0), residual_out.stride(0), hidden, eps, HAS_RESIDUAL=residual is not None, NUM_PARTS=parts,
         BLOCK=block, QUANTIZE=quantize, SCALED_X=x_scales is not None, INT8=int8,
+        **({"shift_ptr": shift, "SHIFT": True} if shift is not None else {}),
         num_warps=min(16, max(1, block // 512)), **pdl_options(x),
     )
     return out, scale, residual_out
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+    shift: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``shift`` (hidden,) float32: the row normalized is (x [+ residual]) + shift, rounded to x's dtype; the
+    residual returned is without it (a vision tower whose products add into the stream without their biases keeps
+    the biases' sum here: engine/vision/qwen2_5_vl.py)."""
+    if shift is not None:
+        assert shift.dtype == torch.float32 and shift.shape == (x.shape[-1],) and shift.is_contiguous()
     if use_triton(x):
-        return rms_norm_triton(x, weight, eps, residual)
-    return rms_norm_ref(x, weight, eps, residual)
+        return rms_norm_triton(x, weight, eps, residual, shift)
+    return rms_norm_ref(x, weight, eps, residual, shift)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -177,6 +177,11 @@ TOWER_VARIANTS = {"fused": {}, "unfused": {qwen2_vl.UNFUSED_ENV: "1"},
                   **{f"window-{name}": {qwen2_5_vl.WINDOW_KERNEL_ENV: name} for name in qwen2_5_vl.WINDOW_KERNELS},
                   **{f"window-triton-h{h}w{w}": {qwen2_5_vl.WINDOW_KERNEL_ENV: "triton", WINDOW_TILING_ENV: f"{h},{w}"}
                      for h, w in ((1, 4), (1, 8), (2, 4), (2, 8), (4, 8))},
+                  # the blocks' residual adds in the products (engine/vision/qwen2_5_vl.py RESIDUAL_ENV) or the norms
+                  **{f"residual-{name}": {qwen2_5_vl.RESIDUAL_ENV: name} for name in qwen2_5_vl.RESIDUALS},
+                  "window-triton+residual-product": {qwen2_5_vl.WINDOW_KERNEL_ENV: "triton",
+                                                     qwen2_5_vl.RESIDUAL_ENV: "product"},
+                  "window-sdpa+residual-norm": {qwen2_5_vl.WINDOW_KERNEL_ENV: "sdpa", qwen2_5_vl.RESIDUAL_ENV: "norm"},
 }
 # --offline-variants: queue runs of the offline section changed in one way each, "+" joins them. fp8-tower: the
 # tower's linears in E4M3 (engine/vision/tower_fp8.py), fp8-mlp-tower: its MLPs' only; flash-attn: the tower's
@@ -187,9 +192,9 @@ TOWER_VARIANTS = {"fused": {}, "unfused": {qwen2_vl.UNFUSED_ENV: "1"},
 # batch (not 8 images), so the executor's first step is a full one; tower-graphs: the queue replays the forwards of
 # image batches seen before from CUDA graphs (engine/vision/tower_graphs.py; TRITONLLM_TOWER_GRAPHS=8; off by default);
 # window-triton / window-sdpa: the window blocks' attention (TRITONLLM_TOWER_WINDOW_KERNEL: kernels/window_attention.py
-# or rotary + SDPA)
+# or rotary + SDPA); residual-product / residual-norm: where the blocks' residual adds happen (TRITONLLM_TOWER_RESIDUAL)
 OFFLINE_VARIANTS = ("fp8-tower", "fp8-mlp-tower", "flash-attn", "cudnn-attn", "first-odd", "first-full", "tower-graphs",
-                    "window-triton", "window-sdpa")
+                    "window-triton", "window-sdpa", "residual-product", "residual-norm")
 TOWER_GRAPHS_KEPT = 8
 ODD_FIRST_IMAGES = 5
 FP8_TOWER_SCOPES = {"fp8-tower": "all", "fp8-mlp-tower": "mlp"}  # (engine/vision/tower_fp8.py FP8_SCOPES)
@@ -242,7 +247,7 @@ def tower_setting(device: str) -> str:
     fp8 = f", FP8 linears ({tower_fp8_scope()})" if tower_fp8_scope() else ""
     windows = ("the Triton window kernel (heads, warps a program: {}, {})".format(*window_tiling())
                if qwen2_5_vl.window_kernel(torch.empty(0, device=device)) == "triton" else sdpa_backend(windows=True))
-    return f"{blocks}{fp8}, SDPA {sdpa_backend()}, windows {windows}"
+    return f"{blocks}{fp8}, SDPA {sdpa_backend()}, windows {windows}, residual added by the {qwen2_5_vl.residual_choice()}"
 
 
 def profile_tower(encoder, patches: torch.Tensor, grids: list[list[int]], path: Path) -> str:
@@ -838,7 +843,9 @@ def variant_environment(parts: list[str]) -> dict | None:
     environment = {}
     for part, name, value in (("flash-attn", qwen2_vl.SDPA_ENV, "flash"), ("cudnn-attn", qwen2_vl.SDPA_ENV, "auto"),
                               ("window-triton", qwen2_5_vl.WINDOW_KERNEL_ENV, "triton"),
-                              ("window-sdpa", qwen2_5_vl.WINDOW_KERNEL_ENV, "sdpa")):
+                              ("window-sdpa", qwen2_5_vl.WINDOW_KERNEL_ENV, "sdpa"),
+                              ("residual-product", qwen2_5_vl.RESIDUAL_ENV, "product"),
+                              ("residual-norm", qwen2_5_vl.RESIDUAL_ENV, "norm")):
         if part in parts:
             environment[name] = value
     return environment or None
@@ -854,7 +861,9 @@ def offline_variant_label(variant: str, o: dict) -> str:
               "first-odd": f"the first forward {ODD_FIRST_IMAGES} images (counts the untimed round did not make)",
               "tower-graphs": f"the tower's forwards replayed from CUDA graphs (TRITONLLM_TOWER_GRAPHS={TOWER_GRAPHS_KEPT})",
               "window-triton": "the window blocks' rotary and attention in one Triton kernel (TRITONLLM_TOWER_WINDOW_KERNEL=triton)",
-              "window-sdpa": "the window blocks' rotary, then SDPA (TRITONLLM_TOWER_WINDOW_KERNEL=sdpa)"}
+              "window-sdpa": "the window blocks' rotary, then SDPA (TRITONLLM_TOWER_WINDOW_KERNEL=sdpa)",
+              "residual-product": "the residual added by the proj and down products (TRITONLLM_TOWER_RESIDUAL=product)",
+              "residual-norm": "the residual added by the norms (TRITONLLM_TOWER_RESIDUAL=norm)"}
     unknown = {"min": float("nan"), "mean": float("nan"), "images": 0}
     return "the same, " + " and ".join(labels[part].format(**(o.get(f"{part}_cosines") or unknown))
                                        for part in variant.split("+"))

@@ -1,6 +1,7 @@
 """The non-GEMM parts of a Qwen2.5-VL-7B tower block (engine/vision/qwen2_5_vl.py), each against what could
 replace it, at one forward's patch count (32 images of 448 x 448: 32,768 patches, width 1280, 16 heads of 80,
-windows of 64 patches, frames of 1,024), bf16, one GPU. Device milliseconds (CUDA events, median of 20):
+windows of 64 patches, frames of 1,024), bf16, one GPU. Device milliseconds of one call (``graph_ms``: a CUDA graph
+of it replayed 20 times between events; the old window path's qkv copy, which only this bench needs, subtracted):
 
 - ``window``: a window block's rotary in place + SDPA per window (planless: flash), against
   kernels/window_attention.py (rotary and attention in one kernel from the qkv product) at WINDOW_TILINGS; the kernel's largest difference from the old path is printed (bf16: a few rounding steps);
@@ -24,7 +25,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.common import cuda_time_ms, git_commit, utc_now  # noqa: E402
+from benchmarks.common import git_commit, utc_now  # noqa: E402
 from engine.vision.qwen2_vl import segment_attention  # noqa: E402
 from engine.vision.tower_layout import PatchRotary, Segments  # noqa: E402
 from kernels.rmsnorm import rms_norm  # noqa: E402
@@ -32,6 +33,28 @@ from kernels.window_attention import TILING_ENV, window_attention  # noqa: E402
 
 
 WINDOW_TILINGS = ((1, 4), (1, 8), (2, 4), (2, 8), (4, 8))  # (heads a program, warps)
+
+
+def graph_ms(fn, replays: int = 20) -> float:
+    """Device milliseconds of one fn() call: fn captured in a CUDA graph (after an eager call on a side stream that
+    compiles whatever it compiles), the graph replayed ``replays`` times between CUDA events: the host's launch
+    overheads do not count (an eager call of a few-microsecond kernel measured its Python launch too)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / replays
 
 
 def wall_ms(fn, repeat: int = 3) -> float:
@@ -56,7 +79,7 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     torch.manual_seed(0)
     dev, dtype, dim, heads = args.device, torch.bfloat16 if args.device == "cuda" else torch.float32, 1280, 16
-    timed = cuda_time_ms if dev == "cuda" else wall_ms
+    timed = graph_ms if dev == "cuda" else wall_ms
     n = args.patches
     parts = args.parts.split(",")
     results: dict = {"date": utc_now(), "commit": git_commit(), "patches": n, "device": torch.cuda.get_device_name() if dev == "cuda" else dev}

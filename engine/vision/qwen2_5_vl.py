@@ -39,6 +39,22 @@ WINDOW_KERNELS = ("triton", "sdpa")
 DEFAULT_WINDOW_KERNEL = "sdpa"
 
 
+# Where the blocks' residual adds happen: "norm" (each RMSNorm adds the last sublayer's output to the stream in its
+# pass: reads two rows, writes two) or "product" (the proj and down products add into the stream themselves, cuBLAS
+# with beta = 1 in place, and their biases ride in the next norms as a float32 shift: the norms read one row and
+# write one). Unset: DEFAULT_RESIDUAL. The FP8 tower (its products are not nn.Linear) always "norm".
+RESIDUAL_ENV = "TRITONLLM_TOWER_RESIDUAL"
+RESIDUALS = ("norm", "product")
+DEFAULT_RESIDUAL = "norm"
+
+
+def residual_choice() -> str:
+    name = os.environ.get(RESIDUAL_ENV, DEFAULT_RESIDUAL).lower()
+    if name not in RESIDUALS:
+        raise ValueError(f"{RESIDUAL_ENV}={name!r}: allowed {', '.join(RESIDUALS)}")
+    return name
+
+
 def window_kernel(x: torch.Tensor) -> str:
     """The window blocks' attention for rows ``x`` (WINDOW_KERNEL_ENV), read per call so a bench can A/B it."""
     name = os.environ.get(WINDOW_KERNEL_ENV, DEFAULT_WINDOW_KERNEL if x.is_cuda else "sdpa").lower()
@@ -53,11 +69,13 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device))
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
+                shift: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(weight * (s / rms(s) in float32, rounded to x's dtype), s) for s = x + residual (x without one),
         rounded to x's dtype as transformers' ``hidden + attn_out`` before its Qwen2RMSNorm; one Triton
-        launch on CUDA (kernels/rmsnorm.py), the torch reference elsewhere."""
-        return rms_norm(x, self.weight, self.eps, residual)
+        launch on CUDA (kernels/rmsnorm.py), the torch reference elsewhere. ``shift`` (dim,) float32: s + shift
+        is normalized (the products' biases the stream lacks, RESIDUAL_ENV=product), s returned without it."""
+        return rms_norm(x, self.weight, self.eps, residual, shift)
 
 
 def _fuse_gate_up(module, state_dict, prefix, *args) -> None:
@@ -107,12 +125,30 @@ class Qwen25VisionBlock(nn.Module):
         gate_up = self.gate_up(h)
         if isinstance(self.down_proj, Fp8TowerLinear) and self.silu and gate_up.dtype != torch.float32:
             return self.down_proj(silu_and_mul_quantized(gate_up)), residual  # (that kernel takes 16-bit rows)
+        return self.down_proj(self._activated(gate_up)), residual
+
+    def _activated(self, gate_up: torch.Tensor) -> torch.Tensor:
         if self.silu and use_triton(gate_up):  # the checkpoints' act: one Triton pass (kernels/activation.py)
-            return self.down_proj(silu_and_mul(gate_up)), residual
+            return silu_and_mul(gate_up)
         width = gate_up.shape[-1] // 2
         # The gate contiguous, as transformers' gate_proj output: torch's CPU SiLU rounds some elements of a
         # strided view differently (an ulp), and where depends on the row stride (the padded width)
-        return self.down_proj(self.act(gate_up[:, :width].contiguous()) * gate_up[:, width:]), residual
+        return self.act(gate_up[:, :width].contiguous()) * gate_up[:, width:]
+
+    def adds_in_products(self) -> bool:
+        """Whether forward_stream can run: proj and down are plain linears (not the FP8 tower's)."""
+        return type(self.proj) is nn.Linear and type(self.down_proj) is nn.Linear
+
+    def forward_stream(self, stream: torch.Tensor, shifts: tuple[torch.Tensor, torch.Tensor], rotary: PatchRotary,
+                       runs: Segments) -> torch.Tensor:
+        """RESIDUAL_ENV=product: stream (patches, dim), the residual stream less every bias its products added so
+        far, updated in place (proj and down add into it: ``addmm_``, one rounding of stream + product) and
+        returned; shifts: (those biases' sum before norm1, before norm2) float32 (dim,), which the norms add to
+        the row they normalize."""
+        h = self.norm1(stream, shift=shifts[0])[0]
+        stream.addmm_(self._attention(self.qkv(h), rotary, runs), self.proj.weight.t())
+        h = self.norm2(stream, shift=shifts[1])[0]
+        return stream.addmm_(self._activated(self.gate_up(h)), self.down_proj.weight.t())
 
     def _attention(self, qkv: torch.Tensor, rotary: PatchRotary, runs: Segments) -> torch.Tensor:
         """qkv (patches, 3 * dim) -> attention's output (patches, dim): rotary, then softmax within each run."""
@@ -179,6 +215,11 @@ class Qwen25VisionEncoder(nn.Module):
             for i, block in enumerate(self.blocks):
                 x = block.forward_unfused(x, layout.rotary, layout.frames if i in full else layout.windows)
             x = self.merger_norm(x)[0]
+        elif residual_choice() == "product" and all(block.adds_in_products() for block in self.blocks):
+            shifts = self._bias_shifts()
+            for i, block in enumerate(self.blocks):  # x: the stream, updated in place
+                x = block.forward_stream(x, shifts[i], layout.rotary, layout.frames if i in full else layout.windows)
+            x = self.merger_norm(x, shift=shifts[-1][0])[0]
         else:
             residual = None
             for i, block in enumerate(self.blocks):
@@ -187,6 +228,25 @@ class Qwen25VisionEncoder(nn.Module):
         rows = self.merger_fc2(F.gelu(self.merger_fc1(x.view(-1, dim * unit))))
         rows = rows[layout.inverse]  # back to the processor's order
         return list(rows.split([t * h * w // unit for t, h, w in grids]))
+
+
+    def _bias_shifts(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per block (the biases of every proj and down before its norm1, and before its norm2), then (all of
+        them,) for the merger's norm: float32 (dim,) on the weights' device, summed in block order; made on first
+        use and kept (the biases do not change after load)."""
+        device = self.merger_norm.weight.device
+        kept = getattr(self, "_shifts", None)
+        if kept is not None and kept[-1][0].device == device:
+            return kept
+        total = torch.zeros(self.merger_norm.weight.shape[0], dtype=torch.float32, device=device)
+        shifts = []
+        for block in self.blocks:
+            after_proj = total + (block.proj.bias.float() if block.proj.bias is not None else 0)
+            shifts.append((total, after_proj))
+            total = after_proj + (block.down_proj.bias.float() if block.down_proj.bias is not None else 0)
+        shifts.append((total,))
+        self._shifts = shifts
+        return shifts
 
 
 def encoder_config(hf_config) -> dict:

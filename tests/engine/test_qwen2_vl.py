@@ -68,8 +68,10 @@ def test_tower_rows_equal_transformers_image_features(built, monkeypatch):
     frames of several lengths, a repeated grid), twice (the second from the kept layout pieces,
     engine/vision/tower_layout.py), then through the unfused blocks (TRITONLLM_TOWER_UNFUSED=1, vlm_bench's
     before figure), equal to the fused ones; Qwen2.5-VL's window blocks also through the fused window kernel's
-    path (TRITONLLM_TOWER_WINDOW_KERNEL=triton: its torch reference here, the kernel on CUDA below)."""
-    from engine.vision.qwen2_5_vl import WINDOW_KERNEL_ENV
+    path (TRITONLLM_TOWER_WINDOW_KERNEL=triton: its torch reference here, the kernel on CUDA below), and with the
+    residual added by the products (TRITONLLM_TOWER_RESIDUAL=product: the biases as the norms' shift), alone and
+    with it (Qwen2-VL's tower has neither: the same rows)."""
+    from engine.vision.qwen2_5_vl import RESIDUAL_ENV, WINDOW_KERNEL_ENV
     from engine.vision.qwen2_vl import UNFUSED_ENV
 
     engine, hf = built
@@ -82,11 +84,15 @@ def test_tower_rows_equal_transformers_image_features(built, monkeypatch):
     encoder = load_vision_encoder(vision_encoder_dir(engine))
     runs = [torch.cat(encoder.image_features(images["pixel_values"], grids)) for _ in range(2)]
     monkeypatch.setenv(WINDOW_KERNEL_ENV, "triton")
-    window_kernel = torch.cat(encoder.image_features(images["pixel_values"], grids))
+    new_paths = [torch.cat(encoder.image_features(images["pixel_values"], grids))]
+    monkeypatch.setenv(RESIDUAL_ENV, "product")
+    new_paths.append(torch.cat(encoder.image_features(images["pixel_values"], grids)))
     monkeypatch.delenv(WINDOW_KERNEL_ENV)
+    new_paths.append(torch.cat(encoder.image_features(images["pixel_values"], grids)))
+    monkeypatch.delenv(RESIDUAL_ENV)
     monkeypatch.setenv(UNFUSED_ENV, "1")
     runs.append(torch.cat(encoder.image_features(images["pixel_values"], grids)))
-    for rows in [*runs, window_kernel]:
+    for rows in [*runs, *new_paths]:
         torch.testing.assert_close(rows, expected, atol=1e-5, rtol=1e-5)
     assert all(torch.equal(rows, runs[0]) for rows in runs)
 
@@ -217,32 +223,36 @@ def test_encode_queue_batches_pending_requests_into_one_forward(built):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("window_kernel", ["triton", "sdpa"])
-def test_cuda_tower_rows_equal_cpu_rows(built, monkeypatch, window_kernel):
+@pytest.mark.parametrize("window_kernel, residual", [("triton", "product"), ("sdpa", "norm")])
+def test_cuda_tower_rows_equal_cpu_rows(built, monkeypatch, window_kernel, residual):
     """The tower on a GPU (float32): Triton rotary, the norms adding the residual in their pass (Qwen2-VL's
     LayerNorm, Qwen2.5-VL's RMSNorm), Qwen2.5-VL's fused gate_up and Triton SiLU-and-product, MLP widths
     padded to 128 at load, two images of other sizes in one batch (frames and windows of several lengths),
     the layout from pieces kept on the GPU = the CPU reference's rows (unpadded); Qwen2.5-VL's window blocks
-    through kernels/window_attention.py and through rotary + SDPA (TRITONLLM_TOWER_WINDOW_KERNEL)."""
-    from engine.vision.qwen2_5_vl import WINDOW_KERNEL_ENV
+    through kernels/window_attention.py and through rotary + SDPA (TRITONLLM_TOWER_WINDOW_KERNEL), the residual
+    added by the products or by the norms (TRITONLLM_TOWER_RESIDUAL; the CPU rows: the norms')."""
+    from engine.vision.qwen2_5_vl import RESIDUAL_ENV, WINDOW_KERNEL_ENV
 
     monkeypatch.setenv(WINDOW_KERNEL_ENV, window_kernel)
+    monkeypatch.setenv(RESIDUAL_ENV, residual)
     engine, _ = built
     images = image_processor()([make_image(0, (52, 40)), make_image(1, (28, 56))], return_tensors="pt")
     grids = images["image_grid_thw"].tolist()
-    want = load_vision_encoder(vision_encoder_dir(engine)).image_features(images["pixel_values"], grids)
     got = load_vision_encoder(vision_encoder_dir(engine), "cuda").image_features(images["pixel_values"].cuda(), grids)
+    monkeypatch.setenv(RESIDUAL_ENV, "norm")
+    want = load_vision_encoder(vision_encoder_dir(engine)).image_features(images["pixel_values"], grids)
     for g, w in zip(got, want):
         torch.testing.assert_close(g.cpu(), w, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_cuda_bf16_tower_with_its_window_kernel_keeps_the_rows(built, monkeypatch):
-    """Qwen2.5-VL's tower in bf16 on a GPU with the window blocks' Triton kernel (kernels/window_attention.py)
-    against the same tower with rotary + SDPA: the rows within a few bf16 roundings (relative error < 2e-2), not
-    bitwise (other summation orders)."""
-    from engine.vision.qwen2_5_vl import WINDOW_KERNEL_ENV
+def test_cuda_bf16_tower_with_its_window_kernel_and_product_residual_keeps_the_rows(built, monkeypatch):
+    """Qwen2.5-VL's tower in bf16 on a GPU with the window blocks' Triton kernel (kernels/window_attention.py) and
+    the residual added by the products (the biases as the norms' shift), each and both, against the same tower
+    with rotary + SDPA and the norms adding: the rows within a few bf16 roundings (relative error < 2e-2), not
+    bitwise (other summation orders and roundings)."""
+    from engine.vision.qwen2_5_vl import RESIDUAL_ENV, WINDOW_KERNEL_ENV
 
     engine, _ = built
     if read_encoder_config(vision_encoder_dir(engine))["builder_config"]["model_type"] != "qwen2_5_vl":
@@ -252,12 +262,15 @@ def test_cuda_bf16_tower_with_its_window_kernel_keeps_the_rows(built, monkeypatc
     encoder = load_vision_encoder(vision_encoder_dir(engine), "cuda").to(torch.bfloat16)
     pixels = images["pixel_values"].cuda()
 
-    def rows(window: str) -> torch.Tensor:
+    def rows(window: str, residual: str) -> torch.Tensor:
         monkeypatch.setenv(WINDOW_KERNEL_ENV, window)
+        monkeypatch.setenv(RESIDUAL_ENV, residual)
         return torch.cat(encoder.image_features(pixels, grids)).float().cpu()
 
-    want, got = rows("sdpa"), rows("triton")
-    assert ((got - want).norm() / want.norm()).item() < 2e-2
+    want = rows("sdpa", "norm")
+    for window, residual in (("triton", "product"), ("triton", "norm"), ("sdpa", "product")):
+        got = rows(window, residual)
+        assert ((got - want).norm() / want.norm()).item() < 2e-2, (window, residual)
 
 
 @pytest.mark.gpu

@@ -62,6 +62,11 @@ def test_rms_norm_with_and_without_residual(device, num_tokens, hidden):
         out, passthrough = rms_norm_triton(x, weight, 1e-5)
         assert passthrough is x
         assert relative_error(out, rms_norm_ref(x, weight, 1e-5)[0]) < ROUNDING[dtype]
+        # a shift (float32, a vision tower's pending biases): x + shift normalized, x itself returned
+        shift = randn(hidden, dtype=torch.float32, device=device, seed=4)
+        out, passthrough = rms_norm_triton(x, weight, 1e-5, shift=shift)
+        assert passthrough is x
+        assert relative_error(out, rms_norm_ref((x.float() + shift).to(dtype), weight, 1e-5)[0]) < ROUNDING[dtype]
 
 
 @pytest.mark.gpu
