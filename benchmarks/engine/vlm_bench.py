@@ -247,7 +247,7 @@ def tower_setting(device: str) -> str:
     fp8 = f", FP8 linears ({tower_fp8_scope()})" if tower_fp8_scope() else ""
     windows = ("the Triton window kernel (heads, warps a program: {}, {})".format(*window_tiling())
                if qwen2_5_vl.window_kernel(torch.empty(0, device=device)) == "triton" else sdpa_backend(windows=True))
-    return f"{blocks}{fp8}, SDPA {sdpa_backend()}, windows {windows}, residual added by the {qwen2_5_vl.residual_choice()}"
+    return f"{blocks}{fp8}, SDPA {sdpa_backend()}, windows {windows}, residual added by the {qwen2_5_vl.residual_choice(torch.empty(0, device=device))}"
 
 
 def profile_tower(encoder, patches: torch.Tensor, grids: list[list[int]], path: Path) -> str:

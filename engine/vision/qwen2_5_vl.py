@@ -42,14 +42,16 @@ DEFAULT_WINDOW_KERNEL = "sdpa"
 # Where the blocks' residual adds happen: "norm" (each RMSNorm adds the last sublayer's output to the stream in its
 # pass: reads two rows, writes two) or "product" (the proj and down products add into the stream themselves, cuBLAS
 # with beta = 1 in place, and their biases ride in the next norms as a float32 shift: the norms read one row and
-# write one). Unset: DEFAULT_RESIDUAL. The FP8 tower (its products are not nn.Linear) always "norm".
+# write one). Unset: DEFAULT_RESIDUAL on CUDA, "norm" elsewhere (the CPU tower's rows stay bitwise the unfused
+# blocks'). The FP8 tower (its products are not nn.Linear) always "norm".
 RESIDUAL_ENV = "TRITONLLM_TOWER_RESIDUAL"
 RESIDUALS = ("norm", "product")
 DEFAULT_RESIDUAL = "norm"
 
 
-def residual_choice() -> str:
-    name = os.environ.get(RESIDUAL_ENV, DEFAULT_RESIDUAL).lower()
+def residual_choice(x: torch.Tensor) -> str:
+    """Where the residual adds happen for rows ``x`` (RESIDUAL_ENV), read per forward so a bench can A/B it."""
+    name = os.environ.get(RESIDUAL_ENV, DEFAULT_RESIDUAL if x.is_cuda else "norm").lower()
     if name not in RESIDUALS:
         raise ValueError(f"{RESIDUAL_ENV}={name!r}: allowed {', '.join(RESIDUALS)}")
     return name
@@ -215,7 +217,7 @@ class Qwen25VisionEncoder(nn.Module):
             for i, block in enumerate(self.blocks):
                 x = block.forward_unfused(x, layout.rotary, layout.frames if i in full else layout.windows)
             x = self.merger_norm(x)[0]
-        elif residual_choice() == "product" and all(block.adds_in_products() for block in self.blocks):
+        elif residual_choice(x) == "product" and all(block.adds_in_products() for block in self.blocks):
             shifts = self._bias_shifts()
             for i, block in enumerate(self.blocks):  # x: the stream, updated in place
                 x = block.forward_stream(x, shifts[i], layout.rotary, layout.frames if i in full else layout.windows)
