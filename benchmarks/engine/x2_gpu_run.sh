@@ -27,7 +27,7 @@
 # each job's exit status and its result lines, so the call's output_tail alone is enough to read.
 set -u
 script=$(realpath "$0")
-call=${1:?usage: x2_gpu_run.sh 1-33 [OUT]}
+call=${1:?usage: x2_gpu_run.sh 1-34 [OUT]}
 out=$(realpath -m "${2:-${OUT:-/tmp/x2_gpu_run}}")
 mkdir -p "$out"
 if [ -z "${X2_UNDER_TEE:-}" ]; then  # the console also in $out/summary.txt, complete when the call returns
@@ -45,7 +45,7 @@ smoke=${SMOKE:-0}
 if [ "$smoke" != 1 ]; then
   need=2; [ "$call" = 7 ] && [ "${LANES:-2}" = 1 ] && need=1  # call 7's lanes run one after the other on one GPU
   [ "$call" = 22 ] && [ -n "${ONLY:-}" ] && [[ ",$ONLY," != *,pp,* ]] && need=1  # call 22 without its PP part
-  { [ "$call" = 23 ] || [ "$call" = 24 ] || [ "$call" = 25 ] || [ "$call" = 26 ] || [ "$call" = 27 ] || [ "$call" = 28 ] || [ "$call" = 29 ] || [ "$call" = 30 ] || [ "$call" = 31 ] || [ "$call" = 32 ] || [ "$call" = 33 ]; } && need=1  # (two lanes where two GPUs are, else one after the other)
+  { [ "$call" = 23 ] || [ "$call" = 24 ] || [ "$call" = 25 ] || [ "$call" = 26 ] || [ "$call" = 27 ] || [ "$call" = 28 ] || [ "$call" = 29 ] || [ "$call" = 30 ] || [ "$call" = 31 ] || [ "$call" = 32 ] || [ "$call" = 33 ] || [ "$call" = 34 ]; } && need=1  # (two lanes where two GPUs are, else one after the other)
   "$PYTHON" -c "import torch; n = torch.cuda.device_count(); assert n >= $need, f'{n} GPU(s): this call needs $need'" || exit 1
 fi
 
@@ -996,7 +996,50 @@ LEAD_LINES
   wait
   for name in tower48 wstep49 mla55 moe53 lead_whisper lead_t5; do echo "== $name"; grep -vi warning "$w/$name.log" | tail -40 | cut -c1-600; done
   ;;
-*) echo "x2_gpu_run.sh: CALL must be 1 to 33, got '$call'"; exit 2 ;;
+34)
+  # Session 25's helpers' second call (two lanes; one after the other on one GPU): each helper's lines from
+  # /tmp/notes/NAME.md "## GPU command" as they stood at ~20:50 UTC, its $OUT a folder of this call's archive; then the
+  # lead's: Whisper large-v3 and Flan-T5-XL (FP8 weights and pools) against transformers' best batches in the same
+  # lease (issue 49's two 5x goals).
+  export PYTHON w
+  lane1_gpu=1; "$PYTHON" -c "import torch, sys; sys.exit(torch.cuda.device_count() < 2)" || lane1_gpu=0
+  cat > "$w/tower48.sh" <<'HELPER_LINES'
+export PYTHONPATH=$PWD
+timeout 22 $PYTHON -m pytest -q -rfEs -p no:cacheprovider tests/kernels/test_window_attention.py tests/kernels/test_kernel_elementwise.py tests/engine/test_qwen2_vl.py -k "window or rms_norm_with_and_without or ((cuda_tower_rows_equal_cpu_rows or bf16_tower) and qwen2_5_vl)" > $OUT/t48_tests.log 2>&1; echo "tests rc $?"; tail -4 $OUT/t48_tests.log | cut -c1-300
+timeout 108 $PYTHON benchmarks/engine/vlm_bench.py --sections encoder,offline --image-sizes 448 --encoder-batches 32 --hf-batches= --encode-batch 32 --also-encode-batches 32 --tower-variants window-triton,window-triton-h1w4,window-triton-h1w8l1,window-triton-h1w4l2,residual-product,window-triton+residual-product,window-sdpa+residual-norm --offline-variants window-triton+residual-product --out $OUT/vlm.json --results-md $OUT/vlm.md > $OUT/t48_vlm.log 2>&1; echo "vlm rc $?"; grep -E "^encoder 448|^offline (text|image)[a-z0-9_+-]*: [0-9]|Error|failed" $OUT/t48_vlm.log | cut -c1-200
+HELPER_LINES
+  cat > "$w/wstep49.sh" <<'HELPER_LINES'
+export PYTHONPATH=$PWD; timeout 45 $PYTHON -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_l2_prefetch.py tests/engine/test_whisper_fused_decode.py tests/engine/test_encoder_decoder_graphs.py 2>&1 | tail -3; timeout 85 $PYTHON -u benchmarks/engine/encdec_bench.py --sections whisper_step --step-variants default,weight-prefetch,prefetch,prefetch-kv,weight-prefetch-kv,prefetch2,fused-prefetch-kv --out $OUT/wstep.json --results-md $OUT/wstep.md > $OUT/wstep.log 2>&1; echo "wstep rc $?"; grep -E "^whisper_step|Error|Traceback" $OUT/wstep.log | cut -c1-420 | tail -9
+HELPER_LINES
+  cat > "$w/mla55.sh" <<'HELPER_LINES'
+export PYTHONPATH=$PWD TRITONLLM_PREFILL_GRAPHS=0
+TRITONLLM_WEIGHT_PREFETCH=0 timeout 70 $PYTHON benchmarks/engine/engine_bench.py --model deepseek_v2_lite --sections bandwidth,decode --max-batch-size 8 --max-num-tokens 256 --max-seq-len 1024 --out $OUT/ds_off.json --results-md $OUT/ds_off.md 2>&1 | grep -E "Error|Traceback|load-time|decode graphs" | head -4; tail -2 $OUT/ds_off.md | cut -c1-160
+TRITONLLM_WEIGHT_PREFETCH=1 timeout 58 $PYTHON benchmarks/engine/engine_bench.py --model deepseek_v2_lite --sections bandwidth,decode --max-batch-size 8 --max-num-tokens 256 --max-seq-len 1024 --out $OUT/ds_bulk.json --results-md $OUT/ds_bulk.md 2>&1 | grep -E "Error|Traceback|load-time|decode graphs" | head -4; tail -2 $OUT/ds_bulk.md | cut -c1-160; for f in off bulk; do timeout 3 $PYTHON -c "import json,sys; d=json.load(open(sys.argv[1]))['decode']; print(sys.argv[1], d.get('launch_choice')); print(d.get('graph_step_profile'))" $OUT/ds_$f.json 2>&1 | head -12; done
+HELPER_LINES
+  cat > "$w/moe53_mx.sh" <<'HELPER_LINES'
+timeout 120 $PYTHON benchmarks/engine/engine_bench.py --sections bandwidth,decode --max-batch-size 16 --model gpt_oss_20b_mxfp4 --out $OUT/mx.json --results-md $OUT/mx.md 2>&1 | grep -v -i warn | tail -12
+HELPER_LINES
+  cat > "$w/moe53_bf.sh" <<'HELPER_LINES'
+timeout 120 $PYTHON benchmarks/engine/engine_bench.py --sections bandwidth,decode --max-batch-size 16 --model gpt_oss_20b --out $OUT/bf.json --results-md $OUT/bf.md 2>&1 | grep -v -i warn | tail -12
+HELPER_LINES
+  cat > "$w/lead_hf.sh" <<'LEAD_LINES'
+timeout 160 $PYTHON -u benchmarks/engine/encdec_bench.py --sections whisper,t5 --quantization fp8 --kv-cache-dtype fp8 --cross-kv-cache-dtype fp8 --hf-whisper-batches 64 --hf-t5-batches 256 --out $OUT/encdec_hf.json --results-md $OUT/encdec_hf.md > $OUT/encdec_hf.log 2>&1; echo "encdec rc $?"; grep -vi warn $OUT/encdec_hf.log | grep -E "audio s/s|tok/s|run:|Error|Traceback" | tail -8 | cut -c1-480
+LEAD_LINES
+  lane() {  # GPU NAMES...: each helper's lines in turn, under a guard of its own
+    local gpu=$1 name; shift
+    for name in "$@"; do
+      mkdir -p "$w/$name"
+      OUT="$w/$name" CUDA_VISIBLE_DEVICES=$gpu job "$name" "${LIMITS[$name]}" bash "$w/$name.sh"
+    done
+  }
+  declare -A LIMITS=([tower48]=135 [wstep49]=135 [mla55]=135 [moe53_mx]=125 [moe53_bf]=125 [lead_hf]=165)
+  lane 0 tower48 wstep49 moe53_bf &
+  [ "$lane1_gpu" = 0 ] && wait
+  lane "$lane1_gpu" mla55 moe53_mx lead_hf &
+  wait
+  for name in tower48 wstep49 mla55 moe53_mx moe53_bf lead_hf; do echo "== $name"; grep -vi warning "$w/$name.log" | tail -40 | cut -c1-600; done
+  ;;
+*) echo "x2_gpu_run.sh: CALL must be 1 to 34, got '$call'"; exit 2 ;;
 esac
 tar czf "$out/call$call.tgz" -C /tmp "x2_call$call"
 for md in "$w"/*.md; do [ -f "$md" ] && cp "$md" "$out/"; done
