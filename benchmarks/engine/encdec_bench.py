@@ -167,6 +167,7 @@ def executor_offline(args, engine: str, requests, tokens: int, cpu_kv_tokens: in
             return forward(*a, **k)
 
         runner.encode_into, runner.forward = timed_encode, counted_forward
+        run = None
         if graphs is not None:
             run = graphs.run
             graphs.run = lambda *a: counts.__setitem__("graph_steps", counts["graph_steps"] + 1) or run(*a)
@@ -183,7 +184,13 @@ def executor_offline(args, engine: str, requests, tokens: int, cpu_kv_tokens: in
             entry["profile"] = profile_offline(ex, requests(tokens), profile_path)
         if after is not None:
             entry.update(after(ex))
-    del ex, runner, graphs
+        # the wrappers above hold the runner (runner.forward -> counted_forward -> forward -> runner): a cycle that
+        # only gc frees, and not while this frame's locals still reach it; the transformers model after this call
+        # then ran out of memory beside the executor's pools (x2 call 34, Flan-T5-XL at batch 256)
+        del runner.encode_into, runner.forward  # back to the class's methods
+        if graphs is not None:
+            del graphs.run
+    del ex, runner, graphs, encode_into, forward, timed_encode, counted_forward, run
     free_device_memory(args.device)
     return entry
 
