@@ -1,6 +1,7 @@
 """A pre-norm LayerNorm decoder layer (Whisper, mBART) at decode batches in ~9 launches instead of ~18.
 
-OPT-IN ($TRITONLLM_ENCDEC_FUSED=1), because it measured slower. At batch 1 a Whisper large-v3
+OPT-IN ($TRITONLLM_ENCDEC_FUSED=1), because it measured slower (last on an H200, 2026-11-30 call 33: graph replay
+2.301 ms in 298 kernels against the unfused default's 1.734 ms in 426). At batch 1 a Whisper large-v3
 decode step takes ~18 kernels a layer (three LayerNorms, three residual adds, q/k/v as three
 products, the MLP's up product through cuBLAS with its split-K reduce, two attentions and the
 cross-attention's split merge) and ~80 us a layer for 11 us of weight bytes. Here a layer is
