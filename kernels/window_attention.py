@@ -30,14 +30,14 @@ import os
 
 import torch
 
-from kernels._triton import TensorDescriptor, jit, tl, triton, use_triton
+from kernels._triton import jit, tl, triton, use_triton
 from kernels.triton_attention import rotate_pair
 
 MAX_RUN = 128  # the longest run one program takes whole (its key tile); longer runs: rotary + SDPA
-# (heads a program, warps a program, loads: tiling()); TILING_ENV "h,w[,l]" overrides it (benchmarks/kernels/tower_parts_bench.py
-# sweeps). TMA at 8 warps: 102 registers a thread on sm_90 (AOT), against 175 with pointer tiles (236 at 4 warps): the
-# kernel is latency-bound (call 33: ~1 TB/s with pointer tiles), so more programs an SM in flight.
-DEFAULT_TILING = (1, 8, 2)
+# (heads a program, warps a program); TILING_ENV "h,w" overrides it. On the H200 (2026-11-30 call 34, the 7B tower at
+# 32 images of 448 x 448) 1 head and 4 warps ran the tower at 380.6 images/s; TMA loads (descriptor boxes per rotary
+# half, 102 registers a thread at 8 warps) 369.4-369.8, the v tiles loaded first at 8 warps 363.3: removed.
+DEFAULT_TILING = (1, 4)
 TILING_ENV = "TRITONLLM_WINDOW_ATTN_TILING"
 
 
@@ -45,15 +45,11 @@ TILING_ENV = "TRITONLLM_WINDOW_ATTN_TILING"
 def _window_attention_kernel(
     qkv_ptr, out_ptr, table_ptr, starts_ptr, lengths_ptr, qk_scale, stride_qkv, stride_out, stride_table,
     HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK: tl.constexpr,
-    HEADS_PER_PROGRAM: tl.constexpr, ROTARY: tl.constexpr, PRECISION: tl.constexpr, EARLY_V: tl.constexpr = False,
-    qkv_desc=None, table_desc=None, TMA: tl.constexpr = False,
+    HEADS_PER_PROGRAM: tl.constexpr, ROTARY: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Program (run, head group). Each head is read as its two halves (dims j and j + HEAD_DIM / 2: the rotary's
     pairs, so the rotation needs no second load), and the products are sums over the halves: q k^T = q1 k1^T +
-    q2 k2^T, P v = [P v1 | P v2]. TMA: the tiles come through the tensor-memory accelerator (host descriptors of
-    qkv and the table, boxes (BLOCK, HALF_PAD)): no per-element pointer tiles in registers; a box's columns past
-    the half are the next half's (zeroed here), its rows past the run the next run's (masked as keys, never
-    stored), past the tensor zeros."""
+    q2 k2^T, P v = [P v1 | P v2]."""
     run = tl.program_id(0)
     start = tl.load(starts_ptr + run).to(tl.int64)
     n = tl.load(lengths_ptr + run)
@@ -63,40 +59,20 @@ def _window_attention_kernel(
     HALF: tl.constexpr = HEAD_DIM // 2
     mask = row_ok[:, None] & (half < HALF)[None, :]
     tokens = start + rows
-    in_half = (half < HALF)[None, :]
-    first = start.to(tl.int32)
     if ROTARY:  # each token's cos / sin of the HALF frequencies
-        if TMA:
-            cos = tl.where(in_half, table_desc.load([first, 0]), 1.0)
-            sin = tl.where(in_half, table_desc.load([first, HALF]), 0.0)
-        else:
-            table = table_ptr + tokens[:, None] * stride_table + half[None, :]
-            cos = tl.load(table, mask=mask, other=1.0)
-            sin = tl.load(table + HALF, mask=mask, other=0.0)
+        table = table_ptr + tokens[:, None] * stride_table + half[None, :]
+        cos = tl.load(table, mask=mask, other=1.0)
+        sin = tl.load(table + HALF, mask=mask, other=0.0)
     for i in tl.static_range(HEADS_PER_PROGRAM):
         head = tl.program_id(1) * HEADS_PER_PROGRAM + i
         if head < HEADS:
             q_row = qkv_ptr + tokens[:, None] * stride_qkv + head * HEAD_DIM + half[None, :]
             k_row = q_row + HEADS * HEAD_DIM
             v_row = k_row + HEADS * HEAD_DIM
-            if TMA:
-                q_col = head * HEAD_DIM
-                k_col = q_col + HEADS * HEAD_DIM
-                v_col = k_col + HEADS * HEAD_DIM
-                q1 = tl.where(in_half, qkv_desc.load([first, q_col]), 0.0)
-                q2 = tl.where(in_half, qkv_desc.load([first, q_col + HALF]), 0.0)
-                k1 = tl.where(in_half, qkv_desc.load([first, k_col]), 0.0)
-                k2 = tl.where(in_half, qkv_desc.load([first, k_col + HALF]), 0.0)
-                v1 = tl.where(in_half, qkv_desc.load([first, v_col]), 0.0)
-                v2 = tl.where(in_half, qkv_desc.load([first, v_col + HALF]), 0.0)
-            else:
-                q1 = tl.load(q_row, mask=mask, other=0.0)
-                q2 = tl.load(q_row + HALF, mask=mask, other=0.0)
-                k1 = tl.load(k_row, mask=mask, other=0.0)
-                k2 = tl.load(k_row + HALF, mask=mask, other=0.0)
-                if EARLY_V:  # every load of the head issued before any math (memory-level parallelism)
-                    v1 = tl.load(v_row, mask=mask, other=0.0)
-                    v2 = tl.load(v_row + HALF, mask=mask, other=0.0)
+            q1 = tl.load(q_row, mask=mask, other=0.0)
+            q2 = tl.load(q_row + HALF, mask=mask, other=0.0)
+            k1 = tl.load(k_row, mask=mask, other=0.0)
+            k2 = tl.load(k_row + HALF, mask=mask, other=0.0)
             if ROTARY:  # kernels/rotary.py's rotation, rounded back to the input dtype as it stores it
                 r1, r2 = rotate_pair(q1, q2, cos, sin)
                 q1, q2 = r1.to(q1.dtype), r2.to(q1.dtype)
@@ -108,30 +84,26 @@ def _window_attention_kernel(
             top = tl.max(scores, 1)
             p = tl.exp2(scores - top[:, None])
             total = tl.sum(p, 1)[:, None]
-            if not EARLY_V and not TMA:
-                v1 = tl.load(v_row, mask=mask, other=0.0)
-                v2 = tl.load(v_row + HALF, mask=mask, other=0.0)
+            v1 = tl.load(v_row, mask=mask, other=0.0)
+            v2 = tl.load(v_row + HALF, mask=mask, other=0.0)
             p = p.to(v1.dtype)
             out = out_ptr + tokens[:, None] * stride_out + head * HEAD_DIM + half[None, :]
             tl.store(out, (tl.dot(p, v1, input_precision=PRECISION) / total).to(v1.dtype), mask=mask)
             tl.store(out + HALF, (tl.dot(p, v2, input_precision=PRECISION) / total).to(v1.dtype), mask=mask)
 
 
-def tiling() -> tuple[int, int, int]:
-    """(heads a program, warps a program, loads: 0 per-element pointers, 1 the same with v loaded first, 2 TMA
-    descriptors): TILING_ENV ("2,8" or "1,4,2"), else DEFAULT_TILING."""
+def tiling() -> tuple[int, int]:
+    """(heads a program, warps a program): TILING_ENV ("2,8"), else DEFAULT_TILING."""
     value = os.environ.get(TILING_ENV)
     if not value:
         return DEFAULT_TILING
     try:
-        heads, warps, *loads = (int(v) for v in value.split(","))
-        loads = loads[0] if loads else 0
+        heads, warps = (int(v) for v in value.split(","))
     except ValueError:
-        heads = warps = loads = -1
-    if heads < 1 or warps not in (1, 2, 4, 8, 16) or loads not in (0, 1, 2):
-        raise ValueError(f"{TILING_ENV}={value!r}: give 'heads a program,warps[,loads]' (warps a power of two up "
-                         "to 16; loads 0 pointers, 1 v first, 2 TMA)")
-    return heads, warps, loads
+        heads = warps = 0
+    if heads < 1 or warps not in (1, 2, 4, 8, 16):
+        raise ValueError(f"{TILING_ENV}={value!r}: give 'heads a program,warps' (warps a power of two up to 16)")
+    return heads, warps
 
 
 def window_attention_triton(qkv: torch.Tensor, heads: int, table: torch.Tensor | None, starts: torch.Tensor,
@@ -149,30 +121,18 @@ def window_attention_triton(qkv: torch.Tensor, heads: int, table: torch.Tensor |
     runs = starts.numel()
     if runs == 0:
         return out
-    per_program, warps, loads = tiling()
+    per_program, warps = tiling()
     per_program = min(per_program, heads)
     half_pad = max(16, triton.next_power_of_2(head_dim // 2))  # (tl.dot: K >= 16)
     block = max(16, triton.next_power_of_2(max_run))
-    tma = loads == 2 and tma_readable(qkv) and (table is None or tma_readable(table))
-    descriptors = {}
-    if tma:
-        descriptors = {"qkv_desc": TensorDescriptor.from_tensor(qkv, [block, half_pad]), "TMA": True}
-        if table is not None:
-            descriptors["table_desc"] = TensorDescriptor.from_tensor(table, [block, half_pad])
     scale = head_dim ** -0.5 if scale is None else scale
     _window_attention_kernel[(runs, triton.cdiv(heads, per_program))](
         qkv, out, qkv if table is None else table, starts, lengths, scale * math.log2(math.e), qkv.stride(0),
         out.stride(0), 0 if table is None else table.stride(0),
         HEADS=heads, HEAD_DIM=head_dim, HALF_PAD=half_pad, BLOCK=block, HEADS_PER_PROGRAM=per_program,
-        ROTARY=table is not None, PRECISION="ieee" if qkv.dtype == torch.float32 else "tf32", EARLY_V=loads == 1,
-        num_warps=warps, num_stages=1, **descriptors)
+        ROTARY=table is not None, PRECISION="ieee" if qkv.dtype == torch.float32 else "tf32",
+        num_warps=warps, num_stages=1)
     return out
-
-
-def tma_readable(t: torch.Tensor) -> bool:
-    """The TMA unit can read the 2-D tensor by descriptor: 16-byte aligned base and row stride, unit columns."""
-    return (TensorDescriptor is not None and t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0
-            and t.data_ptr() % 16 == 0)
 
 
 def window_attention_ref(qkv: torch.Tensor, heads: int, table: torch.Tensor | None, starts: torch.Tensor,

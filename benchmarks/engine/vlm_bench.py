@@ -169,17 +169,16 @@ def write_language_engine(config, args, max_batch_size: int) -> str:
 
 # ---- 1. the tower alone -------------------------------------------------------------------------
 
-# kernels/window_attention.py tilings (heads, warps a program, loads: 0 pointers, 1 v first, 2 TMA)
-WINDOW_TILINGS = ((1, 4, 0), (1, 8, 0), (2, 4, 0), (2, 8, 0), (4, 8, 0), (1, 8, 1), (1, 4, 2), (1, 8, 2), (2, 8, 2))
+# kernels/window_attention.py tilings (heads, warps a program)
+WINDOW_TILINGS = ((1, 4), (1, 8), (2, 4), (2, 8), (4, 8))
 TOWER_VARIANTS = {"fused": {}, "unfused": {qwen2_vl.UNFUSED_ENV: "1"},
                   **{f"sdpa-{name}": {qwen2_vl.SDPA_ENV: name} for name in qwen2_vl.SDPA_BACKENDS},
                   **{f"window-sdpa-{name}": {qwen2_vl.WINDOW_SDPA_ENV: name} for name in qwen2_vl.SDPA_BACKENDS},
                   "fp8": {TOWER_FP8_ENV: "1"}, "fp8-mlp": {TOWER_FP8_ENV: "mlp"},
-                  # the window blocks' attention (engine/vision/qwen2_5_vl.py WINDOW_KERNEL_ENV); -hNwM[lL]: N heads, M warps a program, loads L
+                  # the window blocks' attention (engine/vision/qwen2_5_vl.py WINDOW_KERNEL_ENV); -hNwM: N heads, M warps a program
                   **{f"window-{name}": {qwen2_5_vl.WINDOW_KERNEL_ENV: name} for name in qwen2_5_vl.WINDOW_KERNELS},
-                  **{f"window-triton-h{h}w{w}" + (f"l{l}" if l else ""):
-                     {qwen2_5_vl.WINDOW_KERNEL_ENV: "triton", WINDOW_TILING_ENV: f"{h},{w},{l}"}
-                     for h, w, l in WINDOW_TILINGS},
+                  **{f"window-triton-h{h}w{w}": {qwen2_5_vl.WINDOW_KERNEL_ENV: "triton", WINDOW_TILING_ENV: f"{h},{w}"}
+                     for h, w in WINDOW_TILINGS},
                   # the blocks' residual adds in the products (engine/vision/qwen2_5_vl.py RESIDUAL_ENV) or the norms
                   **{f"residual-{name}": {qwen2_5_vl.RESIDUAL_ENV: name} for name in qwen2_5_vl.RESIDUALS},
                   "window-triton+residual-product": {qwen2_5_vl.WINDOW_KERNEL_ENV: "triton",
@@ -248,7 +247,7 @@ def tower_setting(device: str) -> str:
     blocks' Triton kernel (TRITONLLM_TOWER_WINDOW_KERNEL, on CUDA by default where DEFAULT_WINDOW_KERNEL says)."""
     blocks = "unfused blocks" if os.environ.get(qwen2_vl.UNFUSED_ENV) == "1" else "fused blocks"
     fp8 = f", FP8 linears ({tower_fp8_scope()})" if tower_fp8_scope() else ""
-    windows = ("the Triton window kernel (heads, warps a program, loads: {}, {}, {})".format(*window_tiling())
+    windows = ("the Triton window kernel (heads, warps a program: {}, {})".format(*window_tiling())
                if qwen2_5_vl.window_kernel(torch.empty(0, device=device)) == "triton" else sdpa_backend(windows=True))
     return f"{blocks}{fp8}, SDPA {sdpa_backend()}, windows {windows}, residual added by the {qwen2_5_vl.residual_choice(torch.empty(0, device=device))}"
 
