@@ -80,10 +80,15 @@ def pdl_prologue(PDL: tl.constexpr):
 WEIGHT_PREFETCH_ENV = "TRITONLLM_WEIGHT_PREFETCH"
 # skinny: kernels/linear.py's products (weights up to PREFETCH_MAX_BYTES); shared: a one-token grouped gate_up
 # GEMM's appended shared experts (kernels/fused_moe.py); mla: W_UK in the latent write's launch and W_UV in the
-# MLA combine (kernels/mla_latent_write.py, kernels/mla_attention.py); router: the decode router's weight
-# (kernels/moe_router.py).
+# MLA combine (kernels/mla_latent_write.py, kernels/mla_attention.py): all three L2 prefetches; router: the
+# normed decode router's rows loaded into registers before its wait (kernels/moe_router.py).
 WEIGHT_PREFETCH_KINDS = ("skinny", "shared", "mla", "router")
-WEIGHT_PREFETCH_DEFAULT = ""  # none until measured on a GPU
+# H200, DeepSeek-V2-Lite batch-1 decode, PDL on, every kind on against none in one lease (call 34,
+# benchmarks/results/engine.md): 392.1 against 433.5 tok/s. The L2 prefetches slow the kernel they overlap more
+# than they save (the latent write 3.05 -> 6.02 us with W_UK's, the RMSNorm before the stacked first product 3.43 ->
+# 5.24, gate_up 23.8 -> 25.3 with the shared experts'; o_proj alone gained 6.05 -> 5.50); the router's register
+# load gained (5.51 -> 5.21 us a launch) and is the default. "0" restores the launch before it.
+WEIGHT_PREFETCH_DEFAULT = "router"
 
 
 def weight_prefetch(kind: str, pdl: bool) -> bool:

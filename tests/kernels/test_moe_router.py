@@ -60,11 +60,12 @@ def test_padding_rows_route_as_row_zero(device):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_tokens,prefetch", [(1, "0"), (2, "0"), (1, "router")])
+@pytest.mark.parametrize("num_tokens,prefetch", [(1, "router"), (2, "router"), (1, "0")])
 def test_post_attention_norm_in_the_same_launch(device, num_tokens, prefetch, monkeypatch):
     """route_decode_normed's launch: the new residual and normed rows as rms_norm's, and the routing of
     the normed rows as route_decode's (V2-Lite-like greedy with two shared slots); with
-    $TRITONLLM_WEIGHT_PREFETCH=router the router rows are loaded before the (PDL) wait, the same sums."""
+    $TRITONLLM_WEIGHT_PREFETCH=router (the default) the router rows are loaded before the (PDL) wait, with 0
+    after it (the launch before call 34): the same sums."""
     from kernels._triton import WEIGHT_PREFETCH_ENV
     from kernels.moe_router import norm_fuses, route_decode_normed
     from kernels.rmsnorm import rms_norm_ref
@@ -112,7 +113,7 @@ def test_compiles_for_sm90(shape, block_t):
                  G_PAD=8 if v3 else 2, HAS_BIAS=v3, HAS_PAD=True, RENORMALIZE=v3, E_PAD=e_pad, BLOCK_T=block_t,
                  BLOCK_E=block_e, BLOCK_H=min(2048, 8192 // (block_t * block_e)),
                  RANKED=block_t * e_pad * e_pad <= moe_router.RANKED_VALUES, NORM=not v3 and block_t == 2,
-                 PDL=block_t == 2, PREFETCH=block_t == 2)  # (V2-Lite: rows into registers; V3: into L2)
+                 PDL=block_t == 2, PREFETCH=not v3 and block_t == 2)  # (V2-Lite's normed launch: rows into registers)
     pointers = dict(x_ptr="*bf16", w_ptr="*fp32", bias_ptr="*fp32", pad_ptr="*i1", logits_ptr="*fp32",
                     count_ptr="*i32", weights_ptr="*fp32", ids_ptr="*i32", res_ptr="*bf16", norm_w_ptr="*bf16",
                     normed_ptr="*bf16", res_out_ptr="*bf16")
@@ -123,7 +124,4 @@ def test_compiles_for_sm90(shape, block_t):
                                                                                                    "stride_w")}
     compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=const, attrs=attrs),
                               target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-    ptx = compiled.asm["ptx"]
-    assert "atom" in ptx
-    # V3's unnormed launch prefetches its router rows into L2 before the PDL wait
-    assert ("cp.async.bulk.prefetch.L2" in ptx.split("griddepcontrol.wait")[0]) == (v3 and block_t == 2)
+    assert "atom" in compiled.asm["ptx"]
