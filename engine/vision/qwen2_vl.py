@@ -30,6 +30,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from engine.hf_checkpoint import TensorGetter
+from engine.planless_attention import PLANLESS_BACKENDS
 from engine.vision.clip import activation, first_found
 from engine.vision.tower_layout import PatchRotary, Segments, tower_layout
 from kernels.layernorm import layer_norm
@@ -52,7 +53,6 @@ UNFUSED_ENV = "TRITONLLM_TOWER_UNFUSED"
 SDPA_ENV = "TRITONLLM_TOWER_SDPA"
 WINDOW_SDPA_ENV = "TRITONLLM_TOWER_WINDOW_SDPA"  # Qwen2.5-VL's window blocks only (default: SDPA_ENV's)
 SDPA_BACKENDS = ("planless", "auto", "cudnn", "flash", "efficient", "math")
-PLANLESS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def sdpa_backend(windows: bool = False) -> str:
@@ -75,7 +75,7 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, windows: bool) -> t
     name = sdpa_backend(windows)
     if name == "auto" or not q.is_cuda:
         return F.scaled_dot_product_attention(q, k, v)
-    backends = PLANLESS if name == "planless" else [
+    backends = PLANLESS_BACKENDS if name == "planless" else [
         {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
          "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}[name]]
     # sdpa_kernel sets torch's process-wide backend flags for the call and restores them after, so another thread's
