@@ -120,7 +120,8 @@ def prefetch_weight_l2(w_ptr, w_rows, row_ok, k_begin, k_end):
     16-byte aligned and a multiple of 16 bytes long (bulk_prefetchable on the host); rows with unit column
     stride. Inline PTX: only on CUDA (callers set it with PDL, which the CPU interpreter never has)."""
     total = (k_end - k_begin) * (w_ptr.dtype.element_ty.primitive_bitwidth // 8)  # bytes a row
-    piece = tl.cdiv(tl.cdiv(total, 8), 16) * 16
+    # (pieces of >= 128 bytes: W_UK's 128-byte row spans went out as eight 16-byte prefetches in call 34)
+    piece = tl.maximum(tl.cdiv(tl.cdiv(total, 8), 16) * 16, 128)
     offsets = tl.arange(0, 8) * piece
     nbytes = tl.where(row_ok[:, None], tl.minimum(total - offsets[None, :], piece), 0)
     _bulk_prefetch_l2((w_rows + k_begin).to(tl.int64, bitcast=True) + offsets[None, :], nbytes.to(tl.int32))
