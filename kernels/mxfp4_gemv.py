@@ -44,7 +44,9 @@ to arrive adds them in split order and finishes the tile (deterministic; kernels
 arrival counters): S times the programs at 1 token, where ~2.7 programs an SM kept few bytes in flight. Option
 "x" (gate_up) drops the prepare launch, each gate_up program routing and writing its share of its token's pairs
 itself (H200 call 33: 18-27 us slower, kept as a measured alternative); "l" prefetches a launch's own rows into
-L2 before its PDL wait; "d" has each gate_up program prefetch its share of its expert's down codes into L2.
+L2 before its PDL wait; "d" has each gate_up program prefetch its share of its expert's down codes into L2
+("l" and "d": compiled for sm_90, the prefetch before the PDL wait checked in the PTX; they ran in H200 call
+34's load-time choice, whose timings the run's time limit lost: not yet timed).
 
 ASM: the stage arithmetic and HFMA2 run as inline PTX (``tl.inline_asm_elementwise``, pack 4: a thread's 4
 contiguous words, which lie in one scale group, chained in float16 and returned as one float32 in the first
@@ -80,8 +82,9 @@ from kernels.mxfp4_codes import exponent_factor
 # what benchmarks/kernels/moe_gemv_bench.py --word-tiles and the sm_90 compile test cover.
 # (H200 call 33, gpt-oss-20b at 1 token, prepare + gate_up + down (+ sum): gate_up (32, 4, 4, "p") 46.2 us and
 # (16, 8, 4) 46.1 with down (32, 4, 4), splits 46.5-48.1, "x" 64.2-73.1; then down (16, 8, 4) 39.2, "r" 38.5, "r2"
-# 37.9, (32, 4, 4, "p") 43.5; "l" and "d" first timed by the load-time choice.)
-WORD_TILES = ((32, 4, 4, "p"), (16, 8, 4, "d"), (16, 8, 4, "r2"), (32, 4, 4, "pl"), (32, 4, 4, "pd"))
+# 37.9, (32, 4, 4, "p") 43.5. Three candidates, as before: call 34's cold gpt-oss-20b load with five (two of them
+# "l" / "d", never timed on a GPU) spent 99.0 s in its 18 load-time choices against call 28's 48.3 s with three.)
+WORD_TILES = ((32, 4, 4, "p"), (16, 8, 4), (16, 8, 4, "r2"))
 SWEEP_TILES = ((16, 4, 4), (16, 2, 2), (32, 4, 4), (32, 2, 4), (32, 4, 2), (64, 2, 4), (64, 4, 4), (16, 8, 4),
                (32, 1, 2), (64, 1, 4), (16, 4, 4, "p"), (32, 4, 4, "p"), (16, 4, 4, "f"), (32, 4, 4, "f"),
                (16, 4, 4, "fp"), (32, 4, 4, "fp"), (16, 8, 4, "p"), (64, 4, 8, "p"), (32, 4, 4, "p2"),
@@ -414,8 +417,8 @@ def _words_gate_up_kernel(
     read after the wait (an early id is clamped to the experts: a prefetch only). DOWN_PREFETCH (CUDA): once its
     expert is known, the program prefetches its share (one of tiles x splits) of that expert's down codes
     (down_ptr: int32 words, down_words an expert) and exponents (down_s_ptr, down_scales) into L2 (bulk
-    prefetches), fire and forget: gate_up's programs leave HBM idle between their serial steps, and the down launch then reads its codes
-    from L2."""
+    prefetches), fire and forget: gate_up's programs leave HBM idle between their serial steps, and the down
+    launch then reads its codes from L2 (not yet timed)."""
     # Word strides are whole 32-byte groups (K % 64 == 0): written as multiples of 8 so Triton knows each row's
     # groups are 16-byte aligned (a row of gpt-oss-20b is 360 words, not a multiple of 16: unspecialized). Then a
     # thread's 4 contiguous words are one 16-byte load and one pack of the inline asm, which relies on them sharing

@@ -238,7 +238,7 @@ def test_choice_times_the_word_path_and_its_mark_dispatches(words, monkeypatch, 
     monkeypatch.setenv(choice_cache.CACHE_ENV, str(tmp_path))
     monkeypatch.setenv(WORDS_ENV, words)
     monkeypatch.setattr(moe_gemv_choice, "candidate_tiles", lambda kind: GEMV_TILES[:2])
-    monkeypatch.setattr(moe_gemv_choice, "WORD_TILES", WORD_TILES[:2])
+    monkeypatch.setattr(moe_gemv_choice, "WORD_TILES", WORD_TILES[1:])  # (plain and "r2": both kinds of down)
     x, logits, gate_up_stored, down_stored, (gu_bias, d_bias) = problem(3, 320, 192, EXPERTS, seed=93)
     kernel = [prepare_mxfp4_experts(*[t.cuda() for t in stored], torch.bfloat16, for_kernel=True)
               for stored in (gate_up_stored, down_stored)]
