@@ -132,7 +132,7 @@ def time_gemv(experts: GemvExperts) -> dict:
     if words:
         report.update(words_us={}, words_gate_up_us={}, words_down_us={}, words_rel_diff={})
         # moe_gemv's MXFP4 pair: its first tile alone, a timed fallback (H200 calls 28 and 33: the best of its
-        # candidates 2.1-2.8x the word path's time at every count; each candidate is a compile at a cold load,
+        # candidates 2.1-2.9x the word path's time at every count; each candidate is a compile at a cold load,
         # whose 18 choices took 99.0 s in call 34)
         candidates = candidates[:1]
     for tokens in TIMED_TOKENS:
