@@ -228,7 +228,7 @@ def test_choice_times_the_word_path_and_its_mark_dispatches(words, monkeypatch, 
     moe_gemv's pair at 1, 2, 4, 8 tokens (not with $TRITONLLM_MXFP4_WORDS=0: the old paths alone) and checks it
     against the grouped path (a disagreeing word path is never marked); a forced word
     mark makes moe_forward_mxfp4 give the word path's summed rows, equal to the widened reference, also replayed
-    from a CUDA graph. Two candidates of each path (the compiles' time)."""
+    from a CUDA graph. Two word candidates, two of moe_gemv's (its first alone where the word path is timed)."""
     from kernels import choice_cache, moe_gemv_choice
     from kernels.fused_moe_mxfp4 import moe_forward_mxfp4
     from kernels.moe_decode_tiles import choose_decode_tiles
