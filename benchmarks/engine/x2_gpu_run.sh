@@ -63,6 +63,15 @@ job() {  # NAME LIMIT_S CMD...: one guarded job, its output in $w/NAME.log, one 
   echo "[x2] $name: exit $rc$([ $rc -eq 124 ] && echo ' (its guard)') after $(( $(date +%s) - start )) s"
 }
 
+script_lane() {  # GPU NAMES...: the scripts $w/NAME.sh in turn on that GPU, each under its guard ${LIMITS[NAME]}
+  local gpu=$1 name      # (an associative array the call declares), with $OUT its own folder $w/NAME
+  shift
+  for name in "$@"; do
+    mkdir -p "$w/$name"
+    OUT="$w/$name" CUDA_VISIBLE_DEVICES=$gpu job "$name" "${LIMITS[$name]}" bash "$w/$name.sh"
+  done
+}
+
 on_gpu() {  # GPU NAME LIMIT_S CMD...: a one-GPU job (SMOKE: printed only: these benches need CUDA)
   local gpu=$1
   shift
@@ -982,17 +991,10 @@ LEAD_LINES
   cat > "$w/lead_t5.sh" <<'LEAD_LINES'
 timeout 70 $PYTHON -u benchmarks/engine/encdec_bench.py --sections t5 --quantization fp8 --kv-cache-dtype fp8 --cross-kv-cache-dtype fp8 --hf-t5-batches "" --hf-whisper-batches "" --out $OUT/t5_fp8kv.json --results-md $OUT/t5_fp8kv.md > $OUT/t5_fp8kv.log 2>&1; echo "t5 fp8 kv rc $?"; grep -vi warn $OUT/t5_fp8kv.log | grep -E "tok/s|run:|Error|Traceback" | tail -3 | cut -c1-480
 LEAD_LINES
-  lane() {  # GPU NAMES...: each helper's lines in turn, under a guard of its own
-    local gpu=$1 name; shift
-    for name in "$@"; do
-      mkdir -p "$w/$name"
-      OUT="$w/$name" CUDA_VISIBLE_DEVICES=$gpu job "$name" "${LIMITS[$name]}" bash "$w/$name.sh"
-    done
-  }
   declare -A LIMITS=([tower48]=105 [wstep49]=150 [mla55]=150 [moe53]=150 [lead_whisper]=155 [lead_t5]=75)
-  lane 0 tower48 wstep49 lead_whisper &
+  script_lane 0 tower48 wstep49 lead_whisper &
   [ "$lane1_gpu" = 0 ] && wait
-  lane "$lane1_gpu" mla55 moe53 lead_t5 &
+  script_lane "$lane1_gpu" mla55 moe53 lead_t5 &
   wait
   for name in tower48 wstep49 mla55 moe53 lead_whisper lead_t5; do echo "== $name"; grep -vi warning "$w/$name.log" | tail -40 | cut -c1-600; done
   ;;
@@ -1025,17 +1027,10 @@ HELPER_LINES
   cat > "$w/lead_hf.sh" <<'LEAD_LINES'
 timeout 160 $PYTHON -u benchmarks/engine/encdec_bench.py --sections whisper,t5 --quantization fp8 --kv-cache-dtype fp8 --cross-kv-cache-dtype fp8 --hf-whisper-batches 64 --hf-t5-batches 256 --out $OUT/encdec_hf.json --results-md $OUT/encdec_hf.md > $OUT/encdec_hf.log 2>&1; echo "encdec rc $?"; grep -vi warn $OUT/encdec_hf.log | grep -E "audio s/s|tok/s|run:|Error|Traceback" | tail -8 | cut -c1-480
 LEAD_LINES
-  lane() {  # GPU NAMES...: each helper's lines in turn, under a guard of its own
-    local gpu=$1 name; shift
-    for name in "$@"; do
-      mkdir -p "$w/$name"
-      OUT="$w/$name" CUDA_VISIBLE_DEVICES=$gpu job "$name" "${LIMITS[$name]}" bash "$w/$name.sh"
-    done
-  }
   declare -A LIMITS=([tower48]=135 [wstep49]=135 [mla55]=135 [moe53_mx]=125 [moe53_bf]=125 [lead_hf]=165)
-  lane 0 tower48 wstep49 moe53_bf &
+  script_lane 0 tower48 wstep49 moe53_bf &
   [ "$lane1_gpu" = 0 ] && wait
-  lane "$lane1_gpu" mla55 moe53_mx lead_hf &
+  script_lane "$lane1_gpu" mla55 moe53_mx lead_hf &
   wait
   for name in tower48 wstep49 mla55 moe53_mx moe53_bf lead_hf; do echo "== $name"; grep -vi warning "$w/$name.log" | tail -40 | cut -c1-600; done
   ;;

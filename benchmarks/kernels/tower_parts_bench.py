@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from benchmarks.common import git_commit, utc_now  # noqa: E402
 from engine.vision.qwen2_vl import segment_attention  # noqa: E402
 from engine.vision.tower_layout import PatchRotary, Segments  # noqa: E402
+from kernels.linear import replay_time_ms  # noqa: E402
 from kernels.rmsnorm import rms_norm  # noqa: E402
 from kernels.window_attention import TILING_ENV, window_attention  # noqa: E402
 
@@ -47,14 +48,7 @@ def graph_ms(fn, replays: int = 20) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / replays
+    return replay_time_ms(graph, replays)
 
 
 def wall_ms(fn, repeat: int = 3) -> float:
