@@ -99,7 +99,8 @@ def _grouped_gemm_kernel(
     PREFETCH_SHARED = S > 0 (ONE_PER_BLOCK, one token, PDL): the last S of the TOP_K slots are shared
     experts appended as the last S experts (slot TOP_K - S + j: expert num_experts - S + j, always, as
     kernels/moe_router.py writes them), so their programs know their weight rows before the router's ids
-    exist: they prefetch them into L2 before the PDL wait, while the router still runs."""
+    exist: they prefetch them into L2 before the PDL wait, while the router still runs. (Off by default:
+    gate_up measured slower with it on an H200, 23.8 -> 25.3 us; benchmarks/results/engine.md, call 34.)"""
     if PREFETCH_SHARED > 0:
         slot = tl.program_id(0)
         if slot >= TOP_K - PREFETCH_SHARED:

@@ -137,7 +137,8 @@ def _skinny_gemm_kernel(
     so the kernel has the exact integers, as int8_linear_ref (float64) and torch._int_mm do.
     PREFETCH (with PDL): before the PDL wait, the program asks L2 for its whole weight range
     (prefetch_weight_l2): weights are never written by a step's kernels, so their bytes stream in while
-    the kernel before still runs, and the loop after the wait reads them from L2.
+    the kernel before still runs, and the loop after the wait reads them from L2. (Off by default: on an
+    H200 it slowed the RMSNorm before V2-Lite's stacked product more than it saved; results/engine.md, call 34.)
     """
     cols, col_ok = output_columns(N, ROWS, BLOCK_N, BALANCED)
     rows = tl.arange(0, M_PAD)

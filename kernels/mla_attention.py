@@ -247,7 +247,7 @@ def _mla_combine_values_kernel(part_ptr, lse_ptr, w_ptr, out_ptr, num_heads, spl
     output (_mla_combine_kernel's row, rounded to LATENT_DTYPE as it stores it), w (H, V, R). The
     combine and the per-head W_UV product in one launch: each program reads its head's live partials
     whole (BLOCK_R columns at a time) and BLOCK_V rows of W_UV_h. PREFETCH (with PDL): those W_UV rows
-    are prefetched into L2 before the PDL wait (kernels/_triton.py prefetch_weight_l2)."""
+    are prefetched into L2 before the PDL wait (kernels/_triton.py prefetch_weight_l2; off by default, see there)."""
     if PREFETCH:
         v = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
         prefetch_weight_l2(w_ptr, w_ptr + tl.program_id(1) * stride_wh + v[:, None] * stride_wv, v < v_dim, 0, RANK)
