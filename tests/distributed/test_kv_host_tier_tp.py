@@ -32,7 +32,8 @@ def one_rank_without_reuse(engines) -> list[list[int]]:
         return converse(executor, PROMPTS)
 
 
-@pytest.mark.parametrize("plans", ["gloo", "shared memory"])
+# over shared memory in `make test-all` (~9 s on 2 cores): make test runs that channel in test_tp_engine.py's tp2 jobs
+@pytest.mark.parametrize("plans", ["gloo", pytest.param("shared memory", marks=pytest.mark.extended)])
 def test_two_ranks_with_the_host_tier_answer_like_one_rank_without_reuse(engines, one_rank_without_reuse, tmp_path,
                                                                          plans):
     """Also every rank's exit 0 once the leader's executor shut down (run_ranks), over each plan channel:
