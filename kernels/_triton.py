@@ -101,7 +101,7 @@ def weight_prefetch(kind: str, pdl: bool) -> bool:
 
 
 @jit
-def _bulk_prefetch_l2(addr, nbytes):
+def bulk_prefetch_l2(addr, nbytes):
     """``cp.async.bulk.prefetch.L2`` of ``nbytes`` (a multiple of 16; nothing where <= 0) from ``addr`` (int64,
     16-byte aligned): the copy engine reads them into L2; no registers, nothing waits."""
     tl.inline_asm_elementwise(
@@ -124,7 +124,7 @@ def prefetch_weight_l2(w_ptr, w_rows, row_ok, k_begin, k_end):
     piece = tl.maximum(tl.cdiv(tl.cdiv(total, 8), 16) * 16, 128)
     offsets = tl.arange(0, 8) * piece
     nbytes = tl.where(row_ok[:, None], tl.minimum(total - offsets[None, :], piece), 0)
-    _bulk_prefetch_l2((w_rows + k_begin).to(tl.int64, bitcast=True) + offsets[None, :], nbytes.to(tl.int32))
+    bulk_prefetch_l2((w_rows + k_begin).to(tl.int64, bitcast=True) + offsets[None, :], nbytes.to(tl.int32))
 
 
 def bulk_prefetchable(t) -> bool:

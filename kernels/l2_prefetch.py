@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import hopper_or_later, jit, tl, triton
+from kernels._triton import bulk_prefetch_l2, hopper_or_later, jit, tl, triton
 
 CHUNK = 16384  # bytes one prefetch instruction asks for (a multiple of 16, as the instruction needs)
 BLOCK = 32  # prefetch instructions a program issues at once (one per thread of its one warp)
@@ -30,14 +30,6 @@ BLOCK = 32  # prefetch instructions a program issues at once (one per thread of 
 # step's kernels, set a fused Whisper step's length: 6.35 ms against 2.30 without), so a region is spread over
 # programs of SLICE bytes each (a 13 MB weight: 26 programs).
 SLICE = 512 << 10
-
-
-@jit
-def _bulk_prefetch(addr, nbytes):
-    """Prefetch ``nbytes`` (a multiple of 16; none where <= 0) from ``addr`` (16-byte aligned) into L2."""
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r", [addr, nbytes], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @jit
@@ -51,7 +43,7 @@ def _l2_prefetch_kernel(regions_ptr, CHUNK: tl.constexpr, BLOCK: tl.constexpr, S
     lanes = tl.arange(0, BLOCK).to(tl.int64) * CHUNK
     for start in range(first, end, BLOCK * CHUNK):
         offsets = start + lanes
-        _bulk_prefetch(base + offsets, tl.minimum(end - offsets, CHUNK).to(tl.int32))
+        bulk_prefetch_l2(base + offsets, tl.minimum(end - offsets, CHUNK).to(tl.int32))
 
 
 @jit
@@ -67,8 +59,8 @@ def _l2_prefetch_pages_kernel(k_ptr, v_ptr, tables_ptr, lengths_ptr, stride_tabl
         ok = index < pages
         page = tl.load(tables_ptr + row.to(tl.int64) * stride_table + index, mask=ok, other=0).to(tl.int64)
         nbytes = tl.where(ok, page_bytes, 0).to(tl.int32)
-        _bulk_prefetch((k_ptr + page * stride_kb).to(tl.int64, bitcast=True), nbytes)
-        _bulk_prefetch((v_ptr + page * stride_vb).to(tl.int64, bitcast=True), nbytes)
+        bulk_prefetch_l2((k_ptr + page * stride_kb).to(tl.int64, bitcast=True), nbytes)
+        bulk_prefetch_l2((v_ptr + page * stride_vb).to(tl.int64, bitcast=True), nbytes)
 
 
 def l2_prefetch_pages(k_pool: torch.Tensor, v_pool: torch.Tensor, tables: torch.Tensor, lengths: torch.Tensor
