@@ -315,6 +315,19 @@ def _arrival_counters(device: torch.device, tiles: int) -> torch.Tensor:
     return counters
 
 
+@jit
+def last_arrival(arrivals_ptr, index, expected):
+    """True in the program that arrives last of ``expected`` at counter ``index`` of _arrival_counters' counters,
+    which sets it back to 0 for the next launch. Every thread's stores before the call (its partial sums) are
+    visible to that last program: a barrier, then a release; the last arrival's acquire."""
+    tl.debug_barrier()
+    arrived = tl.atomic_add(arrivals_ptr + index, 1, sem="acq_rel", scope="gpu")
+    last = arrived == expected - 1
+    if last:
+        tl.store(arrivals_ptr + index, 0)
+    return last
+
+
 def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                          *, block_n: int = 16, block_k: int = 512, num_warps: int = 4, num_stages: int = 4,
                          split_k: int = 1, swap_ab: bool = False, waves: int = 0, gated: bool = False,

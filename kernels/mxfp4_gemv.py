@@ -65,7 +65,7 @@ import math
 import torch
 
 from kernels._triton import jit, pdl_options, pdl_prologue, prefetch_weight_l2, tl, triton
-from kernels.linear import _arrival_counters
+from kernels.linear import _arrival_counters, last_arrival
 from kernels.moe_epilogue import ACTIVATIONS, ExpertEpilogue, swiglu_clamped
 from kernels.moe_routing import _top_k_of_row
 from kernels.mxfp4_codes import exponent_factor
@@ -382,19 +382,6 @@ def _prefetch_share(base, count, share, shares, LINE: tl.constexpr):
 
 
 @jit
-def _arrive(arrivals_ptr, index, EXPECTED: tl.constexpr):
-    """True in the program that arrives last of EXPECTED at counter ``index`` (its partial sums, stored before
-    this, are then visible to it: a barrier, then a release; the last arrival's acquire), which sets the counter
-    back to 0 for the next launch (kernels/linear.py's split-K arrivals, the same counters)."""
-    tl.debug_barrier()
-    arrived = tl.atomic_add(arrivals_ptr + index, 1, sem="acq_rel", scope="gpu")
-    last = arrived == EXPECTED - 1
-    if last:
-        tl.store(arrivals_ptr + index, 0)
-    return last
-
-
-@jit
 def _words_gate_up_kernel(
     pairs_ptr, inv_ptr, ids_ptr, w_ptr, s_ptr, bias_ptr, act_pairs_ptr, x_ptr, part_ptr, arrivals_ptr, I, half_words,
     stride_we, stride_wn, stride_se, stride_be, pairs16_ptr, logits_ptr, weights_ptr, num_experts, stride_x,
@@ -481,7 +468,7 @@ def _words_gate_up_kernel(
         part = part_ptr + (a * SPLIT + tl.program_id(2)).to(tl.int64) * (2 * I)
         tl.store(part + rows, gate, mask=rows_ok)
         tl.store(part + I + rows, up, mask=rows_ok)
-        if _arrive(arrivals_ptr, a * tl.num_programs(1) + tile, SPLIT):
+        if last_arrival(arrivals_ptr, a * tl.num_programs(1) + tile, SPLIT):
             gate = tl.zeros([BLOCK_N], dtype=tl.float32)
             up = tl.zeros([BLOCK_N], dtype=tl.float32)
             for split in tl.static_range(SPLIT):  # (in split order: deterministic)
@@ -587,7 +574,7 @@ def _words_down_kernel(
             else:
                 first = a
                 counter = a * tl.num_programs(1) + tile
-            if _arrive(arrivals_ptr, counter, TOP_K * SPLIT if REDUCE else SPLIT):
+            if last_arrival(arrivals_ptr, counter, TOP_K * SPLIT if REDUCE else SPLIT):
                 out = tl.zeros([BLOCK_N], dtype=tl.float32)
                 for k in tl.static_range(TOP_K if REDUCE else 1):  # (splits, then experts, in order: deterministic)
                     a_k = first + k

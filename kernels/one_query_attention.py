@@ -30,7 +30,7 @@ import os
 import torch
 
 from kernels._triton import dense, jit, num_sms, pdl_options, pdl_prologue, tl, triton
-from kernels.linear import _arrival_counters
+from kernels.linear import _arrival_counters, last_arrival
 from kernels.triton_attention import _merge_splits_kernel
 
 _LOG2E = 1.4426950408889634
@@ -169,15 +169,10 @@ def _one_query_kernel(
         # a split of no keys: -1e30, weight 0 beside any split with keys (and finite: a row of none merges to 0)
         lse = tl.where(l_i > 0.0, m_i + tl.math.log2(tl.where(l_i > 0.0, l_i, 1.0)), -1e30)
         tl.store(part_lse_ptr + part // DIM_PAD, lse, mask=head_valid)
-        if MERGE_HERE:  # the last of the (token, head group)'s splits to finish merges them (kernels/linear.py's
-            # arrival counters: every thread's partials stored before the count goes up, barrier then release;
-            # the last arrival's acquire makes the other programs' partials visible to it)
-            tl.debug_barrier()
-            counter = arrivals_ptr + token * tl.num_programs(1) + tl.program_id(1)
-            if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == splits - 1:
+        if MERGE_HERE:  # the last of the (token, head group)'s splits to finish merges them (kernels/linear.py)
+            if last_arrival(arrivals_ptr, token * tl.num_programs(1) + tl.program_id(1), splits):
                 _merge_own_splits(part_out_ptr, part_lse_ptr, out_ptr, token, heads, head_valid, dims, hd_mask,
                                   splits, stride_ps, stride_pt, stride_ot, stride_oh, HEADS, DIM_PAD)
-                tl.store(counter, 0)
 
 
 def decode_splits(rows: int, head_groups: int, max_context_len: int, block_n: int, step_bytes: int, device) -> int:
