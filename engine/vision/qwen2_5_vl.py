@@ -49,20 +49,23 @@ RESIDUALS = ("norm", "product")
 DEFAULT_RESIDUAL = "norm"
 
 
-def residual_choice(x: torch.Tensor) -> str:
-    """Where the residual adds happen for rows ``x`` (RESIDUAL_ENV), read per forward so a bench can A/B it."""
-    name = os.environ.get(RESIDUAL_ENV, DEFAULT_RESIDUAL if x.is_cuda else "norm").lower()
-    if name not in RESIDUALS:
-        raise ValueError(f"{RESIDUAL_ENV}={name!r}: allowed {', '.join(RESIDUALS)}")
+def _switch(env: str, allowed: tuple[str, ...], cuda_default: str, cpu_default: str, x: torch.Tensor) -> str:
+    """$env for rows ``x``, one of ``allowed``; unset: ``cuda_default`` on CUDA, ``cpu_default`` elsewhere. Read at
+    each call, so a bench can A/B it in one process."""
+    name = os.environ.get(env, cuda_default if x.is_cuda else cpu_default).lower()
+    if name not in allowed:
+        raise ValueError(f"{env}={name!r}: allowed {', '.join(allowed)}")
     return name
+
+
+def residual_choice(x: torch.Tensor) -> str:
+    """Where the residual adds happen for rows ``x`` (RESIDUAL_ENV), read per forward."""
+    return _switch(RESIDUAL_ENV, RESIDUALS, DEFAULT_RESIDUAL, "norm", x)
 
 
 def window_kernel(x: torch.Tensor) -> str:
-    """The window blocks' attention for rows ``x`` (WINDOW_KERNEL_ENV), read per call so a bench can A/B it."""
-    name = os.environ.get(WINDOW_KERNEL_ENV, DEFAULT_WINDOW_KERNEL if x.is_cuda else "sdpa").lower()
-    if name not in WINDOW_KERNELS:
-        raise ValueError(f"{WINDOW_KERNEL_ENV}={name!r}: allowed {', '.join(WINDOW_KERNELS)}")
-    return name
+    """The window blocks' attention for rows ``x`` (WINDOW_KERNEL_ENV), read per call."""
+    return _switch(WINDOW_KERNEL_ENV, WINDOW_KERNELS, DEFAULT_WINDOW_KERNEL, "sdpa", x)
 
 
 class RMSNorm(nn.Module):
@@ -230,7 +233,6 @@ class Qwen25VisionEncoder(nn.Module):
         rows = self.merger_fc2(F.gelu(self.merger_fc1(x.view(-1, dim * unit))))
         rows = rows[layout.inverse]  # back to the processor's order
         return list(rows.split([t * h * w // unit for t, h, w in grids]))
-
 
     def _bias_shifts(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per block (the biases of every proj and down before its norm1, and before its norm2), then (all of
