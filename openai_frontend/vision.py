@@ -29,7 +29,8 @@ from serving import mllama
 from serving.images import decode_file, url_bytes
 from serving.mrope import to_wire
 from serving.qwen_vl import grid_rows, image_patches
-from serving.multimodal import DEFAULT_MAX_NUM_IMAGES, ImagePrompts, VisionEncoderRunner, engine_vocab_size, image_limits
+from serving.multimodal import (DEFAULT_MAX_NUM_IMAGES, ImagePrompts, VisionEncoderRunner, engine_max_seq_len,
+                               engine_vocab_size, image_limits)
 from serving.video_prompts import VIDEO_AND_IMAGES, video_support_error
 
 QWEN_IMAGE_WORKERS = 4  # requests fetched, decoded and processed at once; their towers batch in the queue
@@ -57,7 +58,8 @@ class ChatImages:
                                    settings.allowed_local_media_path)
         self.prompts = ImagePrompts(settings.encoder_dir, tokenizer, engine_vocab_size(engine_dir),
                                     max_num_images=settings.max_num_images, limits=self.limits,
-                                    video_limits=video_limits(settings.max_num_frames))
+                                    video_limits=video_limits(settings.max_num_frames),
+                                    max_seq_len=engine_max_seq_len(engine_dir))
         self.runner = VisionEncoderRunner(settings.encoder_dir, device)
         self.cross_attention = self.runner.mllama  # Llama 3.2 Vision: vision states, not a table (cross_inputs)
         # Qwen towers: requests' images go to one queue that encodes whatever is pending in one forward, on a
@@ -98,7 +100,9 @@ class ChatImages:
     def expand(self, ids: list[int], counts: list[int], kinds: list[str] | None = None) -> list[int]:
         """``counts``: each image's (or the video's) rows (``encode``); ``kinds``: the parts' types."""
         try:
-            return self.prompts.expand_placeholders(ids, counts, where="messages", kinds=kinds)
+            ids = self.prompts.expand_placeholders(ids, counts, where="messages", kinds=kinds)
+            self.prompts.check_crops_room(len(ids), counts, "messages")  # Gemma 3's pan-and-scan crops
+            return ids
         except ValueError as error:
             raise bad_request("messages", str(error)) from None
 
@@ -131,8 +135,7 @@ class ChatImages:
             states = mllama.vision_states(self.runner.encoder, self.runner.device, batch["pixel_values"][0],
                                           batch["aspect_ratio_ids"][0], batch["aspect_ratio_mask"][0])
             return states, [int(t) for t in np.asarray(batch["aspect_ratio_mask"][0]).sum(1)], None
-        pixels, sizes = self.prompts.pixels(images)
-        counts = self.prompts.token_counts(sizes, len(images))
+        pixels, sizes, counts = self.prompts.pixels_and_rows(images)  # Gemma 3's crops: images of their own
         return self.runner.tables([pixels], [sizes])[0], counts, None
 
     def _images(self, parts: list[dict]) -> list:

@@ -20,7 +20,12 @@ hidden) FP16 and OUT_PROMPT_VOCAB_SIZE (1, 1) INT32 = rows.
 LLaVA-OneVision also takes one video per request (video_bytes_input; serving/video_prompts.py):
 its frames become PIXEL_VALUES with IS_VIDEO_INPUT, its slot one run of fake ids.
 
+Gemma 3 with do_pan_and_scan on in its preprocessor config: each image is the full image then the image
+processor's crops of it (num_crops), each its own mm_tokens_per_image rows and its own image to the tower,
+the prompt text as Gemma3Processor writes it for crops (gemma3_image_text).
+
 Errors are per request (ValueError/ImageError/VideoError naming the client's input): too many images,
+pan-and-scan crops that leave the prompt no room in the engine's max_seq_len,
 an image placeholder count that differs from the images sent, images sent to a text-only model,
 video sent to a model without video, too many frames, an undecodable video.
 """
@@ -92,7 +97,8 @@ class ImagePrompts:
     """The preprocessing side for one vision-encoder directory and the language engine's vocabulary."""
 
     def __init__(self, encoder_dir: str, tokenizer, vocab_size: int, *, max_num_images: int | None = None,
-                 limits: ImageLimits = ImageLimits(), video_limits: VideoLimits = VideoLimits()):
+                 limits: ImageLimits = ImageLimits(), video_limits: VideoLimits = VideoLimits(),
+                 max_seq_len: int | None = None):
         with open(os.path.join(encoder_dir, "config.json")) as f:
             config = json.load(f)
         self.config = config
@@ -104,6 +110,7 @@ class ImagePrompts:
         self.vocab_size = vocab_size
         self.max_num_images = max_num_images or DEFAULT_MAX_NUM_IMAGES
         self.limits = limits
+        self.max_seq_len = max_seq_len  # the engine's (None: unchecked here); pan-and-scan crops are refused past it
         image_token = config.get("image_token_index")
         self.placeholder = (tokenizer.convert_ids_to_tokens(image_token) if image_token is not None
                             and image_token < len(tokenizer) else None) or "<image>"
@@ -116,9 +123,8 @@ class ImagePrompts:
         from transformers import AutoImageProcessor
 
         self.image_processor = AutoImageProcessor.from_pretrained(encoder_dir)
-        # ids a chat template's placeholder becomes besides the slot (Gemma 3: around <start_of_image>)
-        self.placeholder_wrap: tuple[list[int], list[int]] = ([], [])
         self.gemma3 = "gemma3" in config
+        self.pan_and_scan = False  # Gemma 3's crops (_init_gemma3)
         if self.gemma3:
             self._init_gemma3(config["gemma3"])
         # Llama 3.2 Vision: its own processor lays out the prompt; images go to cross-attention (serving/mllama.py)
@@ -130,15 +136,24 @@ class ImagePrompts:
 
     def _init_gemma3(self, gemma3: dict) -> None:
         """Gemma 3: the placeholder is <start_of_image>, which the processor expands in the text to
-        "\n\n<start_of_image>" + <image_soft_token> per row + "<end_of_image>\n\n" (_gemma3_ids).
-        Pan-and-scan (extra crops) is not built: an image processor with it on is refused by name."""
-        refuse_pan_and_scan(self.image_processor)
+        "\n\n<start_of_image>" + <image_soft_token> per row + "<end_of_image>\n\n" (gemma3_image_text),
+        with do_pan_and_scan the full image's and each crop's so, between Gemma3Processor's words."""
+        self.pan_and_scan = bool(getattr(self.image_processor, "do_pan_and_scan", False))
         convert = self.tokenizer.convert_ids_to_tokens
         self.boi, self.eoi = convert(gemma3["boi_token_index"]), convert(gemma3["eoi_token_index"])
         self.image_token, self.image_token_id = convert(self.config["image_token_index"]), self.config["image_token_index"]
         self.placeholder, self.placeholder_id = self.boi, gemma3["boi_token_index"]
-        newlines = self.tokenizer.encode("\n\n", add_special_tokens=False)
-        self.placeholder_wrap = (newlines + [self.placeholder_id], [gemma3["eoi_token_index"]] + newlines)
+
+    def gemma3_image_text(self, rows: int) -> str:
+        """What Gemma3Processor writes for one image of ``rows`` rows: the full image alone, or (pan-and-scan,
+        rows a multiple of mm_tokens_per_image for the full image and each crop) its replace_image_token's
+        text around the full image's and the crops' sequences."""
+        views = [f"\n\n{self.boi}{self.image_token * self.num_image_tokens}{self.eoi}\n\n"] * (
+            rows // self.num_image_tokens)
+        if len(views) == 1:
+            return views[0]
+        return (f"Here is the original image {views[0]} and here are some crops to help you see better "
+                + " ".join(views[1:]))
 
     def prepare(self, query: str, tensors: dict, row: int, add_special_tokens: bool) -> PreparedItem:
         """Item ``row``: its prompt ids (with image slots) and the pixel values of images decoded here."""
@@ -169,11 +184,13 @@ class ImagePrompts:
             return PreparedItem(item["input_ids"], item.get("pixel_values"), mllama=item)
         pixel_values = image_sizes = None
         if images:
-            pixel_values, image_sizes = self.pixels(images)
-        else:
+            pixel_values, image_sizes, counts = self.pixels_and_rows(images)
+        else:  # image_input: each entry one image of its own rows (pixels at the processor's size: no crops)
             image_sizes = sent_sizes
-        counts = self.token_counts(image_sizes, num_images)
-        return PreparedItem(self.prompt_ids(query, counts, add_special_tokens), pixel_values, image_sizes)
+            counts = self.token_counts(image_sizes, num_images)
+        ids = self.prompt_ids(query, counts, add_special_tokens)
+        self.check_crops_room(len(ids), counts, "image_bytes_input/image_url_input")
+        return PreparedItem(ids, pixel_values, image_sizes)
 
     def _prepare_video(self, query: str, tensors: dict, row: int, add_special_tokens: bool) -> PreparedItem:
         """OneVision: one video (its frames or an encoded file), no images (serving/video_prompts.py)."""
@@ -196,6 +213,27 @@ class ImagePrompts:
         pixel_values, grids = image_patches(self.image_processor, images)
         counts = grid_rows(grids, self.config["mrope"]["merge"])
         return PreparedItem(self.prompt_ids(query, counts, add_special_tokens), pixel_values, image_grid_thw=grids)
+
+    def pixels_and_rows(self, images: list) -> tuple[np.ndarray, np.ndarray | None, list[int]]:
+        """Decoded images -> (pixel values, sizes or None, each image's rows). Gemma 3 with pan-and-scan:
+        the processor's images in its order (each image, then its crops), an image's rows counting its crops'."""
+        if not self.pan_and_scan:
+            pixel_values, sizes = self.pixels(images)
+            return pixel_values, sizes, self.token_counts(sizes, len(images))
+        batch = self.image_processor(images, return_tensors="np")
+        crops = np.asarray(batch["num_crops"], np.int64).reshape(-1).tolist()
+        return (np.asarray(batch["pixel_values"], np.float32), None,
+                [(1 + c) * self.num_image_tokens for c in crops])
+
+    def check_crops_room(self, prompt_len: int, counts: list[int], where: str) -> None:
+        """A prompt that pan-and-scan crops make too long for the engine is the request's error naming them."""
+        crop_rows = sum(counts) - self.num_image_tokens * len(counts) if self.pan_and_scan else 0
+        if crop_rows and self.max_seq_len is not None and prompt_len >= self.max_seq_len:
+            raise ValueError(f"{where}: Gemma 3's pan-and-scan crops of the images ({crop_rows} rows beside the "
+                             f"images' own {self.num_image_tokens * len(counts)}) make the prompt {prompt_len} "
+                             f"tokens; the engine's max_seq_len is {self.max_seq_len} (prompt and output); send "
+                             "fewer or less elongated images, or turn do_pan_and_scan off in the checkpoint's "
+                             "preprocessor config")
 
     def pixels(self, images: list) -> tuple[np.ndarray, np.ndarray | None]:
         """Decoded images -> (pixel values, (n, 2) sizes or None) by the checkpoint's processor; an
@@ -249,10 +287,16 @@ class ImagePrompts:
             return list(ids)
         out, start = [], 0
         for slot, (position, kind) in zip(self.slots(counts), found):
-            before, after = self.placeholder_wrap if kind == "image" else ([], [])
-            out += ids[start:position] + before + slot + after
+            out += ids[start:position] + (self._gemma3_slot_ids(slot) if self.gemma3 and kind == "image" else slot)
             start = position + 1
         return out + ids[start:]
+
+    def _gemma3_slot_ids(self, slot: list[int]) -> list[int]:
+        """One Gemma 3 image's ids in a tokenized prompt: gemma3_image_text tokenized alone, its row tokens
+        made the image's fake ids (the text around a placeholder is tokenized apart from the template's)."""
+        rows = iter(slot)
+        return [next(rows) if t == self.image_token_id else t
+                for t in self.tokenizer.encode(self.gemma3_image_text(len(slot)), add_special_tokens=False)]
 
     def prompt_ids(self, query: str, counts: list[int], add_special_tokens: bool,
                    placeholder: str | None = None) -> list[int]:
@@ -288,8 +332,8 @@ class ImagePrompts:
 
     def _gemma3_ids(self, query: str, counts: list[int], add_special_tokens: bool) -> list[int]:
         """Gemma 3's prompt as its processor makes it: each <start_of_image> of the text (without one,
-        one per image first) expanded to "\n\n<start_of_image>" + a row token per image row +
-        "<end_of_image>\n\n", the whole text tokenized, then the row tokens made fake ids."""
+        one per image first) expanded to its image's gemma3_image_text, the whole text tokenized, then the
+        row tokens made fake ids."""
         found = query.count(self.boi)
         if not found and counts:
             query = " ".join([self.boi] * len(counts)) + " " + query
@@ -297,19 +341,10 @@ class ImagePrompts:
             raise ValueError(f"text_input has {found} {self.boi} placeholder(s) but {len(counts)} image(s) were sent; "
                              "send one image per placeholder (or no placeholder: the images go before the text)")
         pieces = query.split(self.boi)
-        text = pieces[0] + "".join(f"\n\n{self.boi}{self.image_token * n}{self.eoi}\n\n{piece}"
-                                   for n, piece in zip(counts, pieces[1:]))
+        text = pieces[0] + "".join(self.gemma3_image_text(n) + piece for n, piece in zip(counts, pieces[1:]))
         rows = iter(range(self.vocab_size, self.vocab_size + sum(counts)))
         return [next(rows) if t == self.image_token_id else t
                 for t in self.tokenizer.encode(text, add_special_tokens=add_special_tokens)]
-
-
-def refuse_pan_and_scan(image_processor) -> None:
-    """Gemma 3's pan-and-scan (extra crops of large images, each its own rows) is not built."""
-    if getattr(image_processor, "do_pan_and_scan", False):
-        raise ValueError("the image processor has do_pan_and_scan on: Gemma 3's pan-and-scan crops are not supported; "
-                         "set do_pan_and_scan to false in the checkpoint's preprocessor config (each image is then "
-                         "one crop of mm_tokens_per_image rows)")
 
 
 def _sizes_row(sizes, row: int, model_type: str) -> np.ndarray:
@@ -369,6 +404,13 @@ def engine_vocab_size(engine_dir: str) -> int:
     from engine.config import EngineConfig
 
     return EngineConfig.load(engine_dir).model.vocab_size
+
+
+def engine_max_seq_len(engine_dir: str) -> int | None:
+    """The language engine's max_seq_len (prompt and output): ImagePrompts' room for pan-and-scan crops."""
+    from engine.config import EngineConfig
+
+    return EngineConfig.load(engine_dir).build.max_seq_len
 
 
 # ----------------------------------------------------------------------------- multimodal_encoders

@@ -12,7 +12,7 @@ checkpoint in a process with torch hidden and in one with torch: every output te
 processor's float32 outputs for images of several sizes, a tiling aspect ratio, a JPEG, a grayscale PNG, an
 image larger than the processor's size, text only and OneVision's video; and once, 2026-11-30, the same classes
 at transformers' default sizes on 640x360 to 500x1200 images: Qwen2-VL's patches and grids, LLaVA-NeXT's and
-OneVision's anyres tiles, Gemma 3's pan-and-scan crops (preprocessing refuses pan-and-scan, all the same),
+OneVision's anyres tiles, Gemma 3's pan-and-scan crops,
 BLIP's, Mllama's and CLIP's). Stub start, the process's own CPU-s at initialize's end
 (median of 3-5 runs, 2-core machine, 2026-11-30), with torch -> hidden: see WITHOUT_TORCH's comment.
 tests/integration/test_multimodal_served.py holds the served text to transformers' generate on pixels made

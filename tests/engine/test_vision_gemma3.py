@@ -2,10 +2,13 @@
 equal transformers' image features; greedy ids through encoder + engine, with each image's rows attending
 to each other both ways in prefill, equal transformers' generate on the processor's outputs (two images,
 chunked prefill that would split an image, beside a text-only request); the Triton models' serving side
-(preprocessing's Gemma 3 layout -> multimodal_encoders' table -> tensorrt_llm's request) gives the same ids."""
+(preprocessing's Gemma 3 layout -> multimodal_encoders' table -> tensorrt_llm's request) gives the same ids,
+with pan-and-scan's crops too."""
 from __future__ import annotations
 
+import base64
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -111,7 +114,7 @@ def test_triton_pipeline_preprocessing_encoders_tensorrt_llm_give_transformers_i
     """preprocessing (prepare_batch: <start_of_image> in text_input becomes the processor's
     \\n\\n<start_of_image> rows <end_of_image>\\n\\n, the rows as fake ids) -> multimodal_encoders
     (VisionEncoderRunner.tables, FP16) -> tensorrt_llm (convert_request) = transformers' generate."""
-    from serving.multimodal import ImagePrompts, VisionEncoderRunner, prepare_batch, refuse_pan_and_scan
+    from serving.multimodal import ImagePrompts, VisionEncoderRunner, prepare_batch
     from tiny_gemma3 import tokenizer
 
     engine, hf = built
@@ -130,7 +133,47 @@ def test_triton_pipeline_preprocessing_encoders_tensorrt_llm_give_transformers_i
     served = served_table_ids(engine, pre, table, NEW_TOKENS)
     batch["pixel_values"] = batch["pixel_values"].half().float()  # as PIXEL_VALUES carries them
     assert served == hf_ids(hf, batch)
-    with pytest.raises(ValueError, match="do_pan_and_scan on: Gemma 3's pan-and-scan crops are not supported"):
-        refuse_pan_and_scan(processor().image_processor.__class__(do_pan_and_scan=True))
     with pytest.raises(ValueError, match=f"text_input has 2 {BOI} placeholder"):
         prepare_batch(prompts, {"IMAGE_BYTES": png}, [f"{BOI}{BOI} x"], True, 4)
+
+
+# Crops of 8 pixels and up, so the tiny 28-pixel processor makes them (transformers' default is 256)
+PAN_AND_SCAN = dict(do_pan_and_scan=True, pan_and_scan_min_crop_size=8, pan_and_scan_max_num_crops=4,
+                    pan_and_scan_min_ratio_to_activate=1.2)
+
+
+def test_pan_and_scan_crops_give_transformers_ids(built, tmp_path):
+    """A preprocessor config with do_pan_and_scan on: preprocessing's PIXEL_VALUES are each image then its
+    crops as the image processor makes them (a 90 x 30 image: 3 crops; a 40 x 52 one: 2), its prompt
+    Gemma3Processor's text for crops (whole-text tokenized, as the OpenAI path's expansion of a template's
+    placeholders), multimodal_encoders encodes every crop as an image: served greedy ids equal
+    transformers' generate with do_pan_and_scan=True. Crops that leave no room in max_seq_len are an
+    error naming the input."""
+    from serving.multimodal import ImagePrompts, VisionEncoderRunner, prepare_batch
+    from tiny_gemma3 import tokenizer
+
+    engine, hf = built
+    encoder_dir = vision_encoder_dir(engine)
+    shutil.copy(f"{encoder_dir}/config.json", tmp_path)
+    with open(f"{encoder_dir}/preprocessor_config.json") as f:
+        settings = json.load(f) | PAN_AND_SCAN
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps(settings))
+    prompts = ImagePrompts(str(tmp_path), tokenizer(), VOCAB, max_num_images=2, max_seq_len=128)
+    images = [make_image(4, (90, 30)), make_image(5)]
+    urls = np.array([[b"data:image/png;base64," + base64.b64encode(encoded(image)) for image in images]], object)
+    text = f"{BOI} and {BOI} What is in the image?"
+    pre = prepare_batch(prompts, {"IMAGE_URL": urls}, [text], True, 4)
+    batch = processor()(images=[images], text=[text], return_tensors="pt", **PAN_AND_SCAN)
+    assert batch["pixel_values"].shape[0] == 1 + 3 + 1 + 2 == pre["PIXEL_VALUES"].shape[1]
+    assert pre["INPUT_ID"][0].tolist() == fake_ids(batch["input_ids"][0].tolist())
+    expanded = prompts.expand_placeholders(tokenizer().encode(text), [4 * MM_TOKENS, 3 * MM_TOKENS])  # OpenAI's
+    assert expanded == pre["INPUT_ID"][0].tolist()
+    [table] = VisionEncoderRunner(encoder_dir, "cpu").tables([pre["PIXEL_VALUES"][0]])
+    assert table.shape[0] == 7 * MM_TOKENS
+    served = served_table_ids(engine, pre, table, NEW_TOKENS)
+    batch["pixel_values"] = batch["pixel_values"].half().float()  # as PIXEL_VALUES carries them
+    assert served == hf_ids(hf, batch)
+    tight = ImagePrompts(str(tmp_path), tokenizer(), VOCAB, max_num_images=2, max_seq_len=40)
+    with pytest.raises(ValueError, match="image_bytes_input/image_url_input: Gemma 3's pan-and-scan crops of the "
+                                         r"images \(20 rows beside the images' own 8\) make the prompt"):
+        prepare_batch(tight, {"IMAGE_URL": urls}, [text], True, 4)

@@ -18,8 +18,8 @@ from serving.text import (embedding_bias_tensor, encode_queries, per_item_ids,  
                           string_rows, word_list_tensor)
 from serving.stub_watchdog import start_server_watchdog, stop_crash_dumps  # noqa: E402
 from serving.tokenization import first_token_id, load_text_tokenizer, load_tokenizer  # noqa: E402
-from serving.multimodal import (ImagePrompts, engine_vocab_size, image_limits, prepare_batch,  # noqa: E402
-                                refuse_images_on_text_model)
+from serving.multimodal import (ImagePrompts, engine_max_seq_len, engine_vocab_size, image_limits,  # noqa: E402
+                                prepare_batch, refuse_images_on_text_model)
 from serving.videos import video_limits  # noqa: E402
 from serving.torchless_preprocessing import transformers_without_torch  # noqa: E402
 
@@ -74,7 +74,8 @@ class TritonPythonModel:
                                   get_parameter(params, "allowed_image_url_hosts", str))
             self.images = ImagePrompts(encoder_dir, self.tokenizer, self.vocab_size, limits=limits,
                                        max_num_images=get_parameter(params, "max_num_images", int),
-                                       video_limits=video_limits(get_parameter(params, "max_num_frames", int)))
+                                       video_limits=video_limits(get_parameter(params, "max_num_frames", int)),
+                                       max_seq_len=engine_max_seq_len(engine_dir))
 
     def execute(self, requests):
         responses = []
