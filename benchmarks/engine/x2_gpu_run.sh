@@ -4,7 +4,8 @@
 # its KV transfer, the checks that need two GPUs, and the one-GPU runs still waiting, two at a time
 # (CUDA_VISIBLE_DEVICES=0 and =1) after the two-GPU work of the same call, never beside it.
 #
-#   bash benchmarks/engine/x2_gpu_run.sh CALL [OUT]        CALL 1 to 22; OUT default $OUT
+#   bash benchmarks/engine/x2_gpu_run.sh CALL [OUT]        CALL 1 to 34; OUT default $OUT
+#   LANES_DIR=D LANE0="a b" LANE1="c" bash benchmarks/engine/x2_gpu_run.sh lanes [OUT]   D/a.sh, D/b.sh on GPU 0, D/c.sh on GPU 1
 #   SMOKE=1 bash benchmarks/engine/x2_gpu_run.sh CALL DIR  the same flow on the CPU with the tiny model
 #                                                         (the one-GPU jobs are only printed)
 #
@@ -45,7 +46,7 @@ smoke=${SMOKE:-0}
 if [ "$smoke" != 1 ]; then
   need=2; [ "$call" = 7 ] && [ "${LANES:-2}" = 1 ] && need=1  # call 7's lanes run one after the other on one GPU
   [ "$call" = 22 ] && [ -n "${ONLY:-}" ] && [[ ",$ONLY," != *,pp,* ]] && need=1  # call 22 without its PP part
-  { [ "$call" = 23 ] || [ "$call" = 24 ] || [ "$call" = 25 ] || [ "$call" = 26 ] || [ "$call" = 27 ] || [ "$call" = 28 ] || [ "$call" = 29 ] || [ "$call" = 30 ] || [ "$call" = 31 ] || [ "$call" = 32 ] || [ "$call" = 33 ] || [ "$call" = 34 ]; } && need=1  # (two lanes where two GPUs are, else one after the other)
+  { [ "$call" = 23 ] || [ "$call" = 24 ] || [ "$call" = 25 ] || [ "$call" = 26 ] || [ "$call" = 27 ] || [ "$call" = 28 ] || [ "$call" = 29 ] || [ "$call" = 30 ] || [ "$call" = 31 ] || [ "$call" = 32 ] || [ "$call" = 33 ] || [ "$call" = 34 ] || [ "$call" = lanes ]; } && need=1  # (two lanes where two GPUs are, else one after the other)
   "$PYTHON" -c "import torch; n = torch.cuda.device_count(); assert n >= $need, f'{n} GPU(s): this call needs $need'" || exit 1
 fi
 
@@ -1034,7 +1035,29 @@ LEAD_LINES
   wait
   for name in tower48 wstep49 mla55 moe53_mx moe53_bf lead_hf; do echo "== $name"; grep -vi warning "$w/$name.log" | tail -40 | cut -c1-600; done
   ;;
-*) echo "x2_gpu_run.sh: CALL must be 1 to 34, got '$call'"; exit 2 ;;
+lanes)
+  # Any session's lane scripts (from session 26 on): LANES_DIR holds NAME.sh files, each a bash script run with
+  # $OUT its own folder and $PYTHON set, its first line "# limit SECONDS" (its guard; 150 if absent). LANE0 and
+  # LANE1 name the scripts of each GPU's lane, run one after the other (both lanes on GPU 0 where one GPU is).
+  # The scripts are committed beside the figures they made (benchmarks/engine/lanes/SESSION_CALL/).
+  export PYTHON w
+  lanes_dir=$(realpath "${LANES_DIR:?LANES_DIR: the folder of the lane scripts}")
+  lane1_gpu=1; "$PYTHON" -c "import torch, sys; sys.exit(torch.cuda.device_count() < 2)" || lane1_gpu=0
+  declare -A LIMITS=()
+  for name in ${LANE0:-} ${LANE1:-}; do
+    [ -f "$lanes_dir/$name.sh" ] || { echo "[x2] lanes: no $lanes_dir/$name.sh"; exit 2; }
+    cp "$lanes_dir/$name.sh" "$w/$name.sh"
+    limit=$(sed -n '1s/^# limit \([0-9]*\).*/\1/p' "$w/$name.sh"); LIMITS[$name]=${limit:-150}
+  done
+  # shellcheck disable=SC2086
+  script_lane 0 ${LANE0:-} &
+  [ "$lane1_gpu" = 0 ] && wait
+  # shellcheck disable=SC2086
+  script_lane "$lane1_gpu" ${LANE1:-} &
+  wait
+  for name in ${LANE0:-} ${LANE1:-}; do echo "== $name"; grep -vi warning "$w/$name.log" | tail -40 | cut -c1-600; done
+  ;;
+*) echo "x2_gpu_run.sh: CALL must be 1 to 34 or lanes, got '$call'"; exit 2 ;;
 esac
 tar czf "$out/call$call.tgz" -C /tmp "x2_call$call"
 for md in "$w"/*.md; do [ -f "$md" ] && cp "$md" "$out/"; done
