@@ -11,12 +11,18 @@ tests of its current one run). Two things that scheme does not know, fixed here:
   engine process and three of the stubs, is loaded only where a test asks for it since 2026-11-30:
   the OpenAI frontend's files do not). The files that use it are
   two units of work (``scope_of``): those of the OpenAI frontend (``OPENAI_SERVER_SCOPE``) and the
-  rest (``SHARED_SERVER_SCOPE``). Both go first, so each worker takes one and starts the server once.
+  rest (``SHARED_SERVER_SCOPE``). Both go early (the next point says why not both first), so each
+  worker takes one and starts the server once.
   Why two: as one unit those files were ~680 of the ~1,000 s the suite took on 2 cores (2026-11-30),
   so one worker ran them while the other finished everything else and idled; a second server start
   (~45 s) costs less than that wait.
+- Both units start with the session fixtures of tests/conftest.py: the first worker to ask for
+  ``smollm2_hf`` dequantizes the GGUF (~12-15 s on CI's cores) while the other waits on its file lock,
+  idle, to load the copy. So the second unit handed out is a long file that needs no SmolLM2
+  (``WHILE_THE_MODEL_LOADS``): one worker starts the shared unit, the other that file, which outlasts the
+  dequantization, then the OpenAI unit, whose model copy is ready by then.
 - A long file handed out last runs alone while the other worker has nothing left. Longest first:
-  that shared unit, then the files that start servers or ranks (``LONG_FIRST``), then the rest in
+  those units, then the files that start servers or ranks (``LONG_FIRST``), then the rest in
   collection order, whose many short files let both workers finish together (``file_rank``).
 
 Plain Python (no xdist import): tests/conftest.py makes the scheduler from it.
@@ -37,6 +43,9 @@ INTEGRATION = "tests/integration/"
 # Files first after the shared unit: each starts tritonserver, mpirun ranks or a built wheel's server
 # (~10-50 s each on CI's two cores), so none of them is left for the end.
 LONG_FIRST = ("tests/tools/test_wheel.py", INTEGRATION, "tests/distributed/")
+# Handed out second, between the two session-server units: tiny random Llamas on two ranks (~47 s of
+# CI), no SmolLM2 fixture (see the module docstring).
+WHILE_THE_MODEL_LOADS = "tests/distributed/test_tp_engine.py"
 
 
 def uses_shared_server(root: str, path: str) -> bool:
@@ -75,9 +84,15 @@ def scope_of(root: str, nodeid: str) -> str:
 
 
 def file_rank(root: str, nodeid: str) -> int:
-    """0: the shared server's files, 1: LONG_FIRST, 2: the rest (a stable sort keeps each file's tests
-    together and in their order)."""
+    """0: the session server's files but the OpenAI frontend's, 1: WHILE_THE_MODEL_LOADS, 2: the OpenAI
+    frontend's files, 3: LONG_FIRST, 4: the rest (a stable sort keeps each file's tests together and in
+    their order)."""
     path = nodeid.split("::", 1)[0]
-    if uses_shared_server(root, path):
+    scope = scope_of(root, path)
+    if scope == SHARED_SERVER_SCOPE:
         return 0
-    return 1 if path.startswith(LONG_FIRST) else 2
+    if path == WHILE_THE_MODEL_LOADS:
+        return 1
+    if scope == OPENAI_SERVER_SCOPE:
+        return 2
+    return 3 if path.startswith(LONG_FIRST) else 4
