@@ -1,8 +1,15 @@
 """Build a T5 / BART checkpoint into two engine directories, the anchor's layout:
 
-    OUTPUT/encoder/  config.json, rank0.safetensors (embeddings, encoder layers)
-    OUTPUT/decoder/  config.json, rank0.safetensors (embeddings, decoder layers with cross-attention,
+    OUTPUT/encoder/  config.json, rank{r}.safetensors (embeddings, encoder layers)
+    OUTPUT/decoder/  config.json, rank{r}.safetensors (embeddings, decoder layers with cross-attention,
                      lm_head), and the tokenizer files
+
+one weights file per tensor-parallel rank r < tp_size (``--tp_size``; both config.json files record it
+as the decoder-only format does): rank r's shard of each tensor is the slice its module of
+model.py (built with ``TensorParallel(tp_size, r)``) holds: its heads' rows of q, k, v and columns of o,
+its part of the MLP width, its heads' columns of T5's position table, its slice of the vocabulary of the
+LM head (zero-padded); the rest whole (``shard``). tp_size must divide every stack's heads and FFN
+width (a ConfigError naming the field otherwise).
 
 The Triton fill points ``engine_dir`` at OUTPUT/decoder and ``encoder_engine_dir`` at
 OUTPUT/encoder; the decoder's config.json names its encoder as ``../encoder`` so an executor
@@ -32,7 +39,7 @@ from safetensors.torch import save_file
 
 from engine.config import BuildConfig, ConfigError, EngineConfig, resolve_build_limits
 from engine.encoder_decoder.convert import check_complete, checkpoint_names, convert_stack
-from engine.encoder_decoder.model import QUANTIZATIONS, Decoder, Encoder
+from engine.encoder_decoder.model import QUANTIZATIONS, Decoder, Encoder, TensorParallel
 from engine.encoder_decoder.spec import EncDecSpec, spec_from_hf
 from kernels.fp8 import quantize_weight
 
@@ -74,14 +81,41 @@ def quantize_linears(weights: dict[str, torch.Tensor], names, dtype: torch.dtype
     return out
 
 
+TP_FIELDS = ("encoder_heads", "decoder_heads", "encoder_ffn", "decoder_ffn")  # what tp_size must divide
+
+
+def check_tp_divides(spec: EncDecSpec, tp_size: int) -> None:
+    """ConfigError naming the first field of ``spec`` that ``tp_size`` does not divide."""
+    for name in TP_FIELDS:
+        value = getattr(spec, name)
+        if value % tp_size:
+            raise ConfigError(f"tp_size {tp_size} does not divide {name} ({value}) of {spec.architecture}; allowed "
+                              f"tp_size values divide " + ", ".join(f"{n} ({getattr(spec, n)})" for n in TP_FIELDS))
+
+
+def shard(tensor: torch.Tensor, shape: torch.Size, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s ``shape`` slice of a whole tensor: along the one dimension where they differ (the
+    rank's consecutive block of it, zero-padded past the end: the LM head's vocabulary), else all of it."""
+    if tuple(tensor.shape) == tuple(shape):
+        return tensor
+    [dim] = [d for d, (whole, part) in enumerate(zip(tensor.shape, shape)) if whole != part]
+    start, size = rank * shape[dim], shape[dim]
+    part = tensor.narrow(dim, start, max(0, min(size, tensor.shape[dim] - start)))
+    if part.shape[dim] < size:
+        pad = list(tensor.shape)
+        pad[dim] = size - part.shape[dim]
+        part = torch.cat([part, tensor.new_zeros(pad)], dim=dim)
+    return part.contiguous()
+
+
 def build_encoder_decoder(hf_config, get, tokenizer, output_dir: str, build: BuildConfig, *, source: str = "",
                           max_encoder_input_len: int | None = None) -> EngineConfig:
     """Write OUTPUT/encoder and OUTPUT/decoder; returns the decoder's EngineConfig."""
     spec = whisper_generation_fields(spec_from_hf(hf_config), source)
-    for name, value, allowed in (("tp_size", build.tp_size, 1), ("pp_size", build.pp_size, 1)):
-        if value != allowed:
-            raise ConfigError(f"{name} {value}: {spec.architecture} (encoder-decoder) builds for one GPU only; "
-                              f"use {name} 1")
+    if build.pp_size != 1:
+        raise ConfigError(f"pp_size {build.pp_size}: {spec.architecture} (encoder-decoder) engines split by tensor "
+                          "parallelism only; use pp_size 1 (and --tp_size for several GPUs)")
+    check_tp_divides(spec, build.tp_size)
     if build.quantization not in QUANTIZATIONS:  # (--kv_cache_dtype fp8 is taken too: both KV pools, runner.py)
         raise ConfigError(f"--quantization {build.quantization}: not supported for {spec.architecture} "
                           "(encoder-decoder) engines; allowed: fp8 (E4M3 weights per output channel), or leave it out")
@@ -102,13 +136,20 @@ def build_encoder_decoder(hf_config, get, tokenizer, output_dir: str, build: Bui
     for directory, cls, names, more in stacks:
         path = os.path.join(output_dir, directory)
         os.makedirs(path, exist_ok=True)
-        module = cls(spec, device="meta", quantization=build.quantization)
+        for name in os.listdir(path):  # no stale rank of another tp_size survives (nor the old config)
+            if name == "config.json" or (name.startswith("rank") and name.endswith(".safetensors")):
+                os.remove(os.path.join(path, name))
         if build.quantization == "fp8":
-            weights = quantize_linears(convert_stack(get, names, torch.float32), module.state_dict(), dtype)
+            names_fp8 = cls(spec, device="meta", quantization=build.quantization).state_dict()
+            weights = quantize_linears(convert_stack(get, names, torch.float32), names_fp8, dtype)
         else:
             weights = convert_stack(get, names, dtype)
-        check_complete(module, weights, f"{spec.architecture} {directory}")
-        save_file(weights, os.path.join(path, "rank0.safetensors"), metadata={"format": "pt"})
+        for rank in range(build.tp_size):
+            module = cls(spec, device="meta", quantization=build.quantization, tp=TensorParallel(build.tp_size, rank))
+            check_complete(module, weights, f"{spec.architecture} {directory}")
+            shapes = {name: tensor.shape for name, tensor in module.state_dict().items()}
+            save_file({name: shard(tensor, shapes[name], rank) for name, tensor in weights.items()},
+                      os.path.join(path, f"rank{rank}.safetensors"), metadata={"format": "pt"})
         config = EngineConfig(model=model, build=dataclasses.replace(build), extra={**extra, **more}).validate()
         if tokenizer is not None and directory == DECODER_DIR:
             tokenizer.save_pretrained(path)

@@ -94,6 +94,10 @@ class EncoderStage(CrossPoolStage):
         if request.cross_attention_mask is not None:
             return (f"{CROSS_MASK}: {self.spec.architecture} has no image cross-attention (only Llama 3.2 Vision "
                     "engines take it); send the request without it")
+        if request.output.return_token_timestamps and self.runner.build_config.tp_size > 1:
+            # (the alignment heads' weights come from a pass over rank 0's cross pool: its heads only)
+            return (f"return_token_timestamps: not supported on a tensor-parallel engine (tp_size "
+                    f"{self.runner.build_config.tp_size}); serve a tp_size 1 engine for token timestamps")
         error = self._features_error(request) if self.spec.num_mel_bins else self._tokens_error(request)
         if error is not None:
             return error

@@ -21,8 +21,16 @@ bytes: an FP8 cross pool holds twice the blocks). ``encode_into`` casts the cros
 writes them, and every decode step's cross-attention reads half the bytes through the same
 FP8-aware paged kernels (the cross K/V read is most of a large batch's step: docs/features/encoder-decoder.md). On CUDA, decode-only steps replay CUDA graphs per batch bucket
 (engine/encoder_decoder/decode_graphs.py; $TRITONLLM_ENCDEC_GRAPHS=0 keeps them eager), after the
-skinny-GEMM kernel is chosen per decoder weight shape; steps with prompt tokens run eagerly. One
-rank only. An FP8 engine (build ``quantization`` "fp8": model.py Fp8Linear) loads both stacks' layer linears
+skinny-GEMM kernel is chosen per decoder weight shape; steps with prompt tokens run eagerly.
+
+Tensor parallelism (an engine built with tp_size > 1: model.py's module docstring says what each rank
+holds): each rank loads its rank{r}.safetensors of both stacks and holds a cross pool of its heads / tp
+heads (``kv_pool_shape``: the self pool's shape). In leader mode (engine/tensor_parallel/distributed.py)
+``encode_into`` is mirrored on every rank (each runs the encoder over the same inputs, its all-reduces
+keeping them in step, and projects its heads' cross K/V into its own pool); the cross-pool settings the
+leader's executor was given reach the workers through ``worker_settings`` / ``apply_worker_settings``
+(make_runner), and the ranks agree on the cross pool's block count (the minimum). The opt-in fused decode
+layer runs on one rank only. An FP8 engine (build ``quantization`` "fp8": model.py Fp8Linear) loads both stacks' layer linears
 in E4M3 with their scales; its decode steps run the skinny W8A8 kernel with the tilings timed at load
 (kernels/fp8.py choose_fp8_skinny_variants) and never the opt-in fused decode layer (fused_decode.py
 takes weights in the model dtype only). A config-only engine (``extra.random_weights_seed``, benchmarks) gets random weights
@@ -31,7 +39,9 @@ made on the device (engine/executor/random_weights.py).
 from __future__ import annotations
 
 import os
+
 import torch
+import torch.distributed
 
 from engine.config import EngineFormatError
 from engine.encoder_decoder import fused_decode
@@ -39,8 +49,8 @@ from engine.encoder_decoder.convert import check_complete
 from engine.encoder_decoder.cross_kv import cross_pool_dtype, fuse_cross_kv, project_into_pool, require_fp8
 from engine.encoder_decoder.decode_graphs import EncDecDecodeGraphs
 from engine.encoder_decoder.l2_prefetch_plan import PrefetchPlan
-from engine.encoder_decoder.model import (CrossAttentionBatch, Decoder, Encoder, Fp8Linear, cross_metadata,
-                                          fuse_gated_mlps, fuse_self_attention_qkv)
+from engine.encoder_decoder.model import (CrossAttentionBatch, Decoder, Encoder, Fp8Linear, TensorParallel,
+                                          cross_metadata, fuse_gated_mlps, fuse_self_attention_qkv)
 from engine.encoder_decoder.spec import EncDecSpec
 from engine.executor.overlap import resolve_placeholders
 from engine.executor.random_weights import has_random_weights, materialize_random_weights
@@ -76,6 +86,7 @@ class EncDecRunner(ModelRunner):
         self.cross_kv_cache_dtype = cross_kv_cache_dtype  # None/"auto": the self pool's type (cross_kv.py)
         self.cross_pool: torch.Tensor | None = None
         self.num_cross_blocks = 0
+        self.tp_group = tp_group
         super().__init__(engine_dir, rank=rank, device=device, tp_group=tp_group)
 
     def _load_model(self, engine_dir: str, tp_group) -> torch.nn.Module:
@@ -86,22 +97,41 @@ class EncDecRunner(ModelRunner):
         self.spec = EncDecSpec.from_dict(extra["encoder_decoder"])
         self.max_encoder_input_len = int(extra["max_encoder_input_len"])
         self.encoder_dir = encoder_engine_dir(engine_dir, extra, self._encoder_dir_override)
+        self.tp = TensorParallel(self.build_config.tp_size, self.rank, tp_group)
         self.encoder = self._load_stack(Encoder, self.encoder_dir)
         return fuse_self_attention_qkv(fuse_cross_kv(self._load_stack(Decoder, engine_dir)))
 
     def _load_stack(self, cls, directory: str) -> torch.nn.Module:
-        module = cls(self.spec, dtype=self.dtype, device="meta", quantization=self.build_config.quantization)
+        module = cls(self.spec, dtype=self.dtype, device="meta", quantization=self.build_config.quantization,
+                     tp=self.tp)
         extra = self.engine_config.extra
         if has_random_weights(extra):  # a config-only benchmark engine: seed for the decoder, + 1 the encoder
-            seed = extra["random_weights_seed"] + (cls is Encoder)
+            seed = extra["random_weights_seed"] + (cls is Encoder) + 2 * self.rank
             return fuse_gated_mlps(materialize_random_weights(module, self.device, seed).eval())
-        weights = load_rank_weights(directory, 0, self.device)
+        weights = load_rank_weights(directory, self.rank, self.device)
         try:
-            check_complete(module, weights, f"rank0.safetensors in {directory!r}")
+            check_complete(module, weights, f"rank{self.rank}.safetensors in {directory!r}")
         except ValueError as err:
             raise EngineFormatError(str(err)) from None
         module.load_state_dict({k: keep_or_cast(k, v, self.dtype) for k, v in weights.items()}, assign=True)
         return fuse_gated_mlps(module.eval())
+
+    # ---- leader mode: what every rank must share --------------------------------------------------
+
+    def worker_settings(self) -> dict:
+        """The executor's cross-pool settings this (the leader's) runner was built with, for the workers'
+        (``apply_worker_settings``; engine/tensor_parallel/distributed.py make_runner sends them)."""
+        return {"cross_kv_cache_fraction": self.cross_kv_fraction, "cross_kv_cache_dtype": self.cross_kv_cache_dtype,
+                "encoder_dir": os.path.realpath(self.encoder_dir)}
+
+    def apply_worker_settings(self, cross_kv_cache_fraction: float, cross_kv_cache_dtype: str | None,
+                              encoder_dir: str) -> None:
+        """Take the leader's settings (before the pools are sized): its cross-KV fraction and type and its
+        encoder engine (loaded again here when the leader was pointed at another one)."""
+        self.cross_kv_fraction, self.cross_kv_cache_dtype = cross_kv_cache_fraction, cross_kv_cache_dtype
+        if os.path.realpath(self.encoder_dir) != encoder_dir:
+            self.encoder_dir = encoder_dir
+            self.encoder = self._load_stack(Encoder, encoder_dir)
 
     # ---- KV memory: the self-attention pool and the cross pool ----------------------------------
 
@@ -116,10 +146,19 @@ class EncDecRunner(ModelRunner):
         f = self.cross_kv_fraction
         one_input = -(-self.max_encoder_input_len // self.tokens_per_block)
         if self.device.type == "cuda" and max_tokens is None:
-            self.num_cross_blocks = max(one_input, int(total * f * per_byte))
+            self.num_cross_blocks = self._agreed(max(one_input, int(total * f * per_byte)))
             return max(1, total - max(1, int(self.num_cross_blocks / per_byte)))
-        self.num_cross_blocks = max(one_input, int(total * f / (1 - f) * per_byte))
+        self.num_cross_blocks = self._agreed(max(one_input, int(total * f / (1 - f) * per_byte)))
         return total
+
+    def _agreed(self, cross_blocks: int) -> int:
+        """Tensor-parallel ranks: the fewest cross blocks any rank can hold (every rank sizes its pool alike;
+        the leader's stage hands out blocks of its own count). Collective: num_kv_blocks_for is mirrored."""
+        if self.tp_group is None:
+            return cross_blocks
+        count = torch.tensor([cross_blocks], dtype=torch.int64, device=self.device)
+        torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MIN, group=self.tp_group)
+        return int(count)
 
     def kv_cache_torch_dtype(self, kv_cache_dtype: str | None = None) -> torch.dtype:
         """ModelRunner's, refused by name on a GPU without FP8 (cross_kv.py require_fp8)."""
@@ -148,8 +187,9 @@ class EncDecRunner(ModelRunner):
         if self.device.type != "cuda" or self.kv_cache is None or os.environ.get(GRAPHS_ENV, "1") == "0":
             return
         # Never for FP8 engines: the fused layer's products take weights in the model dtype (fused_decode.py)
+        # ... nor for tensor-parallel ones (its products add the residual: no all-reduce between)
         fused = (fused_decode.fusable(self.spec) and self.build_config.quantization is None
-                 and fused_decode.enabled(fused_decode.FUSED_ENV))
+                 and self.build_config.tp_size == 1 and fused_decode.enabled(fused_decode.FUSED_ENV))
         self.choose_kernels(default_buckets(self.build_config.max_batch_size),
                             extra_weights=fused_decode.prepare(self.model) if fused else ())
         if fused:

@@ -60,9 +60,10 @@ logger = logging.getLogger(__name__)
 DEFAULT_STEP_TIMEOUT_S = 60.0
 DEFAULT_STARTUP_TIMEOUT_S = 900.0
 DEFAULT_HEARTBEAT_S = 2.0
-# ModelRunner methods that change or use every rank's state, so LeaderRunner mirrors them.
+# ModelRunner methods that change or use every rank's state, so LeaderRunner mirrors them (encode_into:
+# an encoder-decoder's encoder pass and cross-K/V write, engine/encoder_decoder/runner.py).
 MIRRORED_METHODS = frozenset({"allocate_kv_cache", "allocate_state_cache", "capture_cuda_graphs", "warmup", "enable_lora",
-                              "load_adapter"})
+                              "load_adapter", "encode_into"})
 
 
 @dataclass(frozen=True)
@@ -586,16 +587,29 @@ def make_runner(engine_dir: str, *, device: str | torch.device | None = None, ru
     runner = _rank_runner(engine_dir, ctx, config, runner_class)
     agree_on_engine(ctx, config)
     ctx.use_step_timeout()
-    return LeaderRunner(runner, ctx)
+    leader = LeaderRunner(runner, ctx)
+    if hasattr(runner, "worker_settings"):  # settings the workers were not started with (an encoder-decoder's)
+        leader.call_on_all_ranks("apply_worker_settings", **runner.worker_settings())
+    return leader
+
+
+def default_runner_class(engine_dir: str):
+    """A worker's runner class when the caller names none: an encoder-decoder's (with the executor's
+    default settings; the leader sends its own: ``make_runner``), else ModelRunner."""
+    from engine.encoder_decoder.encoder_stage import encoder_decoder_runner
+    from engine.executor.executor_config import ExecutorConfig
+    from engine.executor.runner import ModelRunner
+
+    return encoder_decoder_runner(engine_dir, ExecutorConfig()) or ModelRunner
 
 
 def run_worker(engine_dir: str, *, device: str | torch.device | None = None, runner_class=None,
                environ: Mapping[str, str] = os.environ) -> None:
     """A non-leader rank: join, load this rank's shard, follow plans until SHUTDOWN."""
     from engine.executor.gc_freeze import freeze_after_load
-    from engine.executor.runner import ForwardBatch, ModelRunner
+    from engine.executor.runner import ForwardBatch
 
-    runner_class = runner_class or ModelRunner
+    runner_class = runner_class or default_runner_class(engine_dir)
     info = rank_info_from_env(environ)
     if info.rank == 0:
         raise ValueError("rank 0 is the leader (tritonserver); engine.tensor_parallel.worker runs on ranks 1..N-1")

@@ -145,8 +145,8 @@ def test_decoder_only_engine_refuses_encoder_input():
 def test_build_refusals_and_missing_encoder(built, tmp_path, capsys):
     _, _, engine = built
     checkpoint = engine.parent / "checkpoint"
-    assert main(["--checkpoint", str(checkpoint), "--output", str(tmp_path / "e"), "--tp_size", "2"]) == 2
-    assert "builds for one GPU only" in capsys.readouterr().err
+    assert main(["--checkpoint", str(checkpoint), "--output", str(tmp_path / "e"), "--pp_size", "2"]) == 2
+    assert "pp_size 2: " in capsys.readouterr().err  # (tensor parallelism: tests/distributed/test_encdec_tp.py)
     with pytest.raises(EngineFormatError, match="encoder engine directory"):
         Executor(str(engine / "decoder"), ExecutorConfig(encoder_engine_dir=str(tmp_path)))
 

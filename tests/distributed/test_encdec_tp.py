@@ -1,0 +1,119 @@
+"""Tensor parallelism of encoder-decoder engines (T5, BART, Whisper): real processes, gloo on CPU, no server.
+
+Tiny random checkpoints (tests/tiny_encdec.py) built at tp_size 2, served one after the other by one
+two-rank job (``encdec_tp_driver.py``: an Executor on make_runner's LeaderRunner, and the real worker's
+main), give transformers' greedy ids and generation logits (text families; Whisper's ids), as TP 1 does
+(tests/engine/test_encoder_decoder.py): split heads (encoder self-attention, decoder self- and
+cross-attention, T5's position table), split MLP widths (T5 v1.1's gated one), each rank's cross pool of
+its heads, the all-reduces after each block, the vocabulary-split LM head, the encoder pass mirrored on
+every rank.
+"""
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from encdec_tp_driver import FAMILIES, MAX_TOKENS, requests, run_rank
+from free_ports import free_port
+from tp_testing import rank_env, stop
+
+DRIVER = str(Path(__file__).with_name("encdec_tp_driver.py"))
+
+
+def _build(root: Path, tp_size: int) -> str:
+    from engine.build import main
+
+    out = root / f"tp{tp_size}"
+    assert main(["--checkpoint", str(root / "checkpoint"), "--output", str(out), "--dtype", "float32",
+                 "--tokens_per_block", "4", "--max_batch_size", "4", "--max_seq_len", "32",
+                 "--tp_size", str(tp_size)]) == 0
+    return str(out / "decoder")
+
+
+def _forked_rank(rank: int, env: dict, args: tuple) -> None:
+    """A rank forked from this process (its imports done: a fresh interpreter costs seconds of them)."""
+    os.environ.clear()
+    os.environ.update(env)
+    torch.set_num_threads(1)
+    code = 1
+    try:
+        code = run_rank(rank, *args)
+    finally:
+        os._exit(code)  # (not pytest's exit handlers)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    """family -> (transformers model, the TP 2 job's result for it). On the CPU both ranks are forked
+    from this process; with CUDA (which does not survive a fork) they are fresh interpreters."""
+    from tiny_encdec import write_checkpoint
+
+    models, engines = {}, []
+    for family in FAMILIES:
+        root = tmp_path_factory.mktemp(family)
+        models[family] = write_checkpoint(family, root / "checkpoint")
+        engines.append(_build(root, 2))
+    out = str(tmp_path_factory.mktemp("tp2") / "tp2.json")
+    ports = [free_port() for _ in FAMILIES]  # (a rendezvous per family's job)
+    if torch.cuda.is_available():
+        command = [sys.executable, DRIVER, "--families", *FAMILIES, "--engine_dirs", *engines,
+                   "--ports", *map(str, ports), "--out", out]
+        ranks = [subprocess.Popen(command + ["--rank", str(rank)], env=rank_env(rank, 2, ports[0]),
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
+        try:
+            for rank in ranks:
+                log, _ = rank.communicate(timeout=300)
+                assert rank.returncode == 0, log
+        finally:
+            stop(ranks)
+    else:
+        fork = multiprocessing.get_context("fork")
+        ranks = [fork.Process(target=_forked_rank, args=(rank, rank_env(rank, 2, ports[0]),
+                                                         (list(FAMILIES), engines, ports, out)))
+                 for rank in (0, 1)]
+        for rank in ranks:
+            rank.start()
+        try:
+            for rank in ranks:
+                rank.join(timeout=120)
+                assert rank.exitcode == 0, f"rank exit code {rank.exitcode}"
+        finally:
+            for rank in ranks:
+                if rank.is_alive():
+                    rank.kill()
+    results = json.loads(Path(out).read_text())
+    return {family: (models[family], results[family]) for family in FAMILIES}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tp2_greedy_ids_and_logits_equal_transformers(runs, family):
+    from tiny_encdec import generate, generate_whisper
+
+    model, tp2 = runs[family]
+    for index, (prompt, source) in enumerate(requests(family)):
+        if family == "whisper":
+            assert tp2["tokens"][index] == [t for t in generate_whisper(model, source, MAX_TOKENS, prompt) if t != 1]
+            continue
+        expected, logits = generate(model, source, MAX_TOKENS)
+        assert tp2["tokens"][index] == expected[1:], (family, index)
+        ours = torch.tensor(tp2["logits"][index])
+        bound = 1e-3 if torch.cuda.is_available() else 1e-4  # (CUDA's float32 sums: test_encoder_decoder.py says)
+        torch.testing.assert_close(ours, logits[:len(ours)].float(), rtol=bound, atol=bound)
+
+
+def test_tp_size_that_does_not_divide_the_heads_is_named(tmp_path, capsys):
+    from engine.build import main
+    from tiny_encdec import write_checkpoint
+
+    write_checkpoint("bart", tmp_path / "checkpoint")
+    assert main(["--checkpoint", str(tmp_path / "checkpoint"), "--output", str(tmp_path / "engine"),
+                 "--dtype", "float32", "--tp_size", "3"]) == 2
+    assert "tp_size 3 does not divide encoder_heads (4)" in capsys.readouterr().err
+    assert not (tmp_path / "engine" / "decoder" / "config.json").exists()
