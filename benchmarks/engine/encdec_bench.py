@@ -32,6 +32,13 @@ engine's random weights quantized so at load), nested outside the cross-pool typ
 ``t5@fp8-weights`` / ``t5@fp8@fp8-weights`` and so on for values after the first of each list
 (whisper_step runs once, with the first of each).
 
+``--tp 1,2`` runs ``whisper`` and ``t5`` once per tensor-parallel size, nested outside the weight schemes:
+entries ``t5@tp2`` and so on for sizes after the first. This process is rank 0 (its executor's
+LeaderRunner, on cuda:0); ranks 1..N-1 are ``python -m engine.tensor_parallel.worker`` processes on the next
+GPUs, started for each run (``tensor_parallel_ranks``) and ended by the executor's shutdown. At TP > 1 the
+Whisper run skips its after-run encoder and replay profile (rank 0's stacks alone cannot run: their
+all-reduces need every rank).
+
 Random weights of the real shapes, made on the GPU (engine: ``extra.random_weights_seed``;
 transformers: its own init, on the device). ``--device cpu`` runs tiny shapes of the same
 families (a smoke run of every path).
@@ -40,11 +47,14 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 import json
 import os
 import random
 import shutil
+import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -100,7 +110,8 @@ def t5_config(device: str):
 
 
 def write_random_engine(hf_config, *, dtype: str, max_batch_size: int, max_seq_len: int, max_num_tokens: int,
-                        tokens_per_block: int, max_encoder_input_len: int, quantization: str | None = None) -> str:
+                        tokens_per_block: int, max_encoder_input_len: int, quantization: str | None = None,
+                        tp_size: int = 1) -> str:
     """OUTPUT/encoder and OUTPUT/decoder holding only config.json (the layout engine.build writes),
     random weights made at load (``quantization`` "fp8": the layer linears' quantized to E4M3 as
     engine.build quantizes them); returns the decoder directory."""
@@ -109,13 +120,49 @@ def write_random_engine(hf_config, *, dtype: str, max_batch_size: int, max_seq_l
     atexit.register(shutil.rmtree, root, ignore_errors=True)  # (as benchmarks/common.py's config-only engines)
     build = BuildConfig(dtype=dtype, max_batch_size=max_batch_size, max_input_len=min(max_seq_len, 64),
                         max_seq_len=max_seq_len, max_num_tokens=max_num_tokens, tokens_per_block=tokens_per_block,
-                        quantization=quantization)
+                        quantization=quantization, tp_size=tp_size)
     extra = {"encoder_decoder": spec.to_dict(), "max_encoder_input_len": max_encoder_input_len,
              "random_weights_seed": 0}
     for stack, more in (("encoder", {}), ("decoder", {"encoder_engine_dir": "../encoder"})):
         config = EngineConfig(model=spec.decoder_model_config(), build=build, extra={**extra, "stack": stack, **more})
         config.validate().save(os.path.join(root, stack))
     return os.path.join(root, "decoder")
+
+
+@contextlib.contextmanager
+def tensor_parallel_ranks(engine: str, tp_size: int):
+    """Inside: this process is rank 0 of ``tp_size`` (OpenMPI's variables, as mpirun sets them, so the
+    executor's make_runner makes a LeaderRunner) and ranks 1.. run ``python -m engine.tensor_parallel.worker``
+    on ``engine``; the executor's shutdown ends them. One rank: nothing."""
+    if tp_size == 1:
+        yield
+        return
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    saved = dict(os.environ)
+    root = str(Path(__file__).resolve().parents[2])
+
+    def rank_env(rank: int) -> dict:
+        return {**saved, "OMPI_COMM_WORLD_RANK": str(rank), "OMPI_COMM_WORLD_SIZE": str(tp_size),
+                "OMPI_COMM_WORLD_LOCAL_RANK": str(rank), "OMPI_COMM_WORLD_LOCAL_SIZE": str(tp_size),
+                "TRITONLLM_DIST_ADDR": "127.0.0.1", "TRITONLLM_DIST_PORT": str(port),
+                "PYTHONPATH": os.pathsep.join(p for p in (root, saved.get("PYTHONPATH")) if p)}
+
+    workers = [subprocess.Popen([sys.executable, "-m", "engine.tensor_parallel.worker", "--engine_dir", engine],
+                                env=rank_env(rank), cwd=root) for rank in range(1, tp_size)]
+    os.environ.update(rank_env(0))
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+        for worker in workers:
+            try:
+                worker.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                worker.kill()
+                worker.wait()
 
 
 def run_offline(executor, requests: list[Request]) -> tuple[float, int]:
@@ -142,7 +189,7 @@ def executor_offline(args, engine: str, requests, tokens: int, cpu_kv_tokens: in
     config = ExecutorConfig(kv_cache_free_gpu_mem_fraction=args.kv_fraction, kv_cache_dtype=args.kv_cache_dtype,
                             cross_kv_cache_dtype=args.cross_kv_cache_dtype,
                             max_tokens_in_paged_kv_cache=cpu_kv_tokens if args.device == "cpu" else None)
-    with Executor(engine, config, device=args.device) as ex:
+    with tensor_parallel_ranks(engine, args.tp_size), Executor(engine, config, device=args.device) as ex:
         run_offline(ex, requests(4))
         runner, counts = ex.runner, {"graph_steps": 0, "steps": 0, "encoder_seconds": 0.0}
         encode_into, forward, graphs = runner.encode_into, runner.forward, runner.decode_graphs
@@ -218,11 +265,12 @@ def clip_features(config, count: int, seed: int = 0) -> list[torch.Tensor]:
     return [torch.randn(CLIP_SECONDS * FRAMES_PER_SECOND, config.num_mel_bins, generator=generator) for _ in range(count)]
 
 
-def whisper_engine(args, config, max_batch_size: int) -> str:
+def whisper_engine(args, config, max_batch_size: int, tp_size: int | None = None) -> str:
+    """Whisper's config-only engine at ``tp_size`` (default: the run's)."""
     return write_random_engine(config, dtype=args.dtype, max_batch_size=max_batch_size,
                                max_seq_len=len(WHISPER_PROMPT) + args.transcript + 12, max_num_tokens=4096,
                                tokens_per_block=32, max_encoder_input_len=config.max_source_positions,
-                               quantization=args.quantization)
+                               quantization=args.quantization, tp_size=tp_size or args.tp_size)
 
 
 def bench_whisper(args) -> dict:
@@ -236,8 +284,8 @@ def bench_whisper(args) -> dict:
 
     run = executor_offline(args, engine, requests, args.transcript, args.clips * (config.max_source_positions + 128),
                            profile_path=Path(args.profile_dir) / "whisper_offline_profile.txt" if args.profile_dir else None,
-                           after=lambda ex: profile_whisper_run(args, ex, features))
-    entry = {"clips": args.clips, "transcript_tokens": args.transcript, **run,
+                           after=(lambda ex: profile_whisper_run(args, ex, features)) if args.tp_size == 1 else None)
+    entry = {"clips": args.clips, "transcript_tokens": args.transcript, "tp_size": args.tp_size, **run,
              "audio_s_per_s": args.clips * CLIP_SECONDS / run["seconds"], "hf": hf_whisper(args, config, features)}
     if entry["hf"]:
         best = max(entry["hf"], key=lambda row: row["audio_s_per_s"])
@@ -374,7 +422,7 @@ def _bench_whisper_step(args, bandwidth: float) -> dict:
     from engine.encoder_decoder.runner import EncDecRunner
 
     config = whisper_config(args.device)
-    runner = EncDecRunner(whisper_engine(args, config, max_batch_size=8), device=args.device)
+    runner = EncDecRunner(whisper_engine(args, config, max_batch_size=8, tp_size=1), device=args.device)  # (one rank)
     page, encoder_len = runner.tokens_per_block, config.max_source_positions
     runner.allocate_kv_cache(runner.num_kv_blocks_for(max_tokens=4096))
     runner.capture_cuda_graphs()
@@ -552,7 +600,8 @@ def bench_t5(args) -> dict:
     config = t5_config(args.device)
     engine = write_random_engine(config, dtype=args.dtype, max_batch_size=args.t5_requests,
                                  max_seq_len=args.t5_output + 16, max_num_tokens=8192, tokens_per_block=32,
-                                 max_encoder_input_len=args.t5_input, quantization=args.quantization)
+                                 max_encoder_input_len=args.t5_input, quantization=args.quantization,
+                                 tp_size=args.tp_size)
     rng = random.Random(0)
     inputs = [[rng.randrange(2, config.vocab_size) for _ in range(args.t5_input)] for _ in range(args.t5_requests)]
     out = OutputConfig(exclude_input_from_output=True)
@@ -563,7 +612,8 @@ def bench_t5(args) -> dict:
     run = executor_offline(args, engine, requests, args.t5_output,
                            args.t5_requests * (args.t5_input + args.t5_output + 64),
                            profile_path=Path(args.profile_dir) / "t5_offline_profile.txt" if args.profile_dir else None)
-    entry = {"requests": args.t5_requests, "input_len": args.t5_input, "output_len": args.t5_output, **run,
+    entry = {"requests": args.t5_requests, "input_len": args.t5_input, "output_len": args.t5_output,
+             "tp_size": args.tp_size, **run,
              "output_tok_s": run["output_tokens"] / run["seconds"], "hf": hf_t5(args, config, inputs)}
     if entry["hf"]:
         best = max(entry["hf"], key=lambda row: row["output_tok_s"])
@@ -673,6 +723,7 @@ def section_runs(results: dict, name: str) -> list[tuple[str, dict]]:
 
 def pool_label(run: dict) -> str:
     weights = f"; weights {run['weights']}" if run.get("weights", "none") != "none" else ""
+    weights += f"; TP {run['tp_size']}" if run.get("tp_size", 1) != 1 else ""
     if "cross_pool_dtype" not in run:
         return weights
     return f"; KV pools self {run['self_pool_dtype'].removeprefix('torch.')}, cross " \
@@ -700,6 +751,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--quantization", default="none",
                    help="comma-separated of none, fp8: the whisper and t5 runs once per value (fp8: the layer "
                         "linears of both stacks E4M3 per output channel, engine.build --quantization fp8)")
+    p.add_argument("--tp", default="1", help="tensor-parallel sizes, comma-separated (module docstring)")
     p.add_argument("--kv-fraction", type=float, default=0.8, help="kv_cache_free_gpu_mem_fraction of the executors")
     p.add_argument("--profile-dir", default=None, help="write the decoder step's profiler table here")
     p.add_argument("--step-variants", default="",
@@ -729,6 +781,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--quantization: {args.quantization!r}; allowed: none, fp8 (comma-separated)")
     args.quantizations = [None if v == "none" else v for v in args.quantizations]
     args.quantization = args.quantizations[0]
+    args.tp_sizes = [int(v) for v in args.tp.split(",") if v] or [1]
+    args.tp_size = args.tp_sizes[0]
     args.hf_whisper_batches = [int(b) for b in str(args.hf_whisper_batches).split(",") if b]  # "": not run
     args.hf_t5_batches = [int(b) for b in str(args.hf_t5_batches).split(",") if b]  # "": transformers not run
     return args
@@ -742,18 +796,19 @@ def main(argv=None) -> dict:
     bandwidth = copy_bandwidth(args.device)
     results["copy_GBps"] = bandwidth / 1e9
     started = time.perf_counter()
-    first, first_weights = args.cross_kv_cache_dtypes[0], args.quantizations[0]
-    runs = [("whisper_step", first, first_weights, lambda: bench_whisper_step(args, bandwidth))]
+    first, first_weights, first_tp = args.cross_kv_cache_dtypes[0], args.quantizations[0], args.tp_sizes[0]
+    runs = [("whisper_step", first, first_weights, first_tp, lambda: bench_whisper_step(args, bandwidth))]
     for name, bench in (("whisper", bench_whisper), ("t5", bench_t5)):
-        runs += [(name, dtype, weights, lambda bench=bench: bench(args))
+        runs += [(name, dtype, weights, tp, lambda bench=bench: bench(args)) for tp in args.tp_sizes
                  for weights in args.quantizations for dtype in args.cross_kv_cache_dtypes]
     runs = [run for name in dict.fromkeys(sections) for run in runs if run[0] == name]  # in --sections' order
     hf_batches = args.hf_whisper_batches, args.hf_t5_batches
-    for name, dtype, weights, run in runs:
+    for name, dtype, weights, tp, run in runs:
         if name in sections:
             key = "@".join([name] + ([dtype] if dtype != first else []) +
-                           ([f"{weights or 'none'}-weights"] if weights != first_weights else []))
-            args.cross_kv_cache_dtype, args.quantization = dtype, weights
+                           ([f"{weights or 'none'}-weights"] if weights != first_weights else []) +
+                           ([f"tp{tp}"] if tp != first_tp else []))
+            args.cross_kv_cache_dtype, args.quantization, args.tp_size = dtype, weights, tp
             # transformers only with the first run (its figure does not depend on ours)
             args.hf_whisper_batches, args.hf_t5_batches = hf_batches if key == name else ([], [])
             t0 = time.perf_counter()
