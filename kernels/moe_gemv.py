@@ -44,6 +44,7 @@ step of the activations.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -71,16 +72,49 @@ GEMV_ATTR = "_moe_gemv_tiles"
 # before its FMAs (the loop itself is not software-pipelined: no dot, no shared-memory stages). (16, 512, 4):
 # gate_up 128 bytes a thread a step in FP8 (8 x 16-byte loads), 2 x 16 float32 accumulators; Qwen3-30B-A3B at
 # one token: gate_up 8 x 48 programs at BLOCK_N 16, down 8 x 128. BLOCK_N divides 128 (blocked scales).
+# A fifth element AHEAD ("a"): each step is one BLOCK_K-column piece whose weights, activations and block scales are
+# loaded a step ahead (loop-carried registers), so the next step's loads are in flight while this one's FMAs run.
+# Why: in the plain loop's sm_90 code ptxas issues a piece's loads only after the previous piece's FMAs (~470
+# instructions a thread a step of (16, 512, 4): 128 FP8 weights a thread, each widened (F2FP, HADD2.F32), scaled
+# (FMUL) and accumulated (FFMA)), so each step pays its loads' latency and its arithmetic one after the other:
+# block-FP8 gate_up read at ~1.8 TB/s (benchmarks/results/kernels.md, 2026-11-30). Model-dtype and FP8 experts
+# only; blocked scales need BLOCK_K <= 128 (one scale block a step).
+# The load-time choice times them only with $TRITONLLM_MOE_GEMV_AHEAD=1 until an H200 has measured them (each
+# candidate is a compile at a cold engine load).
+AHEAD = "a"
+AHEAD_ENV = "TRITONLLM_MOE_GEMV_AHEAD"
+# With STEP_SUMS ("s", blocked scales only) each step's products are summed over the step's 128 columns first and
+# the block scale multiplies that sum once a row (a few shuffles a step), where the plain form scales x per weight
+# (an FMUL a weight a thread).
+STEP_SUMS = "s"
+AHEAD_TILES = ((16, 128, 2, 1, AHEAD), (16, 128, 4, 1, AHEAD), (32, 128, 4, 1, AHEAD), (32, 128, 8, 1, AHEAD),
+               (64, 128, 8, 1, AHEAD), (16, 128, 2, 1, AHEAD + STEP_SUMS), (32, 128, 4, 1, AHEAD + STEP_SUMS),
+               (64, 128, 8, 1, AHEAD + STEP_SUMS))
 GEMV_TILES = ((16, 512, 4, 2), (16, 256, 4, 2), (8, 512, 2, 2), (8, 1024, 4, 2), (16, 1024, 8, 2), (32, 256, 4, 2),
-              (32, 512, 8, 2), (64, 256, 8, 2))
+              (32, 512, 8, 2), (64, 256, 8, 2)) + AHEAD_TILES
 DEFAULT_TILES = ((16, 512, 4, 2), (16, 256, 4, 2))
 assert all(t in GEMV_TILES for t in DEFAULT_TILES)
 
 
+def ahead(tile: tuple) -> bool:
+    """Whether a GEMV tile loads a step ahead (AHEAD)."""
+    return any(AHEAD in option for option in tile[4:])
+
+
+def step_sums(tile: tuple) -> bool:
+    """Whether an AHEAD tile scales each step's row sums (STEP_SUMS) rather than x."""
+    return any(STEP_SUMS in option for option in tile[4:])
+
+
 def candidate_tiles(kind: int) -> tuple:
     """GEMV_TILES a weight kind compiles without spills (sm_90, Triton 3.9): 4-bit steps of at most 512 bytes
-    (1,024 unrolls eight pieces of two activation slices each: 255 registers and a 184-byte stack)."""
-    return tuple(t for t in GEMV_TILES if kind not in (INT4_GROUPS, MXFP4_GROUPS) or t[1] <= 512)
+    (1,024 unrolls eight pieces of two activation slices each: 255 registers and a 184-byte stack); AHEAD tiles for
+    model-dtype and FP8 experts, blocked scales at BLOCK_K <= 128, with $TRITONLLM_MOE_GEMV_AHEAD=1."""
+    packed = kind in (INT4_GROUPS, MXFP4_GROUPS)
+    timed_ahead = os.environ.get(AHEAD_ENV, "0").strip() == "1"
+    return tuple(t for t in GEMV_TILES if (not packed or t[1] <= 512)
+                 and not (ahead(t) and (packed or not timed_ahead or (kind == BLOCK_SCALES and t[1] > SCALE_BLOCK)))
+                 and not (step_sums(t) and kind != BLOCK_SCALES))
 
 
 @dataclass
@@ -143,7 +177,7 @@ def gemv_supported(x: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: torch.
     if gate_up_scale is None:
         return gate_up.dtype == x.dtype
     inter = gate_up.shape[1] // 2
-    if gate_up.dtype == torch.uint8:
+    if gate_up.dtype == torch.uint8:  # (AHEAD is a no-op for 4-bit codes: candidate_tiles leaves such tiles out)
         stored_h, hidden = gate_up.shape[2], x.shape[1]
         if down_scale is None or hidden != 2 * stored_h or inter % 2:
             return False
@@ -153,7 +187,8 @@ def gemv_supported(x: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: torch.
         return all(int4_piece(stored_h, group, t[1]) and int4_piece(inter // 2, group_down, t[1]) for t in tiles)
     if gate_up.dtype != FP8_DTYPE:
         return False
-    return gate_up_scale.dim() == 2 or (inter % SCALE_BLOCK == 0 and all(SCALE_BLOCK % t[0] == 0 for t in tiles))
+    return gate_up_scale.dim() == 2 or (inter % SCALE_BLOCK == 0 and all(SCALE_BLOCK % t[0] == 0 for t in tiles)
+                                        and all(t[1] <= SCALE_BLOCK for t in tiles if ahead(t)))
 
 
 # ---- reference -------------------------------------------------------------------------------
@@ -217,6 +252,73 @@ def _stream_rows(acc, acc_2, x_ptr, w_rows, w_rows_2, rows_ok, s_row, s_row_2, K
                 acc += w * xk
                 if TWO:
                     acc_2 += w_2 * xk
+    return acc, acc_2
+
+
+@jit
+def _carried(w, FP8: tl.constexpr):
+    """A step's weights as _stream_rows_ahead carries them to the next step: FP8 widened to float16 (exact; two a
+    register, where carried FP8 bytes took a register each and a PRMT to pack: sm_90, Triton 3.9), else as loaded."""
+    if FP8:
+        return w.to(tl.float16)
+    else:
+        return w
+
+
+@jit
+def _stream_rows_ahead(acc, acc_2, x_ptr, w_rows, w_rows_2, rows_ok, s_row, s_row_2, K, TWO: tl.constexpr,
+                       BLOCK_SCALED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr,
+                       STEP_SUMS: tl.constexpr):
+    """_stream_rows with one BLOCK_K-column piece a step (acc (BLOCK_N, BLOCK_K)), its weights, x and block scales
+    loaded a step ahead (GEMV_TILES' AHEAD): the loads of step k + 1 are issued before the FMAs of step k. Blocked
+    scales: BLOCK_K divides 128 (one scale a step). The loads past K are masked off (no memory traffic). FP8
+    weights are carried as float16 (_carried). STEP_SUMS (blocked scales; acc (BLOCK_N, 1)): each step's products
+    summed over its columns, then scaled once a row."""
+    zero_rows = tl.zeros([BLOCK_N, 1], dtype=tl.int32)
+    k = tl.arange(0, BLOCK_K)
+    k_ok = (zero_rows + k[None, :]) < K
+    w = _carried(tl.load(w_rows + k[None, :], mask=rows_ok[:, None] & k_ok, other=0.0), FP8)
+    w_2 = w
+    if TWO:
+        w_2 = _carried(tl.load(w_rows_2 + k[None, :], mask=rows_ok[:, None] & k_ok, other=0.0), FP8)
+    xk = tl.load(x_ptr + zero_rows + k[None, :], mask=k_ok, other=0.0)
+    s = 1.0
+    s_2 = 1.0
+    if BLOCK_SCALED:
+        s = tl.load(s_row)
+        s_2 = tl.load(s_row_2)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + BLOCK_K + tl.arange(0, BLOCK_K)
+        k_ok = (zero_rows + k[None, :]) < K
+        w_next = _carried(tl.load(w_rows + k[None, :], mask=rows_ok[:, None] & k_ok, other=0.0), FP8)
+        w_2_next = w_next
+        if TWO:
+            w_2_next = _carried(tl.load(w_rows_2 + k[None, :], mask=rows_ok[:, None] & k_ok, other=0.0), FP8)
+        x_next = tl.load(x_ptr + zero_rows + k[None, :], mask=k_ok, other=0.0)
+        s_next = s
+        s_2_next = s_2
+        if BLOCK_SCALED:
+            next_ok = k0 + BLOCK_K < K
+            s_next = tl.load(s_row + (k0 + BLOCK_K) // 128, mask=next_ok, other=0.0)
+            s_2_next = tl.load(s_row_2 + (k0 + BLOCK_K) // 128, mask=next_ok, other=0.0)
+        xf = xk.to(tl.float32)
+        if BLOCK_SCALED and STEP_SUMS:  # acc (BLOCK_N, 1): the step's row sums, scaled once
+            acc += tl.sum(w.to(tl.float32) * xf, 1, keep_dims=True) * s
+            if TWO:
+                acc_2 += tl.sum(w_2.to(tl.float32) * xf, 1, keep_dims=True) * s_2
+        elif BLOCK_SCALED:
+            acc += w.to(tl.float32) * (xf * s)
+            if TWO:
+                acc_2 += w_2.to(tl.float32) * (xf * s_2)
+        else:
+            acc += w.to(tl.float32) * xf
+            if TWO:
+                acc_2 += w_2.to(tl.float32) * xf
+        w = w_next
+        w_2 = w_2_next
+        xk = x_next
+        s = s_next
+        s_2 = s_2_next
     return acc, acc_2
 
 
@@ -295,6 +397,7 @@ def _gemv_gate_up_kernel(
     TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, ROUTE_IN_KERNEL: tl.constexpr,
     RENORMALIZE: tl.constexpr, SCALES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, SWIGLU_LIMIT: tl.constexpr, PDL: tl.constexpr,
+    AHEAD: tl.constexpr = False,
 ):
     """act[a, rows] = SiLU(gate_e . x[t]) * (up_e . x[t]) for assignment a = program_id(0) (token t = a // TOP_K,
     expert e its slot's) and the BLOCK_N rows of tile program_id(1) (module docstring, step 1)."""
@@ -325,6 +428,9 @@ def _gemv_gate_up_kernel(
         acc, acc_up = _stream_int4_rows(acc, acc, x_row, gate_rows, gate_rows + I * stride_wn, rows, rows + I, rows_ok,
                                         s_ptr + e64 * stride_se, z_ptr + e64 * stride_se, stride_sn, H, group, True,
                                         BLOCK_N, BLOCK_K, SUB_K, SCALES == 4)
+    elif AHEAD:  # SUB_K == BLOCK_K, or 1 with STEP_SUMS
+        acc, acc_up = _stream_rows_ahead(acc, acc, x_row, gate_rows, gate_rows + I * stride_wn, rows_ok, s_gate, s_up,
+                                         H, True, SCALES == 2, BLOCK_N, BLOCK_K, SCALES != 0, SUB_K == 1)
     else:
         acc, acc_up = _stream_rows(acc, acc, x_row, gate_rows, gate_rows + I * stride_wn, rows_ok, s_gate, s_up, H,
                                    True, SCALES == 2, BLOCK_N, BLOCK_K, SUB_K)
@@ -345,7 +451,7 @@ def _gemv_down_kernel(
     act_ptr, ids_ptr, weights_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, H, I, group,
     stride_act, stride_we, stride_wn, stride_se, stride_sn, stride_be, stride_o,
     SCALES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, AHEAD: tl.constexpr = False,
 ):
     """out_k[a, rows] = w_a * (down_e[rows] . act[a]) for assignment a = program_id(0) and the BLOCK_N rows of
     tile program_id(1) (module docstring, step 2)."""
@@ -363,6 +469,9 @@ def _gemv_down_kernel(
         acc, _ = _stream_int4_rows(acc, acc, act_row, w_rows, w_rows, rows, rows, rows_ok, s_ptr + e64 * stride_se,
                                    z_ptr + e64 * stride_se, stride_sn, I, group, False, BLOCK_N, BLOCK_K, SUB_K,
                                    SCALES == 4)
+    elif AHEAD:  # SUB_K == BLOCK_K, or 1 with STEP_SUMS
+        acc, _ = _stream_rows_ahead(acc, acc, act_row, w_rows, w_rows, rows_ok, s_rows, s_rows, I, False, SCALES == 2,
+                                    BLOCK_N, BLOCK_K, SCALES != 0, SUB_K == 1)
     else:
         acc, _ = _stream_rows(acc, acc, act_row, w_rows, w_rows, rows_ok, s_rows, s_rows, I, False, SCALES == 2,
                               BLOCK_N, BLOCK_K, SUB_K)
@@ -399,9 +508,11 @@ def moe_gemv_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, 
     packed = kind in (INT4_GROUPS, MXFP4_GROUPS)
     k_gate_up, k_down = (hidden // 2, inter // 2) if packed else (hidden, inter)  # columns or bytes a row
     assert gate_up.is_contiguous() and down.is_contiguous() and down.shape == (num_experts, hidden, k_down)
-    (gn, gk, gw, gs), (dn, dk, dw, ds) = tiles
+    (gn, gk, gw, gs), (dn, dk, dw, ds) = tiles[0][:4], tiles[1][:4]
+    gate_up_ahead, down_ahead = (ahead(t) and not packed for t in tiles)
     group = group_down = 0
-    gate_up_piece, down_piece = min(gk, 128), min(dk, 128)
+    gate_up_piece, down_piece = (((1 if step_sums(t) and kind == BLOCK_SCALES else k) if ahead_t else min(k, 128))
+                                 for t, k, ahead_t in ((tiles[0], gk, gate_up_ahead), (tiles[1], dk, down_ahead)))
     if packed:
         assert gate_up_scale.is_contiguous() and down_scale.is_contiguous()
         assert kind == MXFP4_GROUPS or (gate_up_zero.shape == gate_up_scale.shape and down_zero.shape == down_scale.shape)
@@ -431,14 +542,14 @@ def moe_gemv_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, 
         TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), E_PAD=triton.next_power_of_2(num_experts),
         ROUTE_IN_KERNEL=route, RENORMALIZE=renormalize, SCALES=kind, BLOCK_N=gn, BLOCK_K=gk, SUB_K=gate_up_piece,
         HAS_BIAS=gu_b is not None, ACTIVATION=ACTIVATIONS[epilogue.activation], SWIGLU_LIMIT=limit,
-        num_warps=gw, num_stages=gs, **pdl)
+        AHEAD=gate_up_ahead, num_warps=gw, num_stages=gs, **pdl)
     out_k = torch.empty(num_tokens * top_k, hidden, dtype=x.dtype, device=x.device)
     _gemv_down_kernel[(num_tokens * top_k, triton.cdiv(hidden, dn))](
         act, ids, weights, down, d_s, d_z, act if d_b is None else d_b, out_k, hidden, k_down, group_down,
         act.stride(0), down.stride(0), down.stride(1), d_s3.stride(0) if kind else 0, d_s3.stride(1) if kind else 0,
         0 if d_b is None else d_b.stride(0), out_k.stride(0),
-        SCALES=kind, BLOCK_N=dn, BLOCK_K=dk, SUB_K=down_piece, HAS_BIAS=d_b is not None, num_warps=dw, num_stages=ds,
-        **pdl)
+        SCALES=kind, BLOCK_N=dn, BLOCK_K=dk, SUB_K=down_piece, HAS_BIAS=d_b is not None, AHEAD=down_ahead,
+        num_warps=dw, num_stages=ds, **pdl)
     out_k = out_k.view(num_tokens, top_k, hidden)
     return out_k.sum(dim=1) if sum_experts else out_k  # (torch sums half types in float32, rounds once)
 

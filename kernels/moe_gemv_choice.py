@@ -60,7 +60,8 @@ def choose_gemv(experts: GemvExperts) -> dict | None:
             or (gate_up.dtype == torch.uint8 and experts.wna16 is None and experts.mxfp4 is None)):
         return None
     probe = torch.empty(1, experts.down.shape[1], dtype=dtype, device=gate_up.device)  # (one token's activations)
-    if not gemv_supported(probe, gate_up, experts.gate_up_scale, experts.down_scale, tiles=GEMV_TILES,
+    if not gemv_supported(probe, gate_up, experts.gate_up_scale, experts.down_scale,
+                          tiles=candidate_tiles(moe_gemv.scale_kind(gate_up, experts.gate_up_scale)),
                           epilogue=experts.epilogue):
         return None
     if hasattr(gate_up, GEMV_ATTR):

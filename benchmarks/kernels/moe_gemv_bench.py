@@ -205,7 +205,7 @@ def main() -> None:
     parser.add_argument("--model", choices=["qwen3_30b_a3b", "gpt_oss_20b"], default="qwen3_30b_a3b")
     parser.add_argument("--gemv-candidates", type=int, default=0)
     parser.add_argument("--word-tiles", nargs="+", default=None)
-    parser.add_argument("--tokens", nargs="+", type=int, default=None, help="gpt_oss_20b: these token counts only")
+    parser.add_argument("--tokens", nargs="+", type=int, default=None, help="these token counts only")
     parser.add_argument("--launches", action="store_true", help="gpt_oss_20b: the word path's launches timed apart")
     parser.add_argument("--out", default="moe_gemv.json")
     args = parser.parse_args()
@@ -214,6 +214,9 @@ def main() -> None:
         gpt_oss_main(args)
         return
     args.kinds = args.kinds or ["fp8_block", "bf16", "int4", "fp8"]
+    if args.tokens:  # (the load-time choice's counts: these only)
+        from kernels import moe_gemv_choice
+        moe_gemv_choice.TIMED_TOKENS = tuple(args.tokens)
     results = {"gpu": torch.cuda.get_device_name(), "shape": [EXPERTS, TOP_K, HIDDEN, INTER], "kinds": {}}
     print(f"{results['gpu']}: Qwen3-30B-A3B experts (E {EXPERTS}, top {TOP_K}, H {HIDDEN}, I {INTER}), "
           "routing included")

@@ -20,7 +20,7 @@ from test_moe_decode import experts as moe_decode_experts
 from kernels.fused_moe import fused_moe_ref, route_tokens_ref
 from kernels.fused_moe_fp8 import fused_moe_fp8_ref
 from kernels.moe_decode_tiles import choose_decode_tiles
-from kernels.moe_gemv import (BLOCK_SCALES, GEMV_ATTR, GEMV_TILES, INT4_GROUPS, MAX_TOKENS, MXFP4_GROUPS, NO_SCALES,
+from kernels.moe_gemv import (AHEAD, BLOCK_SCALES, STEP_SUMS, GEMV_ATTR, GEMV_TILES, INT4_GROUPS, MAX_TOKENS, MXFP4_GROUPS, NO_SCALES,
                               ROW_SCALES, GemvExperts, candidate_tiles, gemv_supported, gemv_tiles, mark_gemv, moe_gemv_ref,
                               moe_gemv_triton)
 
@@ -151,16 +151,25 @@ def test_mxfp4_support_needs_unpadded_halves_and_a_gated_activation():
 
 
 @pytest.mark.gpu
-def test_given_routing_other_tiles_and_the_sum(device):
-    """Routing given (no logits), the candidates' other tiles (a narrow one and a wide K step), summed rows."""
-    gate_up, gu_s, down, d_s = experts("fp8_block", seed=20)
-    x = randn(3, HIDDEN, seed=21)
-    weights, ids = route_tokens_ref(distinct_logits(3, EXPERTS, seed=22), TOP_K, False)
+@pytest.mark.parametrize("kind, tiles, num_tokens", [
+    ("fp8_block", ((32, 256, 8, 2), (64, 256, 8, 2)), 3),
+    # one token (the interpreter's time): two K steps each, the carried loads
+    ("fp8_block", ((32, 128, 4, 1, AHEAD), (64, 64, 8, 1, AHEAD)), 1),
+    ("fp8_block", ((32, 128, 4, 1, AHEAD + STEP_SUMS), (64, 64, 8, 1, AHEAD + STEP_SUMS)), 1),
+    ("model", ((32, 64, 4, 1, AHEAD), (64, 128, 8, 1, AHEAD)), 1),
+])
+def test_given_routing_other_tiles_and_the_sum(device, kind, tiles, num_tokens):
+    """Routing given (no logits), the candidates' other tiles (a narrow one and a wide K step; AHEAD tiles, which
+    load each step's weights a step ahead, with STEP_SUMS scaling each step's row sums), summed rows."""
+    gate_up, gu_s, down, d_s = experts(kind, seed=20)
+    x = randn(num_tokens, HIDDEN, seed=21)
+    weights, ids = route_tokens_ref(distinct_logits(num_tokens, EXPERTS, seed=22), TOP_K, False)
     ref = moe_gemv_ref(x, gate_up, down, weights, ids, gu_s, d_s).sum(dim=1)
-    on = [t.to(device) for t in (x, gate_up, gu_s, down, d_s, weights, ids)]
+    on = [t.to(device) if t is not None else None for t in (x, gate_up, gu_s, down, d_s, weights, ids)]
+    assert gemv_supported(on[0], on[1], on[2], on[4], tiles=tiles)
     out = moe_gemv_triton(on[0], on[1], on[3], top_k=TOP_K, topk_weights=on[5], topk_ids=on[6], gate_up_scale=on[2],
-                          down_scale=on[4], tiles=((32, 256, 8, 2), (64, 256, 8, 2)))
-    assert out.shape == (3, HIDDEN) and relative_error(out, ref) < TOLERANCES[torch.float32]
+                          down_scale=on[4], tiles=tiles)
+    assert out.shape == (num_tokens, HIDDEN) and relative_error(out, ref) < TOLERANCES[torch.float32]
 
 
 def test_marks_and_support():
@@ -301,23 +310,26 @@ AOT = AOT_SM90
 @pytest.mark.parametrize("kind", [NO_SCALES, ROW_SCALES, BLOCK_SCALES, INT4_GROUPS, MXFP4_GROUPS])
 @pytest.mark.parametrize("which", ["gate_up", "down"])
 @pytest.mark.parametrize("tiles", GEMV_TILES)
-def test_compiles_for_sm90_without_spills(kind, which, tiles, tmp_path):
+def test_compiles_for_sm90_without_spills(kind, which, tiles, tmp_path, monkeypatch):
     """Triton's compiler and ptxas (no GPU) on the Qwen3-30B-A3B shape's kernels for every candidate (MXFP4:
-    gpt-oss's, with its biases and clamped SwiGLU): no local memory (spills)."""
-    from kernels.moe_gemv import _gemv_down_kernel, _gemv_gate_up_kernel
+    gpt-oss's, with its biases and clamped SwiGLU; AHEAD tiles as $TRITONLLM_MOE_GEMV_AHEAD=1 has them timed): no
+    local memory (spills)."""
+    from kernels.moe_gemv import AHEAD_ENV, _gemv_down_kernel, _gemv_gate_up_kernel, ahead, step_sums
 
+    monkeypatch.setenv(AHEAD_ENV, "1")
     fn = _gemv_gate_up_kernel if which == "gate_up" else _gemv_down_kernel
     if tiles not in candidate_tiles(kind):
         pytest.skip("not a candidate of this weight kind (candidate_tiles)")
-    block_n, block_k, warps, stages = tiles
+    block_n, block_k, warps, stages = tiles[:4]
     w = {NO_SCALES: "*bf16", INT4_GROUPS: "*u8", MXFP4_GROUPS: "*u8"}.get(kind, "*fp8e4nv")
     mxfp4 = kind == MXFP4_GROUPS
     pointers = dict(x_ptr="*bf16", logits_ptr="*bf16", ids_ptr="*i32", weights_ptr="*fp32", w_ptr=w,
                     s_ptr="*u8" if mxfp4 else "*fp32", z_ptr="*u8", bias_ptr="*bf16", act_ptr="*bf16", out_ptr="*bf16")
     const = dict(TOP_K=4 if mxfp4 else 8, K_PAD=4 if mxfp4 else 8, E_PAD=32 if mxfp4 else 128, ROUTE_IN_KERNEL=True,
                  RENORMALIZE=True, SCALES=kind, BLOCK_N=block_n, BLOCK_K=block_k,
-                 SUB_K=32 if mxfp4 else min(block_k, 128), HAS_BIAS=mxfp4, ACTIVATION=int(mxfp4),
-                 SWIGLU_LIMIT=7.0 if mxfp4 else 0.0, PDL=True)
+                 SUB_K=32 if mxfp4 else (1 if step_sums(tiles) else block_k) if ahead(tiles) else min(block_k, 128),
+                 HAS_BIAS=mxfp4,
+                 ACTIVATION=int(mxfp4), SWIGLU_LIMIT=7.0 if mxfp4 else 0.0, PDL=True, AHEAD=ahead(tiles))
     aligned = ("H", "I", "group", "stride_x", "stride_l", "stride_we", "stride_wn", "stride_act", "stride_o", "stride_se",
                "stride_sn", "stride_be")
     compiled = compile_for_sm90(fn, pointers, const, warps=warps, stages=stages, aligned_int=lambda name: name in aligned)
