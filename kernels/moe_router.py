@@ -46,11 +46,14 @@ METHODS = {"greedy": 0, "group_limited_greedy": 1, "noaux_tc": 2}
 
 def route_decode_ref(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, method: str, *, n_group: int = 1,
                      topk_group: int = 1, score_bias: torch.Tensor | None = None, renormalize: bool = False,
-                     scaling: float = 1.0, num_shared: int = 0, padding: torch.Tensor | None = None
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+                     scaling: float = 1.0, num_shared: int = 0, padding: torch.Tensor | None = None,
+                     round_logits: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The module docstring's outputs in plain torch: the engine's unfused routing (a float32 router
-    product, then route_grouped) plus the shared slots."""
+    product, then route_grouped) plus the shared slots. ``round_logits``: the logits rounded to x's dtype
+    (a router Linear in the model dtype: Qwen3-MoE's)."""
     logits = x.float() @ router_weight.float().T
+    if round_logits:
+        logits = logits.to(x.dtype).float()
     if padding is not None:
         logits = torch.where(padding.reshape(-1, 1), logits[:1], logits)
     weights, ids = route_grouped(logits, top_k, method, n_group=n_group, topk_group=topk_group,
@@ -147,7 +150,8 @@ def _route_decode_kernel(x_ptr, w_ptr, bias_ptr, pad_ptr, logits_ptr, count_ptr,
                          N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, G_PAD: tl.constexpr,
                          HAS_BIAS: tl.constexpr, HAS_PAD: tl.constexpr, RENORMALIZE: tl.constexpr,
                          E_PAD: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr,
-                         RANKED: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr = False):
+                         RANKED: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr = False,
+                         ROUND_LOGITS: tl.constexpr = False):
     """Program p: the logits of experts p * BLOCK_E ... for every token; the last program routes them.
     RANKED: the top-k by places (_top_k_rank, (BLOCK_T, E_PAD, E_PAD) comparisons), else serially.
     PDL: launched while the launch before it ends (kernels/_triton.py pdl_prologue).
@@ -157,7 +161,9 @@ def _route_decode_kernel(x_ptr, w_ptr, bias_ptr, pad_ptr, logits_ptr, count_ptr,
     the new residual and the normed rows (what the expert GEMMs read next).
     PREFETCH (with NORM): the program's router rows, its one (BLOCK_E, BLOCK_H) load, go into registers
     before the PDL wait (weights: no kernel of the step writes them), while the o_proj product before it
-    still runs (H200, V2-Lite batch-1 decode, call 34: 5.51 -> 5.21 us a launch)."""
+    still runs (H200, V2-Lite batch-1 decode, call 34: 5.51 -> 5.21 us a launch).
+    ROUND_LOGITS: each logit is rounded to x's dtype before the routing reads it (a router Linear in the
+    model dtype returns them so: Qwen3-MoE, Mixtral)."""
     mine = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
     mine_ok = mine < num_experts
     if NORM:
@@ -194,6 +200,8 @@ def _route_decode_kernel(x_ptr, w_ptr, bias_ptr, pad_ptr, logits_ptr, count_ptr,
             ws = tl.load(w_ptr + mine.to(tl.int64)[:, None] * stride_w + h[None, :],
                          mask=mine_ok[:, None] & h_ok[None, :], other=0.0).to(tl.float32)  # (BLOCK_E, BLOCK_H)
             acc += tl.sum(xs[:, None, :] * ws[None, :, :], 2)
+    if ROUND_LOGITS:
+        acc = acc.to(x_ptr.dtype.element_ty).to(tl.float32)
     tl.store(logits_ptr + tokens[:, None] * num_experts + mine[None, :], acc, mask=t_ok[:, None] & mine_ok[None, :])
     tl.debug_barrier()  # every thread's stores are issued before the count's release
     done = tl.atomic_add(count_ptr, 1, sem="acq_rel")
@@ -270,9 +278,10 @@ def norm_fuses(num_tokens: int, hidden: int) -> bool:
 def route_decode_triton(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, method: str, *, n_group: int = 1,
                         topk_group: int = 1, score_bias: torch.Tensor | None = None, renormalize: bool = False,
                         scaling: float = 1.0, num_shared: int = 0, padding: torch.Tensor | None = None,
-                        norm: tuple[torch.Tensor, torch.Tensor, float] | None = None):
+                        norm: tuple[torch.Tensor, torch.Tensor, float] | None = None, round_logits: bool = False):
     """(weights, ids); with ``norm`` = (residual, norm weight, eps): (weights, ids, normed x, new residual)
-    (route_decode_normed)."""
+    (route_decode_normed). ``round_logits``: the logits rounded to x's dtype first (route_decode_ref's
+    ``round_logits``)."""
     num_tokens, hidden = x.shape
     num_experts = router_weight.shape[0]
     assert 1 <= num_tokens <= MAX_TOKENS and x.stride(1) == 1 and router_weight.stride(1) == 1
@@ -311,7 +320,7 @@ def route_decode_triton(x: torch.Tensor, router_weight: torch.Tensor, top_k: int
         G_PAD=max(2, triton.next_power_of_2(n_group if group_limited else 1)), HAS_BIAS=score_bias is not None,
         HAS_PAD=pad is not None, RENORMALIZE=renormalize, E_PAD=e_pad, BLOCK_T=block_t, BLOCK_E=block_e,
         RANKED=block_t * e_pad * e_pad <= RANKED_VALUES, NORM=norm is not None,
-        BLOCK_H=block_h, num_warps=4, **pdl, **prefetch)
+        BLOCK_H=block_h, ROUND_LOGITS=round_logits, num_warps=4, **pdl, **prefetch)
     return (weights, ids) if norm is None else (weights, ids, normed, residual_out)
 
 

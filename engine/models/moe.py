@@ -34,20 +34,37 @@ their unread scales). The router stays in the model dtype.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
 from engine.config import ModelConfig, WeightOnlyScheme
-from engine.models.layers import Linear, LinearQuantization, tp_all_reduce
+from engine.models.layers import Linear, LinearQuantization, rms_norm_into, tp_all_reduce
 from engine.models.llama import LlamaForCausalLM, LlamaLayer
 from kernels.fp8 import FP8_DTYPE
 from kernels.fp8_block import blocks
+from kernels._triton import use_triton
 from kernels.fused_moe import fused_moe, moe_forward, route_tokens, warm_up_token_counts
-from kernels.fused_moe_fp8 import moe_forward_fp8
+from kernels.fused_moe_fp8 import fused_moe_fp8, moe_forward_fp8
 from kernels.fused_moe_wna16 import WNA16Experts, gemv_quantization, moe_forward_wna16, prepare_wna16_experts
-from kernels.moe_gemv import GemvExperts
+from kernels.moe_decode import fused_decode_enabled
+from kernels.moe_gemv import GemvExperts, gemv_tiles, moe_gemv_triton
 from kernels.moe_grouped_routing import route_grouped
+from kernels.moe_router import norm_fuses, route_decode_normed
 from kernels.wna16 import stored_columns
+
+# "1": a decode step's sparse layers (softmax top-k, SiLU experts in the model dtype or FP8, 1-2 tokens) run their
+# post-attention norm, router product and routing in one launch (kernels/moe_router.py route_decode_normed, the
+# DeepSeek path's), and the experts read the chosen ids: one launch a layer less (the norm's), and no top-k inside
+# each program of the experts' gate_up launch. "0": the norm, the router Linear, the routing in gate_up.
+NORM_ROUTER_ENV = "TRITONLLM_MOE_NORM_ROUTER"
+NORM_ROUTER_DEFAULT = "0"
+
+
+def norm_router_enabled() -> bool:
+    """TRITONLLM_MOE_NORM_ROUTER (read per call: benchmarks flip it between runs)."""
+    return os.environ.get(NORM_ROUTER_ENV, NORM_ROUTER_DEFAULT).strip() == "1"
 
 
 class SparseMoeBlock(nn.Module):
@@ -119,6 +136,40 @@ class SparseMoeBlock(nn.Module):
         out = self.routed_experts(x, self.logits(x), sum_experts=self.tp_group is not None)
         return out if self.tp_group is None else tp_all_reduce(out, self.tp_group)
 
+    def takes_norm(self, num_tokens: int) -> bool:
+        """forward_normed serves this step (norm_router_enabled): SiLU experts with softmax routing in the model
+        dtype or FP8 on CUDA, a batch whose rows fit the router launch's one product chunk (norm_fuses: 1-2 tokens
+        of Qwen3-30B-A3B's 2048), and not the opt-in one-launch experts (kernels/moe_decode.py)."""
+        return (norm_router_enabled() and not self.grouped and self.activation == "silu" and self.weight_only is None
+                and use_triton(self.router.weight) and norm_fuses(num_tokens, self.router.in_features)
+                and not fused_decode_enabled())
+
+    def forward_normed(self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(forward's output, the new residual) of the attention output x: the post-attention norm, the router
+        product (its logits rounded to the model dtype, as the router Linear returns them) and the top-k in one
+        launch (kernels/moe_router.py route_decode_normed), then the experts for those ids. Only where
+        takes_norm(T)."""
+        weights, ids, h, residual = route_decode_normed(x, residual, norm_weight, eps, self.router.weight, self.top_k,
+                                                        "greedy", renormalize=self.renormalize, round_logits=True)
+        out = self.experts_for(h, weights, ids, sum_experts=self.tp_group is not None)
+        return (out if self.tp_group is None else tp_all_reduce(out, self.tp_group)), residual
+
+    def experts_for(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                    sum_experts: bool = True) -> torch.Tensor:
+        """The chosen experts' output for routing given (T, K) (model-dtype or FP8 SiLU experts): the GEMV pair at
+        the token counts the load-time choice marked (kernels/moe_gemv.py), else the grouped kernels."""
+        fp8 = self.gate_up_proj.dtype == FP8_DTYPE
+        scales = dict(gate_up_scale=self.gate_up_proj_scale, down_scale=self.down_proj_scale) if fp8 else {}
+        tiles = gemv_tiles(self.gate_up_proj, x.shape[0])
+        if tiles is not None:
+            return moe_gemv_triton(x, self.gate_up_proj, self.down_proj, top_k=self.top_k, topk_weights=weights,
+                                   topk_ids=ids, tiles=tiles, sum_experts=sum_experts, **scales)
+        if fp8:
+            return fused_moe_fp8(x, self.gate_up_proj, self.gate_up_proj_scale, self.down_proj, self.down_proj_scale,
+                                 weights, ids, sum_experts=sum_experts)
+        return fused_moe(x, self.gate_up_proj, self.down_proj, weights, ids, sum_experts=sum_experts)
+
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         """The router's logits (T, E) (float32 for grouped routing)."""
         return self.router(x.float() if self.grouped else x)
@@ -167,6 +218,15 @@ class MoeLayer(LlamaLayer):
     def mlp(self, h: torch.Tensor, lora=None) -> torch.Tensor:
         # LoRA reaches the dense layers' MLP; the experts take none (engine/lora/pool.py says so).
         return super().mlp(h, lora) if self.moe is None else self.moe(h)
+
+    def forward(self, x, residual, positions, cos_sin_cache, kv_cache, meta):
+        """LlamaLayer's, except that a sparse layer whose experts take the norm (SparseMoeBlock.takes_norm: decode
+        steps of 1-2 tokens) runs its post-attention norm inside the router's launch."""
+        if self.moe is None or not self.moe.takes_norm(positions.shape[0]):
+            return super().forward(x, residual, positions, cos_sin_cache, kv_cache, meta)
+        h, residual = rms_norm_into(self.qkv_proj, x, self.input_norm.weight, self.eps, residual)
+        h = self.attention(h, positions, cos_sin_cache, kv_cache, meta)
+        return self.moe.forward_normed(h, residual, self.post_attn_norm.weight, self.eps)
 
 
 class MoeForCausalLM(LlamaForCausalLM):

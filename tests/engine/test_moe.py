@@ -56,6 +56,33 @@ def test_a_batch_where_some_experts_get_no_token(family, tmp_path):
 
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_norm_in_the_router_launch_equals_the_unfused_layer(family, tmp_path, monkeypatch):
+    """TRITONLLM_MOE_NORM_ROUTER=1 (engine/models/moe.py forward_normed: the post-attention norm, the router
+    product and the routing in kernels/moe_router.py's launch, the experts for the chosen ids) on the CPU, the
+    CUDA-only dispatch forced so that its kernels' references run: a 1-token decode step takes it at every sparse
+    layer, and its logits equal the unfused layer's (=0); the prompt's 17 tokens (more than the launch's 16) keep
+    the unfused layer."""
+    from engine.models import moe
+
+    runner = ModelRunner(make_engine(tiny_hf(family), tmp_path / "engine"))
+    monkeypatch.setattr(moe, "use_triton", lambda t: True)
+    normed_calls = []
+    forward_normed = moe.SparseMoeBlock.forward_normed
+    monkeypatch.setattr(moe.SparseMoeBlock, "forward_normed",
+                        lambda self, *args: normed_calls.append(1) or forward_normed(self, *args))
+    prompt = random_tokens(18, seed=4)
+    steps = {}
+    for setting in ("0", "1"):
+        monkeypatch.setenv(moe.NORM_ROUTER_ENV, setting)
+        session = PagedSession(runner, num_blocks=16)
+        steps[setting] = [session.step([(0, prompt[:17])])[0], session.step([(0, prompt[17:])])[0]]
+    sparse_layers = sum(layer.moe is not None for layer in runner.model.layers)
+    assert len(normed_calls) == sparse_layers > 0
+    for unfused, fused in zip(steps["0"], steps["1"]):
+        torch.testing.assert_close(fused, unfused, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
 def test_executor_greedy_equals_transformers_generate(family, tmp_path):
     """Three prompts in flight at once through the in-flight-batching executor (their prefills and
     decodes share MoE steps): each one's greedy tokens equal transformers' generate."""
@@ -135,6 +162,20 @@ def test_engine_with_one_launch_decode_experts_equals_transformers(family, tmp_p
     from kernels.moe_decode import MOE_DECODE_ENV
 
     monkeypatch.setenv(MOE_DECODE_ENV, "fused")
+    hf = tiny_hf(family)
+    assert_cuda_steps_equal_transformers(hf, make_engine(hf, tmp_path / "engine"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_engine_with_the_norm_in_the_router_launch_equals_transformers(family, tmp_path, monkeypatch):
+    """TRITONLLM_MOE_NORM_ROUTER=1 (engine/models/moe.py forward_normed): the decode steps' sparse layers (one
+    token, in the captured graphs) run the post-attention norm and the routing in kernels/moe_router.py's launch
+    and the experts for its ids; every row as test_engine_on_cuda_equals_transformers."""
+    from engine.models.moe import NORM_ROUTER_ENV
+
+    monkeypatch.setenv(NORM_ROUTER_ENV, "1")
     hf = tiny_hf(family)
     assert_cuda_steps_equal_transformers(hf, make_engine(hf, tmp_path / "engine"))
 

@@ -93,6 +93,36 @@ def test_post_attention_norm_in_the_same_launch(device, num_tokens, prefetch, mo
     torch.testing.assert_close(w.cpu(), want_w, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.gpu
+def test_qwen3_moe_routing_of_the_normed_rows_rounds_the_logits(device):
+    """Qwen3-MoE's use (engine/models/moe.py forward_normed): half-precision rows and router (float16: the
+    interpreter rounds float32 to bfloat16 by truncation), no shared slots, norm_topk_prob, and the logits rounded to
+    their dtype as its router Linear returns them (round_logits): the norm as rms_norm's, the routing as
+    route_tokens' of the rounded logits of the normed rows."""
+    from kernels.moe_routing import route_tokens_ref
+    from kernels.rmsnorm import rms_norm_ref
+
+    num_experts, top_k, hidden = 16, 4, 64
+    gen = torch.Generator().manual_seed(5)
+    x, residual = [torch.randn(1, hidden, generator=gen).half() for _ in range(2)]
+    norm_weight = (1 + 0.1 * torch.randn(hidden, generator=gen)).half()
+    weight = (torch.randn(num_experts, hidden, generator=gen) * hidden ** -0.5).half()
+    want_normed, want_residual = rms_norm_ref(x, norm_weight, 1e-6, residual)
+    logits = (want_normed.float() @ weight.float().T).half()
+    want_w, want_ids = route_tokens_ref(logits, top_k, True)
+    ref_w, ref_ids = route_decode_ref(want_normed, weight, top_k, "greedy", renormalize=True, round_logits=True)
+    assert torch.equal(ref_ids, want_ids) and torch.equal(ref_w, want_w)
+    w, ids, normed, new_residual = route_decode_triton(
+        x.to(device), weight.to(device), top_k, "greedy", renormalize=True, round_logits=True,
+        norm=(residual.to(device), norm_weight.to(device), 1e-6))
+    assert torch.equal(new_residual.cpu(), want_residual)
+    torch.testing.assert_close(normed.cpu(), want_normed, rtol=2e-3, atol=2e-3)  # (an rsqrt apart: a float16 step)
+    # the routing of the launch's own normed rows (its sums in another order: a logit may round a step apart)
+    want_w, want_ids = route_tokens_ref((normed.cpu().float() @ weight.float().T).half(), top_k, True)
+    assert torch.equal(ids.cpu(), want_ids)
+    torch.testing.assert_close(w.cpu(), want_w, rtol=1e-2, atol=1e-3)
+
+
 @pytest.mark.skipif(os.environ.get("TRITONLLM_AOT_SM90") != "1",
                     reason="set TRITONLLM_AOT_SM90=1 to compile for sm_90 on this machine (~5-10 s a kernel)")
 @pytest.mark.parametrize("shape", ["v2_lite", "v3"])
