@@ -81,19 +81,20 @@ def tiny_llama_with_smollm2_vocab() -> transformers.LlamaForCausalLM:
 ENSEMBLE_MODELS = ("ensemble", "preprocessing", "tensorrt_llm", "postprocessing")
 
 
-def prepare_repo(engines_by_suffix: dict[str, str], work: Path) -> str:
+def prepare_repo(engines_by_suffix: dict[str, str], work: Path, fill: dict | None = None) -> str:
     """One repository serving several engines: engine ``e`` under the model names ``<name><e>``.
 
     Each engine's models are filled by serve_default.prepare_model_repo, then renamed (with the
     ensemble's steps pointing at the renamed models). The BLS model is left out: not needed here,
-    and one Python stub less to start on a 2-core machine.
+    and one Python stub less to start on a 2-core machine. ``fill``: more tensorrt_llm parameters.
     """
     repo = work / "repo"
     repo.mkdir(parents=True)
     for suffix, engine_dir in engines_by_suffix.items():
         # Guided decoding off: no guide is sent here, and each leader would load xgrammar's vocabulary at start.
         filled = Path(serve_default.prepare_model_repo(engine_dir, str(work / f"filled{suffix}"), bls_instances=1,
-                                                       overrides={"tensorrt_llm": {"guided_decoding_backend": ""}}))
+                                                       overrides={"tensorrt_llm": {"guided_decoding_backend": "",
+                                                                                   **(fill or {})}}))
         for model in ENSEMBLE_MODELS:
             shutil.copytree(filled / model, repo / f"{model}{suffix}")
             config = repo / f"{model}{suffix}" / "config.pbtxt"
@@ -107,10 +108,11 @@ def prepare_repo(engines_by_suffix: dict[str, str], work: Path) -> str:
 class LeaderModeServer:
     """One launch of the launcher; ``stop()`` sends SIGTERM to mpirun (or tritonserver) and waits."""
 
-    def __init__(self, engines_by_suffix: dict[str, str], world_size: int, work: Path, extra_flags=()):
+    def __init__(self, engines_by_suffix: dict[str, str], world_size: int, work: Path, extra_flags=(),
+                 fill: dict | None = None):
         self.work = work
         self.world_size = world_size
-        repo = prepare_repo(engines_by_suffix, work)
+        repo = prepare_repo(engines_by_suffix, work, fill)
         self.repo, self.engine_dirs = repo, list(engines_by_suffix.values())
         self.ports = [str(free_port()) for _ in range(3)]
         flags = [f"--model_repo={repo}", "--host=127.0.0.1", f"--http_port={self.ports[0]}",
@@ -392,3 +394,37 @@ def wait_for(predicate, timeout: float, interval: float = 0.2) -> bool:
             return True
         time.sleep(interval)
     return bool(predicate())
+
+
+# `make test-all`: T5 at TP 2 is tests/distributed/test_encdec_tp.py's (the executor on two ranks, no server); this
+# is the served path: the anchor's --world_size launch of the stock repository filled for the T5 decoder.
+@pytest.mark.extended
+def test_tiny_t5_on_two_ranks_translates_like_transformers(tmp_path, short_timeouts):
+    """The tiny T5 v1.1 (tests/tiny_encdec.py) built with tp_size 2, its repository filled with engine_dir the
+    decoder (the worker rank finds encoder/ beside it), served on two ranks: the ensemble's answer to the
+    anchor's request is the text of transformers' greedy ids, unary and streamed."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from engine.build import main as build_main
+    from serving.tokenization import decode_tokens
+    from tiny_encdec import generate, tokenizer, write_checkpoint
+
+    model = write_checkpoint("t5_v1_1", tmp_path / "checkpoint")
+    assert build_main(["--checkpoint", str(tmp_path / "checkpoint"), "--output", str(tmp_path / "engine"),
+                       "--dtype", "float32", "--max_encoder_input_len", "64", "--max_seq_len", "64",
+                       "--tp_size", "2"]) == 0
+    prompt = "translate English to German: This is good"
+    ids, _ = generate(model, tokenizer()(prompt).input_ids, MAX_TOKENS)
+    expected = decode_tokens(tokenizer(), ids[1:])
+    assert expected.strip()
+    server = LeaderModeServer({"": str(tmp_path / "engine" / "decoder")}, 2, tmp_path / "served",
+                              fill={"enable_lora": "false"})  # (no adapters for encoder-decoder engines)
+    try:
+        assert server.answers([prompt] * 2, extra={"bad_words": "", "stop_words": ""}) == [expected] * 2
+        streamed = server.generate(prompt, stream=True, extra={"bad_words": "", "stop_words": ""})
+        assert streamed.status_code == 200, streamed.text
+        chunks = [json.loads(line[len(b"data: "):])["text_output"] for line in streamed.iter_lines()
+                  if line.startswith(b"data: ")]
+        assert "".join(chunks) == expected
+        assert len(server.worker_pids()) == 1
+    finally:
+        server.kill()
