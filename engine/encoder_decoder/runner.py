@@ -27,7 +27,10 @@ Tensor parallelism (an engine built with tp_size > 1: model.py's module docstrin
 holds): each rank loads its rank{r}.safetensors of both stacks and holds a cross pool of its heads / tp
 heads (``kv_pool_shape``: the self pool's shape). In leader mode (engine/tensor_parallel/distributed.py)
 ``encode_into`` is mirrored on every rank (each runs the encoder over the same inputs, its all-reduces
-keeping them in step, and projects its heads' cross K/V into its own pool); the cross-pool settings the
+keeping them in step, and projects its heads' cross K/V into its own pool; Whisper's log-mel features
+go to the workers by one broadcast over the tp group, NCCL on GPUs, and only their shapes in the plan:
+``call_for_workers``, ``FeatureShapes``. 64 30-s clips of 128 mels are 98 MB, past the shared-memory
+plan segment's 8 MB: pickled over gloo instead); the cross-pool settings the
 leader's executor was given reach the workers through ``worker_settings`` / ``apply_worker_settings``
 (make_runner), and the ranks agree on the cross pool's block count (the minimum). The opt-in fused decode
 layer runs on one rank only. An FP8 engine (build ``quantization`` "fp8": model.py Fp8Linear) loads both stacks' layer linears
@@ -39,6 +42,7 @@ made on the device (engine/executor/random_weights.py).
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.distributed
@@ -75,6 +79,13 @@ def encoder_engine_dir(decoder_dir: str, extra: dict, override: str | None = Non
                                 "python -m engine.build (it writes encoder/ and decoder/) and point "
                                 "encoder_engine_dir at its encoder/")
     return os.path.normpath(path)
+
+
+@dataclass(frozen=True)
+class FeatureShapes:
+    """A worker's encode_into inputs in leader mode: the shapes of the features rank 0 broadcasts."""
+
+    shapes: tuple[tuple[int, ...], ...]
 
 
 class EncDecRunner(ModelRunner):
@@ -132,6 +143,29 @@ class EncDecRunner(ModelRunner):
         if os.path.realpath(self.encoder_dir) != encoder_dir:
             self.encoder_dir = encoder_dir
             self.encoder = self._load_stack(Encoder, encoder_dir)
+
+    def call_for_workers(self, call: tuple) -> tuple:
+        """The plan the workers get for a mirrored ``call`` (LeaderRunner.call_on_all_ranks): encode_into's
+        feature inputs as their shapes (``shared_features`` broadcasts the values), anything else as is."""
+        method, args, kwargs, reduce = call
+        if method != "encode_into" or not self.spec.num_mel_bins:
+            return call
+        inputs, *rest = args
+        shapes = FeatureShapes(tuple(tuple(torch.as_tensor(f).shape) for f in inputs))
+        return method, (shapes, *rest), kwargs, reduce
+
+    def shared_features(self, inputs) -> list[torch.Tensor]:
+        """Every rank's copy of the leader's feature inputs, on this rank's device: rank 0 sends them, the
+        workers (given their ``FeatureShapes``) receive them, in one broadcast over the tp group."""
+        if isinstance(inputs, FeatureShapes):
+            shapes = inputs.shapes
+            flat = torch.empty(sum(int(torch.Size(s).numel()) for s in shapes), dtype=torch.float32, device=self.device)
+        else:
+            shapes = [tuple(torch.as_tensor(f).shape) for f in inputs]
+            flat = torch.cat([torch.as_tensor(f, dtype=torch.float32).reshape(-1) for f in inputs]).to(self.device)
+        torch.distributed.broadcast(flat, src=0, group=self.tp_group)
+        sizes = [int(torch.Size(s).numel()) for s in shapes]
+        return [part.view(shape) for part, shape in zip(flat.split(sizes), shapes)]
 
     # ---- KV memory: the self-attention pool and the cross pool ----------------------------------
 
@@ -250,7 +284,10 @@ class EncDecRunner(ModelRunner):
     def encode_into(self, inputs: list[list[int]], block_tables: list[list[int]]) -> None:
         """Run the encoder over ``inputs`` at once and write each one's cross K/V (every decoder
         layer) into its cross blocks ``block_tables[i]`` (covering its encoder outputs). Returns
-        once the work is queued on the device, without waiting for it."""
+        once the work is queued on the device, without waiting for it. Tensor-parallel features: every
+        rank's from the leader (``shared_features``; a worker's ``inputs`` are their FeatureShapes)."""
+        if self.tp_group is not None and self.spec.num_mel_bins:
+            inputs = self.shared_features(inputs)
         T = self.tokens_per_block
         slots = []
         for source, blocks in zip(inputs, block_tables):

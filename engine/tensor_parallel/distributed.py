@@ -380,9 +380,14 @@ class LeaderRunner:
 
         For methods that run collectives (allocation that captures graphs, warm-up forwards):
         the workers must make the same calls in the same order, or the collectives deadlock.
+        A runner with ``call_for_workers(call) -> call`` says what the workers' plan carries instead
+        (an encoder-decoder's encode_into: the features' shapes, their values then broadcast over the
+        tp group by the call itself rather than pickled into the plan).
         """
         call = (method, args, kwargs, None)
-        return self._run(Op.CALL, lambda: _apply_call(self.runner, call), call=call)
+        for_workers = getattr(self.runner, "call_for_workers", None)
+        sent = call if for_workers is None else for_workers(call)
+        return self._run(Op.CALL, lambda: _apply_call(self.runner, call), call=sent)
 
     def _run(self, op: Op, local_step, **message):
         with self._lock:
