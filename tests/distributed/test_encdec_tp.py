@@ -117,3 +117,16 @@ def test_tp_size_that_does_not_divide_the_heads_is_named(tmp_path, capsys):
                  "--dtype", "float32", "--tp_size", "3"]) == 2
     assert "tp_size 3 does not divide encoder_heads (4)" in capsys.readouterr().err
     assert not (tmp_path / "engine" / "decoder" / "config.json").exists()
+
+
+def test_shards_split_one_dimension_and_pad_the_vocabulary():
+    """engine/encoder_decoder/build.py shard: a rank's block of the one dimension its module splits (o's columns),
+    whole tensors left whole, and the LM head's rows zero-padded on the last rank where tp does not divide
+    the vocabulary (BART's 50,265 over 2 ranks: 25,133 rows each)."""
+    from engine.encoder_decoder.build import shard
+
+    whole = torch.arange(15.0).view(5, 3)
+    assert torch.equal(shard(whole, torch.Size((5, 3)), 1), whole)
+    assert torch.equal(shard(whole.t(), torch.Size((3, 3)), 0), whole.t()[:, :3])
+    assert torch.equal(shard(whole, torch.Size((3, 3)), 0), whole[:3])
+    assert torch.equal(shard(whole, torch.Size((3, 3)), 1), torch.cat([whole[3:], torch.zeros(1, 3)]))
