@@ -13,7 +13,9 @@ one worker thread, off the event loop; a bad image is a 400 naming its content p
 
 LLaVA-OneVision also takes ``video_url`` parts (as vLLM): one video per request, not beside images
 (as the Triton path), decoded with PyAV and sampled to ``max_num_frames`` frames (serving/videos.py),
-its slot where the chat template wrote ``<video>``.
+its slot where the chat template wrote ``<video>``. So do Qwen2.5-VL and Qwen2-VL (serving/qwen_video.py):
+the video's patches through the tower as an image's, its slot where the template wrote <|video_pad|>, its
+M-RoPE time axis from the file's sampled frame rate.
 """
 from __future__ import annotations
 
@@ -32,9 +34,17 @@ from serving.qwen_vl import grid_rows, image_patches
 from serving.multimodal import (DEFAULT_MAX_NUM_IMAGES, ImagePrompts, VisionEncoderRunner, engine_max_seq_len,
                                engine_vocab_size, image_limits)
 from serving.video_prompts import VIDEO_AND_IMAGES, video_support_error
+from serving.videos import video_from_url, video_limits
 
 QWEN_IMAGE_WORKERS = 4  # requests fetched, decoded and processed at once; their towers batch in the queue
-from serving.videos import video_limits
+
+
+@dataclass(frozen=True)
+class VideoGrid:
+    """A Qwen video's (1, 3) grid and its second_per_grid_t (serving/qwen_video.py), ``encode``'s third value."""
+
+    grids: np.ndarray
+    second_per_grid: float
 
 
 @dataclass(frozen=True)
@@ -76,13 +86,14 @@ class ChatImages:
 
     @property
     def video_placeholder(self) -> str | None:
-        """LLaVA-OneVision's ``<video>``; None for models without video."""
-        return self.prompts.video.placeholder if self.prompts.video is not None else None
+        """LLaVA-OneVision's ``<video>``, Qwen's ``<|video_pad|>``; None for models without video."""
+        video = self.prompts.video or self.prompts.qwen_video
+        return video.placeholder if video is not None else None
 
     def check_count(self, parts: list[dict]) -> None:
         videos = [part for part in parts if part.get("type") == "video"]
         if videos:
-            if self.prompts.video is None:
+            if self.prompts.video is None and self.prompts.qwen_video is None:
                 raise bad_request(videos[0]["field"], video_support_error(self.prompts.config).replace(
                     "video_bytes_input: ", ""), code="invalid_video")
             if len(videos) > 1 or len(videos) != len(parts):
@@ -120,6 +131,8 @@ class ChatImages:
         return await loop.run_in_executor(self._worker, self._encode, parts)
 
     def _encode(self, parts: list[dict]) -> tuple[np.ndarray, list[int], np.ndarray | None]:
+        if parts and parts[0].get("type") == "video" and self.prompts.qwen_video is not None:
+            return self._encode_qwen_video(parts[0])
         if parts and parts[0].get("type") == "video":  # the request's one video (check_count)
             try:
                 pixels = self.prompts.video.from_url(parts[0]["url"], parts[0]["field"])
@@ -137,6 +150,19 @@ class ChatImages:
             return states, [int(t) for t in np.asarray(batch["aspect_ratio_mask"][0]).sum(1)], None
         pixels, sizes, counts = self.prompts.pixels_and_rows(images)  # Gemma 3's crops: images of their own
         return self.runner.tables([pixels], [sizes])[0], counts, None
+
+    def _encode_qwen_video(self, part: dict) -> tuple[np.ndarray, list[int], "VideoGrid"]:
+        """Qwen: the video's patches and grid (serving/qwen_video.py) through the tower as an image's; its
+        second_per_grid_t from the file's sampled frame rate rides with the grid to ``mrope``."""
+        video, meta = self.prompts.qwen_video, {}
+        try:
+            frames = video_from_url(part["url"], part["field"], video.limits, self.limits, meta)
+        except ValueError as error:  # VideoError/ImageError: names the part, says what is allowed
+            raise bad_request(part["field"], str(error), code="invalid_video") from None
+        patches, grid = video.processor(frames)
+        table = self.tower.submit(patches, [grid]).result().numpy()
+        return table, grid_rows(np.array([grid]), self.prompts.config["mrope"]["merge"]), VideoGrid(
+            np.array([grid], np.int64), video.processor.second_per_grid(meta.get("fps")))
 
     def _images(self, parts: list[dict]) -> list:
         """The parts' images, fetched and decoded; a bad one is a 400 naming its part."""
@@ -168,8 +194,11 @@ class ChatImages:
         (no <|vision_start|>/<|vision_end|> between them) are a 400 naming messages."""
         from engine.vision.mrope import request_mrope
 
+        seconds = [grids.second_per_grid] if isinstance(grids, VideoGrid) else None  # a video's time axis
+        grids = grids.grids if isinstance(grids, VideoGrid) else grids
         try:
-            rows, delta = request_mrope(ids, np.asarray(grids).tolist(), self.prompts.config, self.prompts.vocab_size)
+            rows, delta = request_mrope(ids, np.asarray(grids).tolist(), self.prompts.config, self.prompts.vocab_size,
+                                        second_per_grid=seconds)
         except ValueError as error:
             raise bad_request("messages", str(error)) from None
         return to_wire(rows.numpy()), delta

@@ -61,7 +61,7 @@ IMAGE_PREPROCESSING_INPUTS = {"image_input": "IMAGE", "image_bytes_input": "IMAG
                               "image_url_input": "IMAGE_URL", "video_bytes_input": "VIDEO_BYTES",
                               "image_sizes_input": "IMAGE_SIZES"}
 IMAGE_PREPROCESSING_OUTPUTS = ["PIXEL_VALUES", "IMAGE_SIZES", "IMAGE_GRID_THW", "VISION_INPUT_ID", "IS_VIDEO_INPUT",
-                               "ASPECT_RATIO_IDS", "ASPECT_RATIO_MASK", "CROSS_ATTENTION_MASK"]
+                               "VIDEO_SECOND_PER_GRID", "ASPECT_RATIO_IDS", "ASPECT_RATIO_MASK", "CROSS_ATTENTION_MASK"]
 # (the MROPE pair only for Qwen2-VL encoders, the cross-attention four only for Llama 3.2 Vision's
 # (serving/mllama.py; the anchor's BLS does not forward them); absent outputs are not forwarded)
 LLM_INPUTS_FROM_ENCODERS = {"OUT_PROMPT_EMBEDDING_TABLE": "prompt_embedding_table",
@@ -77,11 +77,13 @@ LLM_INPUTS_FROM_ENCODERS = {"OUT_PROMPT_EMBEDDING_TABLE": "prompt_embedding_tabl
 def encoder_inputs(tensors: dict[str, np.ndarray], pre_out: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """multimodal_encoders' inputs: preprocessing's PIXEL_VALUES (images it decoded), else the client's
     image_input, as the reference's BLS sends them; with preprocessing's IMAGE_SIZES (LLaVA-NeXT/OneVision),
-    IS_VIDEO_INPUT (OneVision video), IMAGE_GRID_THW and VISION_INPUT_ID (Qwen2-VL), ASPECT_RATIO_IDS/MASK and
+    IS_VIDEO_INPUT (OneVision video), IMAGE_GRID_THW and VISION_INPUT_ID (Qwen2-VL; VIDEO_SECOND_PER_GRID for
+    its video), ASPECT_RATIO_IDS/MASK and
     CROSS_ATTENTION_MASK (Llama 3.2 Vision)."""
     sizes = {encoder: pre_out[name] for name, encoder in (("IMAGE_SIZES", "image_sizes"), ("IMAGE_GRID_THW", "image_grid_thw"),
                                                            ("VISION_INPUT_ID", "vision_input_id"),
                                                            ("IS_VIDEO_INPUT", "is_video_input"),
+                                                           ("VIDEO_SECOND_PER_GRID", "second_per_grid_ts"),
                                                            ("ASPECT_RATIO_IDS", "aspect_ratio_ids"),
                                                            ("ASPECT_RATIO_MASK", "aspect_ratio_mask"),
                                                            ("CROSS_ATTENTION_MASK", "cross_attention_mask"))

@@ -18,7 +18,10 @@ the engine's vision encoder (engine/vision/) -> per request OUT_PROMPT_EMBEDDING
 hidden) FP16 and OUT_PROMPT_VOCAB_SIZE (1, 1) INT32 = rows.
 
 LLaVA-OneVision also takes one video per request (video_bytes_input; serving/video_prompts.py):
-its frames become PIXEL_VALUES with IS_VIDEO_INPUT, its slot one run of fake ids.
+its frames become PIXEL_VALUES with IS_VIDEO_INPUT, its slot one run of fake ids. So do Qwen2.5-VL and
+Qwen2-VL (serving/qwen_video.py): the video's patches and grid go as an image's (PIXEL_VALUES,
+IMAGE_GRID_THW, VISION_INPUT_ID) with IS_VIDEO_INPUT and VIDEO_SECOND_PER_GRID (B, 1) FP32, which
+multimodal_encoders' M-RoPE time axis reads.
 
 Gemma 3 with do_pan_and_scan on in its preprocessor config: each image is the full image then the image
 processor's crops of it (num_crops), each its own mm_tokens_per_image rows and its own image to the tower,
@@ -43,7 +46,7 @@ from serving.qwen_vl import (CHAT_WRAPPERS, NO_PIXELS, ONE_IMAGE, QWEN_VL_TYPES,
                              vision_input_ids)
 from serving.text import string_rows
 from serving.video_prompts import VIDEO_AND_IMAGES, VideoPrompts, video_frames, video_support_error
-from serving.videos import VideoLimits
+from serving.videos import VideoLimits, frames_from_bytes
 
 # builder_config.model_type -> (pre-prompt, after the image slots, post-prompt) around the image
 # slots and the text, as the anchor's preprocessing writes them (LLaVA-NeXT has none there: its
@@ -70,6 +73,20 @@ def _urls(array, row: int) -> list[str]:
     return [url for url in string_rows(array)[row] if url]
 
 
+class QwenVideoPrompts:
+    """A Qwen2.5-VL / Qwen2-VL encoder directory's video side: its processor (serving/qwen_video.py), the
+    <|video_pad|> placeholder and the frame limits."""
+
+    def __init__(self, encoder_dir: str, config: dict, tokenizer, limits: VideoLimits, image_limits: ImageLimits):
+        from serving.qwen_video import QwenVideoFrames
+
+        self.processor = QwenVideoFrames(encoder_dir)
+        self.limits, self.image_limits = limits, image_limits
+        token = config["qwen_video"]["video_token_index"]
+        self.placeholder = tokenizer.convert_ids_to_tokens(token) if token < len(tokenizer) else "<|video_pad|>"
+        self.placeholder_id = token
+
+
 def refuse_images_on_text_model(tensors: dict) -> None:
     """preprocessing without multimodal_model_path: any image input is this request's error."""
     for name, client_name in (("IMAGE", "image_input"), ("IMAGE_BYTES", "image_bytes_input"),
@@ -90,7 +107,8 @@ class PreparedItem:
     image_sizes: np.ndarray | None = None  # (n, 2) int64 (height, width) before processing: anyres families
     image_grid_thw: np.ndarray | None = None  # (n, 3) int64 patch grids: Qwen2-VL (pixel_values (1, 1, patches, dim))
     mllama: dict | None = None  # Llama 3.2 Vision: aspect ratio ids / mask and token mask (serving/mllama.py)
-    is_video: bool = False  # pixel_values are a video's frames (F, 3, S, S): OneVision
+    is_video: bool = False  # pixel_values are a video's frames (F, 3, S, S): OneVision; Qwen: its patches
+    second_per_grid: float | None = None  # a Qwen video's second_per_grid_t (serving/qwen_video.py)
 
 
 class ImagePrompts:
@@ -131,8 +149,10 @@ class ImagePrompts:
         self.mllama = mllama.processor_for(self.image_processor, tokenizer) if (
             self.model_type == mllama.MODEL_TYPE) else None
         # LLaVA-OneVision's video side (None: the model takes no video)
-        self.video = None if video_support_error(config) else VideoPrompts(encoder_dir, config, tokenizer,
-                                                                            video_limits, limits)
+        self.video = VideoPrompts(encoder_dir, config, tokenizer, video_limits, limits) if "video" in config else None
+        # Qwen2.5-VL / Qwen2-VL video (serving/qwen_video.py): None for other models and engines built without it
+        self.qwen_video = QwenVideoPrompts(encoder_dir, config, tokenizer, video_limits, limits) if (
+            self.qwen and "qwen_video" in config) else None
 
     def _init_gemma3(self, gemma3: dict) -> None:
         """Gemma 3: the placeholder is <start_of_image>, which the processor expands in the text to
@@ -193,14 +213,29 @@ class ImagePrompts:
         return PreparedItem(ids, pixel_values, image_sizes)
 
     def _prepare_video(self, query: str, tensors: dict, row: int, add_special_tokens: bool) -> PreparedItem:
-        """OneVision: one video (its frames or an encoded file), no images (serving/video_prompts.py)."""
-        if self.video is None:
+        """OneVision or Qwen: one video (its frames or an encoded file), no images (serving/video_prompts.py)."""
+        if self.video is None and self.qwen_video is None:
             raise ValueError(video_support_error(self.config))
         if any(_present(tensors.get(name)) for name in ("IMAGE", "IMAGE_BYTES")) or _urls(tensors.get("IMAGE_URL"), row):
             raise ValueError(VIDEO_AND_IMAGES)
+        if self.qwen_video is not None:
+            meta = {}
+            frames = frames_from_bytes(tensors["VIDEO_BYTES"][row], self.qwen_video.limits, self.limits, meta=meta)
+            return self.qwen_video_item(query, frames, meta.get("fps"), add_special_tokens)
         pixel_values = self.video.from_bytes(tensors["VIDEO_BYTES"][row])
         ids = self.prompt_ids(query, [self.video.rows(pixel_values)], add_special_tokens, self.video.placeholder)
         return PreparedItem(ids, pixel_values, is_video=True)
+
+    def qwen_video_item(self, query: str, frames: np.ndarray, fps: float | None, add_special_tokens: bool
+                        ) -> PreparedItem:
+        """A Qwen video's item: its patches and grid as an image's, its slot where the text holds the video
+        placeholder (else the chat wrapper's <|vision_start|> slot <|vision_end|>), second_per_grid_t from ``fps``."""
+        video = self.qwen_video
+        patches, grid = video.processor(frames)
+        rows = grid_rows(np.array([grid]), self.config["mrope"]["merge"])
+        ids = self.prompt_ids(query, rows, add_special_tokens, video.placeholder)
+        return PreparedItem(ids, patches[None, None], image_grid_thw=np.array([grid], np.int64), is_video=True,
+                            second_per_grid=video.processor.second_per_grid(fps))
 
     def _prepare_qwen(self, query: str, images: list, num_pixel_images: int, add_special_tokens: bool) -> PreparedItem:
         """Qwen2-VL: the processor's patches and grid (serving/qwen_vl.py); one image per request."""
@@ -271,17 +306,18 @@ class ImagePrompts:
         (OneVision's <video>) must come in that order. A placeholder count that differs from the
         images' is the request's error (ValueError naming ``where``)."""
         kinds = kinds or ["image"] * len(counts)
-        video_id = self.video.placeholder_id if self.video is not None else None
+        video = self.video or self.qwen_video  # OneVision's <video>, Qwen's <|video_pad|>
+        video_id = video.placeholder_id if video is not None else None
         ids_of = {"image": self.placeholder_id, "video": video_id}
         found = [(p, kind) for p, token in enumerate(ids) for kind, wanted in ids_of.items()
                  if wanted is not None and token == wanted]
         if [kind for _, kind in found] != list(kinds):
-            if self.video is None:
+            if video is None:
                 raise ValueError(f"{where}: the prompt holds {len(found)} {self.placeholder} placeholder(s) but "
                                  f"{len(counts)} image(s) were sent; send one image per placeholder")
             held = [kind for _, kind in found]
             raise ValueError(f"{where}: the prompt holds {held.count('image')} {self.placeholder} and "
-                             f"{held.count('video')} {self.video.placeholder} placeholder(s), in the order {held}, but "
+                             f"{held.count('video')} {video.placeholder} placeholder(s), in the order {held}, but "
                              f"{list(kinds)} were sent; send one image or video per placeholder, in order")
         if self.mllama is not None:  # its images are read through cross-attention: the ids stay
             return list(ids)
@@ -439,11 +475,13 @@ class VisionEncoderRunner:
 
         return ImageEncodeQueue(self.encoder, self.device)
 
-    def qwen_outputs(self, pixel_values, grids, ids) -> dict[str, np.ndarray]:
+    def qwen_outputs(self, pixel_values, grids, ids, second_per_grid=None) -> dict[str, np.ndarray]:
         """One multimodal_encoders request of a Qwen2-VL model (serving/qwen_vl.py): pixel_values
         (B, 1, 1, patches, dim), image_grid_thw (B, 3), vision_input_id (B, L) -> OUT_PROMPT_EMBEDDING_TABLE
         (B, rows, hidden) FP16 (zero-padded), OUT_PROMPT_VOCAB_SIZE (B, 1) and the two MROPE tensors.
-        No image: no outputs. Missing or mismatched inputs are the request's error naming them."""
+        ``second_per_grid`` (B, 1): a video item's second_per_grid_t (0: an image), its M-RoPE time axis
+        (serving/qwen_video.py); a video's patches and grid come as an image's. No image: no outputs.
+        Missing or mismatched inputs are the request's error naming them."""
         import torch
 
         from serving.qwen_vl import mrope_outputs
@@ -480,7 +518,7 @@ class VisionEncoderRunner:
             table[b, :len(rows)] = rows
         return {"OUT_PROMPT_EMBEDDING_TABLE": table,
                 "OUT_PROMPT_VOCAB_SIZE": np.array([[len(t)] for t in tables], np.int32),
-                **mrope_outputs(ids, grids, self.config)}
+                **mrope_outputs(ids, grids, self.config, second_per_grid)}
 
     def tables(self, per_request_pixels: list[np.ndarray | None],
                per_request_sizes: list[np.ndarray | None] | None = None,
@@ -592,6 +630,8 @@ def prepare_batch(prompts: ImagePrompts, tensors: dict, queries: list[str], add_
     outputs.update(mllama.stack_items([item.mllama or {"input_ids": item.input_ids} for item in items]))
     if any(item.is_video for item in items):  # OneVision video (serving/video_prompts.py)
         outputs["IS_VIDEO_INPUT"] = np.array([[item.is_video] for item in items], np.bool_)
+    if any(item.second_per_grid is not None for item in items):  # Qwen video (serving/qwen_video.py)
+        outputs["VIDEO_SECOND_PER_GRID"] = np.array([[item.second_per_grid or 0.0] for item in items], np.float32)
     if any(item.image_grid_thw is not None for item in items):  # Qwen2-VL (serving/qwen_vl.py)
         outputs["IMAGE_GRID_THW"] = np.array([item.image_grid_thw[0] if item.image_grid_thw is not None
                                               else np.zeros(3, np.int64) for item in items], np.int64)

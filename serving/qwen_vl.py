@@ -13,6 +13,10 @@ multimodal_encoders: the table (Qwen3-VL: rows with the DeepStack levels beside 
 engine/vision/qwen3_vl.py), and from VISION_INPUT_ID + IMAGE_GRID_THW the M-RoPE pair
 (engine/vision/mrope.py request_mrope) in the anchor's layout (serving/mrope.py to_wire):
 MROPE_ROTARY_COS_SIN (B, L * head_dim) FP32 and MROPE_POSITION_DELTAS (B, 1) INT64.
+
+A Qwen2.5-VL / Qwen2-VL video (serving/qwen_video.py) travels the same way, its frame pairs' patches and grid
+as an image's, with IS_VIDEO_INPUT and VIDEO_SECOND_PER_GRID (multimodal_encoders' second_per_grid_ts): its
+M-RoPE time axis.
 """
 from __future__ import annotations
 
@@ -49,20 +53,25 @@ def vision_input_ids(input_ids: np.ndarray, vocab_size: int, image_token: int) -
     return np.where(ids >= vocab_size, np.int32(image_token), ids)
 
 
-def mrope_outputs(ids: np.ndarray, grids: np.ndarray, config: dict) -> dict[str, np.ndarray]:
+def mrope_outputs(ids: np.ndarray, grids: np.ndarray, config: dict, second_per_grid=None) -> dict[str, np.ndarray]:
     """multimodal_encoders' MROPE_ROTARY_COS_SIN (B, L * head_dim) and MROPE_POSITION_DELTAS (B, 1) from
     VISION_INPUT_ID (B, L) and IMAGE_GRID_THW (B, 3) (items without an image: a zero grid). Padding after
     a prompt counts as text: its rows are extra (the executor reads the prompt's), the delta unchanged.
-    A prompt whose image-token run does not match its grid is a ValueError naming vision_input_id."""
+    A prompt whose image-token run does not match its grid is a ValueError naming vision_input_id.
+    ``second_per_grid`` (B, 1) or None: per item a video's second_per_grid_t, 0 for an image (its grid's
+    time axis then counts frames of one)."""
     from engine.vision.mrope import request_mrope
     from serving.mrope import to_wire
 
     ids = np.asarray(ids).reshape(len(ids), -1)
     grids = np.asarray(grids, np.int64).reshape(len(ids), 3)
+    seconds = (np.zeros(len(ids)) if second_per_grid is None or not np.asarray(second_per_grid).size
+               else np.asarray(second_per_grid, np.float32).reshape(len(ids)))
     wires, deltas = [], []
-    for row, grid in zip(ids.tolist(), grids.tolist()):
+    for row, grid, second in zip(ids.tolist(), grids.tolist(), seconds.tolist()):
         try:
-            rows, delta = request_mrope(row, [grid] if any(grid) else [], config)
+            rows, delta = request_mrope(row, [grid] if any(grid) else [], config,
+                                        second_per_grid=[second or None] if any(grid) else None)
         except ValueError as error:
             raise ValueError(f"vision_input_id / image_grid_thw: {error}") from None
         wires.append(to_wire(rows.numpy(), ids.shape[1]))

@@ -22,18 +22,19 @@ import numpy as np
 from serving.images import ImageLimits
 from serving.videos import VideoFrames, VideoLimits, frames_from_bytes, video_from_url
 
-NO_VIDEO = ("video_bytes_input: video is not supported for {model_type} models (only LLaVA-OneVision takes "
-            "video{rebuild}); send images")
+NO_VIDEO = ("video_bytes_input: video is not supported for {model_type} models (only LLaVA-OneVision, Qwen2-VL "
+            "and Qwen2.5-VL take video{rebuild}); send images")
 VIDEO_AND_IMAGES = ("video_bytes_input: a request takes one video or images, not both; send them in separate "
                     "requests")
 
 
 def video_support_error(config: dict) -> str | None:
     """Why this vision-encoder directory takes no video (None: it does)."""
-    if "video" in config:
+    if "video" in config or "qwen_video" in config:  # OneVision's; Qwen's (serving/qwen_video.py)
         return None
     model_type = config["builder_config"]["model_type"]
-    rebuild = ": rebuild the engine with this version" if model_type == "llava_onevision" else ""
+    rebuild = (": rebuild the engine with this version" if model_type in ("llava_onevision", "qwen2_vl", "qwen2_5_vl")
+               else "")
     return NO_VIDEO.format(model_type=model_type, rebuild=rebuild)
 
 

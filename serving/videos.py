@@ -65,8 +65,11 @@ def sample_indices(total: int, count: int) -> list[int]:
     return np.arange(0, total, total / count).astype(int)[:count].tolist()
 
 
-def decode_video(data: bytes, name: str, limits: VideoLimits, image_limits: ImageLimits) -> np.ndarray:
-    """An encoded video file -> (F, H, W, 3) uint8 RGB frames, F <= limits.max_frames sampled uniformly."""
+def decode_video(data: bytes, name: str, limits: VideoLimits, image_limits: ImageLimits,
+                 meta: dict | None = None) -> np.ndarray:
+    """An encoded video file -> (F, H, W, 3) uint8 RGB frames, F <= limits.max_frames sampled uniformly
+    (``meta``, when given, gets "fps": the sampled frames' rate, F / total * the stream's, as transformers'
+    VideoMetadata.sampled_fps; None when the stream does not say)."""
     import av
 
     if len(data) > limits.max_bytes:
@@ -82,6 +85,9 @@ def decode_video(data: bytes, name: str, limits: VideoLimits, image_limits: Imag
                                  f"{image_limits.max_pixels} pixels (max_image_pixels of the preprocessing model)")
             total = stream.frames or sum(1 for _ in container.decode(video=0))  # 0: the header does not say
             wanted = set(sample_indices(total, limits.max_frames))
+            if meta is not None:
+                rate = stream.average_rate or stream.guessed_rate
+                meta["fps"] = len(wanted) / total * float(rate) if rate and total else None
             container.seek(0)
             frames = []
             for index, frame in enumerate(container.decode(video=0)):
@@ -98,12 +104,12 @@ def decode_video(data: bytes, name: str, limits: VideoLimits, image_limits: Imag
 
 
 def frames_from_bytes(item: np.ndarray, limits: VideoLimits, image_limits: ImageLimits,
-                      name: str = "video_bytes_input") -> np.ndarray:
+                      name: str = "video_bytes_input", meta: dict | None = None) -> np.ndarray:
     """One item of video_bytes_input -> (F, H, W, 3) uint8 frames: (F, H, W, 3) (or (F, 3, H, W))
     pixels, or an encoded file as (1, 1, 1, num_bytes)."""
     item = np.asarray(item, dtype=np.uint8)
     if item.ndim == 4 and item.shape[:3] == (1, 1, 1) and item.shape[3] > 4:  # an encoded file
-        return decode_video(item.reshape(-1).tobytes(), name, limits, image_limits)
+        return decode_video(item.reshape(-1).tobytes(), name, limits, image_limits, meta)
     if item.ndim != 4:
         raise VideoError(f"{name} has shape {item.shape}; send (frames, height, width, 3) uint8 pixels, or an "
                          "encoded file as (1, 1, 1, num_bytes)")
@@ -122,10 +128,11 @@ def frames_from_bytes(item: np.ndarray, limits: VideoLimits, image_limits: Image
     return item
 
 
-def video_from_url(url: str, name: str, limits: VideoLimits, image_limits: ImageLimits) -> np.ndarray:
+def video_from_url(url: str, name: str, limits: VideoLimits, image_limits: ImageLimits,
+                   meta: dict | None = None) -> np.ndarray:
     """A data:, file: or http(s) URL of an encoded video (serving/images.py's URL rules) -> frames."""
     data = url_bytes(url, name, replace(image_limits, max_bytes=limits.max_bytes), media_types=VIDEO_MEDIA_TYPES)
-    return decode_video(data, name, limits, image_limits)
+    return decode_video(data, name, limits, image_limits, meta)
 
 
 class VideoFrames:

@@ -13,6 +13,8 @@ from tiny_llava import VOCAB, tokenizer
 
 IMAGE_TOKEN = VOCAB - 1  # <|image_pad|>: the id each image row takes in transformers' prompts
 VISION_START, VISION_END = VOCAB - 3, VOCAB - 2
+VIDEO_TOKEN = VOCAB - 4  # <|video_pad|>: a video's rows
+TOKENS_PER_SECOND = 50  # Qwen2.5-VL's M-RoPE time step per second of video: 50 * 2 / 24 fps = 4.17 per frame pair
 SECTIONS = [2, 3, 3]
 KINDS = ("qwen2_vl", "qwen2_5_vl")
 
@@ -27,14 +29,16 @@ def hf_model(kind: str = "qwen2_vl", seed: int = 0):
     else:
         config_class, model_class = transformers.Qwen2_5_VLConfig, transformers.Qwen2_5_VLForConditionalGeneration
         vision = dict(depth=2, hidden_size=32, out_hidden_size=64, intermediate_size=48, num_heads=4, patch_size=7,
-                      spatial_merge_size=2, temporal_patch_size=2, window_size=28, fullatt_block_indexes=[1])
+                      spatial_merge_size=2, temporal_patch_size=2, window_size=28, fullatt_block_indexes=[1],
+                      tokens_per_second=TOKENS_PER_SECOND)
     config = config_class(
         vision_config=vision,
         text_config=dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                          bos_token_id=1, eos_token_id=2, pad_token_id=4,
                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": SECTIONS}),
-        image_token_id=IMAGE_TOKEN, vision_start_token_id=VISION_START, vision_end_token_id=VISION_END)
+        image_token_id=IMAGE_TOKEN, video_token_id=VIDEO_TOKEN, vision_start_token_id=VISION_START,
+        vision_end_token_id=VISION_END)
     return seeded(model_class, config, seed)
 
 

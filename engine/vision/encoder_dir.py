@@ -6,7 +6,8 @@
       model.safetensors          the encoder's weights in the engine's dtype
       preprocessor_config.json   the checkpoint's own image processor (transformers), for the
                                  preprocessing model
-      video_preprocessor_config.json   LLaVA-OneVision: its video processor's settings
+      video_preprocessor_config.json   LLaVA-OneVision: its video processor's settings; Qwen2(.5)-VL: the
+                                 checkpoint's own, when it has one
 
 ``builder_config.model_type`` is what the anchor's preprocessing and multimodal_encoders read
 (``llava``, ...). ``load_vision_encoder`` gives the encoder module on a device; a wrong or
@@ -52,6 +53,9 @@ def write_vision_encoder(family: VisionFamily, hf_config, get: TensorGetter, out
 
         with open(os.path.join(output_dir, VIDEO_PROCESSOR_FILE), "w") as f:
             json.dump(video_processor_settings(source), f, indent=2)
+    video_settings = os.path.join(source, "video_preprocessor_config.json") if source else ""
+    if "qwen_video" in config and os.path.isfile(video_settings):  # Qwen video: serving/qwen_video.py reads it
+        shutil.copy(video_settings, output_dir)
     config = {"format_version": FORMAT_VERSION,
               "builder_config": {"model_type": family.model_type, "precision": dtype,
                                  "architecture": family.architecture},

@@ -20,7 +20,8 @@ from torch import nn
 
 from engine.hf_checkpoint import TensorGetter
 from engine.vision.clip import activation, first_found
-from engine.vision.qwen2_vl import PREFIXES, UNFUSED_ENV, embed_patches, language_fields, segment_attention, unfused
+from engine.vision.qwen2_vl import (PREFIXES, UNFUSED_ENV, embed_patches, language_fields, segment_attention, unfused,
+                                    with_video)
 from engine.vision.tower_fp8 import Fp8TowerLinear
 from engine.vision.tower_layout import PatchRotary, Segments, tower_layout
 from kernels._triton import use_triton
@@ -264,7 +265,7 @@ def encoder_config(hf_config) -> dict:
                        "out_hidden_size": vision.out_hidden_size, "window_size": vision.window_size,
                        "fullatt_block_indexes": list(vision.fullatt_block_indexes),
                        "rope_theta": rope.get("rope_theta", 10000.0)},
-        **language_fields(hf_config),
+        **with_video(language_fields(hf_config), hf_config),
     }
 
 

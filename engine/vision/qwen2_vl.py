@@ -241,7 +241,7 @@ def encoder_config(hf_config) -> dict:
                      "patch_size": vision.patch_size, "temporal_patch_size": vision.temporal_patch_size,
                      "spatial_merge_size": vision.spatial_merge_size, "hidden_size": vision.hidden_size,
                      "rope_theta": rope.get("rope_theta", 10000.0)},
-        **language_fields(hf_config),
+        **with_video(language_fields(hf_config), hf_config),
     }
 
 
@@ -261,6 +261,21 @@ def language_fields(hf_config) -> dict:
                   "theta": float(text_rope.get("rope_theta", 10000.0)),
                   "merge": hf_config.vision_config.spatial_merge_size},
     }
+
+
+def with_video(fields: dict, hf_config) -> dict:
+    """Qwen2-VL / Qwen2.5-VL video (serving/qwen_video.py): ``qwen_video`` with the <|video_pad|> id, and in
+    ``mrope`` that id (its rows' M-RoPE runs as an image's) and Qwen2.5-VL's tokens_per_second (the time
+    axis' step per second of video). A config without video_token_id takes no video."""
+    video = getattr(hf_config, "video_token_id", None)
+    if video is None:
+        return fields
+    fields["qwen_video"] = {"video_token_index": video}
+    fields["mrope"]["video_token_index"] = video
+    per_second = getattr(hf_config.vision_config, "tokens_per_second", None)
+    if per_second is not None:
+        fields["mrope"]["tokens_per_second"] = per_second
+    return fields
 
 
 def encoder_weights(get: TensorGetter, config: dict) -> dict[str, torch.Tensor]:

@@ -2,7 +2,8 @@
 transformers writes a Qwen2 language engine and vision_encoder/; the executor applies each request's
 M-RoPE rows to its prompt and position + mrope_position_delta to what follows (rotary position apart
 from the KV position), through chunked prefill; greedy ids equal transformers' generate with an image
-and text-only, batched together."""
+and text-only, batched together; and with a video (its frame pairs through the tower, the M-RoPE time axis
+stepped by tokens_per_second * second_per_grid_t for Qwen2.5-VL) through the Triton and OpenAI paths."""
 from __future__ import annotations
 
 import pytest
@@ -19,7 +20,8 @@ from engine.vision.mrope import request_mrope  # noqa: E402
 from tests.engine.table_graph_check import dense_table_steps_checked, table_twins_replayed  # noqa: E402
 from tests.executor.executor_testing import collect, final_tokens  # noqa: E402
 from tiny_llava import VOCAB, make_image  # noqa: E402
-from tiny_qwen2_vl import IMAGE_TOKEN, KINDS, VISION_END, VISION_START, hf_model, image_processor, write_checkpoint  # noqa: E402
+from tiny_qwen2_vl import (IMAGE_TOKEN, KINDS, VIDEO_TOKEN, VISION_END, VISION_START, hf_model,  # noqa: E402
+                           image_processor, write_checkpoint)
 
 NEW_TOKENS = 6
 
@@ -568,3 +570,132 @@ def hf_image_ids(hf, prompt: list[int], fp16_pixels: bool = False) -> list[int]:
         return hf.generate(input_ids=hf_prompt, pixel_values=pixels, image_grid_thw=image["image_grid_thw"],
                            mm_token_type_ids=(hf_prompt == IMAGE_TOKEN).int(), max_new_tokens=NEW_TOKENS,
                            do_sample=False)[0, hf_prompt.shape[1]:].tolist()
+
+
+def hf_video_ids(hf, prompt: list[int], patches, grid: list[int], second_per_grid: float) -> list[int]:
+    """transformers' greedy ids for ``prompt`` (video rows as <|video_pad|>) with these video patches."""
+    hf_prompt = torch.tensor([prompt])
+    timing = {"second_per_grid_ts": torch.tensor([second_per_grid])} if hf.config.model_type == "qwen2_5_vl" else {}
+    with torch.no_grad():
+        return hf.generate(input_ids=hf_prompt, pixel_values_videos=torch.as_tensor(patches),
+                           video_grid_thw=torch.tensor([grid]), mm_token_type_ids=(hf_prompt == VIDEO_TOKEN).int() * 2,
+                           max_new_tokens=NEW_TOKENS, do_sample=False, **timing)[0, hf_prompt.shape[1]:].tolist()
+
+
+def test_triton_pipeline_video_gives_transformers_ids(built):
+    """video_bytes_input (three 52 x 40 frames as pixels, the last repeated to make two frame pairs) through
+    the Triton models' serving side: preprocessing (prepare_batch: the video's patches and grid as an image's,
+    its slot in the chat wrapper, IS_VIDEO_INPUT, VIDEO_SECOND_PER_GRID = 2 / 24 fps) -> the BLS's
+    multimodal_encoders inputs (second_per_grid_ts) -> multimodal_encoders
+    (qwen_outputs: the tower over both frame pairs, M-RoPE with Qwen2.5-VL's time step 50 * 2 / 24, frames at
+    positions +0 and +4) -> tensorrt_llm: greedy ids equal transformers' generate with the same patches
+    (pixel_values_videos, video_grid_thw, second_per_grid_ts)."""
+    import numpy as np
+
+    from serving.bls import encoder_inputs
+    from serving.multimodal import ImagePrompts, VisionEncoderRunner, prepare_batch
+    from serving.requests import convert_request
+    from tiny_llava import tokenizer
+
+    engine, hf = built
+    encoder_dir = vision_encoder_dir(engine)
+    prompts = ImagePrompts(encoder_dir, tokenizer(), VOCAB)
+    frames = np.stack([np.asarray(make_image(seed, (52, 40))) for seed in range(3)])
+    pre = prepare_batch(prompts, {"VIDEO_BYTES": frames[None]}, ["What is it?"], True, 4)
+    grid, second = pre["IMAGE_GRID_THW"].tolist()[0], float(pre["VIDEO_SECOND_PER_GRID"][0, 0])
+    assert grid == [2, 6, 8] and pre["IS_VIDEO_INPUT"].tolist() == [[True]] and second == np.float32(2 / 24)
+    runner = VisionEncoderRunner(encoder_dir, "cpu")
+    sent = encoder_inputs({}, pre)  # what the BLS sends multimodal_encoders (the ensemble maps the same names)
+    outputs = runner.qwen_outputs(sent["pixel_values"], sent["image_grid_thw"], sent["vision_input_id"],
+                                  sent["second_per_grid_ts"])
+    assert outputs["OUT_PROMPT_VOCAB_SIZE"].tolist() == [[24]]
+    width = read_encoder_config(encoder_dir)["mrope"]["head_dim"]
+    tensors = {"input_ids": pre["INPUT_ID"], "input_lengths": pre["REQUEST_INPUT_LEN"],
+               "request_output_len": np.array([[NEW_TOKENS]], np.int32),
+               "prompt_embedding_table": outputs["OUT_PROMPT_EMBEDDING_TABLE"],
+               "mrope_rotary_cos_sin": outputs["MROPE_ROTARY_COS_SIN"],
+               "mrope_position_deltas": outputs["MROPE_POSITION_DELTAS"]}
+    [spec] = convert_request(tensors, decoupled=False, exclude_input_default=True, rotary_width=width)
+    hf_prompt = [VIDEO_TOKEN if t >= VOCAB else t for t in pre["INPUT_ID"][0].tolist()]
+    patches = pre["PIXEL_VALUES"][0, 0, 0].astype(np.float32)  # as PIXEL_VALUES carries them (FP16)
+    expected = hf_video_ids(hf, hf_prompt, patches, grid, second)
+    assert served_ids(engine, spec) == expected
+    still = runner.qwen_outputs(pre["PIXEL_VALUES"], pre["IMAGE_GRID_THW"], pre["VISION_INPUT_ID"])  # frames 1 apart
+    moved = not np.array_equal(still["MROPE_ROTARY_COS_SIN"], outputs["MROPE_ROTARY_COS_SIN"])
+    assert moved == (hf.config.model_type == "qwen2_5_vl")
+    with pytest.raises(ValueError, match="a request takes one video or images, not both"):
+        prepare_batch(prompts, {"VIDEO_BYTES": frames[None], "IMAGE_URL": np.array([[b"data:,x"]], object)},
+                      ["x"], True, 4)
+
+
+def test_openai_video_url_gives_transformers_ids(built):
+    """An OpenAI video_url part (an 8-frame MP4 at 8 fps as a data: URL) -> ChatImages: the decoded frames'
+    patches through the tower queue, the template's <|video_pad|> -> fake ids, the M-RoPE pair with
+    second_per_grid_t = 2 / 8 (Qwen2.5-VL: frame pairs 12 positions apart) -> transformers' greedy ids."""
+    import base64
+
+    import numpy as np
+
+    engine, hf = built
+    if hf.config.model_type != "qwen2_5_vl":
+        pytest.skip("Qwen2-VL's video differs only in its time step (the Triton test covers both)")
+    pytest.importorskip("tritonclient", reason="the OpenAI frontend's direct path needs tritonclient")
+    pytest.importorskip("av")
+    from openai_frontend.protocol import SamplingParams
+    from openai_frontend.triton_client import direct_inputs
+    from openai_frontend.vision import ChatImages, VisionSettings
+    from serving.requests import convert_request
+    from serving.videos import VideoLimits, frames_from_bytes
+    from serving.images import ImageLimits
+    from tiny_llava import tokenizer
+    from tiny_llava_next import make_clip
+
+    clip = make_clip(3, 8)
+    images = ChatImages(VisionSettings(vision_encoder_dir(engine)), tokenizer(), "cpu")
+    part = {"type": "video", "url": "data:video/mp4;base64," + base64.b64encode(clip).decode(),
+            "field": "messages[0].content[0]"}
+    images.check_count([part])
+    table, counts, grids = images._encode([part])
+    assert images.video_placeholder == tokenizer().convert_ids_to_tokens(VIDEO_TOKEN) and counts == [len(table)]
+    ids = images.expand([1, 5, VISION_START, VIDEO_TOKEN, VISION_END, 7, 8, 6], counts, ["video"])
+    inputs = direct_inputs(ids, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0), NEW_TOKENS, None, 2, 4, None,
+                           table, images.mrope(ids, grids))
+    [spec] = convert_request(inputs, decoupled=True, rotary_width=images.prompts.config["mrope"]["head_dim"])
+    spec.streaming = False
+    images.close()
+    assert grids.second_per_grid == 2 / 8 and grids.grids.tolist() == [[4, 6, 8]]
+    frames = frames_from_bytes(np.frombuffer(clip, np.uint8).reshape(1, 1, 1, -1), VideoLimits(), ImageLimits())
+    patches, _ = images.prompts.qwen_video.processor(frames)
+    hf_prompt = [VIDEO_TOKEN if t >= VOCAB else t for t in ids]
+    assert served_ids(engine, spec) == hf_video_ids(hf, hf_prompt, patches, [4, 6, 8], 2 / 8)
+
+
+def test_video_patches_are_the_image_processors_for_a_still_frame_pair(built):
+    """A video of two equal frames at a size smart_resize keeps (56 x 28) is patched as the image processor
+    patches that frame (it repeats an image temporal_patch_size times): the patch layout and normalization
+    are transformers'; smart_resize equals transformers' at other sizes. Where torchvision is installed, the
+    patches equal Qwen2VLVideoProcessor's for resized frames too."""
+    import numpy as np
+
+    from serving.qwen_video import QwenVideoFrames, smart_resize
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize as hf_smart_resize
+
+    engine, hf = built
+    if hf.config.model_type != "qwen2_vl":
+        pytest.skip("the processor is the same for both kinds")
+    processor = QwenVideoFrames(vision_encoder_dir(engine))
+    frame = np.asarray(make_image(7, (56, 28)))
+    patches, grid = processor(np.stack([frame, frame]))
+    image = image_processor()([make_image(7, (56, 28))], return_tensors="np")
+    assert grid == image["image_grid_thw"][0].tolist() == [1, 4, 8]
+    np.testing.assert_allclose(patches, image["pixel_values"], atol=1e-5)
+    for size in ((40, 52), (300, 20), (7, 9), (1000, 700)):
+        assert smart_resize(*size, 14, 196, 3136) == hf_smart_resize(*size, factor=14, min_pixels=196, max_pixels=3136)
+    pytest.importorskip("torchvision")
+    from transformers import Qwen2VLVideoProcessor
+
+    frames = np.stack([np.asarray(make_image(seed, (52, 40))) for seed in range(3)])
+    video_processor = Qwen2VLVideoProcessor(patch_size=7, merge_size=2, temporal_patch_size=2, min_pixels=196,
+                                            max_pixels=3136)
+    expected = video_processor(videos=[frames], return_tensors="np", cap_pixels_per_frame=False)
+    np.testing.assert_allclose(processor(frames)[0], expected["pixel_values_videos"], atol=1e-5)

@@ -27,7 +27,7 @@ TEXT_OUTPUTS = ("INPUT_ID", "REQUEST_INPUT_LEN", "DECODER_INPUT_ID", "REQUEST_DE
                 "BAD_WORDS_IDS", "STOP_WORDS_IDS", "EMBEDDING_BIAS", "REQUEST_OUTPUT_LEN",
                 "OUT_END_ID", "OUT_PAD_ID", "OUT_PROMPT_TABLE_EXTRA_IDS", "PIXEL_VALUES", "IMAGE_SIZES",
                 "IMAGE_GRID_THW", "VISION_INPUT_ID", "ASPECT_RATIO_IDS", "ASPECT_RATIO_MASK", "CROSS_ATTENTION_MASK",
-                "IS_VIDEO_INPUT")
+                "IS_VIDEO_INPUT", "VIDEO_SECOND_PER_GRID")
 IMAGE_INPUTS = ("IMAGE", "IMAGE_BYTES", "IMAGE_URL", "VIDEO_BYTES", "IMAGE_SIZES")
 
 
@@ -52,6 +52,7 @@ class TritonPythonModel:
         encoder_dir = get_parameter(params, "multimodal_model_path", str)
         with transformers_without_torch(encoder_dir):  # serving/torchless_preprocessing.py says why
             self._load(params, tokenizer_dir, encoder_dir)
+        # (Qwen's video imports torch at its first video: its stubs start without torch for images)
         if self.images is not None and self.images.video is not None:
             import torch  # noqa: F401  (serving/videos.py resizes frames with it: at start, not at the first video)
         self.output_dtypes = {

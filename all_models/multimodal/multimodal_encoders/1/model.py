@@ -77,7 +77,8 @@ class TritonPythonModel:
     def _qwen(self, request):
         try:
             outputs = self.runner.qwen_outputs(_input(request, "pixel_values"), _input(request, "image_grid_thw"),
-                                               _input(request, "vision_input_id"))
+                                               _input(request, "vision_input_id"),
+                                               _input(request, "second_per_grid_ts"))  # a Qwen video's time axis
         except Exception as error:  # this request's error, never the model's
             return pb_utils.InferenceResponse(error=pb_utils.TritonError(f"multimodal_encoders: {error}"))
         return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(k, v) for k, v in outputs.items()])
