@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import json
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -147,18 +148,27 @@ def test_pan_and_scan_crops_give_transformers_ids(built, tmp_path):
     crops as the image processor makes them (a 90 x 30 image: 3 crops; a 40 x 52 one: 2), its prompt
     Gemma3Processor's text for crops (whole-text tokenized, as the OpenAI path's expansion of a template's
     placeholders), multimodal_encoders encodes every crop as an image: served greedy ids equal
-    transformers' generate with do_pan_and_scan=True. Crops that leave no room in max_seq_len are an
-    error naming the input."""
+    transformers' generate with do_pan_and_scan=True. The OpenAI path (ChatImages, the same engine with
+    that preprocessor config) makes the same crops, rows and ids. Crops that leave no room in max_seq_len
+    are an error naming the input."""
+    from openai_frontend.vision import ChatImages, VisionSettings
     from serving.multimodal import ImagePrompts, VisionEncoderRunner, prepare_batch
     from tiny_gemma3 import tokenizer
 
     engine, hf = built
     encoder_dir = vision_encoder_dir(engine)
-    shutil.copy(f"{encoder_dir}/config.json", tmp_path)
+    pas_engine = tmp_path / "engine"  # the engine's files, its vision encoder's preprocessor config with crops on
+    (pas_engine / "vision_encoder").mkdir(parents=True)
+    for path in Path(engine).iterdir():
+        if path.name != "vision_encoder":
+            (pas_engine / path.name).symlink_to(path)
+    (pas_engine / "vision_encoder" / "model.safetensors").symlink_to(Path(encoder_dir) / "model.safetensors")
+    shutil.copy(f"{encoder_dir}/config.json", pas_engine / "vision_encoder")
     with open(f"{encoder_dir}/preprocessor_config.json") as f:
         settings = json.load(f) | PAN_AND_SCAN
-    (tmp_path / "preprocessor_config.json").write_text(json.dumps(settings))
-    prompts = ImagePrompts(str(tmp_path), tokenizer(), VOCAB, max_num_images=2, max_seq_len=128)
+    pas_dir = pas_engine / "vision_encoder"
+    (pas_dir / "preprocessor_config.json").write_text(json.dumps(settings))
+    prompts = ImagePrompts(str(pas_dir), tokenizer(), VOCAB, max_num_images=2, max_seq_len=128)
     images = [make_image(4, (90, 30)), make_image(5)]
     urls = np.array([[b"data:image/png;base64," + base64.b64encode(encoded(image)) for image in images]], object)
     text = f"{BOI} and {BOI} What is in the image?"
@@ -173,7 +183,14 @@ def test_pan_and_scan_crops_give_transformers_ids(built, tmp_path):
     served = served_table_ids(engine, pre, table, NEW_TOKENS)
     batch["pixel_values"] = batch["pixel_values"].half().float()  # as PIXEL_VALUES carries them
     assert served == hf_ids(hf, batch)
-    tight = ImagePrompts(str(tmp_path), tokenizer(), VOCAB, max_num_images=2, max_seq_len=40)
+    chat = ChatImages(VisionSettings(str(pas_dir), max_num_images=2), tokenizer(), "cpu")
+    chat_table, counts, _ = chat._encode([{"url": url.decode(), "field": f"messages[0].content[{i}]"}
+                                          for i, url in enumerate(urls[0])])
+    chat.close()
+    assert counts == [4 * MM_TOKENS, 3 * MM_TOKENS] and chat_table.shape == table.shape
+    np.testing.assert_allclose(chat_table.astype(np.float32), table.astype(np.float32), atol=2e-2)
+    assert chat.expand(tokenizer().encode(text), counts) == expanded
+    tight = ImagePrompts(str(pas_dir), tokenizer(), VOCAB, max_num_images=2, max_seq_len=40)
     with pytest.raises(ValueError, match="image_bytes_input/image_url_input: Gemma 3's pan-and-scan crops of the "
                                          r"images \(20 rows beside the images' own 8\) make the prompt"):
         prepare_batch(tight, {"IMAGE_URL": urls}, [text], True, 4)
