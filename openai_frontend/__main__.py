@@ -23,6 +23,8 @@ import tempfile
 # prometheus_client picks its value storage when it is first imported.)
 from openai_frontend.lora_modules import parse_lora_modules
 from openai_frontend.repository import lora_off_reason, tokenizer_settings, vision_settings
+from openai_frontend.reasoning_parsers import NONE as NO_REASONING
+from openai_frontend.reasoning_parsers import PARSERS as REASONING_PARSERS
 from openai_frontend.tool_parsers import PARSERS
 from openai_frontend.workers import serve, worker
 
@@ -56,6 +58,13 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
                              "after <|python_tag|>), mistral ([TOOL_CALLS][{...}]); default: the format the chat "
                              "template uses (<tool_call> -> hermes, [TOOL_CALLS] -> mistral, <|python_tag|> -> "
                              "llama3_json), else hermes")
+    parser.add_argument("--reasoning_parser", default=None, choices=sorted(REASONING_PARSERS) + [NO_REASONING],
+                        help="how a reasoning model's chat text is split into reasoning_content and content: "
+                             "deepseek_r1 (the output starts inside <think>, ends it at </think>), qwen3 "
+                             "(<think>...</think> before the answer; off per request with chat_template_kwargs "
+                             "{\"enable_thinking\": false}), gpt_oss (harmony's analysis channel), none; default: "
+                             "the chat template's (<think> -> qwen3, or deepseek_r1 in DeepSeek's templates; "
+                             "<|channel|> -> gpt_oss), else none")
     parser.add_argument("--lora_modules", nargs="+", default=[], metavar="NAME=PATH",
                         help="LoRA adapters served as models of their own (as vLLM's flag): each name=path, or "
                              "'{\"name\": ..., \"path\": ..., \"base_model_name\": ...}'; path is a PEFT "
@@ -90,6 +99,7 @@ def config_from_arguments(args: argparse.Namespace):
     return FrontendConfig(grpc_url=args.grpc_url, tokenizer_dir=tokenizer_dir, served_model_name=name,
                           triton_model=args.triton_model or args.llm_model, llm_model=args.llm_model,
                           add_special_tokens=add_special_tokens, tool_call_parser=args.tool_call_parser,
+                          reasoning_parser=args.reasoning_parser,
                           lora_modules=lora_modules, audio_model=args.audio_model,
                           vision=vision_settings(args.model_repo, tokenizer_dir, args.allowed_local_media_path))
 

@@ -8,8 +8,9 @@ validates and names the field); and with ``handler_cancellation`` a client that 
 its handler at once, unary or streamed, which is what cancels the Triton request.
 
 Per request: parse and validate (400) -> served model or LoRA adapter? (404) -> Triton ready? (503) -> render
-and count the prompt -> one engine request per choice -> a whole response or SSE chunks. With
-tools, each choice's text goes through its tool-call parser (tool_calls.py) on the way out.
+and count the prompt -> one engine request per choice -> a whole response or SSE chunks. With a
+reasoning model, each chat choice's text goes through its reasoning parser (reasoning.py), and with
+tools the content through its tool-call parser (tool_calls.py) on the way out.
 """
 from __future__ import annotations
 
@@ -34,6 +35,10 @@ from openai_frontend.logprobs import TokenNamer
 from openai_frontend.lora_modules import LoraModule
 from openai_frontend.metrics import FrontendMetrics
 from openai_frontend.protocol import GenerationRequest, image_parts, parse_chat_request, parse_completion_request
+from openai_frontend.reasoning import request_reasoning, with_reasoning
+from openai_frontend.reasoning_parsers import ReasoningParser
+from openai_frontend.reasoning_parsers import get_parser as get_reasoning_parser
+from openai_frontend.reasoning_parsers import parser_for_template as reasoning_for_template
 from openai_frontend.responses import ResponseShape
 from openai_frontend.tool_calls import finish_reason, keep_markers_decoder, output_parsers
 from openai_frontend.tool_parsers import ToolParser, coalesce, get_parser, merge_calls, parser_for_template
@@ -57,6 +62,8 @@ class FrontendConfig:
     llm_model: str = "tensorrt_llm"  # the model holding the engine (its readiness counts too)
     add_special_tokens: bool = True  # as preprocessing's parameter: prompt token counts match
     tool_call_parser: str | None = None  # tool_parsers.PARSERS name; None: the one the chat template teaches
+    # reasoning_parsers.PARSERS name, or "none"; None: the one the chat template teaches (else none)
+    reasoning_parser: str | None = None
     # LoRA adapters served as models of their own (lora_modules.py): name -> adapter, in flag order
     lora_modules: dict[str, LoraModule] = field(default_factory=dict)
     # A vision-language engine's encoder and image limits (openai_frontend/vision.py); None: text only
@@ -74,10 +81,20 @@ class Frontend:
     metrics: FrontendMetrics
     started: int
     tool_parser: type[ToolParser]  # reads tool calls in the text of tool_choice "auto"
-    # ids -> text that keeps tool_parser's special-token markers (None: ``decode`` keeps them)
-    tool_decode: Callable[[list[int]], str] | None = None
+    reasoning_parser: type[ReasoningParser] | None = None  # splits a reasoning model's chat text (None: off)
+    # markers -> ids -> text that keeps them where they are special tokens (None: ``decode`` keeps them)
+    marker_decoders: dict = field(default_factory=dict)
     client: TritonClient | None = None  # made on startup, inside the running event loop
     images: ChatImages | None = None  # image_url parts, encoded in this process (vision models only)
+
+    def decode_keeping(self, markers: tuple[str, ...]) -> Callable[[list[int]], str]:
+        """ids -> text for the direct path that keeps the parsers' ``markers`` (tool-call and
+        reasoning markers that are special tokens: tool_calls.keep_markers_decoder)."""
+        if not markers:
+            return self.decode
+        if markers not in self.marker_decoders:
+            self.marker_decoders[markers] = keep_markers_decoder(self.prompts.tokenizer, markers)
+        return self.marker_decoders[markers] or self.decode
 
     def check_model(self, model: str) -> LoraModule | None:
         """The adapter ``model`` names (None: the base model); a 404 listing the served models
@@ -97,10 +114,17 @@ def create_app(config: FrontendConfig) -> web.Application:
     tool_parser = get_parser(config.tool_call_parser or parser_for_template(prompts.template_text))
     log.info("tool calls are read as %s (%s)", tool_parser.name,
              "--tool_call_parser" if config.tool_call_parser else "from the chat template")
+    reasoning_parser = get_reasoning_parser(config.reasoning_parser or reasoning_for_template(prompts.template_text))
+    log.info("reasoning is read as %s (%s)", reasoning_parser.name if reasoning_parser else "none (off)",
+             "--reasoning_parser" if config.reasoning_parser else "from the chat template")
     frontend = Frontend(config, prompts, TokenNamer(prompts.tokenizer), fast_decode(prompts.tokenizer),
                         FrontendMetrics(), started=int(time.time()), tool_parser=tool_parser,
-                        tool_decode=keep_markers_decoder(prompts.tokenizer, tool_parser.special_tokens),
+                        reasoning_parser=reasoning_parser,
                         images=ChatImages(config.vision, prompts.tokenizer) if config.vision else None)
+    for markers in (tool_parser.special_tokens, *((reasoning_parser.special_tokens,
+                                                    tool_parser.special_tokens + reasoning_parser.special_tokens)
+                                                   if reasoning_parser else ())):
+        frontend.decode_keeping(markers)  # made now: a vocabulary's scan is not a request's wait
     if frontend.images is not None:
         log.info("images: %s encoder from %s, at most %d per request", frontend.images.prompts.model_type,
                  config.vision.encoder_dir, frontend.images.prompts.max_num_images)
@@ -278,7 +302,8 @@ def _prompts(frontend: Frontend, parsed: GenerationRequest, chat: bool, image_ro
         tools = parsed.tools.shown if parsed.tools is not None else None
         texts = [builder.render_chat(parsed.messages, tools, frontend.tool_parser,
                                      images.placeholder if images is not None else None,
-                                     images.video_placeholder if images is not None else None)]
+                                     images.video_placeholder if images is not None else None,
+                                     parsed.template_kwargs)]
     else:
         texts = parsed.prompts
     prompts = []
@@ -314,14 +339,17 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         if grids is not None:  # Qwen2-VL: its prompt's M-RoPE rows
             spec.mrope = frontend.images.mrope(spec.prompt_ids, grids)
     parsers = output_parsers(parsed.tools, frontend.tool_parser) if chat else None
-    decode = frontend.decode
-    if parsers is not None and parsed.tools.choice == "auto" and frontend.tool_decode is not None:
-        decode = frontend.tool_decode  # the parser's markers are special tokens: keep them
+    markers = frontend.tool_parser.special_tokens if parsers is not None and parsed.tools.choice == "auto" else ()
+    reasoning = request_reasoning(parsed, frontend.reasoning_parser) if chat else None
+    if reasoning is not None:  # the reasoning first, its content then through the tool-call parser
+        parsers = with_reasoning(parsers, reasoning, prompts[0][0], guided=parsed.params.guide is not None)
+        markers += reasoning.special_tokens
+    decode = frontend.decode_keeping(markers)  # the parsers' markers that are special tokens: kept
     async with aclosing(generate_choices(frontend.client, specs, parsed.params, shape.id, frontend.namer,
                                          decode, lora)) as events:
         if parsed.stream:
             return await _stream(request, events, shape, prompt_tokens, parsed.include_usage, parsers)
-        return await _whole(events, shape, len(specs), prompt_tokens, parsers)
+        return await _whole(events, shape, len(specs), prompt_tokens, parsers, reasoning is not None)
 
 
 def _check_images(frontend: Frontend, parts: list[dict]) -> None:
@@ -339,7 +367,8 @@ def _check_images(frontend: Frontend, parts: list[dict]) -> None:
 
 
 async def _whole(events, shape: ResponseShape, num_choices: int, prompt_tokens: int,
-                 parsers: Callable | None = None) -> web.Response:
+                 parsers: Callable | None = None, reasoning: bool = False) -> web.Response:
+    """``reasoning``: the parsers split reasoning off (each message then has ``reasoning_content``)."""
     texts, reasons, tokens = [""] * num_choices, ["stop"] * num_choices, [0] * num_choices
     logprobs = [None] * num_choices
     async for event in events:
@@ -350,14 +379,18 @@ async def _whole(events, shape: ResponseShape, num_choices: int, prompt_tokens: 
         if event.finish_reason:
             reasons[event.index] = event.finish_reason
     calls = None
-    if parsers is not None:  # the text -> content and tool calls (as streaming it would give)
+    reasonings = [None] * num_choices if reasoning else None
+    if parsers is not None:  # the text -> reasoning, content and tool calls (as streaming it would give)
         calls = []
         for i, text in enumerate(texts):
             parser = parsers()
             message = parser.parse(text)
             texts[i], reasons[i] = message.content, finish_reason(reasons[i], parser)
             calls.append(merge_calls(message.tool_calls) or None)
-    return web.json_response(shape.completion(texts, reasons, prompt_tokens, sum(tokens), logprobs, calls))
+            if reasonings is not None:
+                reasonings[i] = message.reasoning or None
+    return web.json_response(shape.completion(texts, reasons, prompt_tokens, sum(tokens), logprobs, calls,
+                                              reasonings))
 
 
 async def _stream(request: web.Request, events, shape: ResponseShape, prompt_tokens: int,
@@ -378,7 +411,7 @@ async def _stream(request: web.Request, events, shape: ResponseShape, prompt_tok
             if parsers is not None:
                 if event.index not in choice_parsers:
                     choice_parsers[event.index] = parsers()
-                chunks = _tool_chunks(shape, event, announced, include_usage, choice_parsers[event.index])
+                chunks = _parsed_chunks(shape, event, announced, include_usage, choice_parsers[event.index])
             else:
                 chunks = _chunks(shape, event, announced, include_usage, text_chunk)
             await response.write(chunks)
@@ -414,11 +447,12 @@ def _chunks(shape: ResponseShape, event: ChoiceEvent, announced: set[int], inclu
     return b"".join(out)
 
 
-def _tool_chunks(shape: ResponseShape, event: ChoiceEvent, announced: set[int], include_usage: bool,
+def _parsed_chunks(shape: ResponseShape, event: ChoiceEvent, announced: set[int], include_usage: bool,
                  parser) -> bytes:
-    """The SSE bytes of one event when the text goes through a tool-call parser: (the role on a
-    choice's first,) new content, then each call's deltas (a call's first delta on its own, then
-    its argument text joined), the event's log-probs on the first of them, the finish."""
+    """The SSE bytes of one event when the text goes through a reasoning or tool-call parser: (the
+    role on a choice's first,) new reasoning, new content, then each call's deltas (a call's first
+    delta on its own, then its argument text joined), the event's log-probs on the first of them,
+    the finish."""
     out = []
     if event.index not in announced:
         announced.add(event.index)
@@ -427,6 +461,10 @@ def _tool_chunks(shape: ResponseShape, event: ChoiceEvent, announced: set[int], 
     if event.finish_reason:
         message.extend(parser.finish())
     logprobs = event.logprobs or None
+    if message.reasoning:
+        out.append(sse.event(shape.chunk(event.index, None, logprobs=logprobs, reasoning=message.reasoning,
+                                         with_usage_field=include_usage)))
+        logprobs = None
     if message.content:
         out.append(sse.event(shape.chunk(event.index, message.content, logprobs=logprobs,
                                          with_usage_field=include_usage)))

@@ -44,7 +44,8 @@ class PromptBuilder:
         self.limits = EngineLimits.from_engine_dir(tokenizer_dir)
 
     def render_chat(self, messages: list[dict], tools: list[dict] | None = None, tool_format=None,
-                    image_placeholder: str | None = None, video_placeholder: str | None = None) -> str:
+                    image_placeholder: str | None = None, video_placeholder: str | None = None,
+                    template_kwargs: dict | None = None) -> str:
         """The prompt text to send. A template that writes the BOS token itself (Llama 3's
         ``<|begin_of_text|>``) would get a second one from preprocessing's add_special_tokens, so
         that leading BOS is left to preprocessing: the engine sees exactly one.
@@ -56,7 +57,10 @@ class PromptBuilder:
 
         ``image_placeholder`` (a vision-language model's, e.g. ``<image>``): messages may hold
         image parts (protocol.py), given to the template as it reads them (image_parts_for); video
-        parts likewise with ``video_placeholder`` (LLaVA-OneVision's ``<video>``)."""
+        parts likewise with ``video_placeholder`` (LLaVA-OneVision's ``<video>``).
+
+        ``template_kwargs``: the request's chat_template_kwargs, variables the template reads (Qwen3's
+        ``enable_thinking``)."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise bad_request("messages", "this model's tokenizer has no chat template; "
                                           "use /v1/completions with a prompt instead")
@@ -74,7 +78,7 @@ class PromptBuilder:
             messages = [self.image_parts_for(m, image_placeholder, video_placeholder) for m in messages]
         try:
             text = self.tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
-                                                      add_generation_prompt=True)
+                                                      add_generation_prompt=True, **(template_kwargs or {}))
         except Exception as error:  # the template's own checks (roles in order, ids, ...)
             raise bad_request("messages", f"the model's chat template refused these messages: {error}") from None
         bos = self.tokenizer.bos_token

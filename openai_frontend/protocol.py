@@ -28,7 +28,12 @@ SAMPLING_FIELDS = {"max_tokens", "temperature", "top_p", "top_k", "min_tokens", 
 MAX_CHAT_TOP_LOGPROBS = 20  # OpenAI's limits (the engine's too: num_top_log_probs 0..20)
 MAX_COMPLETION_LOGPROBS = 5
 CHAT_FIELDS = SAMPLING_FIELDS | set(GUIDE_FIELDS) | {"model", "messages", "max_completion_tokens", "top_logprobs",
-                                                     "tools", "tool_choice", "parallel_tool_calls"}
+                                                     "tools", "tool_choice", "parallel_tool_calls",
+                                                     "chat_template_kwargs"}
+# apply_chat_template's own arguments: chat_template_kwargs may not set these (the frontend does)
+RESERVED_TEMPLATE_KWARGS = {"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+                            "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+                            "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"}
 COMPLETION_FIELDS = SAMPLING_FIELDS | set(GUIDE_FIELDS) | {"model", "prompt", "echo", "best_of", "suffix"}
 # Features this server does not have: refused unless the value is the one that means "off".
 UNSUPPORTED_UNLESS = {
@@ -75,6 +80,8 @@ class GenerationRequest:
     messages: list[dict] | None = None
     prompts: list[str] = field(default_factory=list)  # completions: one choice group per prompt
     tools: ToolRequest | None = None  # chat: function tools (tools.py)
+    # chat: variables the chat template reads (vLLM's chat_template_kwargs: Qwen3's enable_thinking)
+    template_kwargs: dict = field(default_factory=dict)
 
 
 def parse_chat_request(body: Any) -> GenerationRequest:
@@ -85,6 +92,7 @@ def parse_chat_request(body: Any) -> GenerationRequest:
     request.params.logprobs = _chat_logprobs(body)
     request.messages = _messages(body.get("messages"))
     request.tools = parse_tools(body)
+    request.template_kwargs = _template_kwargs(body.get("chat_template_kwargs"))
     if request.tools is not None and request.tools.enforced:
         choice = request.tools.function or request.tools.choice
         request.params.guide = one_guide(request.params.guide, request.tools.guide(),
@@ -99,6 +107,19 @@ def parse_completion_request(body: Any) -> GenerationRequest:
     request.params.logprobs = _integer(body, "logprobs", low=0, high=MAX_COMPLETION_LOGPROBS)
     request.prompts = _prompts(body.get("prompt"))
     return request
+
+
+def _template_kwargs(value: Any) -> dict:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise bad_request("chat_template_kwargs", f"chat_template_kwargs must be an object of the variables the chat "
+                                                  f"template reads (e.g. {{\"enable_thinking\": false}}), got {value!r}")
+    reserved = sorted(set(value) & RESERVED_TEMPLATE_KWARGS)
+    if reserved:
+        raise bad_request(f"chat_template_kwargs.{reserved[0]}", f"chat_template_kwargs.{reserved[0]} is set by the "
+                                                                 "server; leave it out")
+    return dict(value)
 
 
 def _chat_logprobs(body: dict) -> int | None:
@@ -235,14 +256,21 @@ def _message(message: Any, where: str) -> dict:
     role = message.get("role")
     if role not in CHAT_ROLES:
         raise bad_request(f"{where}.role", f"{where}.role must be one of {', '.join(CHAT_ROLES)}, got {role!r}")
-    allowed = {"role", "content", "name"} | {"assistant": {"tool_calls"}, "tool": {"tool_call_id"}}.get(role, set())
+    allowed = {"role", "content", "name"} | {"assistant": {"tool_calls", "reasoning_content"},
+                                             "tool": {"tool_call_id"}}.get(role, set())
     extra = {key for key in set(message) - allowed if not (key in EMPTY_MESSAGE_FIELDS and not message[key])}
     if extra:
         name = sorted(extra)[0]
         raise bad_request(f"{where}.{name}", f"{where}.{name} is not supported; messages carry role, content, name "
-                                             "(assistant: tool_calls; tool: tool_call_id)")
+                                             "(assistant: tool_calls, reasoning_content; tool: tool_call_id)")
     # The template of a model without a developer role takes the instructions as a system message.
     out = {"role": "system" if role == "developer" else role}
+    if role == "assistant" and message.get("reasoning_content") is not None:  # a reply sent back as it came
+        reasoning = message["reasoning_content"]
+        if not isinstance(reasoning, str):
+            raise bad_request(f"{where}.reasoning_content", f"{where}.reasoning_content must be a string, got "
+                                                            f"{reasoning!r}")
+        out["reasoning_content"] = reasoning  # (Qwen3's template reads it; others leave it out)
     if role == "assistant" and message.get("tool_calls") is not None:
         out["tool_calls"] = tool_calls_of(message["tool_calls"], f"{where}.tool_calls")
         content = message.get("content")

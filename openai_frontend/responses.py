@@ -44,17 +44,24 @@ class ResponseShape:
 
     def completion(self, texts: list[str], finish_reasons: list[str], prompt_tokens: int,
                    completion_tokens: int, logprobs: list[list[TokenLogprob] | None] | None = None,
-                   tool_calls: list[list[dict] | None] | None = None) -> dict:
+                   tool_calls: list[list[dict] | None] | None = None,
+                   reasoning: list[str | None] | None = None) -> dict:
         """``tool_calls`` (chat): per choice its calls, or None; a choice with calls and no text
-        has ``content: null``, as OpenAI's."""
+        has ``content: null``, as OpenAI's. ``reasoning`` (chat, a reasoning parser on): per choice
+        its ``reasoning_content`` or None; a choice with reasoning and no text has ``content: null``,
+        as vLLM's."""
         logprobs = logprobs or [None] * len(texts)
         tool_calls = tool_calls or [None] * len(texts)
         if self.chat:
             choices = []
             for i, (text, reason, entries, calls) in enumerate(zip(texts, finish_reasons, logprobs, tool_calls)):
                 message = {"role": "assistant", "content": text}
+                if reasoning is not None:
+                    message["reasoning_content"] = reasoning[i]
+                    if reasoning[i]:
+                        message["content"] = text or None
                 if calls:
-                    message = {"role": "assistant", "content": text or None, "tool_calls": calls}
+                    message.update(content=text or None, tool_calls=calls)
                 choices.append({"index": i, "message": message, "logprobs": self.logprobs(entries),
                                 "finish_reason": reason})
             body = self._head("chat.completion")
@@ -70,11 +77,14 @@ class ResponseShape:
 
     def chunk(self, index: int, text: str | None, finish_reason: str | None = None,
               role: bool = False, with_usage_field: bool = False,
-              logprobs: list[TokenLogprob] | None = None, tool_calls: list[dict] | None = None) -> dict:
+              logprobs: list[TokenLogprob] | None = None, tool_calls: list[dict] | None = None,
+              reasoning: str | None = None) -> dict:
         """One choice's chunk: new text (with its tokens' log-probs when asked for), or (chat) the
-        role announcement, tool-call deltas, or its finish."""
+        role announcement, new ``reasoning_content``, tool-call deltas, or its finish."""
         if self.chat:
             delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+            if reasoning:
+                delta["reasoning_content"] = reasoning
             if tool_calls:
                 delta["tool_calls"] = tool_calls
             choice = {"index": index, "delta": delta, "logprobs": self.logprobs(logprobs),

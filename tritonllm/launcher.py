@@ -69,6 +69,9 @@ def parse_arguments(argv: list[str] | None = None, prog: str | None = None) -> a
     parser.add_argument("--openai_tool_call_parser", type=str, default=None,
                         help="tool-call format of the model's output for the OpenAI frontend (hermes, llama3_json, "
                              "mistral); default: chosen from the chat template")
+    parser.add_argument("--openai_reasoning_parser", type=str, default=None,
+                        help="reasoning format of the model's output for the OpenAI frontend (deepseek_r1, qwen3, "
+                             "gpt_oss, none); default: chosen from the chat template")
     parser.add_argument("--lora_modules", nargs="+", default=[], metavar="NAME=PATH",
                         help="LoRA adapters the OpenAI frontend serves as models of their own (with --openai_port): "
                              "each name=path or '{\"name\": ..., \"path\": ..., \"base_model_name\": ...}', path "
@@ -503,6 +506,8 @@ def openai_frontend_command(args: argparse.Namespace) -> list[str]:
         cmd.append(f"--workers={workers}")
     if args.openai_tool_call_parser:
         cmd.append(f"--tool_call_parser={args.openai_tool_call_parser}")
+    if args.openai_reasoning_parser:
+        cmd.append(f"--reasoning_parser={args.openai_reasoning_parser}")
     if args.lora_modules:
         cmd += ["--lora_modules", *(absolute_lora_module(item) for item in args.lora_modules)]
     return cmd

@@ -13,6 +13,7 @@ reused while neither changes.
         [--lookahead_config W,N,G]
         [--http_port 8000 --grpc_port 8001 --metrics_port 8002] [--openai_port 9000] [--host 127.0.0.1]
         [--engine_dir DIR] [--repo DIR] [--tool_call_parser hermes|llama3_json|mistral]
+        [--reasoning_parser deepseek_r1|qwen3|gpt_oss|none]
         [--max_num_images N] [--max_image_pixels N] [--allowed_image_url_hosts HOSTS] [--allowed_local_media_path DIR]
         [--max_num_frames N]
 
@@ -317,6 +318,10 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     parser.add_argument("--tool_call_parser", default=None,
                         help="passed to the OpenAI frontend: how tool calls are read from the model's text "
                              "(hermes, llama3_json, mistral; default: the chat template's format)")
+    parser.add_argument("--reasoning_parser", default=None,
+                        help="passed to the OpenAI frontend: how a reasoning model's text is split into "
+                             "reasoning_content and content (deepseek_r1, qwen3, gpt_oss, none; default: the chat "
+                             "template's format, else none)")
     parser.add_argument("--host", default="127.0.0.1", help="address the servers listen on")
     model = parser.add_argument_group("serving a checkpoint (--model; the rest come from the checkpoint and GPU)")
     model.add_argument("--model", default=None,
@@ -420,6 +425,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
         command = launcher.openai_frontend_command(launch_args)
         if args.tool_call_parser:
             command.append(f"--tool_call_parser={args.tool_call_parser}")
+        if args.reasoning_parser:
+            command.append(f"--reasoning_parser={args.reasoning_parser}")
         if args.model and (encoder_decoder_spec(engine_dir) or {}).get("num_mel_bins"):
             # /v1/audio/transcriptions and translations; the repository has no preprocessing to read the tokenizer from
             command += [f"--audio_model={WHISPER_AUDIO_MODEL}", f"--tokenizer_dir={os.path.join(engine_dir, DECODER_DIR)}"]

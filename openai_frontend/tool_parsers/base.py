@@ -48,13 +48,15 @@ class ToolCallDelta:
 class MessageDelta:
     content: str = ""
     tool_calls: list[ToolCallDelta] = field(default_factory=list)
+    reasoning: str = ""  # a reasoning model's reasoning_content (openai_frontend/reasoning.py)
 
     def __bool__(self) -> bool:
-        return bool(self.content or self.tool_calls)
+        return bool(self.content or self.tool_calls or self.reasoning)
 
     def extend(self, other: "MessageDelta") -> "MessageDelta":
         self.content += other.content
         self.tool_calls += other.tool_calls
+        self.reasoning += other.reasoning
         return self
 
 

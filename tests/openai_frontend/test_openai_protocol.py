@@ -49,6 +49,7 @@ def test_messages_with_text_parts_and_developer_role():
     ("tools", {"type": "function"}, "list of function tools"), ("response_format", {"type": "json"}, "json_object"),
     ("functions", [{"name": "f"}], "not supported"), ("logit_bias", {"1": 5}, "not supported"),
     ("logprobs", 1, "true or false"), ("top_logprobs", 2, "logprobs: true"), ("frobnicate", 1, "Unrecognized"),
+    ("chat_template_kwargs", ["enable_thinking"], "an object"),
 ])
 def test_bad_fields_are_named(field, value, words):
     error = rejected(parse_chat_request, {**CHAT, field: value})
@@ -64,6 +65,7 @@ def test_bad_fields_are_named(field, value, words):
     ([{"role": "system", "content": [{"type": "image_url", "image_url": {"url": "data:,"}}]}], "messages[0].content[0]"),
     ([{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}], "messages[0].content[0]"),
     ([{"role": "user", "content": "x", "tool_calls": []}], "messages[0].tool_calls"),
+    ([{"role": "assistant", "content": "x", "reasoning_content": 1}], "messages[0].reasoning_content"),
 ])
 def test_bad_messages_are_named(messages, param):
     assert rejected(parse_chat_request, {**CHAT, "messages": messages}).param == param

@@ -157,8 +157,10 @@ def test_openai_frontend_is_bound_to_host_and_talks_to_the_grpc_port():
     cmd = launcher.openai_frontend_command(args_for("--openai_port=9100"))
     assert "--host=0.0.0.0" in cmd and "--grpc_url=127.0.0.1:8001" in cmd
     assert not any(part.startswith("--tool_call_parser") for part in cmd)  # the template decides
-    cmd = launcher.openai_frontend_command(args_for("--openai_port=9100", "--openai_tool_call_parser=mistral"))
-    assert "--tool_call_parser=mistral" in cmd
+    assert not any(part.startswith("--reasoning_parser") for part in cmd)
+    cmd = launcher.openai_frontend_command(args_for("--openai_port=9100", "--openai_tool_call_parser=mistral",
+                                                    "--openai_reasoning_parser=qwen3"))
+    assert "--tool_call_parser=mistral" in cmd and "--reasoning_parser=qwen3" in cmd
 
 
 def test_lora_modules_go_to_the_frontend_with_absolute_paths(tmp_path, monkeypatch):
