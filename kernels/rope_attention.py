@@ -25,6 +25,7 @@ from kernels import triton_attention
 from kernels._triton import use_triton
 from kernels.attention import paged_attention, write_kv_cache
 from kernels.attention_metadata import AttentionMetadata
+from kernels.rmsnorm import rms_norm
 from kernels.rotary import rotary_and_write_kv
 
 
@@ -37,12 +38,21 @@ def rope_paged_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
     k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, *,
     sliding_window: int | None = None, logit_softcap: float | None = None, is_neox: bool = True,
-    sinks: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None, qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
 ) -> torch.Tensor:
     """q: (num_tokens, heads, dim), k and v: (num_tokens, kv_heads, dim) unrotated, last dim
     contiguous (column views of the fused qkv output are fine) -> out: (num_tokens, heads, dim).
-    ``sliding_window``, ``logit_softcap``, ``sinks``: kernels/attention.py."""
+    ``sliding_window``, ``logit_softcap``, ``sinks``: kernels/attention.py. ``qk_norm = (q_weight, k_weight,
+    eps)``: q and k come before their per-head RMSNorms (Qwen3), applied here first: inside the one decode kernel
+    where it runs (``fuses_rotary_into_attention``), else by kernels/rmsnorm.py's norm of each head."""
     options = {"sliding_window": sliding_window, "logit_softcap": logit_softcap, "sinks": sinks}
+    if qk_norm is not None and fuses_rotary_into_attention(q, meta, is_neox):
+        return triton_attention.paged_attention_triton(q, k_cache, v_cache, meta, scale,
+                                                       new_kv=(k, v, positions, cos_sin_cache), qk_norm=qk_norm,
+                                                       **options)
+    if qk_norm is not None:
+        q, k = (rms_norm(t.reshape(-1, t.shape[-1]), weight, qk_norm[2])[0].view(t.shape)
+                for t, weight in ((q, qk_norm[0]), (k, qk_norm[1])))
     if fuses_rotary_into_attention(q, meta, is_neox) or (
             use_triton(q) and is_neox and triton_attention.short_step_appends(q, k_cache, meta, sliding_window)):
         return triton_attention.paged_attention_triton(q, k_cache, v_cache, meta, scale,

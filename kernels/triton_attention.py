@@ -184,6 +184,19 @@ def rotate_neox(x, partner, cos, sin, first_half):
 
 
 @jit
+def _head_inv_rms(x, n, eps, AXIS: tl.constexpr):
+    """1 / rms of x's heads over AXIS (n values each) in float32, as kernels/rmsnorm.py _rms_normalized takes it."""
+    xf = x.to(tl.float32)
+    return tl.rsqrt(tl.sum(xf * xf, AXIS, keep_dims=True) / n + eps)
+
+
+@jit
+def _head_normed(x, inv_rms, weight):
+    """weight * (x * inv_rms rounded to x's dtype), rounded to x's dtype: kernels/rmsnorm.py qk_rms_norm's value."""
+    return (weight * (x.to(tl.float32) * inv_rms).to(x.dtype).to(tl.float32)).to(x.dtype)
+
+
+@jit
 def _attend_keys(
     q, q_pos, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, k_desc, v_desc, block_row, kv_head, lo, hi, kv_hi,
     qk_scale, window, softcap_log2, alibi_log2, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
@@ -316,6 +329,8 @@ def _paged_attention_kernel(
     TREE_AS_BITS: tl.constexpr = False,  # tree_ptr holds the mask as int32 words of 32 keys (tree_bits)
     HAS_SPANS: tl.constexpr = False,  # image spans: a row also sees span_ptr[token] later new keys
     APPEND_ROWS: tl.constexpr = False,  # ROTARY_APPEND's work for a short step whose sequences are one tile each
+    q_norm_ptr=None, k_norm_ptr=None, qk_eps=0.0,  # (head_dim,) per-head RMSNorm weights and eps (read when QK_NORM)
+    QK_NORM: tl.constexpr = False,  # with ROTARY_APPEND: q and the new k come unnormalized (Qwen3's q/k norms)
 ):
     pdl_prologue(PDL)  # before the early returns too: every program must wait (kernels/_triton.py)
     TOKENS_PER_TILE: tl.constexpr = BLOCK_M // GROUP
@@ -380,12 +395,19 @@ def _paged_attention_kernel(
         HALF: tl.constexpr = HEAD_DIM // 2
         first_half = dims < HALF
         partner = (dims + HALF) % HEAD_DIM
+        if QK_NORM:  # each row one head: kernels/rmsnorm.py qk_rms_norm's roundings, before the rotation
+            q_inv = _head_inv_rms(q, HEAD_DIM, qk_eps, 1)
+            if ROTATE:
+                q_partner = _head_normed(tl.load(q_rows + partner[None, :], mask=q_mask, other=0.0), q_inv,
+                                         tl.load(q_norm_ptr + partner).to(tl.float32)[None, :])
+            q = _head_normed(q, q_inv, tl.load(q_norm_ptr + dims).to(tl.float32)[None, :])
         if ROTATE:
             position = tl.load(positions_ptr + q_start).to(tl.int64)
             cos = tl.load(cos_sin_ptr + position * stride_cos + dims % HALF)
             sin = tl.load(cos_sin_ptr + position * stride_cos + HALF + dims % HALF)
-            q = rotate_neox(q, tl.load(q_rows + partner[None, :], mask=q_mask, other=0.0),
-                            cos[None, :], sin[None, :], first_half[None, :])
+            if not QK_NORM:
+                q_partner = tl.load(q_rows + partner[None, :], mask=q_mask, other=0.0)
+            q = rotate_neox(q, q_partner, cos[None, :], sin[None, :], first_half[None, :])
     if APPEND_ROWS:
         # A short step of one query tile a sequence (short_step_appends): each row rotated at its own
         # token's position; the new keys are written below, by the split holding each.
@@ -424,8 +446,16 @@ def _paged_attention_kernel(
             new_row = q_start.to(tl.int64)
             k_row = k_new_ptr + new_row * stride_knt + kv_head * stride_knh
             k_new = tl.load(k_row + dims)
+            if QK_NORM:
+                k_inv = _head_inv_rms(k_new, HEAD_DIM, qk_eps, 0)
+                if ROTATE:
+                    k_partner = _head_normed(tl.load(k_row + partner), k_inv,
+                                             tl.load(k_norm_ptr + partner).to(tl.float32))
+                k_new = _head_normed(k_new, k_inv, tl.load(k_norm_ptr + dims).to(tl.float32))
             if ROTATE:
-                k_new = rotate_neox(k_new, tl.load(k_row + partner), cos, sin, first_half)
+                if not QK_NORM:
+                    k_partner = tl.load(k_row + partner)
+                k_new = rotate_neox(k_new, k_partner, cos, sin, first_half)
             v_new = tl.load(v_new_ptr + new_row * stride_vnt + kv_head * stride_vnh + dims)
             tl.store(slot_row(k_cache_ptr, slot, stride_kb, stride_ks, PAGE_SIZE) + kv_head * stride_kh + dims,
                      cache_value(k_new, k_cache_ptr))
@@ -841,6 +871,7 @@ def paged_attention_triton(
     *, num_splits: int | None = None, sliding_window: int | None = None, logit_softcap: float | None = None,
     new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     sinks: torch.Tensor | None = None, alibi_slopes: torch.Tensor | None = None,
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
 ) -> torch.Tensor:
     """q: (num_tokens, num_heads, head_dim), last dim contiguous -> out: (num_tokens, num_heads, head_dim).
 
@@ -855,6 +886,10 @@ def paged_attention_triton(
     ``rotary_and_write_kv`` + this function in one kernel. q and k are left as they were.
     ``cos_sin_cache`` None: nothing is rotated (ALiBi, learned positions): ``write_kv_cache`` + this
     function in one kernel.
+
+    ``qk_norm = (q_weight, k_weight, eps)`` (with ``new_kv``, decode-only batches): q and k arrive before their
+    per-head RMSNorms (Qwen3, Gemma 3: (head_dim,) weights), which the kernel applies before the rotation as
+    kernels/rmsnorm.py ``qk_rms_norm`` does: that launch folded into this one.
     """
     num_tokens, num_heads, head_dim = q.shape
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
@@ -883,6 +918,12 @@ def paged_attention_triton(
         rotate = False
     kv_itemsize = k_cache.element_size()
     append_rows = new_kv is not None and not meta.is_decode_only  # a short step's (short_step_appends)
+    assert qk_norm is None or (new_kv is not None and meta.is_decode_only), "qk_norm: decode-only batches with new_kv"
+    norm_args = {}
+    if qk_norm is not None:
+        q_weight, k_weight, eps = qk_norm
+        assert q_weight.shape == k_weight.shape == (head_dim,) and q_weight.is_contiguous() and k_weight.is_contiguous()
+        norm_args = dict(q_norm_ptr=q_weight, k_norm_ptr=k_weight, qk_eps=float(eps), QK_NORM=True)
     # Token trees (tree verification): the mask as bits where the step's producer packed them
     # (meta.tree_bits) and $TRITONLLM_TREE_BITS is not 0, else as bytes; the decode launch's rows are
     # one token each (a root alone sees all its keys), so only the prefill launch reads it.
@@ -950,7 +991,7 @@ def paged_attention_triton(
             HAS_SPANS=spans is not None and not decode_tiles,
             num_warps=num_warps,
             num_stages=num_stages,
-            **pdl_options(q),
+            **pdl_options(q), **norm_args,
         )
         if decode_tiles and q.is_cuda:  # a decode tiling: how many of its programs an SM holds
             tiling = (block_n, num_warps, num_stages, len(config) > 5 and bool(config[5]))

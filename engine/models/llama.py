@@ -20,6 +20,7 @@ kernels handle whole heads.
 """
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 import torch
@@ -33,11 +34,24 @@ from kernels.attention_metadata import AttentionMetadata
 from kernels.attention import paged_attention, write_kv_cache
 from kernels.fp8 import ScaledProduct, apply_scales
 from kernels.rmsnorm import rms_norm
+from kernels._triton import use_triton
 from kernels.rope_attention import rope_paged_attention
+from kernels.triton_attention import fuses_new_kv
 from kernels.rotary import build_cos_sin_cache
 
 if TYPE_CHECKING:
     from kernels.lora import LoraBatch
+
+# "1": at decode on CUDA the attention kernel applies Qwen3's per-head q/k norms before its rotary
+# (kernels/triton_attention.py qk_norm): kernels/rmsnorm.py qk_rms_norm's launch a layer less. "0" (the default until an
+# H200 has measured it): that launch, then the attention kernel.
+QK_NORM_IN_ATTENTION_ENV = "TRITONLLM_QK_NORM_IN_ATTENTION"
+QK_NORM_IN_ATTENTION_DEFAULT = "0"
+
+
+def qk_norm_in_attention() -> bool:
+    """$TRITONLLM_QK_NORM_IN_ATTENTION (read per call: benchmarks flip it between runs)."""
+    return os.environ.get(QK_NORM_IN_ATTENTION_ENV, QK_NORM_IN_ATTENTION_DEFAULT).strip() == "1"
 
 
 class LlamaLayer(nn.Module):
@@ -83,13 +97,19 @@ class LlamaLayer(nn.Module):
         self.down_proj = RowParallelLinear(inter_local, config.hidden_size, bias=False, tp_group=tp_group, **quant)
 
     def attention(self, x, positions, cos_sin_cache, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = qkv_heads(self.qkv_proj(x, meta.lora), self.num_heads, self.num_kv_heads, self.head_dim,
-                            self.q_norm, self.k_norm, self.eps)
+        qkv = self.qkv_proj(x, meta.lora)
+        # Qwen3's q/k norms inside the decode attention kernel (before its rotary) where that kernel runs:
+        # kernels/rmsnorm.py qk_rms_norm's launch less (kernels/triton_attention.py qk_norm).
+        fold = (self.q_norm is not None and self.use_rope and qk_norm_in_attention() and use_triton(qkv)
+                and meta.is_decode_only and fuses_new_kv(self.head_dim))  # (rope_attention's fused case)
+        q, k, v = qkv_heads(qkv, self.num_heads, self.num_kv_heads, self.head_dim,
+                            *((None, None, 0.0) if fold else (self.q_norm, self.k_norm, self.eps)))
         k_cache, v_cache = kv_cache[self.layer_index, 0], kv_cache[self.layer_index, 1]
         if self.use_rope:
             # Rotary, KV write and attention: one kernel at decode on CUDA (kernels/rope_attention.py).
             out = rope_paged_attention(q, k, v, positions, cos_sin_cache, k_cache, v_cache, meta, self.scale,
-                                       sliding_window=self.sliding_window)
+                                       sliding_window=self.sliding_window,
+                                       qk_norm=(self.q_norm.weight, self.k_norm.weight, self.eps) if fold else None)
         else:
             write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
             out = paged_attention(q, k_cache, v_cache, meta, self.scale, sliding_window=self.sliding_window)

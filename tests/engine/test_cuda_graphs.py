@@ -362,3 +362,42 @@ def test_prefill_tile_map_and_token_buckets():
     assert tree_step_buckets(buckets, 65)[:9] == [16, 32, 64, 65, 128, 130, 192, 195, 256]
     assert 260 in tree_step_buckets(buckets, 65) and tree_step_buckets(buckets, 0) == buckets
     assert tree_step_buckets([16, 32, 64, 100], 33) == [16, 32, 33, 64, 66, 99, 100]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_qwen3_q_k_norms_in_the_decode_attention_kernel_equal_transformers(tmp_path, monkeypatch):
+    """$TRITONLLM_QK_NORM_IN_ATTENTION=1 (engine/models/llama.py): Qwen3's per-head q/k norms inside the decode
+    attention kernel (kernels/triton_attention.py qk_norm; 16-wide heads, so that kernel rotates and appends),
+    decode steps replayed from graphs and a packed mixed step (its own norm launch): every row as transformers'."""
+    from engine.models.llama import QK_NORM_IN_ATTENTION_ENV
+    from engine_testing import assert_cuda_steps_equal_transformers, make_engine, tiny_hf
+
+    monkeypatch.setenv(QK_NORM_IN_ATTENTION_ENV, "1")
+    hf = tiny_hf("qwen3_aligned")
+    assert_cuda_steps_equal_transformers(hf, make_engine(hf, tmp_path / "engine"))
+
+
+def test_qwen3_q_k_norms_passed_to_the_attention_equal_their_own_launch_on_cpu(tmp_path, monkeypatch):
+    """The wiring of $TRITONLLM_QK_NORM_IN_ATTENTION=1 on the CPU, the CUDA-only choice forced: a decode step's
+    layers hand the raw q and k with the norms to kernels/rope_attention.py (whose CPU path applies them itself),
+    and its logits equal those of the norms' own pass (=0)."""
+    from engine.models import llama
+    from engine_testing import PagedSession, make_engine, random_tokens, tiny_hf
+
+    runner = ModelRunner(make_engine(tiny_hf("qwen3_aligned"), tmp_path / "engine"))
+    monkeypatch.setattr(llama, "use_triton", lambda t: True)
+    folded = []
+    rope_paged_attention = llama.rope_paged_attention
+    monkeypatch.setattr(llama, "rope_paged_attention", lambda *args, qk_norm=None, **kwargs: folded.append(
+        qk_norm is not None) or rope_paged_attention(*args, qk_norm=qk_norm, **kwargs))
+    prompt = random_tokens(12, seed=9)
+    steps = {}
+    for setting in ("0", "1"):
+        monkeypatch.setenv(llama.QK_NORM_IN_ATTENTION_ENV, setting)
+        session = PagedSession(runner, num_blocks=16)
+        steps[setting] = [session.step([(0, prompt[:11])])[0], session.step([(0, prompt[11:])])[0]]
+    layers = len(runner.model.layers)
+    assert folded == [False] * 3 * layers + [True] * layers  # (only the decode step with the setting on)
+    for own_launch, in_attention in zip(steps["0"], steps["1"]):
+        torch.testing.assert_close(in_attention, own_launch, rtol=1e-5, atol=1e-5)

@@ -555,6 +555,44 @@ def test_decode_with_rotary_and_kv_append_matches_separate_kernels(device, heads
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("num_splits", [4])  # (the new key in one of the splits)
+def test_decode_with_qk_norm_matches_the_norm_then_the_kernel(device, num_splits):
+    """qk_norm (Qwen3's per-head q/k RMSNorms, kernels/rope_attention.py): the decode kernel normalizes the raw q
+    and new k itself, before rotating them. Against kernels/rmsnorm.py's per-head norm then the kernel with
+    new_kv: the same cache rows and output, up to the norm's sums in another order (float32 here, bf16 on CUDA:
+    a rounding step of a few values)."""
+    from kernels.rmsnorm import rms_norm
+    from kernels.rotary import build_cos_sin_cache
+    from kernels.triton_attention import paged_attention_triton
+
+    num_heads, num_kv_heads, head_dim = 4, 2, 32
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    batch = [(15, 1), (40, 1)]
+    k, v, k_cache, v_cache, meta = make_batch(batch, num_kv_heads, head_dim, 16, dtype, device, seed=7)
+    gen = torch.Generator().manual_seed(8)
+    q = (3 * torch.randn(len(batch), num_heads, head_dim, generator=gen)).to(dtype).to(device)
+    k = 3 * k
+    q_weight, k_weight = [(1 + 0.2 * torch.randn(head_dim, generator=gen)).to(dtype).to(device) for _ in range(2)]
+    positions = (meta.context_lens - 1).long()
+    cos_sin = build_cos_sin_cache(512, head_dim, 10000.0, device=device)
+    scale, eps = head_dim**-0.5, 1e-6
+
+    q_normed, k_normed = (rms_norm(t.reshape(-1, head_dim), w, eps)[0].view(t.shape)
+                          for t, w in ((q, q_weight), (k, k_weight)))
+    k_two, v_two = k_cache.clone(), v_cache.clone()
+    out_two = paged_attention_triton(q_normed, k_two, v_two, meta, scale, num_splits=num_splits,
+                                     new_kv=(k_normed, v, positions, cos_sin))
+    k_one, v_one = k_cache.clone(), v_cache.clone()
+    out_one = paged_attention_triton(q, k_one, v_one, meta, scale, num_splits=num_splits,
+                                     new_kv=(k, v, positions, cos_sin), qk_norm=(q_weight, k_weight, eps))
+    tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(k_one, k_two, rtol=tolerance, atol=tolerance)
+    assert torch.equal(v_one, v_two)
+    assert relative_error(out_one, out_two) < tolerance
+    assert relative_error(q_normed, q) > 0.5 and relative_error(k_normed, k) > 0.5  # (the norms change them)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("page_size", [16, 32])
 @pytest.mark.parametrize("num_splits", [1, 4])
 @pytest.mark.parametrize("fp8_pool", [False, True])
