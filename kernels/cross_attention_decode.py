@@ -46,13 +46,12 @@ def cross_tiling(pool_dtype: torch.dtype, rows: int, heads: int) -> tuple[int, i
 def cross_attention_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                   block_tables: torch.Tensor, lengths: torch.Tensor, scale: float,
                                   max_len: int, *, tiling: tuple[int, int, int, int] | None = None,
-                                  splits: int | None = None, merge_in_kernel: bool | None = None) -> torch.Tensor:
-    """``tiling`` / ``splits`` / ``merge_in_kernel`` instead of ``cross_tiling`` / one_query_attention.py's
-    ``decode_splits`` / $TRITONLLM_ONE_QUERY_MERGE (sweeps)."""
+                                  splits: int | None = None) -> torch.Tensor:
+    """``tiling`` / ``splits`` instead of ``cross_tiling`` / one_query_attention.py's ``decode_splits`` (sweeps)."""
     return one_query_attention_triton(q, k_cache, v_cache, block_tables, lengths, scale,
                                       tiling=tiling or cross_tiling(k_cache.dtype, *q.shape[:2]),
                                       max_context_len=max_len,
-                                      splits=splits, merge_in_kernel=merge_in_kernel)
+                                      splits=splits)
 
 
 def gather_rows(cache: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:

@@ -25,12 +25,9 @@ returns at once; one of no keys stores zeros.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
 from kernels._triton import dense, jit, num_sms, pdl_options, pdl_prologue, tl, triton
-from kernels.linear import _arrival_counters, last_arrival
 from kernels.triton_attention import _merge_splits_kernel
 
 _LOG2E = 1.4426950408889634
@@ -43,14 +40,6 @@ _LOG2E = 1.4426950408889634
 IN_FLIGHT_BYTES_PER_SM = 96 << 10
 MIN_SPLIT_STEPS = 2
 MAX_SPLITS = 64
-# Splits merged in the kernel by their last program (no second launch) rather than by triton_attention's merge
-# kernel: $TRITONLLM_ONE_QUERY_MERGE=kernel (read at each launch: a CUDA graph keeps what its capture read).
-MERGE_ENV = "TRITONLLM_ONE_QUERY_MERGE"
-
-
-def merge_in_kernel_default() -> bool:
-    """Whether a launch that does not say merges its splits in the kernel ($TRITONLLM_ONE_QUERY_MERGE)."""
-    return os.environ.get(MERGE_ENV, "launch") == "kernel"
 
 
 @jit
@@ -69,41 +58,15 @@ def _kv_tile(k_cache_ptr, v_cache_ptr, block_row, k_heads, v_heads, head_valid, 
     return k, v
 
 
-@jit
-def _merge_own_splits(part_out_ptr, part_lse_ptr, out_ptr, token, heads, head_valid, dims, hd_mask, splits,
-                      stride_ps, stride_pt, stride_ot, stride_oh, HEADS: tl.constexpr, DIM_PAD: tl.constexpr):
-    """out[token, heads] from the ``splits`` partials of those heads, 8 splits a step (an online log-sum-exp
-    merge; the partials read past L1, which other SMs' stores do not update)."""
-    m = tl.full([HEADS], float("-inf"), dtype=tl.float32)
-    total = tl.zeros([HEADS], dtype=tl.float32)
-    acc = tl.zeros([HEADS, DIM_PAD], dtype=tl.float32)
-    for first in range(0, splits, 8):
-        split = first + tl.arange(0, 8)
-        ok = (split < splits)[:, None] & head_valid[None, :]
-        part = split[:, None] * stride_ps + token.to(tl.int64) * stride_pt + heads[None, :] * DIM_PAD  # (8, HEADS)
-        # (splits past the count: below an empty split's -1e30, so weight 0 beside it too; finite: no inf - inf)
-        lse = tl.load(part_lse_ptr + part // DIM_PAD, mask=ok, other=-2e30, cache_modifier=".cg")
-        parts = tl.load(part_out_ptr + part[:, :, None] + dims[None, None, :], mask=ok[:, :, None], other=0.0,
-                        cache_modifier=".cg")
-        m_new = tl.maximum(m, tl.max(lse, 0))  # finite from the first step on
-        weight = tl.math.exp2(lse - m_new[None, :])
-        alpha = tl.math.exp2(m - m_new)
-        total = total * alpha + tl.sum(weight, 0)
-        acc = acc * alpha[:, None] + tl.sum(weight[:, :, None] * parts, 0)
-        m = m_new
-    tl.store(out_ptr + token.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + dims[None, :],
-             (acc / total[:, None]).to(out_ptr.dtype.element_ty), mask=hd_mask)
-
-
 @jit(do_not_specialize=["stride_bt", "split_keys", "splits"])
 def _one_query_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr, arrivals_ptr, bias_ptr, block_tables_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr, bias_ptr, block_tables_ptr,
     cu_seqlens_q_ptr, context_lens_ptr, scale_log2, num_heads, split_keys, splits,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh, stride_bt, stride_bias, stride_ps, stride_pt,
     HAS_BIAS: tl.constexpr, REACH: tl.constexpr, HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr,
     PAGE_SIZE: tl.constexpr, HEADS: tl.constexpr, BLOCK_N: tl.constexpr,
-    ONE_TOKEN_ROWS: tl.constexpr, PREFETCH: tl.constexpr, MERGE_HERE: tl.constexpr, PDL: tl.constexpr,
+    ONE_TOKEN_ROWS: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
 ):
     seq = tl.program_id(0)
     heads = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
@@ -169,10 +132,6 @@ def _one_query_kernel(
         # a split of no keys: -1e30, weight 0 beside any split with keys (and finite: a row of none merges to 0)
         lse = tl.where(l_i > 0.0, m_i + tl.math.log2(tl.where(l_i > 0.0, l_i, 1.0)), -1e30)
         tl.store(part_lse_ptr + part // DIM_PAD, lse, mask=head_valid)
-        if MERGE_HERE:  # the last of the (token, head group)'s splits to finish merges them (kernels/linear.py)
-            if last_arrival(arrivals_ptr, token * tl.num_programs(1) + tl.program_id(1), splits):
-                _merge_own_splits(part_out_ptr, part_lse_ptr, out_ptr, token, heads, head_valid, dims, hd_mask,
-                                  splits, stride_ps, stride_pt, stride_ot, stride_oh, HEADS, DIM_PAD)
 
 
 def decode_splits(rows: int, head_groups: int, max_context_len: int, block_n: int, step_bytes: int, device) -> int:
@@ -192,7 +151,7 @@ def one_query_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                                block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float, *,
                                tiling: tuple[int, int, int, int], max_context_len: int,
                                cu_seqlens_q: torch.Tensor | None = None, bias: torch.Tensor | None = None,
-                               splits: int | None = None, merge_in_kernel: bool | None = None) -> torch.Tensor:
+                               splits: int | None = None) -> torch.Tensor:
     """q: (num_tokens, heads, head_dim), last dim contiguous; pools (blocks, page, heads, head_dim) by
     strides (bf16, fp16, fp32 or FP8 E4M3); block_tables (seqs, width) int32; context_lens (seqs,) int32
     -> out like q. ``cu_seqlens_q`` (seqs + 1,): row of sequence i's one new token (none: row i).
@@ -200,9 +159,8 @@ def one_query_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     (HEADS a program, BLOCK_N keys a step, warps, stages), stages 2: the next key tile's loads issued
     before this one's arithmetic (PREFETCH; Triton's own pipelining, num_stages, does not apply to these
     loads: they feed no tl.dot); ``splits``: key splits (a power of 2;
-    None: ``decode_splits``); ``max_context_len``: the longest context the launch must cover;
-    ``merge_in_kernel``: the splits merged by the last of them to finish (arrival counters) instead of a second
-    launch (None: $TRITONLLM_ONE_QUERY_MERGE, ``merge_in_kernel_default``)."""
+    None: ``decode_splits``, merged by triton_attention's merge kernel); ``max_context_len``: the longest context
+    the launch must cover."""
     num_tokens, num_heads, head_dim = q.shape
     out = torch.empty_like(q)
     num_seqs = context_lens.shape[0]
@@ -228,18 +186,16 @@ def one_query_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     else:
         part_out = part_lse = out
         ps = pt = ph = 0
-    merge_here = splits > 1 and (merge_in_kernel_default() if merge_in_kernel is None else merge_in_kernel)
-    arrivals = _arrival_counters(q.device, num_tokens * groups) if merge_here else out
     _one_query_kernel[(num_seqs, groups, splits)](
-        q, k_cache, v_cache, out, part_out, part_lse, arrivals, q if bias is None else bias, tables,
+        q, k_cache, v_cache, out, part_out, part_lse, q if bias is None else bias, tables,
         lens if cu is None else cu, lens, scale * _LOG2E, num_heads, split_keys, splits,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
         tables.stride(0), 0 if bias is None else bias.stride(0), ps, pt,
         HAS_BIAS=bias is not None, REACH=0 if bias is None else (bias.shape[1] - 1) // 2, HEAD_DIM=head_dim,
         DIM_PAD=dim_pad, PAGE_SIZE=k_cache.shape[1], HEADS=heads_per_program, BLOCK_N=block_n,
-        ONE_TOKEN_ROWS=cu is None, PREFETCH=stages > 1, MERGE_HERE=merge_here, num_warps=warps, num_stages=1,
+        ONE_TOKEN_ROWS=cu is None, PREFETCH=stages > 1, num_warps=warps, num_stages=1,
         **pdl_options(q))
-    if splits > 1 and not merge_here:
+    if splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
             part_out, part_lse, out, lens, lens, ps, pt, ph, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, DIM_PAD=dim_pad, NUM_SPLITS=splits, BY_SEQUENCE=False, DYNAMIC_SPLITS=False,

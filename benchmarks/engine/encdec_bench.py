@@ -367,8 +367,8 @@ def decoder_step_bytes(runner, context: int, encoder_len: int) -> int:
     return weights + rows + (encoder_len + context) * per_token
 
 
-# --step-variants: name -> the decode-path switches (engine/encoder_decoder/fused_decode.py, cross_attention.py,
-# kernels/one_query_attention.py), every other switch unset (its default), set before the decode graphs are
+# --step-variants: name -> the decode-path switches (engine/encoder_decoder/fused_decode.py, cross_attention.py),
+# every other switch unset (its default), set before the decode graphs are
 # captured again on the same runner (the graphs read them at capture)
 STEP_VARIANTS = {
     "default": {},  # every switch unset: the engine's defaults, captured again (the re-capture's own cost)
@@ -378,9 +378,6 @@ STEP_VARIANTS = {
     "fused-recompute": {"TRITONLLM_ENCDEC_FUSED": "1", "TRITONLLM_ENCDEC_ROW_STATS": "0",
                         "TRITONLLM_ENCDEC_CROSS_KERNEL": "1"},
     "fused-paged": {"TRITONLLM_ENCDEC_FUSED": "1", "TRITONLLM_ENCDEC_ROW_STATS": "1", "TRITONLLM_ENCDEC_CROSS_KERNEL": "0"},
-    # the cross-attention's key splits merged by their last program (kernels/one_query_attention.py), no merge launch
-    "merge-kernel": {"TRITONLLM_ONE_QUERY_MERGE": "kernel"},
-    "fused-merge": {"TRITONLLM_ENCDEC_FUSED": "1", "TRITONLLM_ONE_QUERY_MERGE": "kernel"},
     # the weights of the sub-layer 1 (2) ahead prefetched into L2 from a side stream (engine/encoder_decoder/
     # l2_prefetch_plan.py), with each layer's cross K/V pages (-kv)
     "prefetch": {"TRITONLLM_ENCDEC_PREFETCH": "1"},
@@ -392,8 +389,7 @@ STEP_VARIANTS = {
     "weight-prefetch": {"TRITONLLM_WEIGHT_PREFETCH": "skinny"},
     "weight-prefetch-kv": {"TRITONLLM_WEIGHT_PREFETCH": "skinny", "TRITONLLM_ENCDEC_PREFETCH_KV": "1"},
     # + kernels/norm_linear.py's PRELOAD tiling (each program's weight tile read before the PDL wait)
-    "fused-preload": {"TRITONLLM_ENCDEC_FUSED": "1", "TRITONLLM_ONE_QUERY_MERGE": "kernel",
-                      "TRITONLLM_NORM_LINEAR_PRELOAD": "1"},
+    "fused-preload": {"TRITONLLM_ENCDEC_FUSED": "1", "TRITONLLM_NORM_LINEAR_PRELOAD": "1"},
 }
 
 

@@ -7,7 +7,7 @@ every row the full length), cross pools of 32-token pages (head-major, as the ru
 shuffled block tables) in ``--pools`` (bf16, FP8 E4M3): the general paged kernel
 (kernels/attention.py ``paged_attention``, the engine's path before, $TRITONLLM_ENCDEC_CROSS_KERNEL=0)
 against ``cross_attention_decode_triton`` at its defaults (``cross_tiling``, ``decode_splits``) and at
-the ``--tilings`` x ``--splits`` (x ``--merge``) sweep. Device time from CUDA-graph replays of one call per
+the ``--tilings`` x ``--splits`` sweep. Device time from CUDA-graph replays of one call per
 pool copy (benchmarks/common.py ``graph_call_us``; enough copies that they do not fit in L2); GB/s = K/V bytes
 read / time, beside a same-run device-to-device copy rate (read + write bytes / time, the
 roofline the goal of 85% refers to). Each case checks both paths against the float32 reference
@@ -50,8 +50,8 @@ def cross_meta(tables: torch.Tensor, keys: int) -> AttentionMetadata:
         context_lens_host=[keys] * rows)
 
 
-def case(rows: int, heads: int, keys: int, pool: str, tilings: list, splits_list: list[int], merges: list,
-         device, progress=lambda entry: None) -> dict:
+def case(rows: int, heads: int, keys: int, pool: str, tilings: list, splits_list: list[int], device,
+         progress=lambda entry: None) -> dict:
     """One shape and pool; ``progress(entry)`` after each timing of the sweep (a run cut short keeps them)."""
     dtype = POOLS[pool]
     pages = -(-keys // PAGE)
@@ -91,16 +91,13 @@ def case(rows: int, heads: int, keys: int, pool: str, tilings: list, splits_list
              "sweep_us": {}}
     for tiling in tilings:
         for splits in splits_list or [None]:
-            for merge in merges:
-                if merge and splits == 1 and len(merges) > 1:
-                    continue  # (one split: nothing to merge)
-                name = f"{tiling} s{splits or 'auto'}" + (" merged in-kernel" if merge else "")
-                try:
-                    us, err = timed(new, tiling=tiling, splits=splits, merge_in_kernel=merge)
-                    entry["sweep_us"][name] = us if err <= 4 * max(new_err, 1e-2) else f"err {err:.1e}"
-                except Exception as exc:  # noqa: BLE001 - a tiling that does not compile is reported, not fatal
-                    entry["sweep_us"][name] = repr(exc)[:80]
-                progress(entry)
+            name = f"{tiling} s{splits or 'auto'}"
+            try:
+                us, err = timed(new, tiling=tiling, splits=splits)
+                entry["sweep_us"][name] = us if err <= 4 * max(new_err, 1e-2) else f"err {err:.1e}"
+            except Exception as exc:  # noqa: BLE001 - a tiling that does not compile is reported, not fatal
+                entry["sweep_us"][name] = repr(exc)[:80]
+            progress(entry)
     return entry
 
 
@@ -140,9 +137,6 @@ def main(argv=None) -> dict:
     p.add_argument("--tilings", default="1x32x1x1,1x64x1x1,1x64x2x1,2x32x1x1,2x32x2x1,1x16x1x1,1x128x4x1",
                    help="HEADS x BLOCK_N x warps x stages tilings swept (\"\" none)")
     p.add_argument("--splits", default="", help="split counts swept at each tiling (\"\": decode_splits only)")
-    p.add_argument("--merge", default="launch", choices=("launch", "kernel", "both"),
-                   help="sweep entries' split merge: triton_attention's merge kernel, in the kernel (arrival "
-                        "counters), both")
     p.add_argument("--out", default="cross_attention.json")
     p.add_argument("--md", default=None)
     args = p.parse_args(argv)
@@ -156,7 +150,6 @@ def main(argv=None) -> dict:
     for shape in (s for s in args.shapes.split(",") if s):
         rows, heads, keys = (int(n) for n in shape.split("x"))
         for pool in (n for n in args.pools.split(",") if n):
-            merges = {"launch": [False], "kernel": [True], "both": [False, True]}[args.merge]
             done = list(results["cases"])
 
             def save(entry, done=done):  # after every timing: a run cut short keeps what it measured
@@ -165,7 +158,7 @@ def main(argv=None) -> dict:
                     Path(args.md).write_text(markdown(results, argv))
                 Path(args.out).write_text(json.dumps(results, indent=2))
 
-            save(case(rows, heads, keys, pool, tilings, splits_list, merges, device, progress=save))
+            save(case(rows, heads, keys, pool, tilings, splits_list, device, progress=save))
             print(results["cases"][-1], flush=True)
     print(markdown(results, argv))
     return results

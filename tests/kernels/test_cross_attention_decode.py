@@ -48,24 +48,18 @@ def test_reference_equals_paged_attention():
 @pytest.mark.parametrize("pool", ["model", "fp8"])
 def test_kernel_matches_reference(device, pool):
     """Splits 1 and 4 and decode_splits' choice; a launch sized for longer inputs (a graph's: splits past
-    every row's keys); 2 heads a program over 3 heads, with the next key tile prefetched (stages 2); splits
-    merged in the kernel (4, then 16 for one row: two steps of its 8-split merge; the arrival counters reset);
-    one row of one split (no merge)."""
+    every row's keys); 2 heads a program over 3 heads, with the next key tile prefetched (stages 2); one row of
+    one split (no merge)."""
     from kernels.cross_attention_decode import cross_attention_decode_ref, cross_attention_decode_triton, cross_tiling
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     q, k, v, tables, lengths = _case(device, dtype, lengths=(150, 17, 70), pool_dtype=FP8 if pool == "fp8" else None)
     expected = cross_attention_decode_ref(q, k, v, tables, lengths, 0.125)
     default = cross_tiling(k.dtype, *q.shape[:2])
-    for tiling, splits, max_len, merge in ((default, 1, 150, False), (default, 4, 150, False),
-                                           (default, None, 300, False), ((2, 16, 1, 2), 2, 300, False),
-                                           (default, 4, 150, True)):
-        got = cross_attention_decode_triton(q, k, v, tables, lengths, 0.125, max_len, tiling=tiling, splits=splits,
-                                            merge_in_kernel=merge)
-        assert relative_error(got, expected) < TOLERANCE[dtype], (tiling, splits, max_len, merge)
-    got = cross_attention_decode_triton(q[:1], k, v, tables[:1], lengths[:1], 0.125, 150, splits=16,
-                                        merge_in_kernel=True)
-    assert relative_error(got, expected[:1]) < TOLERANCE[dtype]  # 16 splits: two steps of the in-kernel merge
+    for tiling, splits, max_len in ((default, 1, 150), (default, 4, 150), (default, None, 300),
+                                    ((2, 16, 1, 2), 2, 300)):
+        got = cross_attention_decode_triton(q, k, v, tables, lengths, 0.125, max_len, tiling=tiling, splits=splits)
+        assert relative_error(got, expected) < TOLERANCE[dtype], (tiling, splits, max_len)
     short = torch.tensor([100], dtype=torch.int32, device=device)
     one = cross_attention_decode_triton(q[:1], k, v, tables[:1], short, 0.125, 100)
     assert relative_error(one, cross_attention_decode_ref(q[:1], k, v, tables[:1], short, 0.125)) < TOLERANCE[dtype]
@@ -86,8 +80,8 @@ def test_kernel_matches_the_general_paged_kernel(device):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("splits, merge", [(1, False), (4, False), (4, True)])
-def test_kernel_replays_in_a_cuda_graph(device, splits, merge):
+@pytest.mark.parametrize("splits", [1, 4])
+def test_kernel_replays_in_a_cuda_graph(device, splits):
     """A bucket of 4 rows captured once (the 4th a padding row: length 1 over block 0, as
     engine/encoder_decoder/decode_graphs.py fills it), replayed after the queries change."""
     if device != "cuda":
@@ -97,37 +91,10 @@ def test_kernel_replays_in_a_cuda_graph(device, splits, merge):
     q, k, v, tables, lengths = _case(device, torch.bfloat16, lengths=(300, 17, 129, 1), pool_dtype=FP8)
     tables[3].zero_()
     def launch():
-        return cross_attention_decode_triton(q, k, v, tables, lengths, 0.125, 512, splits=splits, merge_in_kernel=merge)
+        return cross_attention_decode_triton(q, k, v, tables, lengths, 0.125, 512, splits=splits)
 
-    launch()  # compiled (and the arrival counters allocated) before the capture
+    launch()  # compiled before the capture
     out = replayed(launch, q)
     ref = cross_attention_decode_ref(q, k, v, tables, lengths, 0.125)
     assert relative_error(out[:3], ref[:3]) < TOLERANCE[torch.bfloat16]
 
-
-def test_merge_switch_merges_in_the_kernel(device, monkeypatch):
-    """$TRITONLLM_ONE_QUERY_MERGE=kernel: a launch that does not say how merges its 4 splits in the kernel (no
-    merge launch); unset: the merge kernel as before. Both equal the reference."""
-    import kernels.one_query_attention as one_query
-    from kernels.cross_attention_decode import cross_attention_decode_ref, cross_attention_decode_triton
-
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    q, k, v, tables, lengths = _case(device, dtype, lengths=(150, 17), heads=2, dim=32)
-    expected = cross_attention_decode_ref(q, k, v, tables, lengths, 0.125)
-    merge_kernel, merge_grids = one_query._merge_splits_kernel, []
-
-    class CountedMerge:
-        def __getitem__(self, grid):
-            merge_grids.append(grid)
-            return merge_kernel[grid]
-
-    monkeypatch.setattr(one_query, "_merge_splits_kernel", CountedMerge())
-    for value, merge_launches in (("kernel", 0), (None, 1)):
-        if value is None:
-            monkeypatch.delenv(one_query.MERGE_ENV, raising=False)
-        else:
-            monkeypatch.setenv(one_query.MERGE_ENV, value)
-        merge_grids.clear()
-        got = cross_attention_decode_triton(q, k, v, tables, lengths, 0.125, 150, splits=4)
-        assert len(merge_grids) == merge_launches, value
-        assert relative_error(got, expected) < TOLERANCE[dtype], value
