@@ -51,8 +51,11 @@ def _forked_rank(rank: int, env: dict, args: tuple) -> None:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
-    """family -> (transformers model, the TP 2 job's result for it). On the CPU both ranks are forked
-    from this process; with CUDA (which does not survive a fork) they are fresh interpreters."""
+    """family -> (transformers model, the TP 2 job's result for it). Both ranks are forked from this process
+    where torch runs one thread here (`make test`: tests/conftest.py gives each xdist worker cores // workers),
+    since a fresh interpreter costs seconds of imports on CI's cores; otherwise, and always with CUDA (which
+    does not survive a fork), fresh interpreters: a fork after multi-threaded torch work can hang in the
+    child's first parallel op (seen here at -n 0: a worker rank stuck in a matmul)."""
     from tiny_encdec import write_checkpoint
 
     models, engines = {}, []
@@ -62,10 +65,13 @@ def runs(tmp_path_factory) -> dict:
         engines.append(_build(root, 2))
     out = str(tmp_path_factory.mktemp("tp2") / "tp2.json")
     ports = [free_port() for _ in FAMILIES]  # (a rendezvous per family's job)
-    if torch.cuda.is_available():
+    # a lost rank fails the job in a minute, not the default 15 (CUDA keeps them: its kernels compile at load)
+    quick_faults = {} if torch.cuda.is_available() else {"TRITONLLM_DIST_STARTUP_TIMEOUT_S": "60",
+                                                         "TRITONLLM_DIST_TIMEOUT_S": "60"}
+    if torch.cuda.is_available() or torch.get_num_threads() > 1:
         command = [sys.executable, DRIVER, "--families", *FAMILIES, "--engine_dirs", *engines,
                    "--ports", *map(str, ports), "--out", out]
-        ranks = [subprocess.Popen(command + ["--rank", str(rank)], env=rank_env(rank, 2, ports[0]),
+        ranks = [subprocess.Popen(command + ["--rank", str(rank)], env=rank_env(rank, 2, ports[0], **quick_faults),
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
         try:
             for rank in ranks:
@@ -75,7 +81,7 @@ def runs(tmp_path_factory) -> dict:
             stop(ranks)
     else:
         fork = multiprocessing.get_context("fork")
-        ranks = [fork.Process(target=_forked_rank, args=(rank, rank_env(rank, 2, ports[0]),
+        ranks = [fork.Process(target=_forked_rank, args=(rank, rank_env(rank, 2, ports[0], **quick_faults),
                                                          (list(FAMILIES), engines, ports, out)))
                  for rank in (0, 1)]
         for rank in ranks:
