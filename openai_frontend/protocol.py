@@ -19,7 +19,8 @@ from openai_frontend.tools import ToolRequest, parse_tools, tool_calls_of
 MAX_N = 16  # choices per request: each is a request of its own to the engine
 MAX_SEED = 2**63 - 1  # the engine keeps seeds as int64
 
-# Fields clients send that change nothing here (OpenAI bookkeeping), accepted and dropped.
+# Fields clients send that change nothing here (OpenAI bookkeeping), accepted and dropped. (Chat's
+# reasoning_effort goes to the chat template: gpt-oss's writes it into the system message.)
 IGNORED_FIELDS = {"user", "store", "metadata", "service_tier", "prompt_cache_key",
                   "safety_identifier", "reasoning_effort", "verbosity"}
 SAMPLING_FIELDS = {"max_tokens", "temperature", "top_p", "top_k", "min_tokens", "presence_penalty",
@@ -93,6 +94,12 @@ def parse_chat_request(body: Any) -> GenerationRequest:
     request.messages = _messages(body.get("messages"))
     request.tools = parse_tools(body)
     request.template_kwargs = _template_kwargs(body.get("chat_template_kwargs"))
+    effort = body.get("reasoning_effort")
+    if effort is not None:  # (as vLLM gives it to gpt-oss's template; other templates do not read it)
+        if not isinstance(effort, str):
+            raise bad_request("reasoning_effort", f"reasoning_effort must be a string (low, medium, high), got "
+                                                  f"{effort!r}")
+        request.template_kwargs.setdefault("reasoning_effort", effort)
     if request.tools is not None and request.tools.enforced:
         choice = request.tools.function or request.tools.choice
         request.params.guide = one_guide(request.params.guide, request.tools.guide(),

@@ -127,7 +127,8 @@ def test_content_after_the_reasoning_goes_through_the_tool_parser():
 QWEN3_LIKE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
               "{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and "
               "enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
-HARMONY_TEMPLATE = ("{% for m in messages %}<|start|>{{ m['role'] }}<|message|>{{ m['content'] }}<|end|>{% endfor %}"
+HARMONY_TEMPLATE = ("{% if reasoning_effort is defined %}Reasoning: {{ reasoning_effort }}{% endif %}"
+                    "{% for m in messages %}<|start|>{{ m['role'] }}<|message|>{{ m['content'] }}<|end|>{% endfor %}"
                     "{% if add_generation_prompt %}<|start|>assistant{% endif %}{# <|channel|> #}")
 HARMONY_TOKENS = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|call|>", "<|constrain|>"]
 USER = [{"role": "user", "content": "What is the capital of France?"}]
@@ -208,8 +209,12 @@ def stream_fields(chunks):
 
 @pytest.mark.parametrize("name,reply", [("qwen3", "<think>\nThe capital.\n</think>\n\nParis."), ("gpt_oss", HARMONY)])
 def test_reasoning_content_unary_and_streamed(engine_dirs, name, reply):
-    """Parsers picked from the chat template; the harmony markers survive the direct path's decoding."""
-    unary, chunks = serve(engine_dirs, name, reply, lambda c, fake: unary_and_streamed(c))
+    """Parsers picked from the chat template; the harmony markers survive the direct path's decoding;
+    reasoning_effort reaches the template (gpt-oss's writes it)."""
+    async def body(client, fake):
+        return await unary_and_streamed(client, reasoning_effort="high"), fake.prompts
+    (unary, chunks), prompts = serve(engine_dirs, name, reply, body)
+    assert prompts[0].startswith("Reasoning: high") == (name == "gpt_oss")  # (the Qwen3-like one reads none)
     message = unary.choices[0].message
     reasoning = "The capital." if name == "qwen3" else "User asks the capital. Easy."
     assert (message.reasoning_content, message.content) == (reasoning, "Paris.")
