@@ -3,7 +3,9 @@ session's tritonserver (SmolLM2, guides compiled by the engine with xgrammar), w
 `openai` client: response_format (json_schema strict, json_object), vLLM's guided_regex and
 guided_choice, tool_choice required and named (arguments valid against the function's schema;
 streamed calls concatenate to the unary ones), sampling that still conforms, and bad guides or
-tools that get a 400 naming the field while the server keeps serving.
+tools that get a 400 naming the field while the server keeps serving. A reasoning block the guide makes
+SmolLM2 write (``<think>...</think>``) comes back as ``reasoning_content`` apart from the content,
+unary and streamed, through a frontend started with ``--reasoning_parser qwen3``.
 
 Every schema is finite (short strings, enums, bounded integers), so no answer runs into
 max_tokens. The OpenAI frontend is the session's (conftest.py), shared with test_openai_frontend.py.
@@ -16,6 +18,9 @@ from functools import partial
 import jsonschema
 import openai
 import pytest
+import requests
+
+from triton_helpers import in_process_frontends, wait_for
 
 
 pytestmark = pytest.mark.integration
@@ -41,6 +46,9 @@ TOOLS = [WEATHER, TIME]
 ASK_WEATHER = [{"role": "user", "content": "What is the weather like in Paris today?"}]
 ASK_CITY = [{"role": "user", "content": "Give facts about Paris as JSON."}]
 LIMIT = {"max_tokens": 96}
+# What a Qwen3 thinking model writes, forced on SmolLM2: a short reasoning block, then a one-word answer.
+THINKING = r"<think>[a-z]{1,12}( [a-z]{1,12}){0,5}</think>[A-Z][a-z]{1,12}\."
+ASK_CAPITAL = [{"role": "user", "content": "What is the capital of France? Think first."}]
 
 
 @pytest.fixture
@@ -67,15 +75,31 @@ TOOL_REQUEST = dict(model=MODEL, messages=ASK_WEATHER, tools=TOOLS, tool_choice=
 
 
 @pytest.fixture(scope="module")
-def replies(frontend):
+def reasoning_frontend(triton_server, smollm2_engine_dir):
+    """A frontend in this process with ``--reasoning_parser qwen3`` (SmolLM2's template teaches none), made
+    from its command line's flags as `python -m openai_frontend` makes it; its base URL."""
+    from openai_frontend.__main__ import config_from_arguments, parse_arguments
+
+    flags = [f"--grpc_url={triton_server.grpc_url}", f"--tokenizer_dir={smollm2_engine_dir}",
+             f"--served_model_name={MODEL}", "--reasoning_parser=qwen3"]
+    with in_process_frontends({"reasoning": config_from_arguments(parse_arguments(flags))}) as urls:
+        assert wait_for(lambda: requests.get(f"{urls['reasoning']}/health", timeout=2).status_code == 200, timeout=30)
+        yield urls["reasoning"]
+
+
+@pytest.fixture(scope="module")
+def replies(frontend, reasoning_frontend):
     """Every request of the tests below but the bad inputs' (each waits on no other's), sent at once when
     the first test asks: {test: [Future of each request's answer]}. The engine batches 8 and keeps its
     slots full from the queue; the tool call's unary and streamed requests at once too (greedy: the
     same ids either way, as test_openai_frontend.py's streamed-against-unary tests send them). One test
     after another (each test's own requests at once, the tool call's two one after the other), the file's
     tests took 31.5 s of CI's make test (2026-11-30)."""
-    with openai.OpenAI(base_url=f"{frontend}/v1", api_key="unused", max_retries=0, timeout=120) as client:
+    with openai.OpenAI(base_url=f"{frontend}/v1", api_key="unused", max_retries=0, timeout=120) as client, \
+            openai.OpenAI(base_url=f"{reasoning_frontend}/v1", api_key="unused", max_retries=0, timeout=120) as thinker:
         chat, completion = client.chat.completions.create, client.completions.create
+        thinking = dict(model=MODEL, messages=ASK_CAPITAL, temperature=0, extra_body={"guided_regex": THINKING},
+                        **LIMIT)
         json_schema = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY, "strict": True}}
         sends = {
             "json_schema": [partial(chat, model=MODEL, messages=ASK_CITY, response_format=json_schema, **sampling,
@@ -98,6 +122,9 @@ def replies(frontend):
                         tool_choice={"type": "function", "function": {"name": "get_time"}}, **LIMIT),
                 partial(chat, model=MODEL, messages=ASK_WEATHER, tools=TOOLS, tool_choice="required",
                         parallel_tool_calls=False, temperature=1.0, seed=8, **LIMIT)],
+            "reasoning": [partial(thinker.chat.completions.create, **thinking),
+                          lambda: list(thinker.chat.completions.create(**thinking, stream=True,
+                                                                       stream_options={"include_usage": True}))],
         }
         with ThreadPoolExecutor(max_workers=sum(map(len, sends.values()))) as pool:
             yield {test: [pool.submit(send) for send in test_sends] for test, test_sends in sends.items()}
@@ -178,3 +205,22 @@ def test_bad_input_gets_a_400_naming_it_and_the_server_keeps_serving(client, kwa
     assert words.lower() in error.message.lower(), error.message
     ok = client.chat.completions.create(model=MODEL, messages=ASK_WEATHER, max_tokens=2, temperature=0)
     assert ok.choices[0].finish_reason == "length"
+
+
+def test_reasoning_block_is_reasoning_content_unary_and_streamed(replies):
+    """SmolLM2, guided to write a reasoning block, read with --reasoning_parser qwen3: the block's text is
+    reasoning_content, the rest content; streamed, the role first, then reasoning deltas, then content,
+    adding up to the unary answer (greedy: the same ids), every token counted in usage."""
+    unary, chunks = answers(replies, "reasoning")
+    message, choice = unary.choices[0].message, unary.choices[0]
+    assert choice.finish_reason == "stop" and message.reasoning_content and message.content
+    assert re.fullmatch(THINKING, f"<think>{message.reasoning_content}</think>{message.content}"), message
+    deltas = [chunk.choices[0].delta for chunk in chunks if chunk.choices]
+    assert deltas[0].role == "assistant" and not getattr(deltas[0], "reasoning_content", None)
+    reasoning = [getattr(delta, "reasoning_content", None) or "" for delta in deltas]
+    content = [delta.content or "" for delta in deltas]
+    assert "".join(reasoning) == message.reasoning_content and "".join(content) == message.content
+    first_content = next(i for i, piece in enumerate(content) if piece)
+    assert not any(reasoning[first_content:]) and sum(1 for piece in reasoning if piece) > 1
+    finishes = [chunk.choices[0].finish_reason for chunk in chunks if chunk.choices and chunk.choices[0].finish_reason]
+    assert finishes == ["stop"] and chunks[-1].usage.completion_tokens == unary.usage.completion_tokens
