@@ -48,10 +48,12 @@ from __future__ import annotations
 import argparse
 import atexit
 import contextlib
+import faulthandler
 import json
 import os
 import random
 import shutil
+import signal
 import socket
 import statistics
 import subprocess
@@ -149,17 +151,22 @@ def tensor_parallel_ranks(engine: str, tp_size: int):
                 "TRITONLLM_DIST_ADDR": "127.0.0.1", "TRITONLLM_DIST_PORT": str(port),
                 "PYTHONPATH": os.pathsep.join(p for p in (root, saved.get("PYTHONPATH")) if p)}
 
-    workers = [subprocess.Popen([sys.executable, "-m", "engine.tensor_parallel.worker", "--engine_dir", engine],
-                                env=rank_env(rank), cwd=root) for rank in range(1, tp_size)]
+    # (-X faulthandler: a worker's stacks on SIGUSR1 too, as main registers this process's: a hung run shows where)
+    workers = [subprocess.Popen([sys.executable, "-c", "import faulthandler, signal, sys; "
+                                 "faulthandler.register(signal.SIGUSR1, all_threads=True); "
+                                 "from engine.tensor_parallel.worker import exit_now, main; exit_now(main(sys.argv[1:]))",
+                                 "--engine_dir", engine], env=rank_env(rank), cwd=root) for rank in range(1, tp_size)]
     os.environ.update(rank_env(0))
+    failed = True
     try:
         yield
+        failed = False
     finally:
         os.environ.clear()
         os.environ.update(saved)
-        for worker in workers:
+        for worker in workers:  # (the executor's shutdown ended them; after a failure before it, nothing will)
             try:
-                worker.wait(timeout=60)
+                worker.wait(timeout=5 if failed else 60)
             except subprocess.TimeoutExpired:
                 worker.kill()
                 worker.wait()
@@ -785,6 +792,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> dict:
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `timeout -s USR1`: every thread's stack, then on
     args = parse_args(argv)
     sections = args.sections.split(",")
     results = {"date": utc_now(), "device": args.device, "machine": machine_summary(args.device), "commit": git_commit(),
