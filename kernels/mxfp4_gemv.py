@@ -41,12 +41,9 @@ token's K experts: out (T, H); option "r": the last program of a token's tile to
 each rounded to x's dtype as out_k's are, in expert order: out (T, H) with no summing launch). A digit S in a
 tile's options splits each row's groups over S programs (grid (..., S)), each storing its float32 sums; the last
 to arrive adds them in split order and finishes the tile (deterministic; kernels/linear.py's self-resetting
-arrival counters): S times the programs at 1 token, where ~2.7 programs an SM kept few bytes in flight. Option
-"x" (gate_up) drops the prepare launch, each gate_up program routing and writing its share of its token's pairs
-itself (H200 call 33: 18-27 us slower, kept as a measured alternative); "l" prefetches a launch's own rows into
-L2 before its PDL wait; "d" has each gate_up program prefetch its share of its expert's down codes into L2
-("l" and "d": compiled for sm_90, the prefetch before the PDL wait checked in the PTX; they ran in H200 call
-34's load-time choice, whose timings the run's time limit lost: not yet timed).
+arrival counters): S times the programs at 1 token, where ~2.7 programs an SM kept few bytes in flight. (Options
+"x", no prepare launch, H200 call 33: 18-27 us slower; "l" / "d", L2 prefetches of a launch's own rows / of down's
+codes, never among the load-time choice's candidates: removed, benchmarks/results/kernels.md.)
 
 ASM: the stage arithmetic and HFMA2 run as inline PTX (``tl.inline_asm_elementwise``, pack 4: a thread's 4
 contiguous words, which lie in one scale group, chained in float16 and returned as one float32 in the first
@@ -64,7 +61,7 @@ import math
 
 import torch
 
-from kernels._triton import jit, pdl_options, pdl_prologue, prefetch_weight_l2, tl, triton
+from kernels._triton import jit, pdl_options, pdl_prologue, tl, triton
 from kernels.linear import _arrival_counters, last_arrival
 from kernels.moe_epilogue import ACTIVATIONS, ExpertEpilogue, swiglu_clamped
 from kernels.moe_routing import _top_k_of_row
@@ -74,25 +71,19 @@ from kernels.mxfp4_codes import exponent_factor
 # each) and the down launch; options: "p" the codes prefetched a step ahead, "f" (down alone) the K experts summed
 # in the launch, a digit S: S programs split each row's groups (more programs, more bytes in flight at 1 token;
 # the tile's last arrival adds the S sums), "r" (down alone) the last arrival of a token's tile sums its K experts
-# (no summing launch, and S * K programs share the sum), "x" (gate_up alone) no prepare launch: each gate_up program
-# routes its token and writes its activation pairs itself, "l" the program's rows prefetched into L2 before the
-# PDL wait (gate_up: while prepare runs, not with "x"; down: while gate_up streams), "d" (gate_up alone) each
-# gate_up program prefetches its share of its expert's down codes into L2 as it starts. The load-time choice
+# (no summing launch, and S * K programs share the sum). The load-time choice
 # (kernels/moe_gemv_choice.py) times WORD_TILES (few: a compile each at every cold engine load); SWEEP_TILES are
 # what benchmarks/kernels/moe_gemv_bench.py --word-tiles and the sm_90 compile test cover.
 # (H200 call 33, gpt-oss-20b at 1 token, prepare + gate_up + down (+ sum): gate_up (32, 4, 4, "p") 46.2 us and
 # (16, 8, 4) 46.1 with down (32, 4, 4), splits 46.5-48.1, "x" 64.2-73.1; then down (16, 8, 4) 39.2, "r" 38.5, "r2"
-# 37.9, (32, 4, 4, "p") 43.5. Three candidates, as before: call 34's cold gpt-oss-20b load with five (two of them
-# "l" / "d", never timed on a GPU) spent 99.0 s in its 18 load-time choices against call 28's 48.3 s with three.)
+# 37.9, (32, 4, 4, "p") 43.5. Three candidates: call 34's cold gpt-oss-20b load with five spent 99.0 s in its 18
+# load-time choices against call 28's 48.3 s with three.)
 WORD_TILES = ((32, 4, 4, "p"), (16, 8, 4), (16, 8, 4, "r2"))
 SWEEP_TILES = ((16, 4, 4), (16, 2, 2), (32, 4, 4), (32, 2, 4), (32, 4, 2), (64, 2, 4), (64, 4, 4), (16, 8, 4),
                (32, 1, 2), (64, 1, 4), (16, 4, 4, "p"), (32, 4, 4, "p"), (16, 4, 4, "f"), (32, 4, 4, "f"),
                (16, 4, 4, "fp"), (32, 4, 4, "fp"), (16, 8, 4, "p"), (64, 4, 8, "p"), (32, 4, 4, "p2"),
                (16, 4, 4, "p2"), (16, 8, 4, "p2"), (32, 4, 4, "p3"), (16, 8, 4, "r"), (16, 8, 4, "pr"),
-               (16, 8, 4, "r2"), (16, 8, 4, "pr2"), (16, 4, 4, "pr2"), (32, 4, 4, "pr2"), (16, 8, 4, "r3"),
-               (32, 4, 4, "px"), (16, 8, 4, "px"), (32, 4, 4, "px2"), (16, 8, 4, "px2"), (16, 8, 4, "rl"),
-               (16, 8, 4, "prl2"), (32, 4, 4, "pl"), (32, 4, 4, "pl2"), (16, 8, 4, "pl2"), (16, 8, 4, "rl2"),
-               (32, 4, 4, "pd"), (16, 8, 4, "d"), (32, 4, 4, "pld"))
+               (16, 8, 4, "r2"), (16, 8, 4, "pr2"), (16, 4, 4, "pr2"), (32, 4, 4, "pr2"), (16, 8, 4, "r3"))
 # (The asm's packs need each thread to hold 4 contiguous words of one row and group: tests/kernels/
 # test_mxfp4_gemv.py's sm_90 compile checks every SWEEP_TILES entry; (16, 2, 4) (2 words a thread), (8, 8, 2),
 # (8, 16, 4), (16, 16, 4) and (8, 32, 8) fail it.)
@@ -168,14 +159,13 @@ def _prepare_kernel(x_ptr, logits_ptr, ids_ptr, weights_ptr, pairs_ptr, inv_ptr,
         slots = tl.arange(0, K_PAD)
         tl.store(ids_ptr + t * TOP_K + slots, chosen_id, mask=slots < TOP_K)
         tl.store(weights_ptr + t * TOP_K + slots, chosen_w, mask=slots < TOP_K)
-    inv = _prepare_row(x_ptr + t.to(tl.int64) * stride_x, pairs_ptr + t.to(tl.int64) * K, K, 0, K // 64, BLOCK)
+    inv = _prepare_row(x_ptr + t.to(tl.int64) * stride_x, pairs_ptr + t.to(tl.int64) * K, K, BLOCK)
     tl.store(inv_ptr + t, inv)
 
 
 @jit
-def _prepare_row(x_row, pairs_row, K, g_begin, g_end, BLOCK: tl.constexpr):
-    """One token's activations x (K) as float16 pairs x * 2^p at pairs_row (module docstring), those of groups
-    [g_begin, g_end) of each half (2^p from the whole row); returns 2^-p."""
+def _prepare_row(x_row, pairs_row, K, BLOCK: tl.constexpr):
+    """One token's activations x (K) as float16 pairs x * 2^p at pairs_row (module docstring); returns 2^-p."""
     cols = tl.arange(0, BLOCK)
     ok = cols < K
     x = tl.load(x_row + cols, mask=ok, other=0.0).to(tl.float32)
@@ -185,9 +175,7 @@ def _prepare_row(x_row, pairs_row, K, g_begin, g_end, BLOCK: tl.constexpr):
     # precision the sums need; +-100 keeps 2^p and 2^-p float32 normals)
     p = tl.minimum(tl.maximum(13 - exponent, -100), 100)
     scale = ((p + 127) << 23).to(tl.float32, bitcast=True)
-    group = (cols % (K // 2)) // 32
-    tl.store(pairs_row + _pair_offsets(cols, K // 2), (x * scale).to(tl.float16),
-             mask=ok & (group >= g_begin) & (group < g_end))
+    tl.store(pairs_row + _pair_offsets(cols, K // 2), (x * scale).to(tl.float16), mask=ok)
     return ((127 - p) << 23).to(tl.float32, bitcast=True)
 
 
@@ -371,41 +359,16 @@ def _split_groups(half_words, SPLIT: tl.constexpr, GROUPS: tl.constexpr):
 
 
 @jit
-def _prefetch_share(base, count, share, shares, LINE: tl.constexpr):
-    """Share ``share`` of ``shares`` (whole 128-byte lines of LINE elements) of the ``count`` elements at ``base``
-    into L2: kernels/_triton.py prefetch_weight_l2's bulk prefetches (the copy engine's work, nothing waits)."""
-    per_share = tl.cdiv(tl.cdiv(count, shares), LINE) * LINE
-    begin = share * per_share
-    end = tl.maximum(tl.minimum(begin + per_share, count), begin)
-    one = tl.arange(0, 1)
-    prefetch_weight_l2(base, base + one[:, None], one < 1, begin, end)
-
-
-@jit
 def _words_gate_up_kernel(
     pairs_ptr, inv_ptr, ids_ptr, w_ptr, s_ptr, bias_ptr, act_pairs_ptr, x_ptr, part_ptr, arrivals_ptr, I, half_words,
-    stride_we, stride_wn, stride_se, stride_be, pairs16_ptr, logits_ptr, weights_ptr, num_experts, stride_x,
-    stride_l, down_ptr, down_words, down_s_ptr, down_scales, DOWN_SCALE: tl.constexpr, TOP_K: tl.constexpr,
+    stride_we, stride_wn, stride_se, stride_be, DOWN_SCALE: tl.constexpr, TOP_K: tl.constexpr,
     BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
-    SWIGLU_LIMIT: tl.constexpr, PREFETCH: tl.constexpr, SPLIT: tl.constexpr, PREPARE: tl.constexpr,
-    ROUTE_IN_KERNEL: tl.constexpr, RENORMALIZE: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
-    BLOCK_H: tl.constexpr, L2_PREFETCH: tl.constexpr, DOWN_PREFETCH: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
+    SWIGLU_LIMIT: tl.constexpr, PREFETCH: tl.constexpr, SPLIT: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
 ):
     """Program (a, tile[, split]): the activation of assignment a's rows [tile * BLOCK_N, +BLOCK_N) (module
     docstring, 2), rounded to x's dtype (x_ptr: read for its dtype alone), stored as down's float16 pairs
     (act_pairs_ptr: (T * K, I) float16) times DOWN_SCALE. SPLIT > 1: each split sums its share of H's groups into
-    part_ptr ((T * K * SPLIT, 2I) float32) and the tile's last arrival adds them in split order and finishes.
-    PREPARE: no prepare launch: each program routes its token itself (ROUTE_IN_KERNEL; tile 0 of split 0 stores the
-    slot's id and weight for down) and writes its token's pairs (pairs16_ptr: the same buffer as float16), the same
-    values every program of the token writes, then reads them after a barrier (its own writes, or equal ones).
-    L2_PREFETCH (with PDL, not PREPARE): before the PDL wait (on the prepare launch), the program routes its token
-    from the logits (the router's, two launches back; or reads the given ids) and prefetches its gate and up rows
-    of its split's groups into L2, so the codes stream while prepare runs; the routing that counts is prepare's,
-    read after the wait (an early id is clamped to the experts: a prefetch only). DOWN_PREFETCH (CUDA): once its
-    expert is known, the program prefetches its share (one of tiles x splits) of that expert's down codes
-    (down_ptr: int32 words, down_words an expert) and exponents (down_s_ptr, down_scales) into L2 (bulk
-    prefetches), fire and forget: gate_up's programs leave HBM idle between their serial steps, and the down
-    launch then reads its codes from L2 (not yet timed)."""
+    part_ptr ((T * K * SPLIT, 2I) float32) and the tile's last arrival adds them in split order and finishes."""
     # Word strides are whole 32-byte groups (K % 64 == 0): written as multiples of 8 so Triton knows each row's
     # groups are 16-byte aligned (a row of gpt-oss-20b is 360 words, not a multiple of 16: unspecialized). Then a
     # thread's 4 contiguous words are one 16-byte load and one pack of the inline asm, which relies on them sharing
@@ -416,43 +379,9 @@ def _words_gate_up_kernel(
     a = tl.program_id(0)
     tile = tl.program_id(1)
     token = a // TOP_K
-    if L2_PREFETCH and PDL and not PREPARE:
-        if ROUTE_IN_KERNEL:
-            _, early_ids = _top_k_of_row(logits_ptr + token.to(tl.int64) * stride_l, num_experts, TOP_K, K_PAD,
-                                         E_PAD, RENORMALIZE)
-            early = tl.sum(tl.where(tl.arange(0, K_PAD) == a % TOP_K, early_ids, 0), 0)
-        else:
-            early = tl.load(ids_ptr + a)
-        early = tl.minimum(tl.maximum(early, 0), num_experts - 1).to(tl.int64)
-        early_rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-        early_gate = w_ptr + early * stride_we + early_rows.to(tl.int64)[:, None] * stride_wn
-        first, last = _split_groups(half_words, SPLIT, GROUPS)
-        prefetch_weight_l2(w_ptr, early_gate, early_rows < I, first * 8, last * 8)
-        prefetch_weight_l2(w_ptr, early_gate + I * stride_wn, early_rows < I, first * 8, last * 8)
     pdl_prologue(PDL)
-    if PREPARE:
-        if ROUTE_IN_KERNEL:
-            chosen_w, chosen_id = _top_k_of_row(logits_ptr + token.to(tl.int64) * stride_l, num_experts, TOP_K,
-                                                K_PAD, E_PAD, RENORMALIZE)
-            is_slot = tl.arange(0, K_PAD) == a % TOP_K
-            expert = tl.sum(tl.where(is_slot, chosen_id, 0), 0)
-            if (tile == 0) & (tl.program_id(2) == 0):  # (for the down launch)
-                tl.store(ids_ptr + a, expert)
-                tl.store(weights_ptr + a, tl.sum(tl.where(is_slot, chosen_w, 0.0), 0))
-        else:
-            expert = tl.load(ids_ptr + a)
-        g_begin, g_end = _split_groups(half_words, SPLIT, GROUPS)
-        inv = _prepare_row(x_ptr + token.to(tl.int64) * stride_x, pairs16_ptr + token.to(tl.int64) * (8 * half_words),
-                           8 * half_words, g_begin, g_end, BLOCK_H)  # (the pairs of its split's groups alone)
-        tl.debug_barrier()  # (every thread's pairs stored before any thread reads its step's)
-    else:
-        expert = tl.load(ids_ptr + a)
-        inv = tl.load(inv_ptr + token)
-    e64 = expert.to(tl.int64)
-    if DOWN_PREFETCH and ASM:
-        share, shares = tile * tl.num_programs(2) + tl.program_id(2), tl.num_programs(1) * tl.num_programs(2)
-        _prefetch_share(down_ptr + e64 * down_words, down_words, share, shares, 32)
-        _prefetch_share(down_s_ptr + e64 * down_scales, down_scales, share, shares, 128)  # (its exponents)
+    e64 = tl.load(ids_ptr + a).to(tl.int64)
+    inv = tl.load(inv_ptr + token)
     rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     rows_ok = rows < I
     gate_rows = w_ptr + e64 * stride_we + rows.to(tl.int64)[:, None, None] * stride_wn
@@ -516,8 +445,7 @@ def _words_down_kernel(
     act_pairs_ptr, ids_ptr, weights_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, part_ptr, arrivals_ptr, H, half_words,
     stride_we, stride_wn, stride_se, stride_be, stride_o, INV_SCALE: tl.constexpr, TOP_K: tl.constexpr,
     FOLD: tl.constexpr, REDUCE: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr,
-    HAS_BIAS: tl.constexpr, PREFETCH: tl.constexpr, L2_PREFETCH: tl.constexpr, NUM_EXPERTS: tl.constexpr,
-    ASM: tl.constexpr, PDL: tl.constexpr,
+    HAS_BIAS: tl.constexpr, PREFETCH: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr,
 ):
     """out_k[a, rows] = w_a * (down_e[rows] . act[a] + bias) (module docstring, 3) for assignment a = program_id(0);
     FOLD: program_id(0) is a token t, and out[t, rows] is the sum over its TOP_K assignments, accumulated in float32
@@ -525,21 +453,13 @@ def _words_down_kernel(
     split's share of I stored in part_ptr ((T * K * SPLIT, H) float32); the last of a token tile's TOP_K * SPLIT
     arrivals adds them (splits, then experts, in order: deterministic), each expert's row rounded to out's dtype
     as the reference rounds it, into out[t] (no summing launch); SPLIT > 1 without REDUCE: the last of an
-    assignment tile's SPLIT arrivals finishes out_k[a]. L2_PREFETCH (with PDL, not FOLD): before the PDL wait, the
-    program's rows of its split's groups are prefetched into L2 (kernels/_triton.py prefetch_weight_l2) while
-    gate_up still streams: the expert id read there is the prepare launch's (two launches back; an id read before
-    it is written, gate_up's "x", only prefetches other rows: clamped to the experts, never wrong results)."""
+    assignment tile's SPLIT arrivals finishes out_k[a]."""
     stride_wn = (stride_wn // 8) * 8  # (as in _words_gate_up_kernel: 16-byte aligned groups, the asm's packs)
     stride_we = (stride_we // 8) * 8
     half_words = (half_words // 8) * 8
     tile = tl.program_id(1)
     rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     rows_ok = rows < H
-    if L2_PREFETCH and PDL and not FOLD:
-        early = tl.minimum(tl.maximum(tl.load(ids_ptr + tl.program_id(0)), 0), NUM_EXPERTS - 1).to(tl.int64)
-        first, last = _split_groups(half_words, SPLIT, GROUPS)
-        prefetch_weight_l2(w_ptr, w_ptr + early * stride_we + rows.to(tl.int64)[:, None] * stride_wn, rows_ok,
-                           first * 8, last * 8)
     pdl_prologue(PDL)
     if FOLD:
         total = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -626,14 +546,11 @@ def mxfp4_words_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tenso
     pairs = torch.empty(num_tokens, hidden, dtype=torch.float16, device=device)
     inv = torch.empty(num_tokens, dtype=torch.float32, device=device)
     pdl = pdl_options(x)
-    prepare = "x" in g_opts  # (no prepare launch: gate_up's programs route and prepare themselves)
-    routing = dict(TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), E_PAD=triton.next_power_of_2(num_experts),
-                   ROUTE_IN_KERNEL=route, RENORMALIZE=renormalize)
-    if not prepare:
-        _prepare_kernel[(num_tokens,)](
-            x, router_logits if route else x, ids, weights, pairs, inv, num_experts, hidden, x.stride(0),
-            router_logits.stride(0) if route else 0, BLOCK=triton.next_power_of_2(hidden), num_warps=4, **routing,
-            **pdl)
+    _prepare_kernel[(num_tokens,)](
+        x, router_logits if route else x, ids, weights, pairs, inv, num_experts, hidden, x.stride(0),
+        router_logits.stride(0) if route else 0, TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k),
+        E_PAD=triton.next_power_of_2(num_experts), ROUTE_IN_KERNEL=route, RENORMALIZE=renormalize,
+        BLOCK=triton.next_power_of_2(hidden), num_warps=4, **pdl)
     shift = down_shift(epilogue)
     gu_b, d_b = epilogue.gate_up_bias, epilogue.down_bias
     act_pairs = torch.empty(num_tokens * top_k, inter, dtype=torch.float16, device=device)
@@ -647,14 +564,10 @@ def mxfp4_words_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tenso
     _words_gate_up_kernel[(num_tokens * top_k, gu_tiles, g_split)](
         pairs.view(torch.int32), inv, ids, gu_words, gate_up_scale, x if gu_b is None else gu_b, act_pairs, x,
         gu_part, arrivals, inter, half_h // 4, gu_words.stride(0), gu_words.stride(1), gate_up_scale.stride(0),
-        0 if gu_b is None else gu_b.stride(0), pairs, router_logits if route else x, weights, num_experts,
-        x.stride(0), router_logits.stride(0) if route else 0, d_words, d_words.stride(0), down_scale,
-        down_scale.stride(0),
-        DOWN_SCALE=float(2.0 ** shift), BLOCK_N=gn,
+        0 if gu_b is None else gu_b.stride(0), DOWN_SCALE=float(2.0 ** shift), TOP_K=top_k, BLOCK_N=gn,
         GROUPS=gg, HAS_BIAS=gu_b is not None, ACTIVATION=ACTIVATIONS[epilogue.activation],
-        SWIGLU_LIMIT=float(epilogue.swiglu_limit), PREFETCH="p" in g_opts, SPLIT=g_split, PREPARE=prepare,
-        BLOCK_H=triton.next_power_of_2(hidden), L2_PREFETCH="l" in g_opts, DOWN_PREFETCH="d" in g_opts, ASM=asm,
-        num_warps=gw, **routing, **pdl)
+        SWIGLU_LIMIT=float(epilogue.swiglu_limit), PREFETCH="p" in g_opts, SPLIT=g_split, ASM=asm,
+        num_warps=gw, **pdl)
     out_k = torch.empty(num_tokens if fold or reduce else num_tokens * top_k, hidden, dtype=x.dtype, device=device)
     d_part = torch.empty(num_tokens * top_k * d_split, hidden, dtype=torch.float32, device=device) \
         if d_split > 1 or reduce else inv
@@ -663,7 +576,7 @@ def mxfp4_words_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tenso
         d_part, arrivals, hidden, inter // 8, d_words.stride(0), d_words.stride(1), down_scale.stride(0),
         0 if d_b is None else d_b.stride(0), out_k.stride(0), INV_SCALE=float(2.0 ** -shift), TOP_K=top_k,
         FOLD=fold, REDUCE=reduce, SPLIT=1 if fold else d_split, BLOCK_N=dn, GROUPS=dg, HAS_BIAS=d_b is not None,
-        PREFETCH="p" in d_opts, L2_PREFETCH="l" in d_opts, NUM_EXPERTS=num_experts, ASM=asm, num_warps=dw, **pdl)
+        PREFETCH="p" in d_opts, ASM=asm, num_warps=dw, **pdl)
     if fold or reduce:
         return out_k
     out_k = out_k.view(num_tokens, top_k, hidden)

@@ -100,10 +100,8 @@ def test_split_folded_launches_and_the_last_arrivals_sum(device):
     """Splits over K (the tile option's digit: H 128 and I 128 are 2 groups a side, so 3 splits leave one empty)
     whose last arrival finishes the tile, and down's "r": the last of a token tile's K * splits arrivals sums its
     experts (no summing launch); then other activations through splits without "r" (unsummed rows; the first
-    call's arrival counters are back at 0) and "x": no prepare launch, gate_up's programs route (or, last, read the
-    given routing) and write the activation pairs themselves ("l": down's rows prefetched into L2 before the PDL
-    wait, on CUDA alone; "d": gate_up prefetching down's codes, likewise). (Tiles of 128 rows: few programs on the
-    interpreter.)"""
+    call's arrival counters are back at 0), and "r" without splits over the given routing. (Tiles of 128 rows: few
+    programs on the interpreter.)"""
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     x, logits, kernel, widened, epilogue, ref_epilogue = gpt_oss_problem(1, seed=94, dtype=dtype, hidden=128,
                                                                          inter=128)
@@ -112,9 +110,9 @@ def test_split_folded_launches_and_the_last_arrivals_sum(device):
     on_device = ExpertEpilogue(*on(device, epilogue.gate_up_bias, epilogue.down_bias), "swiglu_clamped", LIMIT)
     routed = dict(router_logits=logits.to(device), renormalize=True)
     given = dict(topk_weights=weights.to(device), topk_ids=ids.to(device))
-    for x_call, tiles, sum_experts, routing in ((x, ((128, 1, 4, "2d"), (128, 1, 4, "r3")), True, routed),
-                                                (-2 * x, ((128, 1, 4, "px3"), (128, 1, 4, "2")), False, routed),
-                                                (x / 4, ((128, 1, 4, "x"), (128, 1, 4, "rl")), True, given)):
+    for x_call, tiles, sum_experts, routing in ((x, ((128, 1, 4, "2"), (128, 1, 4, "r3")), True, routed),
+                                                (-2 * x, ((128, 1, 4, "p3"), (128, 1, 4, "2")), False, routed),
+                                                (x / 4, ((128, 1, 4), (128, 1, 4, "r")), True, given)):
         ref = moe_gemv_ref(x_call.float(), *widened, weights, ids, epilogue=ref_epilogue)
         out = mxfp4_words_triton(x_call.to(device), codes[0][0], codes[1][0], codes[0][1], codes[1][1], top_k=TOP_K,
                                  epilogue=on_device, tiles=tiles, sum_experts=sum_experts, asm=device == "cuda",
@@ -165,8 +163,7 @@ AOT = AOT_SM90
 
 # (gate_up's; down's alike): Triton specializes those % 16 == 0
 GPT_OSS_ARGS = dict(I=2880, H=2880, half_words=360, stride_we=5760 * 360, stride_wn=360, stride_se=90 * 5760,
-                    stride_be=5760, stride_o=2880, stride_x=2880, num_experts=32, stride_l=32, down_words=2880 * 360,
-                    down_scales=90 * 2880)
+                    stride_be=5760, stride_o=2880)
 
 
 def compile_sm90(which: str, tiles: tuple, asm: bool = True):
@@ -179,13 +176,10 @@ def compile_sm90(which: str, tiles: tuple, asm: bool = True):
     options = (options or [""])[0]
     pointers = dict(pairs_ptr="*i32", inv_ptr="*fp32", ids_ptr="*i32", weights_ptr="*fp32", w_ptr="*i32",
                     s_ptr="*u8", bias_ptr="*bf16", act_pairs_ptr="*fp16" if which == "gate_up" else "*i32",
-                    x_ptr="*bf16", out_ptr="*bf16", part_ptr="*fp32", arrivals_ptr="*i32", pairs16_ptr="*fp16",
-                    logits_ptr="*bf16", down_ptr="*i32", down_s_ptr="*u8")  # (down reads the pairs as words)
+                    x_ptr="*bf16", out_ptr="*bf16", part_ptr="*fp32", arrivals_ptr="*i32")  # (down: the pairs as words)
     const = dict(DOWN_SCALE=256.0, INV_SCALE=1 / 256, TOP_K=4, BLOCK_N=block_n, GROUPS=groups, HAS_BIAS=True,
                  ACTIVATION=1, SWIGLU_LIMIT=7.0, ASM=asm, PDL=True, FOLD="f" in options, PREFETCH="p" in options,
-                 REDUCE="r" in options, SPLIT=tile_split(options), PREPARE="x" in options, ROUTE_IN_KERNEL=True,
-                 RENORMALIZE=True, K_PAD=4, E_PAD=32, BLOCK_H=4096, L2_PREFETCH="l" in options, NUM_EXPERTS=32,
-                 DOWN_PREFETCH="d" in options)
+                 REDUCE="r" in options, SPLIT=tile_split(options))
     return compile_for_sm90(fn, pointers, const, warps=warps,
                             aligned_int=lambda name: GPT_OSS_ARGS.get(name, 1) % 16 == 0)
 
@@ -210,11 +204,6 @@ def test_compiles_for_sm90_without_spills(which, tiles, tmp_path):
     packs = asm_packs(compiled.asm["llir"])
     assert packs and all(len(set(p[20:24])) == 1 and len(set(p[24:28])) == 1 and len(set(p[0:4])) == 4 for p in packs)
     assert ".v4.b32" in compiled.asm["ptx"] or "ld.global.v4" in compiled.asm["ptx"]
-    ptx = compiled.asm["ptx"]
-    if "l" in (tiles[3:] or ("",))[0] and "x" not in tiles[3]:  # the L2 prefetch comes before the PDL wait
-        assert -1 < ptx.find("prefetch.L2") < ptx.find("griddepcontrol.wait")
-    if which == "gate_up" and "d" in (tiles[3:] or ("",))[0]:  # down's codes prefetched
-        assert "prefetch.L2" in ptx
     usage = resource_usage(compiled, tmp_path)
     if usage is not None:
         assert "LOCAL:0 " in usage and stack_bytes(usage) <= 8, usage
