@@ -183,8 +183,10 @@ def serving_repository(repo: str | Path, work: Path, mpi: bool = False):
 # A stopping tritonserver waits for its clients' idle keep-alive connections (a test's requests and
 # tritonclient sessions hold some) up to its exit timeout, 30 s, before it unloads the models. A
 # test's server has nothing left to finish when it is stopped, so it gets this long, then SIGKILL,
-# and so does every process that was below it.
-STOP_WAIT_S = 1.0
+# and so does every process that was below it. (1 s until 2026-11-30: a server's log showed it still
+# waiting on a connection when the SIGKILL came, so each stop was a second of waiting for nothing; a
+# frontend or a process that ends on SIGTERM still ends by itself within this.)
+STOP_WAIT_S = 0.2
 # Servers started and not stopped yet: stopped at interpreter exit too, where a fixture's teardown
 # did not run (SIGKILL and os._exit still skip both).
 running_servers: set[subprocess.Popen] = set()
