@@ -182,7 +182,7 @@ def run_offline(executor, requests: list[Request]) -> tuple[float, int]:
 
 def executor_offline(args, engine: str, requests, tokens: int, cpu_kv_tokens: int,
                      profile_path: Path | None = None, after=None) -> dict:
-    """Start an executor on ``engine``, warm it up with ``requests(4)`` (the encoder's kernels at
+    """Start an executor on ``engine``, warm it up with ``requests(4)`` twice (the encoder's kernels at
     this batch, the prompt step, the graphs), then time ``requests(tokens)`` enqueued at once.
     Returns seconds, output_tokens, graphed (decode graphs captured), graph_steps / steps (decode
     steps replayed from them / all forwards), encoder_seconds (the encoder runs' device time) and
@@ -197,6 +197,11 @@ def executor_offline(args, engine: str, requests, tokens: int, cpu_kv_tokens: in
                             cross_kv_cache_dtype=args.cross_kv_cache_dtype,
                             max_tokens_in_paged_kv_cache=cpu_kv_tokens if args.device == "cpu" else None)
     with tensor_parallel_ranks(engine, args.tp_size), Executor(engine, config, device=args.device) as ex:
+        # Warmed up twice: the process's first two encoder passes at a batch run slow whatever their order (Whisper
+        # 64 clips: 1,224 and 870 ms, then 365-382 ms in every later pass, a fresh executor's included; no
+        # allocations in the second; the GPU at full clocks; the same with the cyclic collector off: session 26,
+        # benchmarks/results/engine.md), so one warm-up left the timed run's encoder at 0.86 s of its 1.57 s.
+        run_offline(ex, requests(4))
         run_offline(ex, requests(4))
         runner, counts = ex.runner, {"graph_steps": 0, "steps": 0, "encoder_seconds": 0.0}
         encode_into, forward, graphs = runner.encode_into, runner.forward, runner.decode_graphs
