@@ -43,8 +43,11 @@ OPENAI_SERVER_FIXTURES = frozenset({"frontend", "lora_adapters"})
 OPENAI_SERVER_SCOPE = "tests/integration[session server + OpenAI frontend]"
 INTEGRATION = "tests/integration/"
 # Files first after the shared unit: each starts tritonserver, mpirun ranks or a built wheel's server
-# (~10-50 s each on CI's two cores), so none of them is left for the end.
-LONG_FIRST = ("tests/tools/test_wheel.py", INTEGRATION, "tests/distributed/")
+# (~10-50 s each on CI's two cores), so none of them is left for the end; so do the two longest of
+# tests/serving (Python-backend stubs in processes of their own, tokenizers loaded a dozen times: 17 and
+# 12 s of session 25's fresh clone), which came among the last files handed out.
+LONG_FIRST = ("tests/tools/test_wheel.py", INTEGRATION, "tests/distributed/",
+              "tests/serving/test_torchless_preprocessing.py", "tests/serving/test_tokenization.py")
 # Handed out second, between the two session-server units: tiny random Llamas on two ranks (~47 s of
 # CI), no SmolLM2 fixture (see the module docstring).
 WHILE_THE_MODEL_LOADS = "tests/distributed/test_tp_engine.py"
