@@ -1,12 +1,14 @@
 """Tensor parallelism of encoder-decoder engines (T5, BART, Whisper): real processes, gloo on CPU, no server.
 
-Tiny random checkpoints (tests/tiny_encdec.py) built at tp_size 2, served one after the other by one
-two-rank job (``encdec_tp_driver.py``: an Executor on make_runner's LeaderRunner, and the real worker's
-main), give transformers' greedy ids and generation logits (text families; Whisper's ids), as TP 1 does
-(tests/engine/test_encoder_decoder.py): split heads (encoder self-attention, decoder self- and
-cross-attention, T5's position table), split MLP widths (T5 v1.1's gated one), each rank's cross pool of
-its heads, the all-reduces after each block, the vocabulary-split LM head, the encoder pass mirrored on
-every rank.
+Tiny random checkpoints (tests/tiny_encdec.py) built at tp_size 2, each served by a two-rank job
+(``encdec_tp_driver.py``: an Executor on make_runner's LeaderRunner, and the real worker's main), give
+transformers' greedy ids and generation logits (text families; Whisper's ids), as TP 1 does
+(tests/engine/test_encoder_decoder.py). `make test` runs T5 v1.1, which reaches the code every family
+shares: split heads (encoder self-attention, decoder self- and cross-attention; T5's position table too),
+split MLP widths (its gated one), each rank's cross pool of its heads, the all-reduces after each block,
+the vocabulary-split LM head, the encoder pass mirrored on every rank. BART (biases: added once after the
+all-reduce; post-norms; final_logits_bias split with the head) and Whisper (its features broadcast to the
+workers, FeatureShapes; the replicated conv front-end) are `extended` (~2 s each).
 """
 from __future__ import annotations
 
@@ -49,29 +51,29 @@ def _forked_rank(rank: int, env: dict, args: tuple) -> None:
         os._exit(code)  # (not pytest's exit handlers)
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict:
-    """family -> (transformers model, the TP 2 job's result for it). Both ranks are forked from this process
-    where torch runs one thread here (`make test`: tests/conftest.py gives each xdist worker cores // workers),
+@pytest.fixture(scope="module", params=[pytest.param(family, marks=[] if family == "t5_v1_1" else pytest.mark.extended)
+                                        for family in FAMILIES])
+def run(request, tmp_path_factory) -> tuple:
+    """(family, transformers model, the TP 2 job's result). Both ranks are forked from this process where
+    torch runs one thread here (`make test`: tests/conftest.py gives each xdist worker cores // workers),
     since a fresh interpreter costs seconds of imports on CI's cores; otherwise, and always with CUDA (which
     does not survive a fork), fresh interpreters: a fork after multi-threaded torch work can hang in the
     child's first parallel op (seen here at -n 0: a worker rank stuck in a matmul)."""
     from tiny_encdec import write_checkpoint
 
-    models, engines = {}, []
-    for family in FAMILIES:
-        root = tmp_path_factory.mktemp(family)
-        models[family] = write_checkpoint(family, root / "checkpoint")
-        engines.append(_build(root, 2))
-    out = str(tmp_path_factory.mktemp("tp2") / "tp2.json")
-    ports = [free_port() for _ in FAMILIES]  # (a rendezvous per family's job)
+    family = request.param
+    root = tmp_path_factory.mktemp(family)
+    model = write_checkpoint(family, root / "checkpoint")
+    engine = _build(root, 2)
+    out = str(root / "tp2.json")
+    port = free_port()
     # a lost rank fails the job in a minute, not the default 15 (CUDA keeps them: its kernels compile at load)
     quick_faults = {} if torch.cuda.is_available() else {"TRITONLLM_DIST_STARTUP_TIMEOUT_S": "60",
                                                          "TRITONLLM_DIST_TIMEOUT_S": "60"}
     if torch.cuda.is_available() or torch.get_num_threads() > 1:
-        command = [sys.executable, DRIVER, "--families", *FAMILIES, "--engine_dirs", *engines,
-                   "--ports", *map(str, ports), "--out", out]
-        ranks = [subprocess.Popen(command + ["--rank", str(rank)], env=rank_env(rank, 2, ports[0], **quick_faults),
+        command = [sys.executable, DRIVER, "--families", family, "--engine_dirs", engine, "--ports", str(port),
+                   "--out", out]
+        ranks = [subprocess.Popen(command + ["--rank", str(rank)], env=rank_env(rank, 2, port, **quick_faults),
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
         try:
             for rank in ranks:
@@ -81,8 +83,8 @@ def runs(tmp_path_factory) -> dict:
             stop(ranks)
     else:
         fork = multiprocessing.get_context("fork")
-        ranks = [fork.Process(target=_forked_rank, args=(rank, rank_env(rank, 2, ports[0], **quick_faults),
-                                                         (list(FAMILIES), engines, ports, out)))
+        ranks = [fork.Process(target=_forked_rank, args=(rank, rank_env(rank, 2, port, **quick_faults),
+                                                         ([family], [engine], [port], out)))
                  for rank in (0, 1)]
         for rank in ranks:
             rank.start()
@@ -94,15 +96,13 @@ def runs(tmp_path_factory) -> dict:
             for rank in ranks:
                 if rank.is_alive():
                     rank.kill()
-    results = json.loads(Path(out).read_text())
-    return {family: (models[family], results[family]) for family in FAMILIES}
+    return family, model, json.loads(Path(out).read_text())[family]
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_tp2_greedy_ids_and_logits_equal_transformers(runs, family):
+def test_tp2_greedy_ids_and_logits_equal_transformers(run):
     from tiny_encdec import generate, generate_whisper
 
-    model, tp2 = runs[family]
+    family, model, tp2 = run
     for index, (prompt, source) in enumerate(requests(family)):
         if family == "whisper":
             assert tp2["tokens"][index] == [t for t in generate_whisper(model, source, MAX_TOKENS, prompt) if t != 1]
@@ -118,7 +118,7 @@ def test_tp_size_that_does_not_divide_the_heads_is_named(tmp_path, capsys):
     from engine.build import main
     from tiny_encdec import write_checkpoint
 
-    write_checkpoint("bart", tmp_path / "checkpoint")
+    write_checkpoint("t5_v1_1", tmp_path / "checkpoint")  # (the module already imported its transformers model)
     assert main(["--checkpoint", str(tmp_path / "checkpoint"), "--output", str(tmp_path / "engine"),
                  "--dtype", "float32", "--tp_size", "3"]) == 2
     assert "tp_size 3 does not divide encoder_heads (4)" in capsys.readouterr().err
