@@ -4,7 +4,7 @@ layer gives the unfused layer's ids and transformers'.
 CPU: the same requests through the executor unfused, then with the decoder prepared (q/k/v one
 weight, LayerNorm/bias/GELU/residual folded into the products: kernels/norm_linear.py's torch
 reference here), equal ids, and the fused layer served the decode steps. GPU (marked): a float32
-engine's CUDA graphs, fused (also with L2 prefetches and the in-kernel split merge) against
+engine's CUDA graphs, fused (also with L2 prefetches) against
 TRITONLLM_ENCDEC_FUSED=0 (also with L2 prefetches) and transformers. CPU also: the L2 prefetch schedule of
 both paths (engine/encoder_decoder/l2_prefetch_plan.py), recorded."""
 from __future__ import annotations
@@ -19,7 +19,6 @@ from engine.encoder_decoder import fused_decode
 from engine.encoder_decoder.cross_attention import CROSS_KERNEL_ENV
 from engine.encoder_decoder.l2_prefetch_plan import PREFETCH_ENV, PREFETCH_KV_ENV
 from engine.executor import Executor, ExecutorConfig, OutputConfig, Request
-from kernels.one_query_attention import MERGE_ENV
 from tests.executor.executor_testing import collect, final_tokens
 from tiny_encdec import WHISPER_PROMPT, build_engine, generate_whisper, write_checkpoint
 
@@ -130,14 +129,13 @@ def test_fused_graphs_equal_unfused_on_gpu(whisper, monkeypatch):
     results = {}
     hopper = torch.cuda.get_device_capability()[0] >= 9
     # the fused layer with the cross decode kernel; again with L2 prefetches 2 sub-layers ahead (and the cross pages)
-    # and the splits merged in the cross kernel; unfused without either, and with the prefetches
-    for name, fused, prefetch, merge in (("fused", "1", "0", "launch"), ("prefetch", "1", "2", "kernel"),
-                                         ("unfused", "0", "0", "launch"), ("unfused-prefetch", "0", "1", "launch")):
+    # unfused without either, and with the prefetches
+    for name, fused, prefetch in (("fused", "1", "0"), ("prefetch", "1", "2"), ("unfused", "0", "0"),
+                                  ("unfused-prefetch", "0", "1")):
         monkeypatch.setenv(fused_decode.FUSED_ENV, fused)
         monkeypatch.setenv(CROSS_KERNEL_ENV, fused)
         monkeypatch.setenv(PREFETCH_ENV, prefetch)
         monkeypatch.setenv(PREFETCH_KV_ENV, "1" if prefetch != "0" else "0")
-        monkeypatch.setenv(MERGE_ENV, merge)
         with Executor(engine, ExecutorConfig(max_batch_size=4), device="cuda") as ex:
             assert getattr(ex.runner.model, "fused_decode", False) == (fused == "1")
             assert (getattr(ex.runner.model, "l2_plan", None) is not None) == (prefetch != "0" and hopper)
