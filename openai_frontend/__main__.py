@@ -55,9 +55,10 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tool_call_parser", default=None, choices=sorted(PARSERS),
                         help="how tool calls are read from the model's text with tool_choice auto: hermes "
                              "(<tool_call>{...}</tool_call>), llama3_json ({\"name\", \"parameters\"}, optionally "
-                             "after <|python_tag|>), mistral ([TOOL_CALLS][{...}]); default: the format the chat "
+                             "after <|python_tag|>), mistral ([TOOL_CALLS][{...}]), openai or harmony (gpt-oss's "
+                             "harmony messages to=functions.NAME; vLLM's name); default: the format the chat "
                              "template uses (<tool_call> -> hermes, [TOOL_CALLS] -> mistral, <|python_tag|> -> "
-                             "llama3_json), else hermes")
+                             "llama3_json, <|channel|> -> openai), else hermes")
     parser.add_argument("--reasoning_parser", default=None, choices=sorted(REASONING_PARSERS) + [NO_REASONING],
                         help="how a reasoning model's chat text is split into reasoning_content and content: "
                              "deepseek_r1 (the output starts inside <think>, ends it at </think>), qwen3 "

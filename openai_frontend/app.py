@@ -35,12 +35,12 @@ from openai_frontend.logprobs import TokenNamer
 from openai_frontend.lora_modules import LoraModule
 from openai_frontend.metrics import FrontendMetrics
 from openai_frontend.protocol import GenerationRequest, image_parts, parse_chat_request, parse_completion_request
-from openai_frontend.reasoning import request_reasoning, with_reasoning
+from openai_frontend.reasoning import chat_parsers, request_reasoning
 from openai_frontend.reasoning_parsers import ReasoningParser
 from openai_frontend.reasoning_parsers import get_parser as get_reasoning_parser
 from openai_frontend.reasoning_parsers import parser_for_template as reasoning_for_template
 from openai_frontend.responses import ResponseShape
-from openai_frontend.tool_calls import finish_reason, keep_markers_decoder, output_parsers
+from openai_frontend.tool_calls import finish_reason, keep_markers_decoder
 from openai_frontend.tool_parsers import ToolParser, coalesce, get_parser, merge_calls, parser_for_template
 from openai_frontend.triton_client import TritonClient
 from openai_frontend.vision import ChatImages, VisionSettings, text_only_error
@@ -338,12 +338,9 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         spec.prompt_table = table
         if grids is not None:  # Qwen2-VL: its prompt's M-RoPE rows
             spec.mrope = frontend.images.mrope(spec.prompt_ids, grids)
-    parsers = output_parsers(parsed.tools, frontend.tool_parser) if chat else None
-    markers = frontend.tool_parser.special_tokens if parsers is not None and parsed.tools.choice == "auto" else ()
     reasoning = request_reasoning(parsed, frontend.reasoning_parser) if chat else None
-    if reasoning is not None:  # the reasoning first, its content then through the tool-call parser
-        parsers = with_reasoning(parsers, reasoning, prompts[0][0], guided=parsed.params.guide is not None)
-        markers += reasoning.special_tokens
+    parsers, markers = chat_parsers(parsed.tools, frontend.tool_parser, reasoning, prompts[0][0],
+                                    guided=parsed.params.guide is not None) if chat else (None, ())
     decode = frontend.decode_keeping(markers)  # the parsers' markers that are special tokens: kept
     async with aclosing(generate_choices(frontend.client, specs, parsed.params, shape.id, frontend.namer,
                                          decode, lora)) as events:

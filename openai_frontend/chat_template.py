@@ -64,6 +64,8 @@ class PromptBuilder:
         if not getattr(self.tokenizer, "chat_template", None):
             raise bad_request("messages", "this model's tokenizer has no chat template; "
                                           "use /v1/completions with a prompt instead")
+        if tool_format is not None:  # past calls as the format's templates read them (harmony's: one a message)
+            messages = tool_format.history(messages)
         has_calls = any(m.get("tool_calls") or m["role"] == "tool" for m in messages)
         if has_calls and not self.template_renders_calls and tool_format is not None:
             messages = history_as_text(messages, tool_format.format_call)

@@ -198,3 +198,37 @@ def history_as_text(messages: list[dict], format_call) -> list[dict]:
         else:
             out.append({k: v for k, v in message.items() if k not in ("tool_calls", "tool_call_id")})
     return [{k: v for k, v in message.items() if k != "tool_results"} for message in out]
+
+
+def one_call_per_message(messages: list[dict]) -> list[dict]:
+    """History for harmony's chat templates: gpt-oss's writes one call per assistant message (its first)
+    and names each tool result after the last call it wrote. So an assistant message with several calls
+    becomes one message per call, each followed by its result (the tool message with the call's id; a
+    result with no such call stays where it was), and a call message's ``reasoning_content`` without
+    content becomes ``thinking``, the analysis that template writes before the call."""
+    results = {m["tool_call_id"]: m for m in messages if m["role"] == "tool" and m.get("tool_call_id")}
+    placed: set[int] = set()  # the tool messages written (by id())
+    out: list[dict] = []
+    for message in messages:
+        calls = message.get("tool_calls") if message["role"] == "assistant" else None
+        if message["role"] == "tool":
+            if id(message) not in placed:
+                placed.add(id(message))
+                out.append(message)
+            continue
+        if not calls:
+            out.append(message)
+            continue
+        for i, call in enumerate(calls):
+            part = {**message, "tool_calls": [call]}
+            if i:  # the message's text goes with its first call
+                part["content"] = ""
+                part.pop("reasoning_content", None)
+            elif part.get("reasoning_content") and not part.get("content"):
+                part["thinking"] = part["reasoning_content"]
+            out.append(part)
+            result = results.get(call["id"])
+            if result is not None and id(result) not in placed:
+                placed.add(id(result))
+                out.append(result)
+    return out

@@ -4,7 +4,9 @@
 
 (the prompt ends with ``<|start|>assistant``, so the first message's role is already written). The
 ``analysis`` channel's bodies are the reasoning; every other channel's (``final``, ``commentary``)
-the content. A header's recipient and format (`` to=functions.f <|constrain|>json``) are read past.
+the content. A header's recipient and format (`` to=functions.f <|constrain|>json``) are read past: with
+tools (``tool_choice: "auto"``) the harmony tool parser (tool_parsers/harmony.py) reads the output in this
+parser's place and makes such messages tool calls.
 A body ends at ``<|end|>``, ``<|call|>`` or ``<|return|>``; the next message's ``<|start|>`` and role
 are dropped. Text before any header (a decoder that dropped the markers) is content.
 

@@ -172,7 +172,8 @@ class ToolParser:
     Subclasses set ``name``, ``markers`` (text that opens calls inside the content),
     ``special_tokens`` (those markers that are special tokens, which the detokenizer must then
     keep; openai_frontend/tool_calls.py), ``instructions`` (how to call, for templates that know
-    nothing of tools), ``format_call`` (a past call as the model writes it), and the states
+    nothing of tools), ``format_call`` (a past call as the model writes it), ``history`` (past
+    calls arranged for the format's templates), and the states
     after a marker: ``_section`` (what follows the marker) and ``_after_call``. A state method
     reads ``self._buffer``; with ``final`` false it may wait for more text, with ``final`` true
     it must settle everything.
@@ -185,6 +186,9 @@ class ToolParser:
     first_keys: tuple[str, ...] | None = None  # a call object's first key must be one of these
     make_id = staticmethod(hex_call_id)
     instructions = ""
+    # reads the whole output, reasoning included (harmony's), in the reasoning parser's place (made with
+    # ``reasoning=``: whether the reasoning is reasoning_content); openai_frontend/reasoning.py chat_parsers
+    reads_reasoning = False
 
     def __init__(self):
         self._buffer = ""
@@ -199,6 +203,12 @@ class ToolParser:
     @staticmethod
     def format_call(name: str, arguments: str) -> str:
         raise NotImplementedError
+
+    @staticmethod
+    def history(messages: list[dict]) -> list[dict]:
+        """The request's messages as the format's chat templates read past calls (as they are,
+        unless a format says otherwise)."""
+        return messages
 
     # --------------------------------------------------------------------- the interface
 

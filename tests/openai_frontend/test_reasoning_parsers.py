@@ -127,9 +127,21 @@ def test_content_after_the_reasoning_goes_through_the_tool_parser():
 QWEN3_LIKE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
               "{% if add_generation_prompt %}<|im_start|>assistant\n{% if enable_thinking is defined and "
               "enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
-HARMONY_TEMPLATE = ("{% if reasoning_effort is defined %}Reasoning: {{ reasoning_effort }}{% endif %}"
-                    "{% for m in messages %}<|start|>{{ m['role'] }}<|message|>{{ m['content'] }}<|end|>{% endfor %}"
-                    "{% if add_generation_prompt %}<|start|>assistant{% endif %}{# <|channel|> #}")
+# gpt-oss's template in little: tools listed in a developer message; a past call (the first of its message)
+# written as the model writes it, with the analysis before it ("thinking"); a tool result named after the
+# last call written
+HARMONY_TEMPLATE = (
+    "{% if reasoning_effort is defined %}Reasoning: {{ reasoning_effort }}{% endif %}"
+    "{% if tools %}<|start|>developer<|message|># Tools{% for t in tools %} {{ t['function']['name'] }}{% endfor %}"
+    "<|end|>{% endif %}{% set last = namespace(name=none) %}"
+    "{% for m in messages %}{% if m['role'] == 'assistant' and m['tool_calls'] is defined and m['tool_calls'] %}"
+    "{% set call = m['tool_calls'][0]['function'] %}{% if m['thinking'] is defined %}<|start|>assistant<|channel|>"
+    "analysis<|message|>{{ m['thinking'] }}<|end|>{% endif %}<|start|>assistant to=functions.{{ call['name'] }}"
+    "<|channel|>commentary json<|message|>{{ call['arguments']|tojson }}<|call|>{% set last.name = call['name'] %}"
+    "{% elif m['role'] == 'tool' %}<|start|>functions.{{ last.name }} to=assistant<|channel|>commentary<|message|>"
+    "{{ m['content']|tojson }}<|end|>"
+    "{% else %}<|start|>{{ m['role'] }}<|message|>{{ m['content'] }}<|end|>{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|start|>assistant{% endif %}")
 HARMONY_TOKENS = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|call|>", "<|constrain|>"]
 USER = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -173,13 +185,14 @@ def engine_dirs(tmp_path_factory, byte_level_tokenizer):
     return out
 
 
-def serve(engine_dirs, name, reply, body, flag=None):
-    """Runs ``body(client, fake)`` against a fresh app (``--reasoning_parser flag``; None: the template's)."""
+def serve(engine_dirs, name, reply, body, flag=None, tool_flag=None):
+    """Runs ``body(client, fake)`` against a fresh app (``--reasoning_parser flag``, ``--tool_call_parser
+    tool_flag``; None: the template's)."""
     path, tokenizer = engine_dirs[name]
 
     async def main():
         app = create_app(FrontendConfig(grpc_url="127.0.0.1:1", tokenizer_dir=path, served_model_name="m",
-                                        reasoning_parser=flag))
+                                        reasoning_parser=flag, tool_call_parser=tool_flag))
         fake = FakeTriton(tokenizer, reply)
         server = TestServer(app)
         await server.start_server()
@@ -253,3 +266,79 @@ def test_the_flag_turns_reasoning_off_or_picks_the_parser(engine_dirs):
                   flag="deepseek_r1")
     assert (r1.choices[0].message.reasoning_content, r1.choices[0].message.content) == ("Cut off while thinking",
                                                                                         None)
+
+
+# ----------------------------------------------------------------------------- gpt-oss's tool calls
+
+WEATHER_TOOLS = [{"type": "function", "function": {"name": name, "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}}}} for name in ("get_weather", "get_time")]
+HARMONY_CALLS = ('<|channel|>analysis<|message|>Need both.<|end|><|start|>assistant<|channel|>commentary '
+                 'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|><|start|>assistant '
+                 'to=functions.get_time<|channel|>commentary json<|message|>{"city": "Café"}<|call|>')
+
+
+@pytest.mark.parametrize("tool_flag", [None, "harmony"])
+def test_harmony_tool_calls_unary_and_streamed(engine_dirs, tool_flag):
+    """gpt-oss's commentary messages to=functions.X are tool_calls (the parser the template's <|channel|> picks,
+    or --tool_call_parser harmony), the analysis channel reasoning_content; streamed, each call's name comes
+    first, its argument pieces then concatenate to the unary answer; finish_reason tool_calls."""
+    async def body(client, fake):
+        return await unary_and_streamed(client, tools=WEATHER_TOOLS), fake.prompts
+    (unary, chunks), prompts = serve(engine_dirs, "gpt_oss", HARMONY_CALLS, body, tool_flag=tool_flag)
+    assert "# Tools get_weather get_time" in prompts[0]  # the template was given the tools
+    message, expected = unary.choices[0].message, [("get_weather", '{"city": "Paris"}'), ("get_time", '{"city": "Café"}')]
+    assert [(c.function.name, c.function.arguments) for c in message.tool_calls] == expected
+    assert all(c.id.startswith("call_") and c.type == "function" for c in message.tool_calls)
+    assert (message.reasoning_content, message.content, unary.choices[0].finish_reason) == ("Need both.", None,
+                                                                                          "tool_calls")
+    deltas, streamed_reasoning, streamed_content = stream_fields(chunks)
+    assert (streamed_reasoning, streamed_content) == ("Need both.", "")
+    calls = [call for d in deltas for call in d.tool_calls or []]
+    firsts = [i for i, call in enumerate(calls) if call.id]
+    assert [calls[i].function.name for i in firsts] == ["get_weather", "get_time"] and firsts[0] == 0
+    assert all(calls[i].function.arguments == "" for i in firsts)  # the name alone first
+    assert ["".join(c.function.arguments for c in calls if c.index == i) for i in (0, 1)] == [a for _, a in expected]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+
+
+def test_harmony_tool_results_render_after_their_calls(engine_dirs):
+    """Two calls of one assistant message and their results sent back: gpt-oss's template writes one call a
+    message and names a result after the last call written, so each call goes with its own result; the
+    reasoning sent back with the calls is the analysis written before them."""
+    history = USER + [
+        {"role": "assistant", "content": None, "reasoning_content": "Need both.", "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}},
+            {"id": "call_2", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "call_2", "content": "noon"},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18C"}]
+
+    async def body(client, fake):
+        answer = await client.chat.completions.create(model="m", messages=history, tools=WEATHER_TOOLS)
+        return answer, fake.prompts
+    answer, prompts = serve(engine_dirs, "gpt_oss", HARMONY, body)
+    assert answer.choices[0].message.content == "Paris." and answer.choices[0].finish_reason == "stop"
+    assert ('<|start|>assistant<|channel|>analysis<|message|>Need both.<|end|>'
+            '<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>{"city": "Paris"}<|call|>'
+            '<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>"18C"<|end|>'
+            '<|start|>assistant to=functions.get_time<|channel|>commentary json<|message|>{}<|call|>'
+            '<|start|>functions.get_time to=assistant<|channel|>commentary<|message|>"noon"<|end|>'
+            '<|start|>assistant') in prompts[0]
+
+
+def test_the_harmony_tool_parser_takes_the_reasoning_parsers_place_with_tool_choice_auto():
+    """With tools (auto) it reads the whole output, the analysis channel as reasoning when reasoning is on and
+    as content when off; without tools, or with an enforced choice, the gpt_oss reasoning parser reads it."""
+    from openai_frontend.reasoning import chat_parsers
+    from openai_frontend.tools import parse_tools
+    harmony, gpt_oss = get_tool_parser("harmony"), get_parser("gpt_oss")
+    auto = parse_tools({"tools": WEATHER_TOOLS})
+    text = "<|channel|>analysis<|message|>Hm.<|end|><|start|>assistant<|channel|>final<|message|>Paris."
+    make, markers = chat_parsers(auto, harmony, gpt_oss, "", guided=False)
+    assert (make().parse(text).reasoning, markers) == ("Hm.", harmony.special_tokens)
+    make, markers = chat_parsers(auto, harmony, None, "", guided=False)
+    assert (make().parse(text).content, markers) == ("Hm.Paris.", harmony.special_tokens)
+    make, markers = chat_parsers(None, harmony, gpt_oss, "", guided=False)
+    assert isinstance(make(), ReasoningThenTools) and markers == gpt_oss.special_tokens
+    make, _ = chat_parsers(parse_tools({"tools": WEATHER_TOOLS, "tool_choice": "required"}), harmony, gpt_oss, "",
+                           guided=True)
+    assert isinstance(make(), ReasoningThenTools)

@@ -1,5 +1,5 @@
-"""Tool-call parsers on canned model outputs (Hermes/Qwen, Llama 3 JSON, Mistral, and the arrays
-``tool_choice: "required"`` enforces): content and calls, unary and streamed with the text cut
+"""Tool-call parsers on canned model outputs (Hermes/Qwen, Llama 3 JSON, Mistral, gpt-oss's harmony, and
+the arrays ``tool_choice: "required"`` enforces): content and calls, unary and streamed with the text cut
 anywhere; the streamed deltas have OpenAI's shape and concatenate to the unary answer."""
 import json
 import random
@@ -31,8 +31,8 @@ def joined(deltas: list[MessageDelta]) -> MessageDelta:
 
 
 def without_ids(delta: MessageDelta):
-    return delta.content, [(c["function"]["name"], c["function"]["arguments"], c["type"])
-                           for c in merge_calls(delta.tool_calls)]
+    return delta.content, delta.reasoning, [(c["function"]["name"], c["function"]["arguments"], c["type"])
+                                            for c in merge_calls(delta.tool_calls)]
 
 
 # (parser, model text, expected content, expected [(name, arguments)])
@@ -63,7 +63,23 @@ CASES = [
      '{"y": "]"}}]', "Checking both.", [("a", '{"x": 1}'), ("b", '{"y": "]"}')]),
     ("mistral", '[TOOL_CALLS]{"name": "a", "arguments": {}}', "", [("a", "{}")]),
     ("mistral", "No tools needed [TOOL_CALLS without a bracket", "No tools needed [TOOL_CALLS without a bracket", []),
+    # gpt-oss's harmony (the reasoning these carry: HARMONY_REASONING)
+    ("openai", "<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary "
+     "to=functions.get_weather <|constrain|>json<|message|>" + json.dumps(WEATHER) + "<|call|>", "",
+     [("get_weather", json.dumps(WEATHER))]),
+    ("openai", ' to=functions.a<|channel|>commentary json<|message|>{"x": 1}<|call|><|start|>assistant<|channel|>'
+     "commentary to=functions.b <|constrain|>json<|message|> \n{}\n <|call|>", "", [("a", '{"x": 1}'), ("b", "{}")]),
+    ("openai", "<|channel|>commentary<|message|>Checking.<|end|><|start|>assistant<|channel|>commentary "
+     "to=functions.f <|constrain|>json<|message|><|call|>", "Checking.", [("f", "{}")]),
+    ("openai", "<|channel|>analysis<|message|>Easy.<|end|><|start|>assistant<|channel|>final<|message|>Paris.<|return|>",
+     "Paris.", []),
+    ("openai", "<|channel|>analysis to=browser.search<|message|>{}<|call|>", "", []),  # a built-in tool: no function
+    ("openai", '<|channel|>commentary to=functions.f <|constrain|>json<|message|>{"city": "Pa', "",
+     [("f", '{"city": "Pa')]),  # cut off (max_tokens): the call stays as written
+    ("openai", "to=, or not: no markers at all", "to=, or not: no markers at all", []),
 ]
+HARMONY_REASONING = {0: "Need the weather.", 3: "Easy.", 4: "{}"}  # (index among the "openai" cases)
+HARMONY_CASES = [case for case in CASES if case[0] == "openai"]
 
 
 @pytest.mark.parametrize("name,text,content,calls", CASES)
@@ -153,8 +169,55 @@ def test_named_function_is_the_whole_output():
     assert parser.made_calls and finish_reason("stop", parser) == "tool_calls"
 
 
+@pytest.mark.parametrize("reasoning", [True, False])
+@pytest.mark.parametrize("case", range(len(HARMONY_CASES)))
+def test_harmony_reasoning_is_the_analysis_channel_or_content(case, reasoning):
+    """The analysis channel is reasoning_content with reasoning on, content with it off (the calls and the
+    other bodies alike either way)."""
+    _, text, content, calls = HARMONY_CASES[case]
+    delta = get_parser("harmony")(reasoning=reasoning).parse(text)
+    analysis = HARMONY_REASONING.get(case, "")
+    assert (delta.reasoning, delta.content) == ((analysis, content) if reasoning else ("", analysis + content))
+    assert calls_of(delta) == calls
+
+
+def test_harmony_name_goes_first_then_the_arguments_as_they_grow():
+    parser = get_parser("openai")()
+    text = ('<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris", '
+            '"unit": "celsius"}<|call|>')
+    pieces = [parser.push(c) for c in text] + [parser.finish()]
+    first = next(i for i, p in enumerate(pieces) if p.tool_calls)
+    assert pieces[first].tool_calls[0].name == "get_weather" and pieces[first].tool_calls[0].arguments == ""
+    assert sum(1 for p in pieces if any(d.arguments for d in p.tool_calls)) > 20  # a piece per character
+    assert parser.made_calls and finish_reason("stop", parser) == "tool_calls"
+
+
+HARMONY_FRAGMENTS = ["<|start|>", "assistant", "<|channel|>", "analysis", "commentary", "final", " to=functions.f",
+                     "to=functions.g", " to=browser.x", " <|constrain|>json", " json", "<|message|>", "<|end|>",
+                     "<|call|>", "<|return|>", "<|", "<|cha", " to", "{", '"x": 1', "}", " ", "\n", "text"]
+
+
+@pytest.mark.parametrize("reasoning", [True, False])
+def test_any_harmony_text_streams_as_its_unary_parse(reasoning):
+    """Fuzz: harmony's pieces in any order, cut anywhere, never fail and stream as they parse."""
+    from hypothesis import given, settings, strategies as st
+
+    @settings(max_examples=40, deadline=None, derandomize=True)
+    @given(st.lists(st.sampled_from(HARMONY_FRAGMENTS), max_size=20), st.lists(st.integers(0, 200), max_size=6))
+    def check(fragments, cut_points):
+        text = "".join(fragments)
+        cuts = sorted({c for c in cut_points if 0 < c < len(text)})
+        unary = get_parser("openai")(reasoning=reasoning).parse(text)
+        deltas = streamed(get_parser("openai")(reasoning=reasoning), text, cuts)
+        assert without_ids(joined(deltas)) == without_ids(unary)
+        check_openai_delta_shape(deltas)
+    check()
+
+
 def test_parser_registry_and_template_detection():
-    assert sorted(PARSERS) == ["hermes", "llama3_json", "mistral"]
+    assert sorted(PARSERS) == ["harmony", "hermes", "llama3_json", "mistral", "openai"]
+    assert PARSERS["harmony"] is PARSERS["openai"]  # vLLM's name, and the format's
+    assert parser_for_template("{{- '<|start|>assistant<|channel|>final<|message|>' }}") == "openai"
     assert parser_for_template("{{ '<tool_call>' }}") == "hermes"
     assert parser_for_template("{{ '[TOOL_CALLS]' }}") == "mistral"
     assert parser_for_template("{{- '<|python_tag|>' }}") == "llama3_json"
@@ -188,7 +251,7 @@ FRAGMENTS = ["<tool_call>", "</tool_call>", "[TOOL_CALLS]", "<|python_tag|>", "{
              ";", " ", "\n", '"name"', '"arguments"', '"parameters"', '"f"', "1", "null", "text", "<tool", "[TOOL"]
 
 
-@pytest.mark.parametrize("name", sorted(PARSERS) + ["array"])
+@pytest.mark.parametrize("name", ["hermes", "llama3_json", "mistral", "array"])
 def test_any_text_streams_as_its_unary_parse(name):
     """Fuzz: text made of the formats' pieces, cut anywhere, never fails and streams as it parses."""
     from hypothesis import given, settings, strategies as st
