@@ -68,7 +68,7 @@ def parse_arguments(argv: list[str] | None = None, prog: str | None = None) -> a
                              "(default; the frontend tokenizes and decodes) or tensorrt_llm_bls")
     parser.add_argument("--openai_tool_call_parser", type=str, default=None,
                         help="tool-call format of the model's output for the OpenAI frontend (hermes, llama3_json, "
-                             "mistral); default: chosen from the chat template")
+                             "mistral, openai: gpt-oss's harmony); default: chosen from the chat template")
     parser.add_argument("--openai_reasoning_parser", type=str, default=None,
                         help="reasoning format of the model's output for the OpenAI frontend (deepseek_r1, qwen3, "
                              "gpt_oss, none); default: chosen from the chat template")

@@ -12,7 +12,7 @@ reused while neither changes.
         [--kv_cache_dtype fp8] [--tp N] [--pp_size N] [--max_seq_len N] [--max_batch_size N] [--lora_modules NAME=PATH ...]
         [--lookahead_config W,N,G]
         [--http_port 8000 --grpc_port 8001 --metrics_port 8002] [--openai_port 9000] [--host 127.0.0.1]
-        [--engine_dir DIR] [--repo DIR] [--tool_call_parser hermes|llama3_json|mistral]
+        [--engine_dir DIR] [--repo DIR] [--tool_call_parser hermes|llama3_json|mistral|openai]
         [--reasoning_parser deepseek_r1|qwen3|gpt_oss|none]
         [--max_num_images N] [--max_image_pixels N] [--allowed_image_url_hosts HOSTS] [--allowed_local_media_path DIR]
         [--max_num_frames N]
@@ -317,7 +317,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
                              "the per-response work over processes, and each adds ~1 s to Ctrl-C)")
     parser.add_argument("--tool_call_parser", default=None,
                         help="passed to the OpenAI frontend: how tool calls are read from the model's text "
-                             "(hermes, llama3_json, mistral; default: the chat template's format)")
+                             "(hermes, llama3_json, mistral, openai: gpt-oss's harmony; default: the chat template's format)")
     parser.add_argument("--reasoning_parser", default=None,
                         help="passed to the OpenAI frontend: how a reasoning model's text is split into "
                              "reasoning_content and content (deepseek_r1, qwen3, gpt_oss, none; default: the chat "
