@@ -87,9 +87,19 @@ AHEAD_ENV = "TRITONLLM_MOE_GEMV_AHEAD"
 # the block scale multiplies that sum once a row (a few shuffles a step), where the plain form scales x per weight
 # (an FMUL a weight a thread).
 STEP_SUMS = "s"
-AHEAD_TILES = ((16, 128, 2, 1, AHEAD), (16, 128, 4, 1, AHEAD), (32, 128, 4, 1, AHEAD), (32, 128, 8, 1, AHEAD),
-               (64, 128, 8, 1, AHEAD), (16, 128, 2, 1, AHEAD + STEP_SUMS), (32, 128, 4, 1, AHEAD + STEP_SUMS),
-               (64, 128, 8, 1, AHEAD + STEP_SUMS))
+# ONE_LOAD ("l"): each step's BLOCK_K columns (up to all of K) in one load of (BLOCK_N, BLOCK_K / 128, 128), so
+# all of a step's 16-byte loads issue back to back before any arithmetic, and each step's products are summed to
+# one value a row at once (no float32 accumulator tile carried between steps). Model-dtype and FP8 experts. (sm_90,
+# Triton 3.9: 140-172 registers at 64 weights a thread a step; 128 a thread (8 x 2048, 4 warps) took 220, 16 x 2048
+# with 8 warps 255 and a stack, 32 x 1024 with 8 warps (bf16 / FP8 gate_up) a 16-224-byte stack.)
+ONE_LOAD = "l"
+# (H200, 2026-11-30, Qwen3-30B-A3B bf16 experts in the engine's choice: the AHEAD tiles tie the plain ones, 28.1-31.6
+# against 26.2 us for gate_up at one token, 42.3 against 42.4 at two; (16, 128, 2) and (32, 128, 8) were the ones
+# chosen, the others are gone from the list. Block-FP8 not yet timed.)
+AHEAD_TILES = ((16, 128, 2, 1, AHEAD), (32, 128, 8, 1, AHEAD),
+               (16, 128, 2, 1, AHEAD + STEP_SUMS), (32, 128, 4, 1, AHEAD + STEP_SUMS),
+               (16, 1024, 8, 1, ONE_LOAD), (8, 1024, 4, 1, ONE_LOAD), (32, 512, 8, 1, ONE_LOAD),
+               (64, 256, 8, 1, ONE_LOAD))
 GEMV_TILES = ((16, 512, 4, 2), (16, 256, 4, 2), (8, 512, 2, 2), (8, 1024, 4, 2), (16, 1024, 8, 2), (32, 256, 4, 2),
               (32, 512, 8, 2), (64, 256, 8, 2)) + AHEAD_TILES
 DEFAULT_TILES = ((16, 512, 4, 2), (16, 256, 4, 2))
@@ -97,8 +107,13 @@ assert all(t in GEMV_TILES for t in DEFAULT_TILES)
 
 
 def ahead(tile: tuple) -> bool:
-    """Whether a GEMV tile loads a step ahead (AHEAD)."""
-    return any(AHEAD in option for option in tile[4:])
+    """Whether a GEMV tile loads a step ahead (AHEAD) or a whole step at once (ONE_LOAD): the AHEAD_TILES forms."""
+    return any(AHEAD in option or ONE_LOAD in option for option in tile[4:])
+
+
+def one_load(tile: tuple) -> bool:
+    """Whether a GEMV tile loads each step in one load (ONE_LOAD)."""
+    return any(ONE_LOAD in option for option in tile[4:])
 
 
 def step_sums(tile: tuple) -> bool:
@@ -113,7 +128,8 @@ def candidate_tiles(kind: int) -> tuple:
     packed = kind in (INT4_GROUPS, MXFP4_GROUPS)
     timed_ahead = os.environ.get(AHEAD_ENV, "0").strip() == "1"
     return tuple(t for t in GEMV_TILES if (not packed or t[1] <= 512)
-                 and not (ahead(t) and (packed or not timed_ahead or (kind == BLOCK_SCALES and t[1] > SCALE_BLOCK)))
+                 and not (ahead(t) and (packed or not timed_ahead
+                                        or (kind == BLOCK_SCALES and t[1] > SCALE_BLOCK and not one_load(t))))
                  and not (step_sums(t) and kind != BLOCK_SCALES))
 
 
@@ -188,7 +204,7 @@ def gemv_supported(x: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: torch.
     if gate_up.dtype != FP8_DTYPE:
         return False
     return gate_up_scale.dim() == 2 or (inter % SCALE_BLOCK == 0 and all(SCALE_BLOCK % t[0] == 0 for t in tiles)
-                                        and all(t[1] <= SCALE_BLOCK for t in tiles if ahead(t)))
+                                        and all(t[1] <= SCALE_BLOCK for t in tiles if ahead(t) and not one_load(t)))
 
 
 # ---- reference -------------------------------------------------------------------------------
@@ -323,6 +339,41 @@ def _stream_rows_ahead(acc, acc_2, x_ptr, w_rows, w_rows_2, rows_ok, s_row, s_ro
 
 
 @jit
+def _stream_rows_at_once(acc, acc_2, x_ptr, w_rows, w_rows_2, rows_ok, s_row, s_row_2, K, TWO: tl.constexpr,
+                         BLOCK_SCALED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """_stream_rows for ONE_LOAD tiles (acc (BLOCK_N, 1)): each step one (BLOCK_N, BLOCK_K / 128, 128) load of the
+    weight rows (and of up's with TWO) and of x, the pieces' block scales one (1, pieces, 1) load, and the step's
+    products summed to one value a row (in-thread, then across threads) into acc. BLOCK_K a multiple of 128."""
+    PIECES: tl.constexpr = BLOCK_K // 128
+    zero3 = tl.zeros([BLOCK_N, 1, 1], dtype=tl.int32)
+    piece = tl.arange(0, PIECES)[None, :, None] * 128
+    col = tl.arange(0, 128)[None, None, :]
+    rows3_ok = rows_ok[:, None, None]
+    w3 = w_rows[:, :, None]
+    w3_2 = w_rows_2[:, :, None]
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + piece + col
+        k_ok = (zero3 + k) < K
+        w = tl.load(w3 + k, mask=rows3_ok & k_ok, other=0.0)
+        w_2 = w
+        if TWO:
+            w_2 = tl.load(w3_2 + k, mask=rows3_ok & k_ok, other=0.0)
+        xk = tl.load(x_ptr + zero3 + k, mask=k_ok, other=0.0).to(tl.float32)
+        if BLOCK_SCALED:
+            piece_ok = k0 + piece < K
+            xs = xk * tl.load(s_row + (k0 + piece) // 128, mask=piece_ok, other=0.0)
+            acc += tl.sum(tl.sum(w.to(tl.float32) * xs, 2), 1, keep_dims=True)
+            if TWO:
+                xs_2 = xk * tl.load(s_row_2 + (k0 + piece) // 128, mask=piece_ok, other=0.0)
+                acc_2 += tl.sum(tl.sum(w_2.to(tl.float32) * xs_2, 2), 1, keep_dims=True)
+        else:
+            acc += tl.sum(tl.sum(w.to(tl.float32) * xk, 2), 1, keep_dims=True)
+            if TWO:
+                acc_2 += tl.sum(tl.sum(w_2.to(tl.float32) * xk, 2), 1, keep_dims=True)
+    return acc, acc_2
+
+
+@jit
 def _stream_int4_rows(acc, acc_2, x_ptr, w_rows, w_rows_2, rows, rows_2, rows_ok, s_ptr, z_ptr, stride_sg, KS, group,
                       TWO: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr,
                       MXFP4: tl.constexpr):
@@ -397,7 +448,7 @@ def _gemv_gate_up_kernel(
     TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, ROUTE_IN_KERNEL: tl.constexpr,
     RENORMALIZE: tl.constexpr, SCALES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, SWIGLU_LIMIT: tl.constexpr, PDL: tl.constexpr,
-    AHEAD: tl.constexpr = False,
+    AHEAD: tl.constexpr = False, ONE_LOAD: tl.constexpr = False,
 ):
     """act[a, rows] = SiLU(gate_e . x[t]) * (up_e . x[t]) for assignment a = program_id(0) (token t = a // TOP_K,
     expert e its slot's) and the BLOCK_N rows of tile program_id(1) (module docstring, step 1)."""
@@ -428,6 +479,9 @@ def _gemv_gate_up_kernel(
         acc, acc_up = _stream_int4_rows(acc, acc, x_row, gate_rows, gate_rows + I * stride_wn, rows, rows + I, rows_ok,
                                         s_ptr + e64 * stride_se, z_ptr + e64 * stride_se, stride_sn, H, group, True,
                                         BLOCK_N, BLOCK_K, SUB_K, SCALES == 4)
+    elif ONE_LOAD:  # SUB_K == 1
+        acc, acc_up = _stream_rows_at_once(acc, acc, x_row, gate_rows, gate_rows + I * stride_wn, rows_ok, s_gate,
+                                           s_up, H, True, SCALES == 2, BLOCK_N, BLOCK_K)
     elif AHEAD:  # SUB_K == BLOCK_K, or 1 with STEP_SUMS
         acc, acc_up = _stream_rows_ahead(acc, acc, x_row, gate_rows, gate_rows + I * stride_wn, rows_ok, s_gate, s_up,
                                          H, True, SCALES == 2, BLOCK_N, BLOCK_K, SCALES != 0, SUB_K == 1)
@@ -451,7 +505,7 @@ def _gemv_down_kernel(
     act_ptr, ids_ptr, weights_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, H, I, group,
     stride_act, stride_we, stride_wn, stride_se, stride_sn, stride_be, stride_o,
     SCALES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-    PDL: tl.constexpr, AHEAD: tl.constexpr = False,
+    PDL: tl.constexpr, AHEAD: tl.constexpr = False, ONE_LOAD: tl.constexpr = False,
 ):
     """out_k[a, rows] = w_a * (down_e[rows] . act[a]) for assignment a = program_id(0) and the BLOCK_N rows of
     tile program_id(1) (module docstring, step 2)."""
@@ -469,6 +523,9 @@ def _gemv_down_kernel(
         acc, _ = _stream_int4_rows(acc, acc, act_row, w_rows, w_rows, rows, rows, rows_ok, s_ptr + e64 * stride_se,
                                    z_ptr + e64 * stride_se, stride_sn, I, group, False, BLOCK_N, BLOCK_K, SUB_K,
                                    SCALES == 4)
+    elif ONE_LOAD:  # SUB_K == 1
+        acc, _ = _stream_rows_at_once(acc, acc, act_row, w_rows, w_rows, rows_ok, s_rows, s_rows, I, False,
+                                      SCALES == 2, BLOCK_N, BLOCK_K)
     elif AHEAD:  # SUB_K == BLOCK_K, or 1 with STEP_SUMS
         acc, _ = _stream_rows_ahead(acc, acc, act_row, w_rows, w_rows, rows_ok, s_rows, s_rows, I, False, SCALES == 2,
                                     BLOCK_N, BLOCK_K, SCALES != 0, SUB_K == 1)
@@ -509,10 +566,12 @@ def moe_gemv_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, 
     k_gate_up, k_down = (hidden // 2, inter // 2) if packed else (hidden, inter)  # columns or bytes a row
     assert gate_up.is_contiguous() and down.is_contiguous() and down.shape == (num_experts, hidden, k_down)
     (gn, gk, gw, gs), (dn, dk, dw, ds) = tiles[0][:4], tiles[1][:4]
-    gate_up_ahead, down_ahead = (ahead(t) and not packed for t in tiles)
+    gate_up_ahead, down_ahead = (ahead(t) and not one_load(t) and not packed for t in tiles)
+    gate_up_once, down_once = (one_load(t) and not packed for t in tiles)
     group = group_down = 0
-    gate_up_piece, down_piece = (((1 if step_sums(t) and kind == BLOCK_SCALES else k) if ahead_t else min(k, 128))
-                                 for t, k, ahead_t in ((tiles[0], gk, gate_up_ahead), (tiles[1], dk, down_ahead)))
+    gate_up_piece, down_piece = (
+        1 if once else (1 if step_sums(t) and kind == BLOCK_SCALES else k) if ahead_t else min(k, 128)
+        for t, k, ahead_t, once in ((tiles[0], gk, gate_up_ahead, gate_up_once), (tiles[1], dk, down_ahead, down_once)))
     if packed:
         assert gate_up_scale.is_contiguous() and down_scale.is_contiguous()
         assert kind == MXFP4_GROUPS or (gate_up_zero.shape == gate_up_scale.shape and down_zero.shape == down_scale.shape)
@@ -542,14 +601,14 @@ def moe_gemv_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, 
         TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), E_PAD=triton.next_power_of_2(num_experts),
         ROUTE_IN_KERNEL=route, RENORMALIZE=renormalize, SCALES=kind, BLOCK_N=gn, BLOCK_K=gk, SUB_K=gate_up_piece,
         HAS_BIAS=gu_b is not None, ACTIVATION=ACTIVATIONS[epilogue.activation], SWIGLU_LIMIT=limit,
-        AHEAD=gate_up_ahead, num_warps=gw, num_stages=gs, **pdl)
+        AHEAD=gate_up_ahead, ONE_LOAD=gate_up_once, num_warps=gw, num_stages=gs, **pdl)
     out_k = torch.empty(num_tokens * top_k, hidden, dtype=x.dtype, device=x.device)
     _gemv_down_kernel[(num_tokens * top_k, triton.cdiv(hidden, dn))](
         act, ids, weights, down, d_s, d_z, act if d_b is None else d_b, out_k, hidden, k_down, group_down,
         act.stride(0), down.stride(0), down.stride(1), d_s3.stride(0) if kind else 0, d_s3.stride(1) if kind else 0,
         0 if d_b is None else d_b.stride(0), out_k.stride(0),
         SCALES=kind, BLOCK_N=dn, BLOCK_K=dk, SUB_K=down_piece, HAS_BIAS=d_b is not None, AHEAD=down_ahead,
-        num_warps=dw, num_stages=ds, **pdl)
+        ONE_LOAD=down_once, num_warps=dw, num_stages=ds, **pdl)
     out_k = out_k.view(num_tokens, top_k, hidden)
     return out_k.sum(dim=1) if sum_experts else out_k  # (torch sums half types in float32, rounds once)
 

@@ -20,7 +20,7 @@ from test_moe_decode import experts as moe_decode_experts
 from kernels.fused_moe import fused_moe_ref, route_tokens_ref
 from kernels.fused_moe_fp8 import fused_moe_fp8_ref
 from kernels.moe_decode_tiles import choose_decode_tiles
-from kernels.moe_gemv import (AHEAD, BLOCK_SCALES, STEP_SUMS, GEMV_ATTR, GEMV_TILES, INT4_GROUPS, MAX_TOKENS, MXFP4_GROUPS, NO_SCALES,
+from kernels.moe_gemv import (AHEAD, BLOCK_SCALES, ONE_LOAD, STEP_SUMS, GEMV_ATTR, GEMV_TILES, INT4_GROUPS, MAX_TOKENS, MXFP4_GROUPS, NO_SCALES,
                               ROW_SCALES, GemvExperts, candidate_tiles, gemv_supported, gemv_tiles, mark_gemv, moe_gemv_ref,
                               moe_gemv_triton)
 
@@ -157,10 +157,12 @@ def test_mxfp4_support_needs_unpadded_halves_and_a_gated_activation():
     ("fp8_block", ((32, 128, 4, 1, AHEAD), (64, 64, 8, 1, AHEAD)), 1),
     ("fp8_block", ((32, 128, 4, 1, AHEAD + STEP_SUMS), (64, 64, 8, 1, AHEAD + STEP_SUMS)), 1),
     ("model", ((32, 64, 4, 1, AHEAD), (64, 128, 8, 1, AHEAD)), 1),
+    ("fp8_block", ((32, 128, 4, 1, ONE_LOAD), (64, 256, 8, 1, ONE_LOAD)), 1),  # (K 256 / 128: two steps, one)
 ])
 def test_given_routing_other_tiles_and_the_sum(device, kind, tiles, num_tokens):
     """Routing given (no logits), the candidates' other tiles (a narrow one and a wide K step; AHEAD tiles, which
-    load each step's weights a step ahead, with STEP_SUMS scaling each step's row sums), summed rows."""
+    load each step's weights a step ahead, with STEP_SUMS scaling each step's row sums; ONE_LOAD tiles, a step's
+    pieces in one load), summed rows."""
     gate_up, gu_s, down, d_s = experts(kind, seed=20)
     x = randn(num_tokens, HIDDEN, seed=21)
     weights, ids = route_tokens_ref(distinct_logits(num_tokens, EXPERTS, seed=22), TOP_K, False)
@@ -314,7 +316,7 @@ def test_compiles_for_sm90_without_spills(kind, which, tiles, tmp_path, monkeypa
     """Triton's compiler and ptxas (no GPU) on the Qwen3-30B-A3B shape's kernels for every candidate (MXFP4:
     gpt-oss's, with its biases and clamped SwiGLU; AHEAD tiles as $TRITONLLM_MOE_GEMV_AHEAD=1 has them timed): no
     local memory (spills)."""
-    from kernels.moe_gemv import AHEAD_ENV, _gemv_down_kernel, _gemv_gate_up_kernel, ahead, step_sums
+    from kernels.moe_gemv import AHEAD_ENV, _gemv_down_kernel, _gemv_gate_up_kernel, ahead, one_load, step_sums
 
     monkeypatch.setenv(AHEAD_ENV, "1")
     fn = _gemv_gate_up_kernel if which == "gate_up" else _gemv_down_kernel
@@ -327,9 +329,9 @@ def test_compiles_for_sm90_without_spills(kind, which, tiles, tmp_path, monkeypa
                     s_ptr="*u8" if mxfp4 else "*fp32", z_ptr="*u8", bias_ptr="*bf16", act_ptr="*bf16", out_ptr="*bf16")
     const = dict(TOP_K=4 if mxfp4 else 8, K_PAD=4 if mxfp4 else 8, E_PAD=32 if mxfp4 else 128, ROUTE_IN_KERNEL=True,
                  RENORMALIZE=True, SCALES=kind, BLOCK_N=block_n, BLOCK_K=block_k,
-                 SUB_K=32 if mxfp4 else (1 if step_sums(tiles) else block_k) if ahead(tiles) else min(block_k, 128),
-                 HAS_BIAS=mxfp4,
-                 ACTIVATION=int(mxfp4), SWIGLU_LIMIT=7.0 if mxfp4 else 0.0, PDL=True, AHEAD=ahead(tiles))
+                 SUB_K=32 if mxfp4 else (1 if step_sums(tiles) or one_load(tiles) else block_k) if ahead(tiles)
+                 else min(block_k, 128), HAS_BIAS=mxfp4, ACTIVATION=int(mxfp4), SWIGLU_LIMIT=7.0 if mxfp4 else 0.0,
+                 PDL=True, AHEAD=ahead(tiles) and not one_load(tiles), ONE_LOAD=one_load(tiles))
     aligned = ("H", "I", "group", "stride_x", "stride_l", "stride_we", "stride_wn", "stride_act", "stride_o", "stride_se",
                "stride_sn", "stride_be")
     compiled = compile_for_sm90(fn, pointers, const, warps=warps, stages=stages, aligned_int=lambda name: name in aligned)
