@@ -40,7 +40,7 @@ from openai_frontend.reasoning_parsers import ReasoningParser
 from openai_frontend.reasoning_parsers import get_parser as get_reasoning_parser
 from openai_frontend.reasoning_parsers import parser_for_template as reasoning_for_template
 from openai_frontend.responses import ResponseShape
-from openai_frontend.tool_calls import finish_reason, keep_markers_decoder
+from openai_frontend.tool_calls import finish_reason, keep_markers_decoder, turn_stops
 from openai_frontend.tool_parsers import ToolParser, coalesce, get_parser, merge_calls, parser_for_template
 from openai_frontend.triton_client import TritonClient
 from openai_frontend.vision import ChatImages, VisionSettings, text_only_error
@@ -339,6 +339,8 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
         if grids is not None:  # Qwen2-VL: its prompt's M-RoPE rows
             spec.mrope = frontend.images.mrope(spec.prompt_ids, grids)
     reasoning = request_reasoning(parsed, frontend.reasoning_parser) if chat else None
+    if chat:  # (gpt-oss's turn ends at a call's <|call|>)
+        parsed.params.stop += [s for s in turn_stops(parsed.tools, frontend.tool_parser) if s not in parsed.params.stop]
     parsers, markers = chat_parsers(parsed.tools, frontend.tool_parser, reasoning, prompts[0][0],
                                     guided=parsed.params.guide is not None) if chat else (None, ())
     decode = frontend.decode_keeping(markers)  # the parsers' markers that are special tokens: kept

@@ -91,6 +91,15 @@ def output_parsers(tools: ToolRequest | None, parser: type[ToolParser]) -> Calla
     return parser
 
 
+def turn_stops(tools: ToolRequest | None, parser: type[ToolParser]) -> list[str]:
+    """Stop strings a request gets from its tool-call format: with tool_choice auto, the text that ends
+    the model's turn at a call besides its end token (gpt-oss's ``<|call|>``: the model waits for the
+    result, which the client sends back; generating on, it would imagine one)."""
+    if tools is None or tools.choice != "auto":
+        return []
+    return list(parser.turn_ends)
+
+
 def finish_reason(reason: str, parser) -> str:
     """OpenAI's ``tool_calls`` when the model stopped after making calls (a cut stays ``length``)."""
     return "tool_calls" if parser is not None and parser.made_calls and reason == "stop" else reason

@@ -189,6 +189,9 @@ class ToolParser:
     # reads the whole output, reasoning included (harmony's), in the reasoning parser's place (made with
     # ``reasoning=``: whether the reasoning is reasoning_content); openai_frontend/reasoning.py chat_parsers
     reads_reasoning = False
+    # text that ends the model's turn besides its end token (harmony's <|call|>): with tool_choice auto,
+    # the request's stop strings get them (tool_calls.turn_stops)
+    turn_ends: tuple[str, ...] = ()
 
     def __init__(self):
         self._buffer = ""

@@ -7,11 +7,15 @@ the function in its header, its body the arguments,
 (the prompt ends with ``<|start|>assistant``, so the first message's role is already written; the
 recipient may also come before the channel: ``<|start|>assistant to=functions.f<|channel|>commentary
 json<|message|>``, as gpt-oss's chat template writes past calls). Several calls come as several such
-messages. Every message whose recipient is ``functions.NAME`` is a call to NAME, whatever its channel;
+messages (``<|call|>`` ends the model's turn, though: the frontend stops the generation there,
+``turn_ends``, and the model goes on with the call's result in its next prompt). Every assistant
+message whose recipient is ``functions.NAME`` is a call to NAME, whatever its channel;
 the ``analysis`` channel's bodies are the reasoning (content when reasoning is off: nothing is lost);
 the other bodies (``final``, a ``commentary`` preamble, a built-in tool's) are the content. A body ends
-at ``<|end|>``, ``<|call|>`` or ``<|return|>``. Text outside harmony's markers (a decoder that dropped
-them) is content.
+at ``<|end|>``, ``<|call|>`` or ``<|return|>`` (or where the generation stopped: a call is then complete,
+``{}`` when it has no arguments). A message of another author (a tool's result the model went on to
+imagine, ``<|start|>functions.f to=assistant...``) is dropped. Text outside harmony's markers (a decoder
+that dropped them) is content.
 
 This parser reads the whole output, the reasoning included: with it, the gpt_oss reasoning parser is
 not run (openai_frontend/reasoning.py chat_parsers); vLLM names it ``openai`` (its
@@ -42,6 +46,7 @@ class HarmonyParser(ToolParser):
     special_tokens = (START, CHANNEL, MESSAGE, CONSTRAIN, END, CALL, RETURN)
     initial_state = "between"
     reads_reasoning = True
+    turn_ends = (CALL,)
     instructions = ("To call a function, write a commentary message addressed to it: "
                     f"{CHANNEL}commentary to=functions.<function-name> {CONSTRAIN}json{MESSAGE}"
                     f"<args-json-object>{CALL}")
@@ -93,7 +98,10 @@ class HarmonyParser(ToolParser):
         header, self._buffer = self._buffer[:at], self._buffer[at + len(MESSAGE):]
         recipient = RECIPIENT.search(header)
         channel = CHANNEL_NAME.search(header)
-        if recipient and recipient.group(1).startswith(FUNCTIONS):
+        author = header.split(CHANNEL)[0].split("to=")[0].split()
+        if author and author[0] != "assistant":  # (the first message's role is in the prompt)
+            self._kind = "dropped"
+        elif recipient and recipient.group(1).startswith(FUNCTIONS):
             self._kind, self._started, self._held = "call", False, ""
             self._out.tool_calls.append(ToolCallDelta(self._calls, "", self.make_id(),
                                                       recipient.group(1)[len(FUNCTIONS):]))
@@ -116,13 +124,15 @@ class HarmonyParser(ToolParser):
         keep = 0 if final else marker_prefix_length(buffer, BODY_ENDS)
         self._emit(buffer[:len(buffer) - keep])
         self._buffer = buffer[len(buffer) - keep:]
+        if final:  # the generation stopped in the body (at a stop string: <|call|>, turn_ends)
+            self._end_body()
 
     def _emit(self, text: str) -> None:
         if self._kind == "reasoning":
             self._out.reasoning += text
         elif self._kind == "content":
             self._out.content += text
-        else:  # the arguments as written, their surrounding whitespace left out
+        elif self._kind == "call":  # the arguments as written, their surrounding whitespace left out
             text = self._held + (text if self._started else text.lstrip(WHITESPACE))
             kept = text.rstrip(WHITESPACE)
             self._held = text[len(kept):]

@@ -272,32 +272,34 @@ def test_the_flag_turns_reasoning_off_or_picks_the_parser(engine_dirs):
 
 WEATHER_TOOLS = [{"type": "function", "function": {"name": name, "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}}}} for name in ("get_weather", "get_time")]
-HARMONY_CALLS = ('<|channel|>analysis<|message|>Need both.<|end|><|start|>assistant<|channel|>commentary '
-                 'to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|><|start|>assistant '
-                 'to=functions.get_time<|channel|>commentary json<|message|>{"city": "Café"}<|call|>')
+# (the model goes on past its <|call|> here, imagining the result: the frontend stops it at the <|call|>)
+HARMONY_CALL = ('<|channel|>analysis<|message|>Need the weather.<|end|><|start|>assistant<|channel|>commentary '
+                'to=functions.get_weather <|constrain|>json<|message|>{"city": "Café"}<|call|><|start|>functions.'
+                'get_weather to=assistant<|channel|>commentary<|message|>"18C"<|end|><|start|>assistant<|channel|>final'
+                '<|message|>It is 18C.<|return|>')
 
 
 @pytest.mark.parametrize("tool_flag", [None, "harmony"])
 def test_harmony_tool_calls_unary_and_streamed(engine_dirs, tool_flag):
-    """gpt-oss's commentary messages to=functions.X are tool_calls (the parser the template's <|channel|> picks,
-    or --tool_call_parser harmony), the analysis channel reasoning_content; streamed, each call's name comes
-    first, its argument pieces then concatenate to the unary answer; finish_reason tool_calls."""
+    """gpt-oss's commentary message to=functions.X is a tool call (the parser the template's <|channel|> picks,
+    or --tool_call_parser harmony), the analysis channel reasoning_content; the turn ends at the call's
+    <|call|> (a stop string: what the model imagines after it is not the answer); streamed, the call's name
+    comes first, its argument pieces then concatenate to the unary answer; finish_reason tool_calls."""
     async def body(client, fake):
         return await unary_and_streamed(client, tools=WEATHER_TOOLS), fake.prompts
-    (unary, chunks), prompts = serve(engine_dirs, "gpt_oss", HARMONY_CALLS, body, tool_flag=tool_flag)
+    (unary, chunks), prompts = serve(engine_dirs, "gpt_oss", HARMONY_CALL, body, tool_flag=tool_flag)
     assert "# Tools get_weather get_time" in prompts[0]  # the template was given the tools
-    message, expected = unary.choices[0].message, [("get_weather", '{"city": "Paris"}'), ("get_time", '{"city": "Café"}')]
-    assert [(c.function.name, c.function.arguments) for c in message.tool_calls] == expected
-    assert all(c.id.startswith("call_") and c.type == "function" for c in message.tool_calls)
-    assert (message.reasoning_content, message.content, unary.choices[0].finish_reason) == ("Need both.", None,
-                                                                                          "tool_calls")
+    message = unary.choices[0].message
+    assert [(c.function.name, c.function.arguments, c.type) for c in message.tool_calls] == [
+        ("get_weather", '{"city": "Café"}', "function")] and message.tool_calls[0].id.startswith("call_")
+    assert (message.reasoning_content, message.content, unary.choices[0].finish_reason) == (
+        "Need the weather.", None, "tool_calls")
     deltas, streamed_reasoning, streamed_content = stream_fields(chunks)
-    assert (streamed_reasoning, streamed_content) == ("Need both.", "")
+    assert (streamed_reasoning, streamed_content) == ("Need the weather.", "")
     calls = [call for d in deltas for call in d.tool_calls or []]
-    firsts = [i for i, call in enumerate(calls) if call.id]
-    assert [calls[i].function.name for i in firsts] == ["get_weather", "get_time"] and firsts[0] == 0
-    assert all(calls[i].function.arguments == "" for i in firsts)  # the name alone first
-    assert ["".join(c.function.arguments for c in calls if c.index == i) for i in (0, 1)] == [a for _, a in expected]
+    assert (calls[0].id, calls[0].function.name, calls[0].function.arguments) == (calls[0].id, "get_weather", "")
+    assert calls[0].id.startswith("call_") and all(c.id is None and c.function.name is None for c in calls[1:])
+    assert len(calls) > 2 and "".join(c.function.arguments for c in calls) == '{"city": "Café"}'  # in pieces
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
 
 
@@ -329,6 +331,7 @@ def test_the_harmony_tool_parser_takes_the_reasoning_parsers_place_with_tool_cho
     """With tools (auto) it reads the whole output, the analysis channel as reasoning when reasoning is on and
     as content when off; without tools, or with an enforced choice, the gpt_oss reasoning parser reads it."""
     from openai_frontend.reasoning import chat_parsers
+    from openai_frontend.tool_calls import turn_stops
     from openai_frontend.tools import parse_tools
     harmony, gpt_oss = get_tool_parser("harmony"), get_parser("gpt_oss")
     auto = parse_tools({"tools": WEATHER_TOOLS})
@@ -339,6 +342,9 @@ def test_the_harmony_tool_parser_takes_the_reasoning_parsers_place_with_tool_cho
     assert (make().parse(text).content, markers) == ("Hm.Paris.", harmony.special_tokens)
     make, markers = chat_parsers(None, harmony, gpt_oss, "", guided=False)
     assert isinstance(make(), ReasoningThenTools) and markers == gpt_oss.special_tokens
-    make, _ = chat_parsers(parse_tools({"tools": WEATHER_TOOLS, "tool_choice": "required"}), harmony, gpt_oss, "",
-                           guided=True)
+    required = parse_tools({"tools": WEATHER_TOOLS, "tool_choice": "required"})
+    make, _ = chat_parsers(required, harmony, gpt_oss, "", guided=True)
     assert isinstance(make(), ReasoningThenTools)
+    # the turn ends at a call's <|call|> with tool_choice auto only
+    assert turn_stops(auto, harmony) == ["<|call|>"] and turn_stops(required, harmony) == turn_stops(None, harmony) == []
+    assert turn_stops(auto, get_tool_parser("hermes")) == []

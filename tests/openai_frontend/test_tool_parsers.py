@@ -77,6 +77,10 @@ CASES = [
     ("openai", '<|channel|>commentary to=functions.f <|constrain|>json<|message|>{"city": "Pa', "",
      [("f", '{"city": "Pa')]),  # cut off (max_tokens): the call stays as written
     ("openai", "to=, or not: no markers at all", "to=, or not: no markers at all", []),
+    ("openai", "<|channel|>commentary to=functions.f json<|message|>{}<|call|><|start|>functions.f to=assistant"
+     '<|channel|>commentary<|message|>"18C"<|end|><|start|>assistant<|channel|>final<|message|>18C.', "18C.",
+     [("f", "{}")]),  # a tool's message (imagined) is dropped
+    ("openai", "<|channel|>commentary to=functions.f json<|message|>", "", [("f", "{}")]),  # stopped at <|call|>
 ]
 HARMONY_REASONING = {0: "Need the weather.", 3: "Easy.", 4: "{}"}  # (index among the "openai" cases)
 HARMONY_CASES = [case for case in CASES if case[0] == "openai"]
