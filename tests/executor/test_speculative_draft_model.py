@@ -427,7 +427,11 @@ def smollm2_prompts(smollm2_engine_dir) -> list[list[int]]:
     return [chat_prompt(tokenizer, text) for text in PROMPT_SETS["summarisation"] + PROMPT_SETS["code_edit"]]
 
 
+# `make test-all`: make test drafts with the target's own weights in test_greedy_ids_are_plain_decodings_whatever_the_draft[self]
+# (the tiny engine: ids equal to plain decoding in a mixed, partly streamed batch, acceptance 1.0, no block
+# held), the same draft_model path; this is that path at SmolLM2's size (13.5 s of CI's fresh clone).
 @pytest.mark.slow
+@pytest.mark.extended
 def test_smollm2_as_its_own_draft_keeps_every_draft_and_the_plain_ids(smollm2_engine_dir, smollm2_prompts):
     """A prompt of each set, greedy, in one batch (the summary streamed): ids identical to plain
     decoding, acceptance 1.0 (the draft is the target; its argmax after the same tokens is the

@@ -293,7 +293,13 @@ def wide_executor(tiny_hf, tmp_path_factory):
         yield executor
 
 
-@pytest.mark.parametrize("with_logits", [False, True], ids=["fixed_draft", "drafts_drawn_from_draft_logits"])
+# The fixed draft (no logits) is `make test-all`'s (6.6 s of CI's fresh clone): its law is
+# test_speculative_acceptance.py's test_rejection_sampling_of_a_fixed_draft_keeps_the_target_distribution (three
+# point masses, 20,000 trials each), and sampled requests with drafts without logits go through the executor in
+# test_sampled_requests_with_drafts_run_to_their_length_and_count_acceptance; make test keeps the drafts drawn
+# from draft logits (the seeds, the draft's law and the target's, carried through the executor).
+@pytest.mark.parametrize("with_logits", [pytest.param(False, marks=pytest.mark.extended), True],
+                         ids=["fixed_draft", "drafts_drawn_from_draft_logits"])
 def test_sampled_first_tokens_follow_the_targets_law_whatever_the_draft(wide_executor, with_logits):
     """Thousands of seeded requests verify a draft at their first step: the first token's
     frequencies match the target's top-5 law at temperature 0.7 (chi-square), as plain sampling's
