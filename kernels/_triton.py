@@ -74,30 +74,24 @@ def pdl_prologue(PDL: tl.constexpr):
         gdc_launch_dependents()
 
 
-# Which PDL kernels prefetch the weights they are about to read into L2 before their PDL wait
-# (prefetch_weight_l2): "1" all, "0" or "" none, or a comma-separated list of WEIGHT_PREFETCH_KINDS. Read at
-# every launch (a CUDA graph keeps what its capture saw).
+# Which PDL kernels read the weights they are about to use before their PDL wait: "router" (the default: the
+# normed decode router's rows loaded into registers before its wait, kernels/moe_router.py) or "0" / "" (none,
+# the launch before). Read at every launch (a CUDA graph keeps what its capture saw). H200, DeepSeek-V2-Lite
+# batch 1 (call 34, benchmarks/results/engine.md): the router's register load 5.51 -> 5.21 us a launch. (The L2
+# bulk prefetches of the skinny products', the shared experts' and MLA's W_UK / W_UV weights lost, every kind on
+# 392.1 against 433.5 tok/s off, and were removed.)
 WEIGHT_PREFETCH_ENV = "TRITONLLM_WEIGHT_PREFETCH"
-# skinny: kernels/linear.py's products (weights up to PREFETCH_MAX_BYTES); shared: a one-token grouped gate_up
-# GEMM's appended shared experts (kernels/fused_moe.py); mla: W_UK in the latent write's launch and W_UV in the
-# MLA combine (kernels/mla_latent_write.py, kernels/mla_attention.py): all three L2 prefetches; router: the
-# normed decode router's rows loaded into registers before its wait (kernels/moe_router.py).
-WEIGHT_PREFETCH_KINDS = ("skinny", "shared", "mla", "router")
-# H200, DeepSeek-V2-Lite batch-1 decode, PDL on, every kind on against none in one lease (call 34,
-# benchmarks/results/engine.md): 392.1 against 433.5 tok/s. The L2 prefetches slow the kernel they overlap more
-# than they save (the latent write 3.05 -> 6.02 us with W_UK's, the RMSNorm before the stacked first product 3.43 ->
-# 5.24, gate_up 23.8 -> 25.3 with the shared experts'; o_proj alone gained 6.05 -> 5.50); the router's register
-# load gained (5.51 -> 5.21 us a launch) and is the default. "0" restores the launch before it.
+WEIGHT_PREFETCH_KINDS = ("router",)
 WEIGHT_PREFETCH_DEFAULT = "router"
 
 
 def weight_prefetch(kind: str, pdl: bool) -> bool:
-    """Whether a launch of ``kind`` (WEIGHT_PREFETCH_KINDS) with PDL on (``pdl``) prefetches its weights."""
+    """Whether a launch of ``kind`` (WEIGHT_PREFETCH_KINDS) with PDL on (``pdl``) reads its weights before its
+    PDL wait."""
     assert kind in WEIGHT_PREFETCH_KINDS, kind
     if not pdl:
         return False
-    value = os.environ.get(WEIGHT_PREFETCH_ENV, WEIGHT_PREFETCH_DEFAULT).strip()
-    return value == "1" or kind in value.split(",")
+    return kind in os.environ.get(WEIGHT_PREFETCH_ENV, WEIGHT_PREFETCH_DEFAULT).strip().split(",")
 
 
 @jit
@@ -107,32 +101,6 @@ def bulk_prefetch_l2(addr, nbytes):
     tl.inline_asm_elementwise(
         "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
         "=r,l,r", [addr, nbytes], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@jit
-def prefetch_weight_l2(w_ptr, w_rows, row_ok, k_begin, k_end):
-    """Columns [k_begin, k_end) of the weight rows at ``w_rows`` ((ROWS, 1) pointers; rows where not ``row_ok``
-    skipped) into L2, for a PDL kernel to run before ``pdl_prologue``: weights are never written by a step's
-    kernels, so their bytes can stream into L2 while the kernel before still runs, and the product's loads
-    after the wait find them there. Each row's span in 8 bulk prefetches (cp.async.bulk.prefetch.L2: one
-    instruction a piece, the copy engine's work, not one load request a line; 2026-11-30 call 33, one
-    prefetch.global.L2 a 128-byte line slowed every product it was tried on, up to 2x). The spans must be
-    16-byte aligned and a multiple of 16 bytes long (bulk_prefetchable on the host); rows with unit column
-    stride. Inline PTX: only on CUDA (callers set it with PDL, which the CPU interpreter never has)."""
-    total = (k_end - k_begin) * (w_ptr.dtype.element_ty.primitive_bitwidth // 8)  # bytes a row
-    # (pieces of >= 128 bytes: W_UK's 128-byte row spans went out as eight 16-byte prefetches in call 34)
-    piece = tl.maximum(tl.cdiv(tl.cdiv(total, 8), 16) * 16, 128)
-    offsets = tl.arange(0, 8) * piece
-    nbytes = tl.where(row_ok[:, None], tl.minimum(total - offsets[None, :], piece), 0)
-    bulk_prefetch_l2((w_rows + k_begin).to(tl.int64, bitcast=True) + offsets[None, :], nbytes.to(tl.int32))
-
-
-def bulk_prefetchable(t) -> bool:
-    """Every row of ``t`` (its last dimension, unit stride) starts 16-byte aligned and is a multiple of 16
-    bytes long, as prefetch_weight_l2's bulk prefetches need (a misaligned one is an illegal instruction)."""
-    size = t.element_size()
-    return (t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and (t.shape[-1] * size) % 16 == 0
-            and all((stride * size) % 16 == 0 for stride in t.stride()[:-1]))
 
 
 def hopper_or_later(t) -> bool:

@@ -49,8 +49,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels._triton import (bulk_prefetchable, dense, jit, pdl_options, pdl_prologue, prefetch_weight_l2, tl, triton,
-                             use_triton, weight_prefetch)
+from kernels._triton import dense, jit, pdl_options, pdl_prologue, tl, triton, use_triton
 from kernels.moe_epilogue import ACTIVATIONS, PLAIN_SILU, ExpertEpilogue, activate_ref
 from kernels.moe_align import (  # noqa: F401  (re-exported: the other expert kernels align through here)
     ALIGN_KERNEL_MAX_ASSIGNMENTS, max_padded_assignments, moe_align, moe_align_torch, moe_align_triton)
@@ -89,27 +88,12 @@ def _grouped_gemm_kernel(
     ONE_PER_BLOCK: tl.constexpr, ROUTE_IN_KERNEL: tl.constexpr, RENORMALIZE: tl.constexpr,
     K_PAD: tl.constexpr, E_PAD: tl.constexpr, DOT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
-    PREFETCH_SHARED: tl.constexpr = 0,
 ):
     """out[a, n] = a_row(a) . w[expert, n, :] for the BLOCK_M assignments of block program_id(0)
     and the BLOCK_N columns of tile program_id(1): blocks, ONE_PER_BLOCK and ROUTE_IN_KERNEL as
     kernels/moe_blocks.py makes them (expert_block_tile), a_row(a) = a_ptr row a // TOP_K when
     ROWS_PER_TOKEN (x: one row per token), else row a (act). GATED, MUL_WEIGHT, HAS_BIAS,
-    ACTIVATION, SWIGLU_LIMIT: store_rows' (GATED: w has 2N rows per expert [gate | up]).
-    PREFETCH_SHARED = S > 0 (ONE_PER_BLOCK, one token, PDL): the last S of the TOP_K slots are shared
-    experts appended as the last S experts (slot TOP_K - S + j: expert num_experts - S + j, always, as
-    kernels/moe_router.py writes them), so their programs know their weight rows before the router's ids
-    exist: they prefetch them into L2 before the PDL wait, while the router still runs. (Off by default:
-    gate_up measured slower with it on an H200, 23.8 -> 25.3 us; benchmarks/results/engine.md, call 34.)"""
-    if PREFETCH_SHARED > 0:
-        slot = tl.program_id(0)
-        if slot >= TOP_K - PREFETCH_SHARED:
-            cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-            shared_rows = (w_ptr + (num_experts - TOP_K + slot).to(tl.int64) * stride_we
-                           + cols.to(tl.int64)[:, None] * stride_wn)
-            prefetch_weight_l2(w_ptr, shared_rows, cols < N, 0, K)
-            if GATED:
-                prefetch_weight_l2(w_ptr, shared_rows + N * stride_wn, cols < N, 0, K)
+    ACTIVATION, SWIGLU_LIMIT: store_rows' (GATED: w has 2N rows per expert [gate | up])."""
     pdl_prologue(PDL)  # before the early return too: every program must wait (kernels/_triton.py)
     if past_padded_blocks(num_padded_ptr, ONE_PER_BLOCK, BLOCK_M):
         return
@@ -189,34 +173,14 @@ def warm_up_token_counts(num_experts: int, top_k: int, max_tokens: int) -> list[
     return sorted(count for count in counts if count <= max_tokens)
 
 
-# Shared-expert weights up to this size prefetch (V2-Lite's two 2 x 1,408 x 2,048 bf16 experts: 23 MB of an
-# H200's 50 MB L2); larger ones would evict their own lines before the GEMM reads them.
-SHARED_PREFETCH_MAX_BYTES = 24 << 20
-
-
-def shared_prefetch_slots(w: torch.Tensor, num_shared: int, pdl: bool) -> int:
-    """PREFETCH_SHARED for a one-token gate_up launch over ``w`` (E + S, 2I, H) whose last ``num_shared``
-    experts are shared (0: no prefetch): with PDL, kernels/_triton.py weight_prefetch "shared" on and the shared
-    weights small enough."""
-    if not num_shared or not weight_prefetch("shared", pdl) or not bulk_prefetchable(w):
-        return 0
-    return num_shared if num_shared * w[0].numel() * w.element_size() <= SHARED_PREFETCH_MAX_BYTES else 0
-
-
 def _grouped_gemm(a, w, out, blocks, topk_ids, topk_weights, *, n: int, top_k: int, rows_per_token: bool,
                   gated: bool, mul_weight: bool, block_m: int, config: dict,
                   router_logits: torch.Tensor | None = None, renormalize: bool = False,
-                  bias: torch.Tensor | None = None, epilogue: ExpertEpilogue = PLAIN_SILU,
-                  prefetch_shared: int = 0) -> None:
+                  bias: torch.Tensor | None = None, epilogue: ExpertEpilogue = PLAIN_SILU) -> None:
     """blocks, router_logits: kernels/moe_blocks.expert_block_launch's. bias: this GEMM's
-    per-expert bias rows (E, n or 2n), or None. prefetch_shared: the last slots that are shared
-    experts (one token, blocks None, no router_logits), whose weights the launch may prefetch
-    (shared_prefetch_slots)."""
+    per-expert bias rows (E, n or 2n), or None."""
     cfg = dict(config)
     pdl = pdl_options(a)
-    if prefetch_shared:
-        assert blocks is None and router_logits is None and prefetch_shared <= top_k
-        prefetch_shared = shared_prefetch_slots(w, prefetch_shared, pdl["PDL"])
     launch = expert_block_launch(blocks, topk_ids, topk_weights, n=n, num_experts=w.shape[0], top_k=top_k,
                                  rows_per_token=rows_per_token, gated=gated, mul_weight=mul_weight, block_m=block_m,
                                  block_n=cfg.pop("BLOCK_N"), router_logits=router_logits, renormalize=renormalize)
@@ -227,7 +191,7 @@ def _grouped_gemm(a, w, out, blocks, topk_ids, topk_weights, *, n: int, top_k: i
         bias.stride(0) if bias is not None else 0,
         HAS_BIAS=bias is not None, ACTIVATION=ACTIVATIONS[epilogue.activation],
         SWIGLU_LIMIT=float(epilogue.swiglu_limit or 0.0), DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
-        **launch.constexprs, **cfg, **pdl, **({"PREFETCH_SHARED": prefetch_shared} if prefetch_shared else {}),
+        **launch.constexprs, **cfg, **pdl,
     )
 
 
@@ -260,12 +224,10 @@ def moe_single_token_triton(x: torch.Tensor, router_logits: torch.Tensor, gate_u
 def fused_moe_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_weights: torch.Tensor,
                      topk_ids: torch.Tensor, *, block_m: int | None = None, config: dict | None = None,
                      down_config: dict | None = None, epilogue: ExpertEpilogue = PLAIN_SILU,
-                     sum_experts: bool = True, num_shared: int = 0) -> torch.Tensor:
+                     sum_experts: bool = True) -> torch.Tensor:
     """``config``: both GEMMs' tiles (down's: ``down_config`` where given); by default the table's
     (model_dtype_tiling), or at one token the pair chosen at load for ``gate_up``
-    (DECODE_TILES_ATTR: kernels/moe_decode_tiles.py). ``num_shared``: the last experts of ``gate_up``
-    and the last slots of ``topk_ids`` are that many shared experts (engine/models/deepseek.py appends
-    them): a one-token gate_up launch may prefetch their weights (shared_prefetch_slots)."""
+    (DECODE_TILES_ATTR: kernels/moe_decode_tiles.py)."""
     num_tokens, hidden = x.shape
     if config is None and num_tokens == 1 and getattr(gate_up, DECODE_TILES_ATTR, None) is not None:
         config, down_config = getattr(gate_up, DECODE_TILES_ATTR)
@@ -288,7 +250,7 @@ def fused_moe_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     act = torch.empty(num_assignments, inter, dtype=x.dtype, device=x.device)
     _grouped_gemm(x, gate_up, act, blocks, flat_ids, weights, n=inter, top_k=top_k, rows_per_token=True,
                   gated=epilogue.gated, mul_weight=False, block_m=block_m, config=config, bias=epilogue.gate_up_bias,
-                  epilogue=epilogue, prefetch_shared=num_shared if blocks is None else 0)
+                  epilogue=epilogue)
     out_k = torch.empty(num_assignments, hidden, dtype=x.dtype, device=x.device)
     # (relu2's activation belongs to the up GEMM only: the down GEMM's epilogue is the plain one)
     _grouped_gemm(act, down, out_k, blocks, flat_ids, weights, n=hidden, top_k=top_k, rows_per_token=False,
@@ -331,10 +293,9 @@ def fused_moe_ref(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, to
 def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, *, gate_up_bias: torch.Tensor | None = None,
               down_bias: torch.Tensor | None = None, activation: str = "silu",
-              swiglu_limit: float | None = None, sum_experts: bool = True, num_shared: int = 0) -> torch.Tensor:
+              swiglu_limit: float | None = None, sum_experts: bool = True) -> torch.Tensor:
     """The routed experts' output (T, H) (module docstring): Triton on CUDA, else the reference.
-    gate_up_bias (E, 2I), down_bias (E, H), activation, swiglu_limit: ExpertEpilogue's. num_shared:
-    fused_moe_triton's (a hint for the one-token launch; the sums do not depend on it).
+    gate_up_bias (E, 2I), down_bias (E, H), activation, swiglu_limit: ExpertEpilogue's.
     ``sum_experts=False``: the block-tiled path returns the K weighted rows of each token unsummed,
     (T, K, H), for a consumer that sums them in its own pass (kernels/rmsnorm.py takes them as its x);
     the other paths sum as before and return (T, H)."""
@@ -344,8 +305,7 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_w
     many_rows = topk_ids.numel() >= GROUPED_MM_MIN_ROWS_PER_EXPERT * gate_up.shape[0]
     if many_rows and epilogue.gated and grouped_mm_supported(x, gate_up, down):  # (gated activations only)
         return fused_moe_grouped_mm(x, gate_up, down, topk_weights, topk_ids, epilogue)
-    return fused_moe_triton(x, gate_up, down, topk_weights, topk_ids, epilogue=epilogue, sum_experts=sum_experts,
-                            num_shared=num_shared)
+    return fused_moe_triton(x, gate_up, down, topk_weights, topk_ids, epilogue=epilogue, sum_experts=sum_experts)
 
 
 def moe_forward(x: torch.Tensor, router_logits: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,

@@ -23,8 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import choice_cache
-from kernels._triton import (bulk_prefetchable, dense, jit, num_sms, pdl_options, pdl_prologue, prefetch_weight_l2, tl,
-                             triton, use_triton, weight_prefetch)
+from kernels._triton import dense, jit, num_sms, pdl_options, pdl_prologue, tl, triton, use_triton
 
 MAX_SKINNY_ROWS = 16
 # Rows skinny_linear_triton takes at all: past MAX_SKINNY_ROWS the rows are padded to the next power of
@@ -101,7 +100,7 @@ def _skinny_gemm_kernel(
     HAS_BIAS: tl.constexpr, GATED: tl.constexpr, HAS_SCALE: tl.constexpr, X_SCALE: tl.constexpr,
     SWAP_AB: tl.constexpr, M_PAD: tl.constexpr, ACTIVATION: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr,
-    BALANCED: tl.constexpr = False, INT8_DOT: tl.constexpr = False, PREFETCH: tl.constexpr = False,
+    BALANCED: tl.constexpr = False, INT8_DOT: tl.constexpr = False,
 ):
     """One program: BLOCK_N output features for all M rows, streaming its (BLOCK_N, K) weight rows once.
 
@@ -135,10 +134,6 @@ def _skinny_gemm_kernel(
     (|sum| <= BLOCK_K * 127 * 127 < 2**24 for BLOCK_K <= 1024), but a float32 running sum over
     Llama's K = 14336 could pass 2**24 and round; int32 holds K * 127 * 127 exactly for K < 133,000,
     so the kernel has the exact integers, as int8_linear_ref (float64) and torch._int_mm do.
-    PREFETCH (with PDL): before the PDL wait, the program asks L2 for its whole weight range
-    (prefetch_weight_l2): weights are never written by a step's kernels, so their bytes stream in while
-    the kernel before still runs, and the loop after the wait reads them from L2. (Off by default: on an
-    H200 it slowed the RMSNorm before V2-Lite's stacked product more than it saved; results/engine.md, call 34.)
     """
     cols, col_ok = output_columns(N, ROWS, BLOCK_N, BALANCED)
     rows = tl.arange(0, M_PAD)
@@ -155,10 +150,6 @@ def _skinny_gemm_kernel(
     x_base = x_ptr + rows[:, None] * stride_xm
     k_begin = tl.program_id(1) * K_PER_SPLIT
     k_end = tl.minimum(k_begin + K_PER_SPLIT, K)
-    if PREFETCH:
-        prefetch_weight_l2(w_ptr, w_base, col_ok, k_begin, k_end)
-        if GATED:
-            prefetch_weight_l2(w_ptr, w_up_base, col_ok, k_begin, k_end)
     pdl_prologue(PDL)
     for k0 in range(k_begin, k_end, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
@@ -192,20 +183,6 @@ def _skinny_gemm_kernel(
         product_epilogue(acc.to(tl.float32), acc_up.to(tl.float32), rows, cols, row_ok, col_ok, mask, bias_ptr,
                          scale_ptr, x_scale_ptr, out_ptr, N,
                          stride_om, HAS_BIAS, GATED, HAS_SCALE, X_SCALE, ACTIVATION)
-
-
-# Weights up to this size prefetch (with PDL): the whole weight of a decode product then sits in a
-# third of an H100/H200's 50 MB L2, not evicting itself; larger ones (a wide lm_head, Llama-70B's
-# MLP) would only trade one DRAM read for another.
-PREFETCH_MAX_BYTES = 16 << 20
-
-
-def prefetches(weight: torch.Tensor, pdl: bool) -> bool:
-    """Whether a skinny product of ``weight`` launched with PDL (``pdl``) prefetches it into L2
-    before its PDL wait (kernels/_triton.py weight_prefetch "skinny", up to PREFETCH_MAX_BYTES, rows fit for
-    bulk prefetches)."""
-    return (weight.numel() * weight.element_size() <= PREFETCH_MAX_BYTES and weight_prefetch("skinny", pdl)
-            and bulk_prefetchable(weight))
 
 
 @jit
@@ -369,7 +346,6 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
                  X_SCALE=x_scale is not None, SWAP_AB=swap_ab, M_PAD=padded_rows(m), BLOCK_N=block_n,
                  ACTIVATION=ACTIVATIONS.index(activation) + 1 if activation else 0,
                  SPLIT_K=split_k, BALANCED=waves > 0, INT8_DOT=int8_dot, **pdl_options(x))
-    flags["PREFETCH"] = prefetches(weight, flags["PDL"])
     rows_per_program = min(block_n, triton.cdiv(n, waves * num_sms(x.device))) if waves > 0 else block_n
     tiles = triton.cdiv(n, rows_per_program)
     arrivals = _arrival_counters(x.device, tiles) if split_k > 1 else part

@@ -30,8 +30,7 @@ import os
 
 import torch
 
-from kernels._triton import (bulk_prefetchable, dense, jit, num_sms, pdl_options, pdl_prologue, prefetch_weight_l2, tl,
-                             triton, use_triton, weight_prefetch)
+from kernels._triton import dense, jit, num_sms, pdl_options, pdl_prologue, tl, triton, use_triton
 from kernels.attention import KV_FP8_DTYPE, _as_bytes_if_fp8, gather_blocks, to_cache_dtype
 from kernels.attention_metadata import AttentionMetadata
 from kernels.head_matmul import head_matmul
@@ -241,16 +240,11 @@ def _mla_combine_kernel(part_ptr, lse_ptr, out_ptr, num_heads, splits, RANK: tl.
 @jit
 def _mla_combine_values_kernel(part_ptr, lse_ptr, w_ptr, out_ptr, num_heads, splits, v_dim, stride_wh, stride_wv,
                                RANK: tl.constexpr, SPLITS_PAD: tl.constexpr, BLOCK_R: tl.constexpr,
-                               BLOCK_V: tl.constexpr, LATENT_DTYPE: tl.constexpr, PDL: tl.constexpr,
-                               PREFETCH: tl.constexpr = False):
+                               BLOCK_V: tl.constexpr, LATENT_DTYPE: tl.constexpr, PDL: tl.constexpr):
     """Program (t, h, vb): columns vb * BLOCK_V ... of out[t, h] = W_UV_h applied to the combined latent
     output (_mla_combine_kernel's row, rounded to LATENT_DTYPE as it stores it), w (H, V, R). The
     combine and the per-head W_UV product in one launch: each program reads its head's live partials
-    whole (BLOCK_R columns at a time) and BLOCK_V rows of W_UV_h. PREFETCH (with PDL): those W_UV rows
-    are prefetched into L2 before the PDL wait (kernels/_triton.py prefetch_weight_l2; off by default, see there)."""
-    if PREFETCH:
-        v = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
-        prefetch_weight_l2(w_ptr, w_ptr + tl.program_id(1) * stride_wh + v[:, None] * stride_wv, v < v_dim, 0, RANK)
+    whole (BLOCK_R columns at a time) and BLOCK_V rows of W_UV_h."""
     pdl_prologue(PDL)
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -408,12 +402,10 @@ def _combine(q_latent, part, lse, out, splits, w_uv):
         # warps: the whole latent row at once up to 32 splits (V2-Lite at max_seq_len 1k), 4 steps at 128.
         block_r = max(16, min(triton.next_power_of_2(rank), COMBINE_VALUES // splits_pad))
         block_v = max(16, min(32, triton.next_power_of_2(v_dim)))
-        pdl = pdl_options(q_latent)
-        prefetch = {"PREFETCH": True} if weight_prefetch("mla", pdl["PDL"]) and bulk_prefetchable(w_uv) else {}
         _mla_combine_values_kernel[(num_tokens, num_heads, triton.cdiv(v_dim, block_v))](
             part, lse, w_uv, values, num_heads, splits, v_dim, w_uv.stride(0), w_uv.stride(1), RANK=rank,
             SPLITS_PAD=splits_pad, BLOCK_R=block_r, BLOCK_V=block_v, LATENT_DTYPE=_TL_DTYPES[q_latent.dtype],
-            num_warps=8, **pdl, **prefetch)
+            num_warps=8, **pdl_options(q_latent))
         return values
     if splits > 1:
         block_r, splits_pad = min(64, triton.next_power_of_2(rank)), max(2, triton.next_power_of_2(splits))

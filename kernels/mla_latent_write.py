@@ -21,8 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import (bulk_prefetchable, dense, jit, pdl_options, pdl_prologue, prefetch_weight_l2, tl, triton,
-                             use_triton, weight_prefetch)
+from kernels._triton import dense, jit, pdl_options, pdl_prologue, tl, triton, use_triton
 from kernels.head_matmul import MAX_TOKENS as HEAD_MATMUL_MAX_TOKENS, head_matmul, head_matmul_launch, head_matmul_tile
 from kernels.mla_attention import write_latent_cache_ref
 from kernels.rmsnorm import _rms_normalized, rms_norm_ref
@@ -62,22 +61,10 @@ def _latent_rope_write_absorb_kernel(q_ptr, kv_ptr, w_ptr, positions_ptr, cos_si
                                      RANK: tl.constexpr, RANK_PAD: tl.constexpr, HALF: tl.constexpr,
                                      HALF_PAD: tl.constexpr, HEADS_PAD: tl.constexpr, PAGE: tl.constexpr,
                                      PDL: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
-                                     BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                                     PREFETCH: tl.constexpr = False):
+                                     BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Programs 0..T-1: _latent_rope_write_kernel's rows; the next H x tiles: W_UK's per-head product
-    of q_nope (kernels/head_matmul.py's tiles), which reads only the nope columns the rows leave alone.
-    PREFETCH (with PDL; W_UK's rows fit for bulk prefetches): the product programs prefetch their W_UK tile into
-    L2 before the PDL wait (kernels/_triton.py prefetch_weight_l2; off by default: the launch measured 3.05 ->
-    6.02 us with it on an H200, call 34, with 16-byte prefetch pieces since raised to 128)."""
+    of q_nope (kernels/head_matmul.py's tiles), which reads only the nope columns the rows leave alone."""
     pid = tl.program_id(0)
-    if PREFETCH:
-        if pid >= num_tokens:
-            tile = pid - num_tokens
-            cols = (tile % tiles) * BLOCK_N
-            for k0 in range(0, nope, BLOCK_K):
-                k = k0 + tl.arange(0, BLOCK_K)
-                rows = w_uk_ptr + (tile // tiles).to(tl.int64) * stride_wh + k[:, None] * stride_wk
-                prefetch_weight_l2(w_uk_ptr, rows, k < nope, cols, tl.minimum(cols + BLOCK_N, rank))
     pdl_prologue(PDL)
     if pid < num_tokens:
         _latent_rope_write_row(pid, q_ptr, kv_ptr, w_ptr, positions_ptr, cos_sin_ptr, cache_ptr, slots_ptr, eps,
@@ -135,8 +122,6 @@ def latent_rope_write_triton(q_rope: torch.Tensor, kv: torch.Tensor, norm_weight
                       PAGE=cache.shape[1], **pdl_options(kv))
     if q_nope is not None:
         q_latent, tiles, tile_constexprs = head_matmul_launch(q_nope, w_uk)
-        if weight_prefetch("mla", constexprs["PDL"]) and bulk_prefetchable(w_uk):
-            tile_constexprs["PREFETCH"] = True
         _latent_rope_write_absorb_kernel[(num_tokens + num_heads * tiles,)](
             *args, num_tokens, q_nope, w_uk, q_latent, q_nope.shape[2], w_uk.shape[2], tiles, q_nope.stride(0),
             q_nope.stride(1), *w_uk.stride(), **constexprs, **tile_constexprs, num_warps=4, num_stages=2)

@@ -397,9 +397,6 @@ STEP_VARIANTS = {
     "prefetch-kv": {"TRITONLLM_ENCDEC_PREFETCH": "1", "TRITONLLM_ENCDEC_PREFETCH_KV": "1"},
     "fused-prefetch-kv": {"TRITONLLM_ENCDEC_FUSED": "1", "TRITONLLM_ENCDEC_PREFETCH": "1",
                           "TRITONLLM_ENCDEC_PREFETCH_KV": "1"},
-    # each skinny product's weight prefetched into L2 by its own programs before their PDL wait (kernels/linear.py)
-    "weight-prefetch": {"TRITONLLM_WEIGHT_PREFETCH": "skinny"},
-    "weight-prefetch-kv": {"TRITONLLM_WEIGHT_PREFETCH": "skinny", "TRITONLLM_ENCDEC_PREFETCH_KV": "1"},
     # + kernels/norm_linear.py's PRELOAD tiling (each program's weight tile read before the PDL wait)
     "fused-preload": {"TRITONLLM_ENCDEC_FUSED": "1", "TRITONLLM_NORM_LINEAR_PRELOAD": "1"},
 }

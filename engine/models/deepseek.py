@@ -358,8 +358,7 @@ class DeepseekExperts(nn.Module):
             out = fused_moe_fp8(x, gate_up, gate_up_scale, down, down_scale, weights, ids,
                                 sum_experts=self.tp_group is not None)
         elif shared:
-            out = fused_moe(x, *self.with_shared, weights, ids, sum_experts=self.tp_group is not None,
-                            num_shared=self.num_shared)
+            out = fused_moe(x, *self.with_shared, weights, ids, sum_experts=self.tp_group is not None)
         else:
             out = self._experts(x, weights, ids)
             if self.shared:

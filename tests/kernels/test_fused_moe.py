@@ -11,7 +11,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 from kernel_testing import relative_error
-from sm90_compile import AOT_SM90, compile_for_sm90
 
 from kernels.fused_moe import (
     fused_moe_ref,
@@ -262,13 +261,10 @@ def test_every_block_size_and_tile_config(device, block_m):
         assert relative_error(out, expected) < TOLERANCE[torch.float32], config_block
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the prefetch is inline PTX, run with PDL (CUDA)")
-@pytest.mark.parametrize("prefetch", ["1", "0"])
-def test_one_token_with_shared_experts_appended_prefetching_or_not(prefetch, monkeypatch):
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="one token on CUDA: the one-token launches")
+def test_one_token_with_shared_experts_appended():
     """DeepSeek's decode layout (two shared experts appended after the routed ones, in the last two slots,
-    weight 1): the one-token gate_up launch that prefetches the shared experts' weights before its PDL wait
-    (TRITONLLM_WEIGHT_PREFETCH=1) and the one that does not give the reference's rows, bit for bit alike."""
-    from kernels._triton import WEIGHT_PREFETCH_ENV
+    weight 1): the one-token launches give the reference's rows."""
     from kernels.fused_moe import fused_moe_triton
 
     routed, shared, top_k = 12, 2, 3
@@ -278,40 +274,8 @@ def test_one_token_with_shared_experts_appended_prefetching_or_not(prefetch, mon
     weights = torch.cat([weights, torch.ones(1, shared)], dim=1)
     args = [t.to("cuda", torch.bfloat16) for t in (x, gate_up, down)]
     expected = fused_moe_ref(*[t.cpu() for t in args], weights, ids)
-    plain = fused_moe_triton(*args, weights.cuda(), ids.cuda().to(torch.int32))
-    monkeypatch.setenv(WEIGHT_PREFETCH_ENV, prefetch)
-    out = fused_moe_triton(*args, weights.cuda(), ids.cuda().to(torch.int32), num_shared=shared)
-    assert relative_error(out, expected) < TOLERANCE[torch.bfloat16] and torch.equal(out, plain)
-
-
-def test_shared_prefetch_only_with_pdl_small_shared_experts_and_switched_on(monkeypatch):
-    from kernels._triton import WEIGHT_PREFETCH_ENV
-    from kernels.fused_moe import SHARED_PREFETCH_MAX_BYTES, shared_prefetch_slots
-
-    v2_lite = torch.empty(66, 2 * 1408, 2048, dtype=torch.bfloat16, device="meta")  # 64 routed + 2 shared: 23 MB
-    too_large = torch.empty(3, SHARED_PREFETCH_MAX_BYTES // 2 + 1, 1, dtype=torch.bfloat16, device="meta")
-    monkeypatch.setenv(WEIGHT_PREFETCH_ENV, "shared")
-    assert shared_prefetch_slots(v2_lite, 2, pdl=True) == 2
-    assert shared_prefetch_slots(v2_lite, 2, pdl=False) == 0 and shared_prefetch_slots(v2_lite, 0, pdl=True) == 0
-    assert shared_prefetch_slots(too_large, 1, pdl=True) == 0
-    monkeypatch.setenv(WEIGHT_PREFETCH_ENV, "skinny")
-    assert shared_prefetch_slots(v2_lite, 2, pdl=True) == 0
-
-
-@AOT_SM90
-def test_shared_prefetch_compiles_for_sm90_before_the_pdl_wait():
-    """The grouped GEMM's shared-expert prefetch (inline PTX) compiles for sm_90, before griddepcontrol.wait."""
-    from kernels.fused_moe import _grouped_gemm_kernel
-
-    pointers = {name: "*bf16" for name in ("a_ptr", "w_ptr", "out_ptr", "logits_ptr", "bias_ptr")}
-    pointers.update(sorted_ids_ptr="*i32", block_expert_ptr="*i32", num_padded_ptr="*i32", topk_ids_ptr="*i32",
-                    topk_weights_ptr="*fp32")
-    const = dict(TOP_K=8, ROWS_PER_TOKEN=True, GATED=True, MUL_WEIGHT=False, HAS_BIAS=False, ACTIVATION=0,
-                 SWIGLU_LIMIT=0.0, ONE_PER_BLOCK=True, ROUTE_IN_KERNEL=False, RENORMALIZE=False, K_PAD=8, E_PAD=128,
-                 DOT_PRECISION="tf32", BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, PDL=True, PREFETCH_SHARED=2)
-    ptx = compile_for_sm90(_grouped_gemm_kernel, pointers, const, warps=4, stages=3).asm["ptx"]
-    wait = ptx.index("griddepcontrol.wait")
-    assert ptx[:wait].count("cp.async.bulk.prefetch.L2") >= 2 and "cp.async.bulk.prefetch.L2" not in ptx[wait:]
+    out = fused_moe_triton(*args, weights.cuda(), ids.cuda().to(torch.int32))
+    assert relative_error(out, expected) < TOLERANCE[torch.bfloat16]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="captures a CUDA graph")
@@ -467,7 +431,6 @@ def test_every_batch_size_of_qwen3_30b_a3b_experts(num_tokens):
     logits = torch.randn(num_tokens, 128, device="cuda", generator=gen).bfloat16()
     expected = fused_moe_ref(x, gate_up, down, *route_tokens_ref(logits, 8, True))
     assert relative_error(moe_forward(x, logits, gate_up, down, 8, True), expected) < TOLERANCE[torch.bfloat16]
-
 
 
 def test_warm_up_covers_every_variant_a_forward_may_pick():

@@ -10,7 +10,6 @@ from __future__ import annotations
 import pytest
 import torch
 from kernel_testing import low_precision_dtypes, relative_error
-from sm90_compile import AOT_SM90, compile_for_sm90
 
 import torch.nn.functional as F
 
@@ -34,17 +33,13 @@ def test_skinny_linear_matches_f_linear(device, m, n, k):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="every tiling compiled on the GPU")
-@pytest.mark.parametrize("prefetch", ["1", "0"])
 @pytest.mark.parametrize("m", [1, 5])
-def test_every_load_time_variant_is_correct(m, prefetch, monkeypatch):
+def test_every_load_time_variant_is_correct(m):
     """choose_skinny_weights may pick any tiling of half_variants() (choose_fp8_skinny_variants any
     of SKINNY_VARIANTS): each must compute the same product, plain, with a bias and an activation,
-    and gated; with the L2 weight prefetch before the PDL wait (where PDL is on) and without."""
+    and gated."""
     from kernels.activation import silu_and_mul
-    from kernels._triton import WEIGHT_PREFETCH_ENV
     from kernels.linear import SKINNY_VARIANTS, activation_ref, half_variants, skinny_linear_triton, variant_options
-
-    monkeypatch.setenv(WEIGHT_PREFETCH_ENV, prefetch)
 
     x = torch.randn(m, 1000, dtype=torch.bfloat16, device="cuda")
     w = torch.randn(334, 1000, dtype=torch.bfloat16, device="cuda") * 0.05
@@ -156,46 +151,6 @@ def test_split_k_equals_one_program_per_tile(m, split_k):
     fp8_split = skinny_linear_triton(x, w_q, weight_scale=scale, split_k=split_k, **tile)
     fp8_whole = skinny_linear_triton(x, w_q, weight_scale=scale, **tile)
     assert relative_error(fp8_split, fp8_whole.double()) < ROUNDING[torch.bfloat16]
-
-
-def test_weight_prefetch_only_with_pdl_small_weights_and_switched_on(monkeypatch):
-    """The L2 prefetch before the PDL wait: only for PDL launches (before any wait there is nothing to
-    overlap), only weights up to PREFETCH_MAX_BYTES (larger ones would evict their own lines), and only
-    where $TRITONLLM_WEIGHT_PREFETCH names "skinny" (or is 1); unset, WEIGHT_PREFETCH_DEFAULT decides."""
-    from kernels._triton import WEIGHT_PREFETCH_DEFAULT, WEIGHT_PREFETCH_ENV
-    from kernels.linear import PREFETCH_MAX_BYTES, prefetches
-
-    small = torch.empty(3648, 2048, dtype=torch.bfloat16, device="meta")  # DeepSeek-V2-Lite's q_proj + kv_a_proj
-    large = torch.empty(PREFETCH_MAX_BYTES // 2 + 1, 1, dtype=torch.bfloat16, device="meta")
-    monkeypatch.delenv(WEIGHT_PREFETCH_ENV, raising=False)
-    assert prefetches(small, pdl=True) == (WEIGHT_PREFETCH_DEFAULT == "1" or "skinny" in WEIGHT_PREFETCH_DEFAULT)
-    for on in ("1", "skinny", "mla,skinny"):
-        monkeypatch.setenv(WEIGHT_PREFETCH_ENV, on)
-        assert prefetches(small, pdl=True) and not prefetches(small, pdl=False) and not prefetches(large, pdl=True)
-    for off in ("0", "", "shared,mla"):
-        monkeypatch.setenv(WEIGHT_PREFETCH_ENV, off)
-        assert not prefetches(small, pdl=True)
-
-
-@AOT_SM90
-@pytest.mark.parametrize("gated", [False, True])
-def test_weight_prefetch_compiles_for_sm90_before_the_pdl_wait(gated):
-    """The prefetch (inline PTX, which the CPU interpreter cannot run) compiles for sm_90 and lands before
-    griddepcontrol.wait: bulk prefetches (gated: gate and up rows) ahead of the wait, none without it."""
-    from kernels.linear import _skinny_gemm_kernel
-
-    pointers = {name: "*bf16" for name in ("x_ptr", "w_ptr", "bias_ptr", "scale_ptr", "x_scale_ptr", "out_ptr")}
-    pointers.update(part_ptr="*fp32", arrivals_ptr="*i32")
-    ptx = {}
-    for prefetch in (False, True):
-        const = dict(HAS_BIAS=False, GATED=gated, HAS_SCALE=False, X_SCALE=False, SWAP_AB=False, M_PAD=16,
-                     ACTIVATION=0, BLOCK_N=16, BLOCK_K=512, SPLIT_K=1, PDL=True, BALANCED=False, INT8_DOT=False,
-                     PREFETCH=prefetch)
-        ptx[prefetch] = compile_for_sm90(_skinny_gemm_kernel, pointers, const, warps=4, stages=4).asm["ptx"]
-    assert "cp.async.bulk.prefetch.L2" not in ptx[False]
-    wait = ptx[True].index("griddepcontrol.wait")
-    assert ptx[True][:wait].count("cp.async.bulk.prefetch.L2") >= (2 if gated else 1)
-    assert "cp.async.bulk.prefetch.L2" not in ptx[True][wait:]
 
 
 def test_linear_without_a_marked_weight_is_f_linear():
