@@ -297,6 +297,14 @@ def test_launcher_refuses_an_engine_built_for_another_world_size(engines, tmp_pa
         launcher.launch(args)
 
 
+# `make test-all` (17.6 s of CI's fresh clone): make test serves leader mode through the launcher and mpirun in the
+# pipeline test below (two ranks, each a tritonserver, answering like world size 1, a dead rank failing requests),
+# decodes tensor-parallel on two real ranks in tests/distributed/test_tp_engine.py (greedy and overlapped equal
+# TP 1) and with LoRA adapters in tests/engine/test_lora_merged.py::test_tp2_with_adapters_equals_tp1 (the ranks'
+# shards of A and B; the plan's adapter slots: test_tp_engine's test_batch_encoding_round_trips; enable_lora and
+# load_adapter reach the workers as every MIRRORED_METHODS call does, allocate_kv_cache and warmup there). Only here:
+# the default python worker rank started by mpirun under tritonserver, and SIGTERM to mpirun stopping every rank.
+@pytest.mark.extended
 def test_tiny_llama_on_two_ranks_answers_like_one(engines, single_rank_answers, tiny_adapter, tmp_path,
                                                   short_timeouts):
     """Also with a LoRA adapter: the leader loads it into the same slot on both ranks (each its
