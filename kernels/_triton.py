@@ -94,15 +94,6 @@ def weight_prefetch(kind: str, pdl: bool) -> bool:
     return kind in os.environ.get(WEIGHT_PREFETCH_ENV, WEIGHT_PREFETCH_DEFAULT).strip().split(",")
 
 
-@jit
-def bulk_prefetch_l2(addr, nbytes):
-    """``cp.async.bulk.prefetch.L2`` of ``nbytes`` (a multiple of 16; nothing where <= 0) from ``addr`` (int64,
-    16-byte aligned): the copy engine reads them into L2; no registers, nothing waits."""
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r", [addr, nbytes], dtype=tl.int32, is_pure=False, pack=1)
-
-
 def hopper_or_later(t) -> bool:
     """``t`` is on a GPU of compute capability >= 9.0 (grid dependency control, the tensor-memory
     accelerator); read once per device."""

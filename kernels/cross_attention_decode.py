@@ -13,7 +13,7 @@ Shapes: q (rows, heads, head_dim) with unit last stride; k_cache / v_cache (bloc
 heads, head_dim) views (any block, token and head strides; the runner's pools are head-major);
 block_tables (rows, width) int32; lengths (rows,) int32 -> out (rows, heads, head_dim) in q's dtype.
 ``cross_attention_decode`` runs the kernel on CUDA and ``cross_attention_decode_ref`` elsewhere.
-The engine (engine/encoder_decoder/model.py, fused_decode.py) runs decode steps' cross-attention
+The engine (engine/encoder_decoder/model.py) runs decode steps' cross-attention
 here unless $TRITONLLM_ENCDEC_CROSS_KERNEL=0 (the general paged kernel, as before).
 """
 from __future__ import annotations

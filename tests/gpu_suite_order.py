@@ -28,7 +28,6 @@ SLOW_KERNEL_GROUPS = (
     ("tests/kernels/test_wna16.py::test_factored_kernels_match_the_reference[None-8]",  # 70 s
      "tests/kernels/test_wna16.py::test_factored_kernels_match_the_reference[128-8]",  # 68 s
      "tests/kernels/test_wna16.py::test_factored_kernels_match_the_reference[256-8]"),
-    ("tests/kernels/test_norm_linear.py::test_norm_linear_matches_reference",),  # 57 + 18 + 18 s
     ("tests/kernels/test_wna16.py::test_choose_variants_sets_a_tiling",  # 48 s: compiles every skinny tiling,
      "tests/kernels/test_wna16.py::test_every_decode_tiling_matches_the_reference"),  # then 21 x <= 12 s reuse them
     ("tests/kernels/test_fp8.py::test_every_fp8_load_time_variant_is_correct",),  # 39 s

@@ -379,26 +379,12 @@ def decoder_step_bytes(runner, context: int, encoder_len: int) -> int:
     return weights + rows + (encoder_len + context) * per_token
 
 
-# --step-variants: name -> the decode-path switches (engine/encoder_decoder/fused_decode.py, cross_attention.py),
-# every other switch unset (its default), set before the decode graphs are
-# captured again on the same runner (the graphs read them at capture)
+# --step-variants: name -> the decode-path switches (engine/encoder_decoder/cross_attention.py), every other switch
+# unset (its default), set before the decode graphs are captured again on the same runner (the graphs read them at
+# capture)
 STEP_VARIANTS = {
     "default": {},  # every switch unset: the engine's defaults, captured again (the re-capture's own cost)
-    "unfused": {"TRITONLLM_ENCDEC_FUSED": "0", "TRITONLLM_ENCDEC_CROSS_KERNEL": "1"},
-    "unfused-paged": {"TRITONLLM_ENCDEC_FUSED": "0", "TRITONLLM_ENCDEC_CROSS_KERNEL": "0"},
-    "fused": {"TRITONLLM_ENCDEC_FUSED": "1", "TRITONLLM_ENCDEC_ROW_STATS": "1", "TRITONLLM_ENCDEC_CROSS_KERNEL": "1"},
-    "fused-recompute": {"TRITONLLM_ENCDEC_FUSED": "1", "TRITONLLM_ENCDEC_ROW_STATS": "0",
-                        "TRITONLLM_ENCDEC_CROSS_KERNEL": "1"},
-    "fused-paged": {"TRITONLLM_ENCDEC_FUSED": "1", "TRITONLLM_ENCDEC_ROW_STATS": "1", "TRITONLLM_ENCDEC_CROSS_KERNEL": "0"},
-    # the weights of the sub-layer 1 (2) ahead prefetched into L2 from a side stream (engine/encoder_decoder/
-    # l2_prefetch_plan.py), with each layer's cross K/V pages (-kv)
-    "prefetch": {"TRITONLLM_ENCDEC_PREFETCH": "1"},
-    "prefetch2": {"TRITONLLM_ENCDEC_PREFETCH": "2"},
-    "prefetch-kv": {"TRITONLLM_ENCDEC_PREFETCH": "1", "TRITONLLM_ENCDEC_PREFETCH_KV": "1"},
-    "fused-prefetch-kv": {"TRITONLLM_ENCDEC_FUSED": "1", "TRITONLLM_ENCDEC_PREFETCH": "1",
-                          "TRITONLLM_ENCDEC_PREFETCH_KV": "1"},
-    # + kernels/norm_linear.py's PRELOAD tiling (each program's weight tile read before the PDL wait)
-    "fused-preload": {"TRITONLLM_ENCDEC_FUSED": "1", "TRITONLLM_NORM_LINEAR_PRELOAD": "1"},
+    "paged": {"TRITONLLM_ENCDEC_CROSS_KERNEL": "0"},  # the cross-attention through the general paged kernel
 }
 
 
@@ -423,7 +409,6 @@ def bench_whisper_step(args, bandwidth: float) -> dict:
 
 
 def _bench_whisper_step(args, bandwidth: float) -> dict:
-    from engine.encoder_decoder import fused_decode
     from engine.encoder_decoder.runner import EncDecRunner
 
     config = whisper_config(args.device)
@@ -445,12 +430,9 @@ def _bench_whisper_step(args, bandwidth: float) -> dict:
                     os.environ.pop(switch, None)
                 os.environ.update(STEP_VARIANTS[name])
                 runner.decode_graphs = None
-                runner.model.fused_decode = False  # capture_cuda_graphs prepares the fused path again if asked
                 free_device_memory(args.device)
                 started = time.perf_counter()
                 runner.capture_cuda_graphs()
-                if runner.decode_graphs is None and fused_decode.enabled(fused_decode.FUSED_ENV):
-                    fused_decode.prepare(runner.model)  # CPU (no graphs): the eager steps take the fused layer
                 capture = time.perf_counter() - started
                 entry["variants"][name] = v = {**time_whisper_step(args, bandwidth, runner, encoder_len, cross,
                                                                    f"whisper_step_{name}_profile.txt"),

@@ -48,7 +48,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from engine.encoder_decoder import fused_decode
 from engine.encoder_decoder.cross_attention import cross_attention
 from engine.encoder_decoder.spec import EncDecSpec
 from engine.encoder_decoder.t5_attention import decoder_self_attention, encoder_attention, kernels_enabled
@@ -638,9 +637,6 @@ class Decoder(_Stack):
                 meta: AttentionMetadata, *, cross: CrossAttentionBatch) -> torch.Tensor:
         """input_ids, positions: (num_tokens,); kv_cache: the paged self-attention pool -> (num_tokens, d)."""
         x = self.embed(input_ids, positions)
-        if fused_decode.takes(self, x, meta):  # few decode rows, pre-norm LayerNorm: fused_decode.py
-            x = fused_decode.decode_layers(self, x, kv_cache, cross.pool, meta, cross.meta)
-            return x if self.final_norm is None else self.final_norm(x)
         # Pre-norm (T5, Whisper): each sublayer's residual add is done by the next norm (Norm.add_and_norm: it
         # adds, normalizes and, FP8 on the W8A8 path, quantizes for the next products in one kernel).
         quantize = isinstance(self.layers[0].self_attn.q, Fp8Linear) and quantizes_activations(x.device)
@@ -648,9 +644,6 @@ class Decoder(_Stack):
         # final norm reads) may hand it their scales to apply (kernels/fp8.py "Deferred scales", chosen at load)
         defers = quantize and self.spec.norm == "rms"
         residual = None
-        plan = getattr(self, "l2_plan", None) if meta.is_decode_only else None  # l2_prefetch_plan.py
-        if plan is not None:
-            plan.start()
         for index, layer in enumerate(self.layers):
             def attend_self(h, layer=layer, index=index, defer_scales=False):
                 attn = layer.self_attn
@@ -675,15 +668,11 @@ class Decoder(_Stack):
                 x = _sublayer(layer.mlp_norm, False, x, layer.mlp.rows)
                 continue
             last = index == len(self.layers) - 1
-            for position, (norm, sublayer, defer) in enumerate(((layer.self_norm, attend_self, defers),
-                                                                (layer.cross_norm, attend_encoder, defers),
-                                                                (layer.mlp_norm, layer.mlp.rows, defers and not last))):
-                if plan is not None:
-                    plan.before(index, position, cross.pool[index], cross.meta)
+            for norm, sublayer, defer in ((layer.self_norm, attend_self, defers),
+                                          (layer.cross_norm, attend_encoder, defers),
+                                          (layer.mlp_norm, layer.mlp.rows, defers and not last)):
                 h, residual = norm.add_and_norm(x, residual, quantize=quantize)
                 x = sublayer(h, defer_scales=defer)
-        if plan is not None:
-            plan.join()
         if residual is not None:  # (pre-norm: x is the last sublayer's output, not yet added)
             if self.final_norm is None:
                 return apply_scales(x) + residual

@@ -32,11 +32,9 @@ go to the workers by one broadcast over the tp group, NCCL on GPUs, and only the
 ``call_for_workers``, ``FeatureShapes``. 64 30-s clips of 128 mels are 98 MB, past the shared-memory
 plan segment's 8 MB: pickled over gloo instead); the cross-pool settings the
 leader's executor was given reach the workers through ``worker_settings`` / ``apply_worker_settings``
-(make_runner), and the ranks agree on the cross pool's block count (the minimum). The opt-in fused decode
-layer runs on one rank only. An FP8 engine (build ``quantization`` "fp8": model.py Fp8Linear) loads both stacks' layer linears
+(make_runner), and the ranks agree on the cross pool's block count (the minimum). An FP8 engine (build ``quantization`` "fp8": model.py Fp8Linear) loads both stacks' layer linears
 in E4M3 with their scales; its decode steps run the skinny W8A8 kernel with the tilings timed at load
-(kernels/fp8.py choose_fp8_skinny_variants) and never the opt-in fused decode layer (fused_decode.py
-takes weights in the model dtype only). A config-only engine (``extra.random_weights_seed``, benchmarks) gets random weights
+(kernels/fp8.py choose_fp8_skinny_variants). A config-only engine (``extra.random_weights_seed``, benchmarks) gets random weights
 made on the device (engine/executor/random_weights.py).
 """
 from __future__ import annotations
@@ -48,11 +46,9 @@ import torch
 import torch.distributed
 
 from engine.config import EngineFormatError
-from engine.encoder_decoder import fused_decode
 from engine.encoder_decoder.convert import check_complete
 from engine.encoder_decoder.cross_kv import cross_pool_dtype, fuse_cross_kv, project_into_pool, require_fp8
 from engine.encoder_decoder.decode_graphs import EncDecDecodeGraphs
-from engine.encoder_decoder.l2_prefetch_plan import PrefetchPlan
 from engine.encoder_decoder.model import (CrossAttentionBatch, Decoder, Encoder, Fp8Linear, TensorParallel,
                                           cross_metadata, fuse_gated_mlps, fuse_self_attention_qkv)
 from engine.encoder_decoder.spec import EncDecSpec
@@ -220,16 +216,7 @@ class EncDecRunner(ModelRunner):
         graphs of every batch bucket up to max_batch_size. CPU, or $TRITONLLM_ENCDEC_GRAPHS=0: no-op."""
         if self.device.type != "cuda" or self.kv_cache is None or os.environ.get(GRAPHS_ENV, "1") == "0":
             return
-        # Never for FP8 engines: the fused layer's products take weights in the model dtype (fused_decode.py)
-        # ... nor for tensor-parallel ones (its products add the residual: no all-reduce between)
-        fused = (fused_decode.fusable(self.spec) and self.build_config.quantization is None
-                 and self.build_config.tp_size == 1 and fused_decode.enabled(fused_decode.FUSED_ENV))
-        self.choose_kernels(default_buckets(self.build_config.max_batch_size),
-                            extra_weights=fused_decode.prepare(self.model) if fused else ())
-        if fused:
-            fused_decode.mark_tilings(self.model, self.gemm_choices)
-        # L2 prefetches of the weights ahead ($TRITONLLM_ENCDEC_PREFETCH, off by default): l2_prefetch_plan.py
-        self.model.l2_plan = PrefetchPlan.for_decoder(self.model)
+        self.choose_kernels(default_buckets(self.build_config.max_batch_size))
         build = self.build_config
         self.decode_graphs = EncDecDecodeGraphs(
             self.model, self.kv_cache, self.cross_pool, tokens_per_block=self.tokens_per_block,
@@ -237,10 +224,9 @@ class EncDecRunner(ModelRunner):
             max_batch_size=build.max_batch_size, sampled_tokens=self.sampled_tokens)
         self.decode_graphs.capture()
 
-    def choose_kernels(self, decode_batches: list[int] | None = None, extra_weights=()) -> None:
+    def choose_kernels(self, decode_batches: list[int] | None = None) -> None:
         """The load-time kernel choices the graphs capture: the skinny-GEMM tiling per decoder weight shape
-        (decode steps of up to MAX_SKINNY_ROWS rows); ``extra_weights`` (fused_decode's [q | k | v] weights)
-        are timed beside the decoder's own. FP8 layer weights (model.py Fp8Linear, the fused gate_up among
+        (decode steps of up to MAX_SKINNY_ROWS rows). FP8 layer weights (model.py Fp8Linear, the fused gate_up among
         them) get the skinny W8A8 kernel's tiling per shape (kernels/fp8.py; keyed ("fp8", N, K)); the LM
         head stays in the model dtype and is timed as before. Then, for steps of 17-128 rows (the batch
         buckets up to max_batch_size), kernels/wide_rows.py's choice per weight of a decode step
@@ -256,13 +242,12 @@ class EncDecRunner(ModelRunner):
         fp8 = [w for w in step_weights if w.dtype == FP8_DTYPE]
         if isinstance(layers[0].mlp.down, Fp8Linear):
             self.gemm_choices = choose_skinny_weights([m.weight for m in self.model.modules()
-                                                       if isinstance(m, torch.nn.Linear)] + list(extra_weights))
+                                                       if isinstance(m, torch.nn.Linear)])
             self.gemm_choices.update({("fp8",) + key: {"variant": variant}
                                       for key, variant in choose_fp8_skinny_variants(fp8).items()})
         else:
             ups = [layer.mlp.up.weight for layer in layers] if layers[0].mlp.gate is None else []
             plain = [w for w in step_weights if not any(w is up for up in ups)]
-            plain += list(extra_weights)
             self.gemm_choices = choose_skinny_weights(plain)
             if ups:
                 activation = layers[0].mlp.activation_name

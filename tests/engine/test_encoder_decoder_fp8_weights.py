@@ -16,7 +16,6 @@ from safetensors.torch import load_file
 
 from engine.build import main
 from engine.config import EngineConfig
-from engine.encoder_decoder import fused_decode
 from engine.encoder_decoder.model import Fp8Linear, product
 from engine.encoder_decoder.runner import EncDecRunner
 from engine.executor import Executor, ExecutorConfig, OutputConfig, Request
@@ -275,8 +274,8 @@ def test_executor_serves_fp8_weights_with_an_fp8_cross_pool(engines):
 
 
 def test_schemes_and_options_that_cannot_take_fp8_weights_are_refused_by_name(engines, tmp_path, capsys):
-    """fp8_block / int8_sq / int4_wo refused by the build by name (fp8 is the scheme these stacks take); the
-    opt-in fused decode layer (norm_linear: model-dtype weights only) refuses an FP8 decoder by name."""
+    """fp8_block / int8_sq / int4_wo refused by the build by name (fp8 is the scheme these stacks take); an FP8
+    weight without its scale refused by name."""
     family, _, fp8_dir = engines
     if family != "bart":
         pytest.skip("one family exercises the refusals")
@@ -287,9 +286,6 @@ def test_schemes_and_options_that_cannot_take_fp8_weights_are_refused_by_name(en
         assert (f"--quantization {scheme}: not supported for BartForConditionalGeneration (encoder-decoder) "
                 "engines; allowed: fp8") in err, err
     runner = EncDecRunner(fp8_dir)
-    with pytest.raises(ValueError, match=r"fused decode layer \(TRITONLLM_ENCDEC_FUSED\) takes weights in the "
-                                         r"model dtype; this decoder's are FP8"):
-        fused_decode.prepare(runner.model)
     with pytest.raises(ValueError, match=r"an FP8 weight \(4, 32\) needs its per-output-channel scale"):
         product(torch.ones(1, 32), runner.model.layers[0].self_attn.q.weight[:4])
 
@@ -319,7 +315,7 @@ def test_config_only_fp8_engine_gets_e4m3_random_weights(engines, tmp_path):
 def test_cuda_fp8_weights_keep_teacher_forced_logits_and_serve_from_graphs(engines, tmp_path, monkeypatch):
     """bfloat16 engines on the GPU (the FP8 kernels: skinny W8A8 for decode rows, cuBLASLt's scaled product for
     the encoder's): the same bounds against the bfloat16 engine, and greedy requests replayed from the decode
-    graphs (the skinny FP8 tilings chosen at load; the fused decode layer left off) give the eager steps' ids."""
+    graphs (the skinny FP8 tilings chosen at load) give the eager steps' ids."""
     family, reference_dir, fp8_dir = engines
     checkpoint = str(Path(fp8_dir).parent.parent / "checkpoint")
     limits = [] if family == "whisper" else ["--max_encoder_input_len", "16", "--max_seq_len", "48"]
@@ -340,12 +336,10 @@ def test_cuda_fp8_weights_keep_teacher_forced_logits_and_serve_from_graphs(engin
     else:
         requests = lambda: [Request([], 6, encoder_input_ids=ids, output=out) for ids in INPUTS]
     results = {}
-    monkeypatch.setenv(fused_decode.FUSED_ENV, "1")  # asked for, and left off for FP8 weights
     for graphs in ("1", "0"):
         monkeypatch.setenv("TRITONLLM_ENCDEC_GRAPHS", graphs)
         with Executor(dirs["fp8"], ExecutorConfig(max_batch_size=4), device="cuda") as ex:
             assert (ex.runner.decode_graphs is not None) == (graphs == "1")
-            assert not getattr(ex.runner.model, "fused_decode", False)
             responses = collect(ex, ex.enqueue_requests(requests()))
             results[graphs] = [final_tokens(r) for r in responses.values()]
     assert results["1"] == results["0"] and all(len(t) == 6 for t in results["1"])

@@ -16,7 +16,7 @@ def items(*ids):
 def test_each_slow_group_opens_a_first_chunk_of_its_own():
     short = [f"tests/kernels/test_short.py::test_{i}" for i in range(60)]
     slow = [SLOW_KERNEL_GROUPS[0][0], SLOW_KERNEL_GROUPS[1][0],
-            SLOW_KERNEL_GROUPS[2][0] + "[3-200-576]"]  # (a parametrized id under the norm-linear prefix)
+            SLOW_KERNEL_GROUPS[2][0] + "[3-200-576]"]  # (a parametrized id under the third group's prefix)
     collected = items(*short[:30], *slow, *short[30:])
     workers = 2
     chunk = max(2, len(collected) // workers // 4)  # 7
@@ -38,7 +38,7 @@ def test_slow_files_first_in_their_order_the_rest_as_collected():
 
 def test_the_conftest_hook_orders_a_gpu_suite_collection(monkeypatch):
     """tests/conftest.py's collection hook applies it under $TRITONLLM_GPU_SUITE=1 (as one xdist worker of
-    two): the norm-linear group opens the first chunk; without the variable, the make-test file order."""
+    two): the third slow group opens the first chunk; without the variable, the make-test file order."""
     import importlib.util
 
     root = Path(__file__).resolve().parents[2]
