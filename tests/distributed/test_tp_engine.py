@@ -179,11 +179,17 @@ def test_worker_exits_when_the_leader_dies(engines, tmp_path, plans):
     assert "objects of the load frozen" in worker_log, worker_log
 
 
+# A 2 s step timeout (3 s until 2026-11-30): a heartbeat every 0.5 s still has four chances to pass on a
+# loaded machine, and the leader noticed and exited ~2.5 s sooner (6.3 -> 3.8 s after the SIGSTOP, load 5).
+HANG_TIMEOUT_S = 2
+
+
 def test_hung_worker_fails_the_leader_after_the_step_timeout(engines, tmp_path):
     out = str(tmp_path / "hang.json")
     cmd = [sys.executable, DRIVER, "--engine_dir", engines[2], "--prompts", json.dumps(PROMPTS),
            "--max_tokens", "2", "--out", out, "--then_wait_for_failure", "20"]
-    leader, (worker,) = start_ranks(cmd, engines[2], 2, TRITONLLM_DIST_HEARTBEAT_S="0.5", TRITONLLM_DIST_TIMEOUT_S="3")
+    leader, (worker,) = start_ranks(cmd, engines[2], 2, TRITONLLM_DIST_HEARTBEAT_S="0.5",
+                                    TRITONLLM_DIST_TIMEOUT_S=str(HANG_TIMEOUT_S))
     try:
         assert leader.stdout.readline().strip() == "IDLE"
         worker.send_signal(signal.SIGSTOP)  # alive, sockets open, never answers
@@ -195,5 +201,5 @@ def test_hung_worker_fails_the_leader_after_the_step_timeout(engines, tmp_path):
     with open(out) as f:
         result = json.load(f)
     assert "rank failure" in result["failure"] and "heartbeat" in result["failure"]
-    assert 2.5 < result["detected_after_s"] < 10  # the 3 s timeout, not forever
+    assert HANG_TIMEOUT_S - 0.5 < result["detected_after_s"] < 10  # the step timeout, not forever
     assert result["step_error"].startswith("RankFailureError")
