@@ -16,7 +16,6 @@ import subprocess
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -25,8 +24,8 @@ import requests
 
 from benchmarks.common import process_tree
 from test_grpc_stream import Stream, text_inputs
-from test_hangups import PROMPTS, hang_up_after, idle_within
-from test_metrics import kv_and_requests, scrape, value
+from test_hangups import PROMPTS
+from test_metrics import scrape, value
 from triton_helpers import ROOT, chat, free_port, running_server, wait_for
 
 pytestmark = pytest.mark.integration
@@ -217,37 +216,17 @@ class ServeDefault:
             self.process.wait()
 
 
-def test_ctrl_c_after_hang_ups_ends_running_requests_with_a_clear_error_and_exits(smollm2_engine_dir, tmp_path):
-    """Hang-ups and a cancel first: they leave nothing running (idle within 2 s, the next request
-    answered). Then graceful shutdown: requests still generating when Ctrl-C comes get the grace
-    period (graceful_shutdown_timeout_ms, 3 s by default), then an error saying why; new requests
-    are refused meanwhile; everything exits with nothing left in flight, and the shutdown ends
-    exactly the 4 running requests (a request the hang-ups left behind would be a 5th). One server
-    for both (they were two tests, each with its own `make serve`); Ctrl-C with nothing running is
-    test_soak.py's."""
+def test_ctrl_c_ends_running_requests_with_a_clear_error_and_exits(smollm2_engine_dir, tmp_path):
+    """Graceful shutdown: requests still generating when Ctrl-C comes get the grace period
+    (graceful_shutdown_timeout_ms, 3 s by default), then an error saying why; new requests are refused
+    meanwhile; everything exits with nothing left in flight, and the shutdown ends exactly the 4 running
+    requests. Ctrl-C with nothing running is test_soak.py's. (Until 2026-11-30 three hang-ups and a
+    cancel ran first on this server, then an answer: a 5th request ended here would have been one they
+    left behind. test_hangups.py hangs up the same ways on the session server, filled by the same
+    serve_default.prepare_model_repo and served by tritonserver alone as here, and waits for the gauges
+    to read no request active and no KV block used; 25 s of CI's fresh clone with them.)"""
     serve = ServeDefault(smollm2_engine_dir, tmp_path)
     try:
-        def cancel_after_one_response():
-            stream = Stream(serve)
-            stream.send("ensemble", text_inputs([PROMPTS["ascii"]], 1500, end_id=np.int32(-1)))
-            stream.next()
-            stream.close(cancel=True)
-
-        # The three hang-ups and the cancel at once (one after the other until 2026-11-30: each waited
-        # for its own prefill and chunks alone)
-        hang_ups = [lambda model=model, text=text, chunks=chunks: hang_up_after(
-            serve, model, {"text_input": PROMPTS[text], "max_tokens": 1500, "end_id": -1, "stream": True}, chunks)
-            for model, text, chunks in [("ensemble", "japanese", 2), ("ensemble", "ascii", 1),
-                                        ("tensorrt_llm_bls", "chinese", 3)]]
-        with ThreadPoolExecutor(len(hang_ups) + 1) as pool:
-            for done in [pool.submit(call) for call in hang_ups + [cancel_after_one_response]]:
-                done.result()
-        assert idle_within(serve, 2.0), kv_and_requests(scrape(serve))
-        # 7 tokens: "The capital of France is Paris." whole (12 were 5 more steps for nothing)
-        answer = serve.generate("ensemble", {"text_input": chat("What is the capital of France?"),
-                                             "max_tokens": 7})
-        assert answer.status_code == 200 and "Paris" in answer.json()["text_output"], answer.text
-
         calls = [(streamed_http, "ensemble"), (streamed_http, "tensorrt_llm_bls"),
                  (streamed_grpc, "ensemble"), (streamed_grpc, "tensorrt_llm_bls")]
         threads, outcomes = start_running(serve, calls)
