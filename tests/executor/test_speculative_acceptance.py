@@ -12,9 +12,11 @@ from engine.executor.speculative.ngram import NgramProposer
 from engine.executor.speculative.proposer import draft_room
 
 VOCAB = 6
-TRIALS = 20_000
+TRIALS = 10_000
 # Chi-square critical value for VOCAB - 1 = 5 degrees of freedom at p = 0.001: a correct sampler
-# fails one run in a thousand, a sampler off by a few percent on any token fails every time.
+# fails one run in a thousand (the seeds are fixed: these runs pass), a sampler that moves 3 points of
+# probability between two tokens near 0.3 fails 9,998 runs in 10,000 (noncentrality 60; 2 points: 85%).
+# (20,000 trials until 2026-11-30: 13.6 s of CI's fresh clone for the file, 2 points caught 99.9%.)
 CHI2_CRITICAL_5_DOF = 20.52
 
 
