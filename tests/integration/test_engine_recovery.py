@@ -222,9 +222,10 @@ def test_ctrl_c_ends_running_requests_with_a_clear_error_and_exits(smollm2_engin
     meanwhile; everything exits with nothing left in flight, and the shutdown ends exactly the 4 running
     requests. Ctrl-C with nothing running is test_soak.py's. (Until 2026-11-30 three hang-ups and a
     cancel ran first on this server, then an answer: a 5th request ended here would have been one they
-    left behind. test_hangups.py hangs up the same ways on the session server, filled by the same
-    serve_default.prepare_model_repo and served by tritonserver alone as here, and waits for the gauges
-    to read no request active and no KV block used; 25 s of CI's fresh clone with them.)"""
+    left behind. test_hangups.py hangs up the same ways, and test_grpc_stream.py and test_streaming_relay.py
+    cancel gRPC streams, on servers filled by the same serve_default.prepare_model_repo and served by
+    tritonserver alone as here, and wait for the gauges to read no request active and no KV block used;
+    25 s of CI's fresh clone with them.)"""
     serve = ServeDefault(smollm2_engine_dir, tmp_path)
     try:
         calls = [(streamed_http, "ensemble"), (streamed_http, "tensorrt_llm_bls"),

@@ -143,6 +143,11 @@ def grpc_cancel_after(server, model, text, responses):
     stream.close(cancel=True)
 
 
+# `make test-all` (6.2 s of CI's fresh clone): make test cancels gRPC streams of tensorrt_llm and the BLS in
+# test_grpc_stream.py's test_client_cancel_ends_generation_and_frees_kv (each idle after, no KV block used) and of
+# the ensemble in test_streaming_relay.py's test_gone_ensemble_clients_are_stopped_on_either_instance; the
+# multi-byte texts are the HTTP hang-ups' above (the same stop in the model, whichever frontend cancelled).
+@pytest.mark.extended
 def test_grpc_stream_cancels_stop_generation(triton_server):
     """Every (entry model, text, responses read) case at once, then an answer through each model."""
     start = idle_iteration(triton_server)
