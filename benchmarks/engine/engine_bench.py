@@ -726,7 +726,9 @@ def iteration_breakdown(executor, since_ns: int) -> dict:
                                         if h.num_context_requests == 0 and h.num_gen_requests > 0),
                                        key=lambda pair: -pair[1])[:3]
         graphs = getattr(executor.runner, "decode_graphs", None)
-        if graphs is not None and widest <= graphs.max_batch_size:
+        # (not with tensor-parallel ranks: their graphs hold all-reduces, which a replay on rank 0 alone waits in
+        # forever: encdec_bench --tp 2 hung here on the H200s, 2026-11-30; tp_bench.py step_periods skips it too)
+        if graphs is not None and widest <= graphs.max_batch_size and executor.runner.build_config.tp_size == 1:
             out["decode_graph_replay_ms"] = cuda_time_ms(graphs.graphs[graphs.bucket_for(widest)].replay, repeat=10)
     return out
 

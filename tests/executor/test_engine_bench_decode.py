@@ -28,3 +28,24 @@ def decode_batch_of(prompt: list[int], page: int, table: list[int]):
 
     n = len(prompt)
     return ForwardBatch(prompt, list(range(n)), [n], [n], [table[: -(-n // page)]], [n - 1])
+
+
+def test_iteration_breakdown_never_replays_a_tensor_parallel_graph_on_rank_0_alone():
+    """iteration_breakdown times the widest decode step's CUDA graph on one GPU; at tp_size > 1 rank 0's graph
+    holds all-reduces that a replay on rank 0 alone waits in forever (encdec_bench --tp 2 hung so on the H200s,
+    2026-11-30, rank 1 waiting for a plan): the figure is left out there. (CPU: a stand-in graph that records a
+    replay; the real one needs two GPUs.)"""
+    from types import SimpleNamespace
+
+    from benchmarks.engine.engine_bench import iteration_breakdown
+
+    replays = []
+    graphs = SimpleNamespace(max_batch_size=8, bucket_for=lambda n: 8,
+                             graphs={8: SimpleNamespace(replay=lambda: replays.append(1))})
+    step = dict(timestamp_ns=1, num_context_requests=0, iter_latency_ms=5.0)
+    history = [SimpleNamespace(num_gen_requests=n, **step) for n in (8, 8, 4)]
+    runner = SimpleNamespace(decode_graphs=graphs, build_config=SimpleNamespace(tp_size=2))
+    executor = SimpleNamespace(runner=runner, get_iteration_stats_history=lambda: history)
+    out = iteration_breakdown(executor, since_ns=0)
+    assert out["decode_batch"] == 8 and out["decode_iterations"] == 3 and out["decode_step_ms_median"] == 5.0
+    assert "decode_graph_replay_ms" not in out and not replays
