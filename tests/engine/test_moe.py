@@ -55,7 +55,7 @@ def test_a_batch_where_some_experts_get_no_token(family, tmp_path):
         assert (actual - wanted).abs().max().item() <= 1e-4
 
 
-@pytest.mark.parametrize("family", MOE_FAMILIES)
+@pytest.mark.parametrize("family", ["qwen3_moe"])  # (Mixtral's layer takes the same path: its GPU test below)
 def test_norm_in_the_router_launch_equals_the_unfused_layer(family, tmp_path, monkeypatch):
     """TRITONLLM_MOE_NORM_ROUTER=1 (engine/models/moe.py forward_normed: the post-attention norm, the router
     product and the routing in kernels/moe_router.py's launch, the experts for the chosen ids) on the CPU, the

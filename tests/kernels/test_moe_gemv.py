@@ -153,11 +153,11 @@ def test_mxfp4_support_needs_unpadded_halves_and_a_gated_activation():
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind, tiles, num_tokens", [
     ("fp8_block", ((32, 256, 8, 2), (64, 256, 8, 2)), 3),
-    # one token (the interpreter's time): two K steps each, the carried loads
-    ("fp8_block", ((32, 128, 4, 1, AHEAD), (64, 64, 8, 1, AHEAD)), 1),
-    ("fp8_block", ((32, 128, 4, 1, AHEAD + STEP_SUMS), (64, 64, 8, 1, AHEAD + STEP_SUMS)), 1),
-    ("model", ((32, 64, 4, 1, AHEAD), (64, 128, 8, 1, AHEAD)), 1),
-    ("fp8_block", ((32, 128, 4, 1, ONE_LOAD), (64, 256, 8, 1, ONE_LOAD)), 1),  # (K 256 / 128: two steps, one)
+    # one token (the interpreter's time); AHEAD: two K steps each (the carried loads); ONE_LOAD: K 256 / 128 in two
+    # steps / one
+    ("fp8_block", ((32, 128, 4, 1, AHEAD), (64, 64, 8, 1, AHEAD + STEP_SUMS)), 1),
+    ("fp8_block", ((32, 128, 4, 1, ONE_LOAD), (64, 256, 8, 1, ONE_LOAD)), 1),
+    ("model", ((32, 64, 4, 1, AHEAD), (64, 128, 8, 1, ONE_LOAD)), 1),
 ])
 def test_given_routing_other_tiles_and_the_sum(device, kind, tiles, num_tokens):
     """Routing given (no logits), the candidates' other tiles (a narrow one and a wide K step; AHEAD tiles, which
