@@ -41,7 +41,14 @@ STOP_WAIT_S = 0.2
 CHAT = ("<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n")
 
 
+def without_pythonpath(env: dict) -> dict:
+    """``env`` without PYTHONPATH: a suite run with PYTHONPATH=<checkout> (a worktree's way) would otherwise
+    have the fresh environment import the checkout, not the wheel."""
+    return {name: value for name, value in env.items() if name != "PYTHONPATH"}
+
+
 def run(command: list[str], cwd: Path, timeout: float = 120, env: dict | None = None) -> str:
+    env = without_pythonpath(os.environ if env is None else env)
     done = subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env)
     assert done.returncode == 0, f"{command}\n{done.stdout}\n{done.stderr}"
     return done.stdout
@@ -123,8 +130,7 @@ def test_serve_answers_a_request(installed, smollm2_engine_dir, tmp_path):
     filled, tritonserver's Python models and the OpenAI frontend running the installed packages; one
     HTTP generate and one OpenAI chat completion answered."""
     http, grpc, metrics, openai_port = (str(free_port()) for _ in range(4))
-    env = {**os.environ, "TRITONLLM_CACHE": str(tmp_path / "cache")}
-    env.pop("PYTHONPATH", None)
+    env = without_pythonpath({**os.environ, "TRITONLLM_CACHE": str(tmp_path / "cache")})
     process = subprocess.Popen(
         [str(installed / "tritonllm"), "serve", "--engine_dir", smollm2_engine_dir, "--repo", "repo",
          "--bls_instances", "1", "--openai_port", openai_port, "--http_port", http, "--grpc_port", grpc,
