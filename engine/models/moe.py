@@ -224,7 +224,8 @@ class MoeLayer(LlamaLayer):
     def forward(self, x, residual, positions, cos_sin_cache, kv_cache, meta):
         """LlamaLayer's, except that a sparse layer whose experts take the norm (SparseMoeBlock.takes_norm: decode
         steps of 1-2 tokens) runs its post-attention norm inside the router's launch."""
-        if self.moe is None or not self.moe.takes_norm(positions.shape[0]):
+        # (subclasses' own experts, Llama 4's and gpt-oss's, have no normed router launch)
+        if not isinstance(self.moe, SparseMoeBlock) or not self.moe.takes_norm(positions.shape[0]):
             return super().forward(x, residual, positions, cos_sin_cache, kv_cache, meta)
         h, residual = rms_norm_into(self.qkv_proj, x, self.input_norm.weight, self.eps, residual)
         h = self.attention(h, positions, cos_sin_cache, kv_cache, meta)
