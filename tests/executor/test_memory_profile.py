@@ -8,7 +8,8 @@ import pytest
 import torch
 from executor_testing import collect, final_tokens
 
-from engine.executor.device_memory import MEMORY_FRACTION_ENV, apply_memory_fraction_from_env, free_device_bytes
+from engine.executor.device_memory import (MEMORY_FRACTION_ENV, apply_memory_fraction_from_env, free_device_bytes,
+                                           is_capped)
 from engine.executor.executor import Executor, ExecutorConfig
 from engine.executor.memory_profile import measure_step_memory, profile_batch, reserve_bytes
 from engine.executor.request import OutputConfig, Request, SamplingConfig
@@ -46,8 +47,12 @@ def test_pool_leaves_the_measured_reserve_free(tiny_engine):
                                  kv_cache_dtype=None)
     assert runner.kv_cache is None
     assert memory.step >= memory.forward > memory.logits == build.max_batch_size * runner.vocab_size * 4
-    reserve = reserve_bytes(memory, cuda_graphs=True)
-    assert reserve > reserve_bytes(memory, cuda_graphs=False) > memory.step
+    # as step_memory_reserve sizes it: under the GPU suite's per-process cap the driver's memory beside the
+    # allocator is not counted (measured through the device's free memory, it also took in other test
+    # processes' allocations on the shared GPU: a 6.98-GB reserve over a 5.7-GB cap failed the 23:30 suite)
+    outside = not is_capped(runner.device)
+    reserve = reserve_bytes(memory, cuda_graphs=True, count_outside=outside)
+    assert reserve > reserve_bytes(memory, cuda_graphs=False, count_outside=outside) > memory.step
     blocks = runner.num_kv_blocks_for(free_mem_fraction=1.0, reserve_bytes=reserve)
     runner.allocate_kv_cache(blocks)
     assert free_device_bytes(runner.device) >= reserve - (64 << 20)  # the allocator rounds the pool up to whole segments
