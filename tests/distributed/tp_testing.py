@@ -90,9 +90,11 @@ def run_ranks(leader_cmd: list[str], engine_dir: str, world_size: int, out: str,
         return json.load(f)
 
 
-def kill_idle_worker(leader_cmd: list[str], engine_dir: str, out: str, **extra_env: str) -> tuple[dict, float]:
+def kill_idle_worker(leader_cmd: list[str], engine_dir: str, out: str, hang: bool = False,
+                     **extra_env: str) -> tuple[dict, float]:
     """A two-rank job whose leader prints IDLE once it has generated (heartbeats every 0.5 s): SIGKILL
-    the worker then; (the JSON the leader wrote to ``out``, seconds from the kill to the leader's exit 0).
+    the worker then (``hang``: SIGSTOP, alive with its sockets open and never answering, until the leader
+    has exited); (the JSON the leader wrote to ``out``, seconds from the signal to the leader's exit 0).
     ``extra_env``: more variables for both ranks (TRITONLLM_SHM_PLANS, say)."""
     leader, (worker,) = start_ranks(leader_cmd, engine_dir, 2, **{"TRITONLLM_DIST_HEARTBEAT_S": "0.5", **extra_env})
     try:
@@ -104,10 +106,12 @@ def kill_idle_worker(leader_cmd: list[str], engine_dir: str, out: str, **extra_e
         else:
             raise AssertionError("the leader exited before it was idle:\n" + "".join(before_idle))
         killed_at = time.monotonic()
-        worker.send_signal(signal.SIGKILL)
+        worker.send_signal(signal.SIGSTOP if hang else signal.SIGKILL)
         leader_log, _ = leader.communicate(timeout=30)
         elapsed = time.monotonic() - killed_at
     finally:
+        if hang:
+            worker.send_signal(signal.SIGCONT)
         stop([leader, worker])
     assert leader.returncode == 0, leader_log
     with open(out) as f:
