@@ -12,7 +12,8 @@ tests of its current one run). Two things that scheme does not know, fixed here:
   the OpenAI frontend's files do not). The files that use it are
   two units of work (``scope_of``): those of the OpenAI frontend (``OPENAI_SERVER_SCOPE``) and the
   rest (``SHARED_SERVER_SCOPE``). Both go early (the next point says why not both first), so each
-  worker takes one and starts the server once.
+  worker takes one and starts the server once. The session's non-decoupled server (``unary_server``)
+  belongs to SHARED_SERVER_SCOPE alone: its files run on one worker, which starts it once.
   Why two: as one unit those files were ~680 of the ~1,000 s the suite took on 2 cores (2026-11-30),
   so one worker ran them while the other finished everything else and idled; a second server start
   (~45 s) costs less than that wait.
@@ -35,7 +36,8 @@ from pathlib import Path
 
 # The integration package's session fixtures (tests/integration/conftest.py) and the unit of work
 # of every file that uses one of them.
-SHARED_SERVER_FIXTURES = frozenset({"triton_server", "disaggregated_server", "frontend", "lora_adapters"})
+SHARED_SERVER_FIXTURES = frozenset({"triton_server", "disaggregated_server", "frontend", "lora_adapters",
+                                    "unary_server"})
 SHARED_SERVER_SCOPE = "tests/integration[session server]"
 OPENAI_SERVER_FIXTURES = frozenset({"frontend", "lora_adapters"})
 OPENAI_SERVER_SCOPE = "tests/integration[session server + OpenAI frontend]"

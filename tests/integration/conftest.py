@@ -1,14 +1,17 @@
 """One real tritonserver for the whole integration session, on 127.0.0.1 with free ports,
 serving the SmolLM2 engine from the `smollm2_engine_dir` fixture through the five-model
 repository (decoupled, so both unary and streaming calls work); its generation phase loaded
-when a test first asks for it (``disaggregated_server``)."""
+when a test first asks for it (``disaggregated_server``). A second one, non-decoupled, for the files
+that need one response per request (``unary_server``)."""
+import contextlib
 import subprocess
 import sys
 
 import pytest
 import requests
 
-from triton_helpers import ROOT, add_generation_phase, running_frontend, running_server, wait_for, write_peft_adapter
+from triton_helpers import (ROOT, add_generation_phase, alive, running_frontend, running_server, running_unary_server,
+                            wait_for, write_peft_adapter)
 
 
 @pytest.fixture(scope="session")
@@ -29,6 +32,30 @@ def disaggregated_server(triton_server):
         add_generation_phase(triton_server.repo, decoupled=True)
         triton_server.load_models("generation", "disaggregated_serving_bls")
     return triton_server
+
+
+@pytest.fixture(scope="session")
+def unary_servers(smollm2_engine_dir, tmp_path_factory):
+    """unary_server's maker: the running one, or a fresh one where a test killed the last."""
+    with contextlib.ExitStack() as stack:
+        started = []
+
+        def current():
+            if not started or not alive(started[-1].pid):
+                work = tmp_path_factory.mktemp("unary")
+                started.append(stack.enter_context(running_unary_server(smollm2_engine_dir, work)))
+            return started[-1]
+        yield current
+
+
+@pytest.fixture(scope="module")
+def unary_server(unary_servers):
+    """The non-decoupled repository (triton_helpers.running_unary_server: the five models, the BLS naming a
+    draft model, tensorrt_llm's n-gram and draft-target copies) that test_speculative_served.py and
+    test_unary_served.py share (they started one each, the same five models, until 2026-11-30). Started
+    once a session; again only for a module after one whose test killed it (test_unary_served.py's last
+    test does, and `make test` runs that file after the other: tests/tools/test_file_order.py checks)."""
+    return unary_servers()
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,5 @@
-"""Speculative decoding through a real tritonserver serving SmolLM2 (one server for the module).
+"""Speculative decoding through a real tritonserver serving SmolLM2 (the session's non-decoupled
+server, conftest.unary_server, shared with test_unary_served.py).
 
 The repository is non-decoupled, as e2e_grpc_speculative_decoding_client.py needs (unary calls
 with the prompt in output_ids), and serves three `tensorrt_llm` models on the same engine: the
@@ -12,62 +13,28 @@ deliberately wrong ones sent straight to the target, n-gram lookups and draft-mo
 """
 import os
 import re
-import shutil
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
-from pathlib import Path
 
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
-from triton_helpers import GUIDED_OFF, chat, grpc_inputs, load_script, serving_repository, wait_for
+from triton_helpers import DRAFT_MODEL, DRAFT_TARGET_MODEL, chat, grpc_inputs, wait_for
 
 pytestmark = pytest.mark.integration
 
-DRAFT = NGRAM = "tensorrt_llm_draft"
-DRAFT_TARGET = "tensorrt_llm_draft_target"
+DRAFT = NGRAM = DRAFT_MODEL
+DRAFT_TARGET = DRAFT_TARGET_MODEL
 END_ID = 2  # SmolLM2's <|im_end|>
 REFERENCE_CLIENTS = os.environ.get("TRITONLLM_REFERENCE_CLIENTS")  # tensorrtllm_backend's inflight_batcher_llm/client
 
 
-def _copy_model(repo: Path, source: str, name: str, config_text: str) -> None:
-    shutil.copytree(repo / source / "1", repo / name / "1", ignore=shutil.ignore_patterns("__pycache__"))
-    text, count = re.subn(rf'^name: "{source}"', f'name: "{name}"', config_text, count=1, flags=re.M)
-    assert count == 1
-    (repo / name / "config.pbtxt").write_text(text)
-
-
-@contextmanager
-def speculative_server(engine_dir: str, work: Path):
-    """The five-model repository (non-decoupled, the BLS naming the draft model) plus the draft
-    (decoding_mode ngram) and draft_target copies of tensorrt_llm, served on free ports."""
-    serve = load_script("serve_default")
-    # No guides and no adapters here: the three engine processes start without xgrammar's vocabulary
-    # (~1.3 CPU-s each) and LoRA slots.
-    unused = {**GUIDED_OFF, "enable_lora": "false"}
-    repo = Path(serve.prepare_model_repo(engine_dir, str(work / "repo"), decoupled=False, bls_instances=2,
-                                         overrides={"tensorrt_llm_bls": {"tensorrt_llm_draft_model_name": DRAFT},
-                                                    "tensorrt_llm": unused}))
-    # the copies: the template filled like tensorrt_llm's, with their decoding modes
-    template = serve.model_templates_dir() / "tensorrt_llm" / "config.pbtxt"
-    base = {**serve.default_substitutions(os.path.abspath(engine_dir), decoupled=False)["tensorrt_llm"], **unused}
-    for name, values in ((DRAFT, {"decoding_mode": "ngram", "max_draft_len": "4", "max_matching_ngram_size": "3"}),
-                         (DRAFT_TARGET, {"decoding_mode": "draft_target", "max_draft_len": "4",
-                                         "draft_engine_dir": os.path.abspath(engine_dir)})):
-        pairs = ",".join(f"{k}:{serve._escape(v)}" for k, v in {**base, **values}.items())
-        _copy_model(repo, "tensorrt_llm", name, serve.fill_template(template.read_text(), pairs, str(template)))
-    with serving_repository(repo, work) as running:
-        yield running
-
-
 @pytest.fixture(scope="module")
-def server(smollm2_engine_dir, tmp_path_factory):
-    with speculative_server(smollm2_engine_dir, tmp_path_factory.mktemp("speculative")) as running:
-        yield running
+def server(unary_server):
+    return unary_server
 
 
 @pytest.fixture(scope="module")

@@ -94,6 +94,44 @@ def running_server(engine_dir: str, work: Path, decoupled: bool = True, mpi: boo
         yield server
 
 
+# The unary repository's copies of tensorrt_llm for speculative decoding (running_unary_server).
+DRAFT_MODEL = "tensorrt_llm_draft"
+DRAFT_TARGET_MODEL = "tensorrt_llm_draft_target"
+
+
+def _copy_model(repo: Path, source: str, name: str, config_text: str) -> None:
+    shutil.copytree(repo / source / "1", repo / name / "1", ignore=shutil.ignore_patterns("__pycache__"))
+    text, count = re.subn(rf'^name: "{source}"', f'name: "{name}"', config_text, count=1, flags=re.M)
+    assert count == 1
+    (repo / name / "config.pbtxt").write_text(text)
+
+
+@contextmanager
+def running_unary_server(engine_dir: str, work: Path):
+    """The five-model repository non-decoupled (one response per request, as end_to_end_test.py,
+    benchmark_core_model.py and e2e_grpc_speculative_decoding_client.py need), the BLS naming
+    DRAFT_MODEL as its draft model, plus two copies of tensorrt_llm on the same engine: DRAFT_MODEL
+    (decoding_mode ngram) and DRAFT_TARGET_MODEL (decoding_mode draft_target, the engine as its own
+    draft model); served on free ports (conftest.unary_server)."""
+    serve = load_script("serve_default")
+    # No guides and no adapters here: the three engine processes start without xgrammar's vocabulary
+    # (~1.3 CPU-s each) and LoRA slots.
+    unused = {**GUIDED_OFF, "enable_lora": "false"}
+    repo = Path(serve.prepare_model_repo(engine_dir, str(work / "repo"), decoupled=False, bls_instances=2,
+                                         overrides={"tensorrt_llm_bls": {"tensorrt_llm_draft_model_name": DRAFT_MODEL},
+                                                    "tensorrt_llm": unused}))
+    # the copies: the template filled like tensorrt_llm's, with their decoding modes
+    template = serve.model_templates_dir() / "tensorrt_llm" / "config.pbtxt"
+    base = {**serve.default_substitutions(os.path.abspath(engine_dir), decoupled=False)["tensorrt_llm"], **unused}
+    for name, values in ((DRAFT_MODEL, {"decoding_mode": "ngram", "max_draft_len": "4", "max_matching_ngram_size": "3"}),
+                         (DRAFT_TARGET_MODEL, {"decoding_mode": "draft_target", "max_draft_len": "4",
+                                               "draft_engine_dir": os.path.abspath(engine_dir)})):
+        pairs = ",".join(f"{k}:{serve._escape(v)}" for k, v in {**base, **values}.items())
+        _copy_model(repo, "tensorrt_llm", name, serve.fill_template(template.read_text(), pairs, str(template)))
+    with serving_repository(repo, work) as running:
+        yield running
+
+
 def add_disaggregated_bls(repo: Path, context: str, generation: str, decoupled: bool, instances: int = 2) -> None:
     """disaggregated_serving_bls from all_models/, filled as the anchor's docs fill it, in a filled
     repository: prefill on ``context``, decode on ``generation``, ``instances`` model instances."""
@@ -191,6 +229,15 @@ def stop(*processes: subprocess.Popen) -> None:
 def _stop_servers_left_running() -> None:
     if running_servers:
         stop(*running_servers)
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (not gone, not a zombie its parent has not reaped yet)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
 
 
 def processes_naming(text: str) -> list[int]:

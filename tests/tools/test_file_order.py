@@ -29,4 +29,10 @@ def test_the_session_server_files_are_two_units_and_first():
         assert path not in shared and scope_of(ROOT, f"{path}::test_x") == path and file_rank(ROOT, path) == 3
     assert file_rank(ROOT, "tests/serving/test_metrics_math.py") == 4
     assert file_rank(ROOT, "tests/serving/test_torchless_preprocessing.py") == 3  # long, not left for the end
+    # the session's non-decoupled server: its files in the shared unit, test_unary_served.py (whose last test
+    # kills it) after every other that names it
+    unary = [path for path in shared if "unary_server" in (Path(ROOT) / path).read_text()]
+    assert {"tests/integration/test_speculative_served.py", "tests/integration/test_unary_served.py"} <= set(unary)
+    assert all(scope_of(ROOT, path) == SHARED_SERVER_SCOPE for path in unary)
+    assert max(unary) == "tests/integration/test_unary_served.py"
     assert scope_of(ROOT, "tests/engine/test_moe.py::test_x") == "tests/engine/test_moe.py"

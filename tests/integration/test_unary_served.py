@@ -1,5 +1,8 @@
 """A non-decoupled repository (`decoupled_mode:false`): one response per request, as clients like
-end_to_end_test.py and benchmark_core_model.py use it. A second server, started for this module."""
+end_to_end_test.py and benchmark_core_model.py use it. The session's non-decoupled server
+(conftest.unary_server), which test_speculative_served.py shares (its draft models beside these five
+models change nothing here: no request sends drafts); this file's last test kills it. Until 2026-11-30
+this file started a server of its own (test_non_decoupled.py), the same five models."""
 import os
 import signal
 import threading
@@ -12,17 +15,11 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
-from triton_helpers import chat, running_server, wait_for
+from triton_helpers import chat, wait_for
 from test_grpc_stream import tensor
 from test_metrics import scrape, value
 
 pytestmark = pytest.mark.integration
-
-
-@pytest.fixture(scope="module")
-def unary_server(smollm2_engine_dir, tmp_path_factory):
-    with running_server(smollm2_engine_dir, tmp_path_factory.mktemp("unary"), decoupled=False) as server:
-        yield server
 
 
 @pytest.fixture(scope="module")
@@ -166,7 +163,8 @@ def stub_pids(model_file: str) -> list[int]:
 
 
 def test_zz_killed_server_leaves_no_generating_stub_behind(unary_server, tokenizer):
-    """Runs last in this module: it kills the module's server."""
+    """Runs last in this module, and `make test` runs this module after every other that uses the session's
+    unary_server (tests/tools/test_file_order.py): it kills that server (a module after it would get a fresh one)."""
     repo_model = str(unary_server.log_path.parent / "repo" / "tensorrt_llm" / "1" / "model.py")
     stubs = stub_pids(repo_model)
     assert len(stubs) == 1
