@@ -16,11 +16,8 @@ the text is all content.
 """
 from __future__ import annotations
 
-from openai_frontend.reasoning_parsers.base import ReasoningParser, marker_prefix_length
-
-START, CHANNEL, MESSAGE = "<|start|>", "<|channel|>", "<|message|>"
-BODY_ENDS = ("<|end|>", "<|call|>", "<|return|>")
-REASONING_CHANNEL = "analysis"
+from openai_frontend.harmony_format import CHANNEL, MESSAGE, REASONING_CHANNEL, START, body_piece
+from openai_frontend.reasoning_parsers.base import ReasoningParser
 
 
 class GptOssParser(ReasoningParser):
@@ -67,16 +64,10 @@ class GptOssParser(ReasoningParser):
             self._buffer = ""
 
     def _body(self, final: bool) -> None:
-        buffer = self._buffer
-        found = [(buffer.find(m), m) for m in BODY_ENDS if m in buffer]
-        if found:
-            at, marker = min(found)
-            self._emit(buffer[:at])
-            self._buffer, self._state = buffer[at + len(marker):], "between"
-            return
-        keep = 0 if final else marker_prefix_length(buffer, BODY_ENDS)
-        self._emit(buffer[:len(buffer) - keep])
-        self._buffer = buffer[len(buffer) - keep:]
+        text, self._buffer, ended = body_piece(self._buffer, final)
+        self._emit(text)
+        if ended:
+            self._state = "between"
 
     def _emit(self, text: str) -> None:
         if self._channel == REASONING_CHANNEL:

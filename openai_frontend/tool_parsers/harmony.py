@@ -26,12 +26,10 @@ from __future__ import annotations
 
 import re
 
-from openai_frontend.tool_parsers.base import WHITESPACE, ToolCallDelta, ToolParser, marker_prefix_length
+from openai_frontend.harmony_format import (CALL, CHANNEL, CONSTRAIN, END, MESSAGE, REASONING_CHANNEL, RETURN, START,
+                                            body_piece)
+from openai_frontend.tool_parsers.base import WHITESPACE, ToolCallDelta, ToolParser
 
-START, CHANNEL, MESSAGE, CONSTRAIN = "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>"
-END, CALL, RETURN = "<|end|>", "<|call|>", "<|return|>"
-BODY_ENDS = (END, CALL, RETURN)
-REASONING_CHANNEL = "analysis"
 FUNCTIONS = "functions."
 RECIPIENT = re.compile(r"to=([^\s<]+)")
 CHANNEL_NAME = re.compile(re.escape(CHANNEL) + r"\s*([^\s<]*)")
@@ -113,18 +111,12 @@ class HarmonyParser(ToolParser):
         self._state = "body"
 
     def _body(self, final: bool) -> None:
-        buffer = self._buffer
-        found = [(buffer.find(m), m) for m in BODY_ENDS if m in buffer]
-        if found:
-            at, marker = min(found)
-            self._emit(buffer[:at])
+        text, self._buffer, ended = body_piece(self._buffer, final)
+        self._emit(text)
+        if ended:
             self._end_body()
-            self._buffer, self._state = buffer[at + len(marker):], "between"
-            return
-        keep = 0 if final else marker_prefix_length(buffer, BODY_ENDS)
-        self._emit(buffer[:len(buffer) - keep])
-        self._buffer = buffer[len(buffer) - keep:]
-        if final:  # the generation stopped in the body (at a stop string: <|call|>, turn_ends)
+            self._state = "between"
+        elif final:  # the generation stopped in the body (at a stop string: <|call|>, turn_ends)
             self._end_body()
 
     def _emit(self, text: str) -> None:
