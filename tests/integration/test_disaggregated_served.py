@@ -16,6 +16,13 @@ import tritonclient.grpc as grpcclient
 from engine.executor import kv_transfer_nixl
 from triton_helpers import grpc_inputs, wait_for
 
+# make test-all only (~55 worker-s of CI's 2-core run, its second engine process's start most of it): make test
+# reaches the same paths through test_model_families_served.py's test_disaggregated_bls_greedy_ids_equal_transformers_
+# generate and test_disaggregated_bad_params_are_named (disaggregated_serving_bls, context_only then generation_only on
+# a real tritonserver) and tests/executor/test_disaggregated.py (equality with aggregated decoding, both transports,
+# cancels at each phase, failing exports, bad params)
+pytestmark = pytest.mark.extended
+
 BLS = "disaggregated_serving_bls"
 # Each prompt's first token comes from the context process, the other five are decoded on the KV it
 # sent: a block moved wrong changes them at once (12 until 2026-11-30: the 20 prompts' two passes, 8 at a
