@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from openai_frontend.tool_parsers.base import WHITESPACE, marker_prefix_length
+from openai_frontend.tool_parsers.base import WHITESPACE, TextStateMachine, marker_prefix_length
 
 __all__ = ["ReasoningDelta", "ReasoningParser", "WHITESPACE", "marker_prefix_length"]
 
@@ -26,7 +26,7 @@ class ReasoningDelta:
         return self
 
 
-class ReasoningParser:
+class ReasoningParser(TextStateMachine):
     """A format's parser: a state machine over ``self._buffer``. Subclasses set ``name``,
     ``special_tokens`` (markers that are special tokens in the format's vocabularies: the detokenizer
     must keep them, openai_frontend/tool_calls.py keep_markers_decoder), ``template_marks`` (text of
@@ -43,8 +43,7 @@ class ReasoningParser:
     def __init__(self, prompt: str = "", guided: bool = False):
         """``prompt``: the rendered prompt (whether it opened the reasoning); ``guided``: a guide
         (structured output, an enforced tool call) governs the output from its first token."""
-        self._buffer = ""
-        self._state = self.initial_state
+        super().__init__()
         self._out = ReasoningDelta()
 
     def push(self, text: str) -> ReasoningDelta:
@@ -61,13 +60,6 @@ class ReasoningParser:
     def parse(self, text: str) -> ReasoningDelta:
         """The whole text at once (the unary answer): what streaming it gives, joined."""
         return self.push(text).extend(self.finish())
-
-    def _run(self, final: bool) -> None:
-        while True:
-            before = (self._state, self._buffer)
-            getattr(self, "_" + self._state)(final)
-            if (self._state, self._buffer) == before:
-                return
 
     def _content(self, final: bool) -> None:
         """Everything from here on is content."""

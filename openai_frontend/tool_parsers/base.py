@@ -166,7 +166,27 @@ def marker_prefix_length(text: str, markers: tuple[str, ...]) -> int:
 
 # ----------------------------------------------------------------------------- parsers
 
-class ToolParser:
+class TextStateMachine:
+    """The driver the output parsers share (these tool-call parsers, openai_frontend/reasoning_parsers/): text
+    fed in pieces gathers in ``_buffer``; ``_state`` names the method ``_<state>(final)`` that reads it next,
+    and ``_run`` calls state methods until one leaves state and buffer as they were (waiting for more text, or
+    with ``final`` everything settled)."""
+
+    initial_state = ""
+
+    def __init__(self):
+        self._buffer = ""
+        self._state = self.initial_state
+
+    def _run(self, final: bool) -> None:
+        while True:
+            before = (self._state, self._buffer)
+            getattr(self, "_" + self._state)(final)
+            if (self._state, self._buffer) == before:
+                return
+
+
+class ToolParser(TextStateMachine):
     """A format's parser: content until one of ``markers``, then the format's run of calls.
 
     Subclasses set ``name``, ``markers`` (text that opens calls inside the content),
@@ -194,8 +214,7 @@ class ToolParser:
     turn_ends: tuple[str, ...] = ()
 
     def __init__(self):
-        self._buffer = ""
-        self._state = self.initial_state
+        super().__init__()
         self._text = ContentStream()
         self._scanner: CallScanner | None = None
         self._emitter: CallEmitter | None = None
@@ -235,14 +254,7 @@ class ToolParser:
     def made_calls(self) -> bool:
         return self._calls > 0
 
-    # --------------------------------------------------------------------- the machine
-
-    def _run(self, final: bool) -> None:
-        while True:
-            before = (self._state, self._buffer)
-            getattr(self, "_" + self._state)(final)
-            if (self._state, self._buffer) == before:
-                return
+    # --------------------------------------------------------------------- the machine (TextStateMachine._run)
 
     def _emit_content(self, text: str) -> None:
         if text:
