@@ -17,3 +17,5 @@ for o in none TRITONLLM_MOE_NORM_ROUTER=1 TRITONLLM_MOE_GEMV_AHEAD=1; do
 done
 timeout 10 $PYTHON benchmarks/engine/decode_profile_summary.py $OUT/bf16_*.json $OUT/fp8_*.json --rows 9 > $OUT/summary.txt 2>&1
 cat $OUT/summary.txt | head -120
+# at most 8 files come back from a device call: the runs' JSONs and logs in one tarball
+(cd $OUT && tar czf moe53_runs.tgz *.json *.log && rm -f *.json *.log)
