@@ -293,9 +293,10 @@ async def _json_body(request: web.Request):
 
 
 def _prompts(frontend: Frontend, parsed: GenerationRequest, chat: bool, image_rows: list[int] | None = None,
-             kinds: list[str] | None = None) -> list[tuple[str, list[int], int]]:
+             kinds: list[str] | None = None, grids=None) -> list[tuple[str, list[int], int]]:
     """(prompt text, its token ids, tokens to generate) per prompt; ``image_rows``: each image's (or
-    video's) table rows (a chat request's media parts, in order; ``kinds``: their types)."""
+    video's) table rows (a chat request's media parts, in order; ``kinds``: their types; ``grids``: the
+    encoder's grids, a Qwen3-VL video's timestamps with them)."""
     builder = frontend.prompts
     images = frontend.images if chat else None
     if chat:
@@ -310,7 +311,7 @@ def _prompts(frontend: Frontend, parsed: GenerationRequest, chat: bool, image_ro
     for text in texts:
         ids = builder.encode(text)
         if images is not None:  # each image placeholder -> its image's fake ids (vision.py)
-            ids = images.expand(ids, image_rows or [], kinds)
+            ids = images.expand(ids, image_rows or [], kinds, grids)
         max_tokens = builder.max_tokens_for(len(ids), parsed.params.max_tokens, "messages" if chat else "prompt",
                                             parsed.max_tokens_field)
         prompts.append((text, ids, max_tokens))
@@ -325,9 +326,11 @@ async def _generate(request: web.Request, chat: bool) -> web.StreamResponse:
     parts = image_parts(parsed.messages) if chat else []
     _check_images(frontend, parts)
     await frontend.client.ensure_ready()
-    table, image_rows, grids = await frontend.images.encode(parts) if parts else (None, None, None)
+    frames = frontend.images.frame_request(parsed.media_kwargs) if parts and parsed.media_kwargs else None
+    table, image_rows, grids = (await frontend.images.encode(parts, *([frames] if frames else []))
+                                if parts else (None, None, None))
     # an adapter's prompts too: the base model's template and tokenizer
-    prompts = _prompts(frontend, parsed, chat, image_rows, [part["type"] for part in parts])
+    prompts = _prompts(frontend, parsed, chat, image_rows, [part["type"] for part in parts], grids)
     prompt_tokens = sum(len(ids) for _, ids, _ in prompts)
     shape = ResponseShape(chat=chat, model=parsed.model)
     specs = choice_specs(prompts, parsed.params)

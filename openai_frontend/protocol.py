@@ -30,7 +30,9 @@ MAX_CHAT_TOP_LOGPROBS = 20  # OpenAI's limits (the engine's too: num_top_log_pro
 MAX_COMPLETION_LOGPROBS = 5
 CHAT_FIELDS = SAMPLING_FIELDS | set(GUIDE_FIELDS) | {"model", "messages", "max_completion_tokens", "top_logprobs",
                                                      "tools", "tool_choice", "parallel_tool_calls",
-                                                     "chat_template_kwargs"}
+                                                     "chat_template_kwargs", "mm_processor_kwargs"}
+# mm_processor_kwargs (vLLM's field: the processor's arguments) this server reads: a video's frame choice
+MEDIA_KWARGS = ("fps", "num_frames")
 # apply_chat_template's own arguments: chat_template_kwargs may not set these (the frontend does)
 RESERVED_TEMPLATE_KWARGS = {"conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
                             "continue_final_message", "tokenize", "padding", "truncation", "max_length",
@@ -83,6 +85,9 @@ class GenerationRequest:
     tools: ToolRequest | None = None  # chat: function tools (tools.py)
     # chat: variables the chat template reads (vLLM's chat_template_kwargs: Qwen3's enable_thinking)
     template_kwargs: dict = field(default_factory=dict)
+    # chat: mm_processor_kwargs' fps / num_frames (a video's frames: serving/videos.py FrameRequest; checked
+    # against the server's max_num_frames where the video is read)
+    media_kwargs: dict = field(default_factory=dict)
 
 
 def parse_chat_request(body: Any) -> GenerationRequest:
@@ -94,6 +99,7 @@ def parse_chat_request(body: Any) -> GenerationRequest:
     request.messages = _messages(body.get("messages"))
     request.tools = parse_tools(body)
     request.template_kwargs = _template_kwargs(body.get("chat_template_kwargs"))
+    request.media_kwargs = _media_kwargs(body.get("mm_processor_kwargs"))
     effort = body.get("reasoning_effort")
     if effort is not None:  # (as vLLM gives it to gpt-oss's template; other templates do not read it)
         if not isinstance(effort, str):
@@ -126,6 +132,20 @@ def _template_kwargs(value: Any) -> dict:
     if reserved:
         raise bad_request(f"chat_template_kwargs.{reserved[0]}", f"chat_template_kwargs.{reserved[0]} is set by the "
                                                                  "server; leave it out")
+    return dict(value)
+
+
+def _media_kwargs(value: Any) -> dict:
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise bad_request("mm_processor_kwargs", "mm_processor_kwargs must be an object, e.g. {\"fps\": 2} or "
+                                                 f"{{\"num_frames\": 16}} (a video's frames), got {value!r}")
+    unknown = sorted(set(value) - set(MEDIA_KWARGS))
+    if unknown:
+        raise bad_request(f"mm_processor_kwargs.{unknown[0]}", f"mm_processor_kwargs.{unknown[0]} is not supported; "
+                                                               f"supported: {', '.join(MEDIA_KWARGS)} (a video's "
+                                                               "frames)", code="unsupported_parameter")
     return dict(value)
 
 

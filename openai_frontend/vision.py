@@ -15,7 +15,9 @@ LLaVA-OneVision also takes ``video_url`` parts (as vLLM): one video per request,
 (as the Triton path), decoded with PyAV and sampled to ``max_num_frames`` frames (serving/videos.py),
 its slot where the chat template wrote ``<video>``. So do Qwen2.5-VL and Qwen2-VL (serving/qwen_video.py):
 the video's patches through the tower as an image's, its slot where the template wrote <|video_pad|>, its
-M-RoPE time axis from the file's sampled frame rate.
+M-RoPE time axis from the file's sampled frame rate; and Qwen3-VL (serving/qwen3_video.py), its frame pairs
+each after a timestamp. A request's ``mm_processor_kwargs`` (vLLM's field) may choose the frames:
+``fps`` or ``num_frames`` (serving/videos.py FrameRequest).
 """
 from __future__ import annotations
 
@@ -34,17 +36,19 @@ from serving.qwen_vl import grid_rows, image_patches
 from serving.multimodal import (DEFAULT_MAX_NUM_IMAGES, ImagePrompts, VisionEncoderRunner, engine_max_seq_len,
                                engine_vocab_size, image_limits)
 from serving.video_prompts import VIDEO_AND_IMAGES, video_support_error
-from serving.videos import video_from_url, video_limits
+from serving.videos import FrameRequest, VideoError, frame_request, video_limits
 
 QWEN_IMAGE_WORKERS = 4  # requests fetched, decoded and processed at once; their towers batch in the queue
 
 
 @dataclass(frozen=True)
 class VideoGrid:
-    """A Qwen video's (1, 3) grid and its second_per_grid_t (serving/qwen_video.py), ``encode``'s third value."""
+    """A Qwen video's (1, 3) grid and its second_per_grid_t (serving/qwen_video.py), ``encode``'s third value;
+    Qwen3-VL's frame pairs' timestamps (serving/qwen3_video.py), which ``expand`` writes into the prompt."""
 
     grids: np.ndarray
     second_per_grid: float
+    seconds: list[float] | None = None
 
 
 @dataclass(frozen=True)
@@ -90,6 +94,17 @@ class ChatImages:
         video = self.prompts.video or self.prompts.qwen_video
         return video.placeholder if video is not None else None
 
+    def frame_request(self, media_kwargs: dict) -> FrameRequest:
+        """A chat request's mm_processor_kwargs (fps / num_frames) -> its choice of a video's frames; a bad
+        value is a 400 naming the field."""
+        video = self.prompts.video or self.prompts.qwen_video
+        limits = video.limits if video is not None else video_limits(None)
+        try:
+            return frame_request(media_kwargs.get("fps"), media_kwargs.get("num_frames"), "mm_processor_kwargs",
+                                 limits)
+        except VideoError as error:
+            raise bad_request(error.field, str(error), code="invalid_video") from None
+
     def check_count(self, parts: list[dict]) -> None:
         videos = [part for part in parts if part.get("type") == "video"]
         if videos:
@@ -108,19 +123,23 @@ class ChatImages:
                               "request (max_num_images of the preprocessing model; `tritonllm serve "
                               "--max_num_images`)")
 
-    def expand(self, ids: list[int], counts: list[int], kinds: list[str] | None = None) -> list[int]:
-        """``counts``: each image's (or the video's) rows (``encode``); ``kinds``: the parts' types."""
+    def expand(self, ids: list[int], counts: list[int], kinds: list[str] | None = None, grids=None) -> list[int]:
+        """``counts``: each image's (or the video's) rows (``encode``); ``kinds``: the parts' types; ``grids``:
+        ``encode``'s third value (a Qwen3-VL video's timestamps go into the prompt)."""
+        seconds = grids.seconds if isinstance(grids, VideoGrid) else None
         try:
-            ids = self.prompts.expand_placeholders(ids, counts, where="messages", kinds=kinds)
+            ids = self.prompts.expand_placeholders(ids, counts, where="messages", kinds=kinds, seconds=seconds)
             self.prompts.check_crops_room(len(ids), counts, "messages")  # Gemma 3's pan-and-scan crops
             return ids
         except ValueError as error:
             raise bad_request("messages", str(error)) from None
 
-    async def encode(self, parts: list[dict]) -> tuple[np.ndarray, list[int], np.ndarray | None]:
+    async def encode(self, parts: list[dict], frames: FrameRequest = FrameRequest()
+                     ) -> tuple[np.ndarray, list[int], np.ndarray | None]:
         """The request's prompt-embedding table, (rows of every image, hidden) float16, each
         image's rows (their number depends on the image's size for LLaVA-NeXT/OneVision and
-        Qwen2-VL) and, for Qwen2-VL, the images' (n, 3) patch grids (else None)."""
+        Qwen2-VL) and, for Qwen2-VL, the images' (n, 3) patch grids (else None; a video's: VideoGrid).
+        ``frames``: the request's choice of a video's frames (mm_processor_kwargs' fps / num_frames)."""
         loop = asyncio.get_running_loop()
         if self.tower is not None and not (parts and parts[0].get("type") == "video"):
             # Qwen: a worker fetches, decodes and processes, submits to the queue and is free again; the
@@ -128,14 +147,15 @@ class ChatImages:
             # waiting for its table capped the queue's forwards at QWEN_IMAGE_WORKERS images)
             future, counts, grids = await loop.run_in_executor(self._worker, self._submit_qwen, parts)
             return (await asyncio.wrap_future(future)).numpy(), counts, grids
-        return await loop.run_in_executor(self._worker, self._encode, parts)
+        return await loop.run_in_executor(self._worker, self._encode, parts, frames)
 
-    def _encode(self, parts: list[dict]) -> tuple[np.ndarray, list[int], np.ndarray | None]:
+    def _encode(self, parts: list[dict], frames: FrameRequest = FrameRequest()
+                ) -> tuple[np.ndarray, list[int], np.ndarray | None]:
         if parts and parts[0].get("type") == "video" and self.prompts.qwen_video is not None:
-            return self._encode_qwen_video(parts[0])
+            return self._encode_qwen_video(parts[0], frames)
         if parts and parts[0].get("type") == "video":  # the request's one video (check_count)
             try:
-                pixels = self.prompts.video.from_url(parts[0]["url"], parts[0]["field"])
+                pixels = self.prompts.video.from_url(parts[0]["url"], parts[0]["field"], frames)
             except ValueError as error:  # VideoError/ImageError: names the part, says what is allowed
                 raise bad_request(parts[0]["field"], str(error), code="invalid_video") from None
             return self.runner.tables([pixels], None, [True])[0], [self.prompts.video.rows(pixels)], None
@@ -151,18 +171,18 @@ class ChatImages:
         pixels, sizes, counts = self.prompts.pixels_and_rows(images)  # Gemma 3's crops: images of their own
         return self.runner.tables([pixels], [sizes])[0], counts, None
 
-    def _encode_qwen_video(self, part: dict) -> tuple[np.ndarray, list[int], "VideoGrid"]:
+    def _encode_qwen_video(self, part: dict, request: FrameRequest) -> tuple[np.ndarray, list[int], "VideoGrid"]:
         """Qwen: the video's patches and grid (serving/qwen_video.py) through the tower as an image's; its
-        second_per_grid_t from the file's sampled frame rate rides with the grid to ``mrope``."""
-        video, meta = self.prompts.qwen_video, {}
+        second_per_grid_t from the file's sampled frame rate (and Qwen3-VL's frame pair timestamps) ride
+        with the grid to ``expand`` and ``mrope``."""
         try:
-            frames = video_from_url(part["url"], part["field"], video.limits, self.limits, meta)
+            frames, meta = self.prompts.qwen_video.from_url(part["url"], part["field"], request)
+            patches, grid, second, seconds = self.prompts.qwen_video.encode(frames, meta)
         except ValueError as error:  # VideoError/ImageError: names the part, says what is allowed
             raise bad_request(part["field"], str(error), code="invalid_video") from None
-        patches, grid = video.processor(frames)
         table = self.tower.submit(patches, [grid]).result().numpy()
         return table, grid_rows(np.array([grid]), self.prompts.config["mrope"]["merge"]), VideoGrid(
-            np.array([grid], np.int64), video.processor.second_per_grid(meta.get("fps")))
+            np.array([grid], np.int64), second, seconds)
 
     def _images(self, parts: list[dict]) -> list:
         """The parts' images, fetched and decoded; a bad one is a 400 naming its part."""

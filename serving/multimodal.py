@@ -46,7 +46,7 @@ from serving.qwen_vl import (CHAT_WRAPPERS, NO_PIXELS, ONE_IMAGE, QWEN_VL_TYPES,
                              vision_input_ids)
 from serving.text import string_rows
 from serving.video_prompts import VIDEO_AND_IMAGES, VideoPrompts, video_frames, video_support_error
-from serving.videos import VideoLimits, frames_from_bytes
+from serving.videos import FrameRequest, VideoError, VideoLimits, frames_from_bytes, uniform_sampler, video_from_url
 
 # builder_config.model_type -> (pre-prompt, after the image slots, post-prompt) around the image
 # slots and the text, as the anchor's preprocessing writes them (LLaVA-NeXT has none there: its
@@ -74,17 +74,39 @@ def _urls(array, row: int) -> list[str]:
 
 
 class QwenVideoPrompts:
-    """A Qwen2.5-VL / Qwen2-VL encoder directory's video side: its processor (serving/qwen_video.py), the
-    <|video_pad|> placeholder and the frame limits."""
+    """A Qwen2.5-VL / Qwen2-VL / Qwen3-VL encoder directory's video side: its processor
+    (serving/qwen_video.py; Qwen3-VL's serving/qwen3_video.py, whose prompts put a timestamp before each
+    frame pair), the <|video_pad|> placeholder and the frame limits."""
 
     def __init__(self, encoder_dir: str, config: dict, tokenizer, limits: VideoLimits, image_limits: ImageLimits):
+        from serving.qwen3_video import Qwen3VideoFrames
         from serving.qwen_video import QwenVideoFrames
 
-        self.processor = QwenVideoFrames(encoder_dir)
+        self.timestamps = bool(config["qwen_video"].get("timestamps"))  # Qwen3-VL
+        self.processor = Qwen3VideoFrames(encoder_dir) if self.timestamps else QwenVideoFrames(encoder_dir)
         self.limits, self.image_limits = limits, image_limits
         token = config["qwen_video"]["video_token_index"]
         self.placeholder = tokenizer.convert_ids_to_tokens(token) if token < len(tokenizer) else "<|video_pad|>"
         self.placeholder_id = token
+
+    def sampler(self, request: FrameRequest = FrameRequest()):
+        """decode_video's choice of an encoded file's frames: Qwen3-VL's processor's, else uniform."""
+        return self.processor.sampler(self.limits, request) if self.timestamps else uniform_sampler(self.limits, request)
+
+    def frames(self, item: np.ndarray, request: FrameRequest = FrameRequest()) -> tuple[np.ndarray, dict]:
+        """One item of video_bytes_input -> (frames, decode_video's meta: empty for frames sent as pixels)."""
+        meta = {}
+        return frames_from_bytes(item, self.limits, self.image_limits, meta=meta, sampler=self.sampler(request)), meta
+
+    def from_url(self, url: str, field: str, request: FrameRequest = FrameRequest()) -> tuple[np.ndarray, dict]:
+        meta = {}
+        return video_from_url(url, field, self.limits, self.image_limits, meta, self.sampler(request)), meta
+
+    def encode(self, frames: np.ndarray, meta: dict) -> tuple[np.ndarray, list[int], float, list[float] | None]:
+        """frames -> (patches, grid [t, h, w], second_per_grid_t, Qwen3-VL's per frame pair seconds or None)."""
+        patches, grid = self.processor(frames)
+        seconds = self.processor.timestamps(len(frames), meta) if self.timestamps else None
+        return patches, grid, self.processor.second_per_grid(meta.get("fps")), seconds
 
 
 def refuse_images_on_text_model(tensors: dict) -> None:
@@ -219,23 +241,39 @@ class ImagePrompts:
         if any(_present(tensors.get(name)) for name in ("IMAGE", "IMAGE_BYTES")) or _urls(tensors.get("IMAGE_URL"), row):
             raise ValueError(VIDEO_AND_IMAGES)
         if self.qwen_video is not None:
-            meta = {}
-            frames = frames_from_bytes(tensors["VIDEO_BYTES"][row], self.qwen_video.limits, self.limits, meta=meta)
-            return self.qwen_video_item(query, frames, meta.get("fps"), add_special_tokens)
+            frames, meta = self.qwen_video.frames(tensors["VIDEO_BYTES"][row])
+            return self.qwen_video_item(query, frames, meta, add_special_tokens)
         pixel_values = self.video.from_bytes(tensors["VIDEO_BYTES"][row])
         ids = self.prompt_ids(query, [self.video.rows(pixel_values)], add_special_tokens, self.video.placeholder)
         return PreparedItem(ids, pixel_values, is_video=True)
 
-    def qwen_video_item(self, query: str, frames: np.ndarray, fps: float | None, add_special_tokens: bool
-                        ) -> PreparedItem:
+    def qwen_video_item(self, query: str, frames: np.ndarray, meta: dict, add_special_tokens: bool) -> PreparedItem:
         """A Qwen video's item: its patches and grid as an image's, its slot where the text holds the video
-        placeholder (else the chat wrapper's <|vision_start|> slot <|vision_end|>), second_per_grid_t from ``fps``."""
-        video = self.qwen_video
-        patches, grid = video.processor(frames)
+        placeholder (else the chat wrapper's <|vision_start|> slot <|vision_end|>; Qwen3-VL: each frame pair
+        after its timestamp, video_slot_ids), second_per_grid_t from ``meta``'s fps (decode_video's)."""
+        try:
+            patches, grid, second, seconds = self.qwen_video.encode(frames, meta)
+        except VideoError as error:
+            raise VideoError(f"video_bytes_input: {error}") from None
         rows = grid_rows(np.array([grid]), self.config["mrope"]["merge"])
-        ids = self.prompt_ids(query, rows, add_special_tokens, video.placeholder)
+        ids = self.prompt_ids(query, rows, add_special_tokens, self.qwen_video.placeholder, seconds)
         return PreparedItem(ids, patches[None, None], image_grid_thw=np.array([grid], np.int64), is_video=True,
-                            second_per_grid=video.processor.second_per_grid(fps))
+                            second_per_grid=second)
+
+    def video_slot_ids(self, slot: list[int], seconds: list[float] | None) -> list[int]:
+        """A video's fake ids as its prompt holds them: as they are, or (Qwen3-VL, ``seconds`` per frame pair)
+        split into one run per frame pair, each ``<{s:.1f} seconds><|vision_start|>`` run ``<|vision_end|>``."""
+        if not seconds:
+            return slot
+        from serving.qwen3_video import timestamp_text
+
+        per_pair, start, end = len(slot) // len(seconds), self.config["vision_start_token_id"], self.config[
+            "vision_end_token_id"]
+        ids = []
+        for k, second in enumerate(seconds):
+            ids += (self.tokenizer.encode(timestamp_text(second), add_special_tokens=False) + [start]
+                    + slot[k * per_pair:(k + 1) * per_pair] + [end])
+        return ids
 
     def _prepare_qwen(self, query: str, images: list, num_pixel_images: int, add_special_tokens: bool) -> PreparedItem:
         """Qwen2-VL: the processor's patches and grid (serving/qwen_vl.py); one image per request."""
@@ -299,12 +337,13 @@ class ImagePrompts:
                 for start, count in zip(starts, counts)]
 
     def expand_placeholders(self, ids: list[int], counts: list[int], where: str = "text_input",
-                            kinds: list[str] | None = None) -> list[int]:
+                            kinds: list[str] | None = None, seconds: list[float] | None = None) -> list[int]:
         """Token ids of a whole prompt (a chat template wrote one placeholder per image) -> each
         placeholder id replaced by its image's slot (``counts``: each image's rows), in order.
         ``kinds``: "image" or "video" per entry of ``counts`` (default: images), whose placeholders
         (OneVision's <video>) must come in that order. A placeholder count that differs from the
-        images' is the request's error (ValueError naming ``where``)."""
+        images' is the request's error (ValueError naming ``where``). ``seconds``: a Qwen3-VL video's frame pairs'
+        timestamps (video_slot_ids)."""
         kinds = kinds or ["image"] * len(counts)
         video = self.video or self.qwen_video  # OneVision's <video>, Qwen's <|video_pad|>
         video_id = video.placeholder_id if video is not None else None
@@ -323,7 +362,8 @@ class ImagePrompts:
             return list(ids)
         out, start = [], 0
         for slot, (position, kind) in zip(self.slots(counts), found):
-            out += ids[start:position] + (self._gemma3_slot_ids(slot) if self.gemma3 and kind == "image" else slot)
+            out += ids[start:position] + (self._gemma3_slot_ids(slot) if self.gemma3 and kind == "image"
+                                          else self.video_slot_ids(slot, seconds) if kind == "video" else slot)
             start = position + 1
         return out + ids[start:]
 
@@ -335,15 +375,17 @@ class ImagePrompts:
                 for t in self.tokenizer.encode(self.gemma3_image_text(len(slot)), add_special_tokens=False)]
 
     def prompt_ids(self, query: str, counts: list[int], add_special_tokens: bool,
-                   placeholder: str | None = None) -> list[int]:
-        """``counts``: each image's rows (token_counts), or a video's (``placeholder``: the video's)."""
+                   placeholder: str | None = None, seconds: list[float] | None = None) -> list[int]:
+        """``counts``: each image's rows (token_counts), or a video's (``placeholder``: the video's; ``seconds``:
+        a Qwen3-VL video's frame pairs' timestamps, video_slot_ids)."""
         def encode(text: str, special: bool) -> list[int]:  # (an empty first piece keeps the special tokens)
             return self.tokenizer.encode(text, add_special_tokens=special) if text or special else []
 
         if self.gemma3:
             return self._gemma3_ids(query, counts, add_special_tokens)
-        num_images, slot = len(counts), self.slots(counts).__getitem__
         kind = "image" if placeholder is None else "video"
+        slots = self.slots(counts) if kind == "image" else [self.video_slot_ids(s, seconds) for s in self.slots(counts)]
+        num_images, slot = len(counts), slots.__getitem__
         placeholder = placeholder or self.placeholder
         pieces = query.split(placeholder)
         if len(pieces) > 1:

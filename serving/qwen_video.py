@@ -50,15 +50,20 @@ def _pixel_bounds(settings: dict) -> tuple[int, int]:
     return int(low), int(high)
 
 
+def read_settings(encoder_dir: str) -> tuple[dict, bool]:
+    """(the encoder directory's video processor settings, whether they are its own): its
+    video_preprocessor_config.json, else its image processor's (the same patches and normalization)."""
+    path = os.path.join(encoder_dir, QWEN_VIDEO_FILE)
+    own = os.path.isfile(path)
+    with open(path if own else os.path.join(encoder_dir, "preprocessor_config.json")) as f:
+        return json.load(f), own
+
+
 class QwenVideoFrames:
     """One Qwen encoder directory's video processor: frames -> (patches (n, dim) float32, grid [t, h, w])."""
 
-    def __init__(self, encoder_dir: str):
-        path = os.path.join(encoder_dir, QWEN_VIDEO_FILE)
-        if not os.path.isfile(path):  # the image processor's settings: the same patches and normalization
-            path = os.path.join(encoder_dir, "preprocessor_config.json")
-        with open(path) as f:
-            s = json.load(f)
+    def __init__(self, encoder_dir: str, settings: dict | None = None):
+        s = settings if settings is not None else read_settings(encoder_dir)[0]
         self.patch, self.merge = int(s.get("patch_size", 14)), int(s.get("merge_size", 2))
         self.temporal = int(s.get("temporal_patch_size", 2))
         self.min_pixels, self.max_pixels = _pixel_bounds(s)
@@ -73,13 +78,16 @@ class QwenVideoFrames:
         """second_per_grid_t of a video whose sampled frames run at ``fps`` (None: transformers' 24)."""
         return self.temporal / (fps or DEFAULT_FPS)
 
+    def frame_size(self, count: int, height: int, width: int) -> tuple[int, int]:
+        """The (height, width) ``count`` frames of height x width are resized to."""
+        return smart_resize(height, width, self.patch * self.merge, self.min_pixels, self.max_pixels)
+
     def __call__(self, frames: np.ndarray) -> tuple[np.ndarray, list[int]]:
         import torch
 
         from serving.videos import VideoFrames
 
-        height, width = frames.shape[1:3]
-        size = smart_resize(height, width, self.patch * self.merge, self.min_pixels, self.max_pixels)
+        size = self.frame_size(*frames.shape[:3])
         video = torch.from_numpy(VideoFrames({**self.settings, "size": {"height": size[0], "width": size[1]}})(frames))
         if pad := -len(video) % self.temporal:  # the last frame repeated
             video = torch.cat([video, video[-1:].expand(pad, -1, -1, -1)])

@@ -20,10 +20,11 @@ import os
 import numpy as np
 
 from serving.images import ImageLimits
-from serving.videos import VideoFrames, VideoLimits, frames_from_bytes, video_from_url
+from serving.videos import (FrameRequest, VideoFrames, VideoLimits, frames_from_bytes, uniform_sampler,
+                            video_from_url)
 
-NO_VIDEO = ("video_bytes_input: video is not supported for {model_type} models (only LLaVA-OneVision, Qwen2-VL "
-            "and Qwen2.5-VL take video{rebuild}); send images")
+NO_VIDEO = ("video_bytes_input: video is not supported for {model_type} models (only LLaVA-OneVision, Qwen2-VL, "
+            "Qwen2.5-VL and Qwen3-VL take video{rebuild}); send images")
 VIDEO_AND_IMAGES = ("video_bytes_input: a request takes one video or images, not both; send them in separate "
                     "requests")
 
@@ -33,7 +34,8 @@ def video_support_error(config: dict) -> str | None:
     if "video" in config or "qwen_video" in config:  # OneVision's; Qwen's (serving/qwen_video.py)
         return None
     model_type = config["builder_config"]["model_type"]
-    rebuild = (": rebuild the engine with this version" if model_type in ("llava_onevision", "qwen2_vl", "qwen2_5_vl")
+    rebuild = (": rebuild the engine with this version" if model_type in ("llava_onevision", "qwen2_vl", "qwen2_5_vl",
+                                                                        "qwen3_vl")
                else "")
     return NO_VIDEO.format(model_type=model_type, rebuild=rebuild)
 
@@ -58,8 +60,10 @@ class VideoPrompts:
         """One item of video_bytes_input -> its pixel values (F, 3, S, S) float32."""
         return self.processor(frames_from_bytes(item, self.limits, self.image_limits))
 
-    def from_url(self, url: str, field: str) -> np.ndarray:
-        return self.processor(video_from_url(url, field, self.limits, self.image_limits))
+    def from_url(self, url: str, field: str, request: FrameRequest = FrameRequest()) -> np.ndarray:
+        """A video URL -> its pixel values, its frames chosen uniformly (or as ``request`` asks)."""
+        return self.processor(video_from_url(url, field, self.limits, self.image_limits,
+                                             sampler=uniform_sampler(self.limits, request)))
 
     def rows(self, pixel_values: np.ndarray) -> int:
         from engine.vision.onevision_video import video_token_count

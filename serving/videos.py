@@ -9,10 +9,13 @@ The ways in:
 - OpenAI chat ``video_url`` parts: ``data:video/<type>;base64,...``, file: URLs under
   ``--allowed_local_media_path`` and http(s) from the allowed hosts (serving/images.py's rules).
 
-An encoded file is decoded with PyAV (FFmpeg) and ``max_frames`` frames are sampled uniformly
-(the anchor client's indices: ``arange(0, total, total / n)``); frames sent as pixels are taken as
-they are, and more than ``max_frames`` of them is the request's error. Every frame is checked
-against the image pixel limit (from the stream header, before decoding).
+An encoded file is decoded with PyAV (FFmpeg) and its frames sampled: by default ``max_frames``
+uniformly (the anchor client's indices: ``arange(0, total, total / n)``; Qwen3-VL's processor has its
+own rule, serving/qwen3_video.py); a request may ask for ``fps`` frames per second of video or
+``num_frames`` frames instead (``FrameRequest``: vLLM's ``mm_processor_kwargs``, transformers' video
+processor arguments), never more than ``max_frames``. Frames sent as pixels are taken as they are,
+and more than ``max_frames`` of them is the request's error. Every frame is checked against the
+image pixel limit (from the stream header, before decoding).
 
 ``VideoFrames``: frames (F, H, W, 3) uint8 -> pixel values (F, 3, h, w) float32 exactly as
 transformers' LlavaOnevisionVideoProcessor makes them (its torchvision path: bicubic resize with
@@ -23,7 +26,9 @@ transformers' video processors need torchvision, which these machines may lack.
 from __future__ import annotations
 
 import io
+import math
 from dataclasses import dataclass, replace
+from typing import Callable
 
 import numpy as np
 
@@ -37,7 +42,12 @@ RESAMPLE_MODES = {2: "bilinear", 3: "bicubic"}  # PIL's resample numbers a video
 
 
 class VideoError(ValueError):
-    """A request's video cannot be used; the message names the input and what is allowed."""
+    """A request's video cannot be used; the message names the input and what is allowed (``field``: the
+    request field at fault, where one is)."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
 
 
 @dataclass(frozen=True)
@@ -58,6 +68,50 @@ def _check_frames(name: str, count: int, limits: VideoLimits) -> None:
                          "sample fewer frames, or send the encoded file to have them sampled")
 
 
+ASSUMED_FPS = 24.0  # a video's rate when it does not say (transformers' VideoMetadata default)
+MAX_REQUEST_FPS = 240.0  # the highest frame rate a request may ask to sample at
+
+
+@dataclass(frozen=True)
+class FrameRequest:
+    """A request's own choice of an encoded video's frames: ``fps`` frames per second of video, or
+    ``num_frames`` frames over the whole video (at most one of them); neither: the model's default."""
+    fps: float | None = None
+    num_frames: int | None = None
+
+    def __bool__(self) -> bool:
+        return self.fps is not None or self.num_frames is not None
+
+
+def frame_request(fps, num_frames, where: str, limits: VideoLimits) -> FrameRequest:
+    """A request's ``fps`` / ``num_frames`` (None: not given) checked; a bad value is a VideoError naming
+    ``where``.fps or ``where``.num_frames, what was wrong and what is allowed."""
+    if fps is not None and num_frames is not None:
+        raise VideoError(f"{where}: fps and num_frames were both given; give one of them (fps: frames per second "
+                         "of video to sample; num_frames: how many frames to sample over the whole video)", where)
+    if fps is not None and (isinstance(fps, bool) or not isinstance(fps, (int, float)) or not math.isfinite(fps)
+                            or not 0 < fps <= MAX_REQUEST_FPS):
+        raise VideoError(f"{where}.fps is {fps!r}; allowed: a number of frames per second above 0 and at most "
+                         f"{MAX_REQUEST_FPS:g}", f"{where}.fps")
+    if num_frames is not None and (isinstance(num_frames, bool) or not isinstance(num_frames, int)
+                                   or not 1 <= num_frames <= limits.max_frames):
+        raise VideoError(f"{where}.num_frames is {num_frames!r}; allowed: an integer from 1 to {limits.max_frames} "
+                         "(max_num_frames of the preprocessing model; `tritonllm serve --max_num_frames`)",
+                         f"{where}.num_frames")
+    return FrameRequest(None if fps is None else float(fps), num_frames)
+
+
+def requested_count(total: int, source_fps: float | None, request: FrameRequest, default: int) -> int:
+    """How many of ``total`` frames to sample: the request's num_frames, or its fps times the video's
+    length (``int(total / source_fps * fps)``, as transformers' sample_frames, the rate ASSUMED_FPS when
+    the video does not say), else ``default``; at least 1."""
+    if request.num_frames is not None:
+        return request.num_frames
+    if request.fps is not None:
+        return max(1, int(total / (source_fps or ASSUMED_FPS) * request.fps))
+    return default
+
+
 def sample_indices(total: int, count: int) -> list[int]:
     """``count`` frame indices spread uniformly over ``total`` frames (all of them when fewer)."""
     if total <= count:
@@ -65,12 +119,25 @@ def sample_indices(total: int, count: int) -> list[int]:
     return np.arange(0, total, total / count).astype(int)[:count].tolist()
 
 
+def uniform_sampler(limits: VideoLimits, request: FrameRequest = FrameRequest()) -> Callable:
+    """The default choice of frames: (total, source fps) -> indices, ``max_frames`` of them (or what the
+    request asks, never more) spread uniformly (the anchor client's indices)."""
+    def choose(total: int, source_fps: float | None) -> list[int]:
+        return sample_indices(total, min(requested_count(total, source_fps, request, limits.max_frames),
+                                         limits.max_frames))
+    return choose
+
+
 def decode_video(data: bytes, name: str, limits: VideoLimits, image_limits: ImageLimits,
-                 meta: dict | None = None) -> np.ndarray:
-    """An encoded video file -> (F, H, W, 3) uint8 RGB frames, F <= limits.max_frames sampled uniformly
-    (``meta``, when given, gets "fps": the sampled frames' rate, F / total * the stream's, as transformers'
-    VideoMetadata.sampled_fps; None when the stream does not say)."""
+                 meta: dict | None = None, sampler: Callable | None = None) -> np.ndarray:
+    """An encoded video file -> (F, H, W, 3) uint8 RGB frames, chosen by ``sampler`` ((total frames, the
+    stream's fps or None) -> sorted indices; default ``uniform_sampler(limits)``). ``meta``, when given,
+    gets "fps": the sampled frames' rate, F / total * the stream's, as transformers'
+    VideoMetadata.sampled_fps (None when the stream does not say), "source_fps" (the stream's, or None)
+    and "indices" (the frames taken)."""
     import av
+
+    sampler = sampler or uniform_sampler(limits)
 
     if len(data) > limits.max_bytes:
         raise VideoError(f"{name} is {len(data)} bytes; allowed: at most {limits.max_bytes}")
@@ -84,10 +151,13 @@ def decode_video(data: bytes, name: str, limits: VideoLimits, image_limits: Imag
                 raise VideoError(f"{name}'s frames are {width}x{height} = {width * height} pixels; allowed: at most "
                                  f"{image_limits.max_pixels} pixels (max_image_pixels of the preprocessing model)")
             total = stream.frames or sum(1 for _ in container.decode(video=0))  # 0: the header does not say
-            wanted = set(sample_indices(total, limits.max_frames))
+            rate = stream.average_rate or stream.guessed_rate
+            source_fps = float(rate) if rate else None
+            indices = sampler(total, source_fps) if total else []
+            wanted = set(indices)
             if meta is not None:
-                rate = stream.average_rate or stream.guessed_rate
-                meta["fps"] = len(wanted) / total * float(rate) if rate and total else None
+                meta["fps"] = len(wanted) / total * source_fps if source_fps and total else None
+                meta["source_fps"], meta["indices"] = source_fps, sorted(wanted)
             container.seek(0)
             frames = []
             for index, frame in enumerate(container.decode(video=0)):
@@ -104,12 +174,13 @@ def decode_video(data: bytes, name: str, limits: VideoLimits, image_limits: Imag
 
 
 def frames_from_bytes(item: np.ndarray, limits: VideoLimits, image_limits: ImageLimits,
-                      name: str = "video_bytes_input", meta: dict | None = None) -> np.ndarray:
+                      name: str = "video_bytes_input", meta: dict | None = None,
+                      sampler: Callable | None = None) -> np.ndarray:
     """One item of video_bytes_input -> (F, H, W, 3) uint8 frames: (F, H, W, 3) (or (F, 3, H, W))
-    pixels, or an encoded file as (1, 1, 1, num_bytes)."""
+    pixels, or an encoded file as (1, 1, 1, num_bytes) (``sampler`` and ``meta``: decode_video's)."""
     item = np.asarray(item, dtype=np.uint8)
     if item.ndim == 4 and item.shape[:3] == (1, 1, 1) and item.shape[3] > 4:  # an encoded file
-        return decode_video(item.reshape(-1).tobytes(), name, limits, image_limits, meta)
+        return decode_video(item.reshape(-1).tobytes(), name, limits, image_limits, meta, sampler)
     if item.ndim != 4:
         raise VideoError(f"{name} has shape {item.shape}; send (frames, height, width, 3) uint8 pixels, or an "
                          "encoded file as (1, 1, 1, num_bytes)")
@@ -129,10 +200,10 @@ def frames_from_bytes(item: np.ndarray, limits: VideoLimits, image_limits: Image
 
 
 def video_from_url(url: str, name: str, limits: VideoLimits, image_limits: ImageLimits,
-                   meta: dict | None = None) -> np.ndarray:
+                   meta: dict | None = None, sampler: Callable | None = None) -> np.ndarray:
     """A data:, file: or http(s) URL of an encoded video (serving/images.py's URL rules) -> frames."""
     data = url_bytes(url, name, replace(image_limits, max_bytes=limits.max_bytes), media_types=VIDEO_MEDIA_TYPES)
-    return decode_video(data, name, limits, image_limits, meta)
+    return decode_video(data, name, limits, image_limits, meta, sampler)
 
 
 class VideoFrames:

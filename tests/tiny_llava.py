@@ -20,11 +20,12 @@ def word_level_tokenizer(words: list[str], vocab: int, post_processor=None, **sp
     """A word-level tokenizer of ``words`` then filler words w<i> up to ``vocab`` (<s>, </s>, <unk>
     and <pad> are its special tokens; ``special_tokens``: more tokenizer arguments). SentencePiece-style
     words ("\u2581" marks a space before them), so text decodes the same whole or a few tokens at a
-    time, as streams decode it; special tokens have no mark. Also used by tests/tiny_encdec.py."""
+    time, as streams decode it; special tokens (<...>) have no mark. Also used by tests/tiny_encdec.py."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    words = [w if w.startswith("<") else "\u2581" + w for w in words + [f"w{i}" for i in range(len(words), vocab)]]
+    words = [w if w.startswith("<") and w.endswith(">") else "\u2581" + w
+             for w in words + [f"w{i}" for i in range(len(words), vocab)]]
     core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always")])

@@ -1,7 +1,8 @@
 """A tiny random Qwen3-VL (or Qwen3-VL-MoE) checkpoint made by transformers: a ViT of 2 blocks of width 32 with a 4 x 4 learned
 position grid (resampled to each image), DeepStack taps after blocks 0 and 1, a 2 x 2 merger; a 3-layer Qwen3
 of width 64 (q/k norms, head_dim 16) with interleaved M-RoPE sections [4, 2, 2]; tiny_llava's tokenizer and
-Qwen2-VL's image processor at 7-pixel patches (as tiny_qwen2_vl). No network."""
+Qwen2-VL's image processor at 7-pixel patches (as tiny_qwen2_vl), Qwen3-VL's video processor settings
+(VIDEO_PROCESSOR). No network."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -12,13 +13,18 @@ from tiny_qwen2_vl import IMAGE_TOKEN, VISION_END, VISION_START, image_processor
 VIDEO_TOKEN = VOCAB - 4
 # ids VOCAB - 6 .. VOCAB - 1: the chat turns' markers, then <|video_pad|>, <|vision_start|>, <|vision_end|>, <|image_pad|>
 SPECIAL = ["<|im_start|>", "<|im_end|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>"]
-# Qwen3-VL's layout: no default system turn; an image part as <|vision_start|><|image_pad|><|vision_end|>
+# Qwen3-VL's layout: no default system turn; an image part as <|vision_start|><|image_pad|><|vision_end|>, a
+# video part as <|vision_start|><|video_pad|><|vision_end|>
 CHAT_TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
                  "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
                  "{% for part in message['content'] %}{% if part['type'] == 'image' %}"
-                 "<|vision_start|><|image_pad|><|vision_end|>{% elif part['type'] == 'text' %}{{ part['text'] }}"
+                 "<|vision_start|><|image_pad|><|vision_end|>{% elif part['type'] == 'video' %}"
+                 "<|vision_start|><|video_pad|><|vision_end|>{% elif part['type'] == 'text' %}{{ part['text'] }}"
                  "{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+# the words of the timestamps a video's prompt holds (<0.1 seconds> ... <3.0 seconds>), so that they are ids
+# of their own (the word-level tokenizer splits at spaces)
+TIMESTAMP_WORDS = ["seconds>"] + [f"<{tenths / 10:.1f}" for tenths in range(31)]
 SECTIONS = [4, 2, 2]
 DEEPSTACK = [0, 1]
 
@@ -49,12 +55,27 @@ def hf_model(seed: int = 0, moe: bool = False):
 
 
 def tokenizer():
-    words = WORDS + [f"w{i}" for i in range(len(WORDS), VOCAB - len(SPECIAL))] + SPECIAL
+    words = WORDS + TIMESTAMP_WORDS
+    words += [f"w{i}" for i in range(len(words), VOCAB - len(SPECIAL))] + SPECIAL
     return word_level_tokenizer(words, VOCAB, additional_special_tokens=SPECIAL, chat_template=CHAT_TEMPLATE)
 
 
+# Qwen3VLVideoProcessor's saved settings at this tower's 7-pixel patches (written as JSON: the class needs
+# torchvision): a video's pixels within [4, 32] merged rows of 14 x 14 (frames rounded to pairs, times h x w),
+# frames sampled at 2 fps (at least 4)
+VIDEO_PROCESSOR = {"do_convert_rgb": True, "do_normalize": True, "do_rescale": True, "do_resize": True,
+                   "do_sample_frames": True, "fps": 2, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5],
+                   "max_frames": 768, "max_video_tokens": 768, "merge_size": 2, "min_frames": 4, "patch_size": 7,
+                   "resample": 3, "rescale_factor": 1 / 255, "return_metadata": False,
+                   "size": {"longest_edge": 32 * 14 * 14, "shortest_edge": 4 * 14 * 14}, "temporal_patch_size": 2,
+                   "video_processor_type": "Qwen3VLVideoProcessor"}
+
+
 def write_checkpoint(path: Path, seed: int = 0, moe: bool = False) -> Path:
+    import json
+
     hf_model(seed, moe).save_pretrained(path)
     tokenizer().save_pretrained(path)
     image_processor().save_pretrained(path)
+    (Path(path) / "video_preprocessor_config.json").write_text(json.dumps(VIDEO_PROCESSOR, indent=2))
     return path

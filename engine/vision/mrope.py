@@ -97,9 +97,18 @@ def request_mrope(ids: list[int], grids: list[list[int]], config: dict, vocab_si
     order; ``config``: the vision encoder directory's config (its ``mrope``; ``interleaved`` for Qwen3-VL);
     ``second_per_grid``: per grid, None for an image or a video's second_per_grid_t (serving/qwen_video.py),
     its time step tokens_per_second times it (Qwen2.5-VL; 1 per grid frame without tokens_per_second, as
-    Qwen2-VL). The video token (``mrope["video_token_index"]``) marks rows as the image token does."""
+    Qwen2-VL). The video token (``mrope["video_token_index"]``) marks rows as the image token does.
+    Qwen3-VL (``qwen_video.timestamps``): a video grid (t, h, w) is t runs of grid (1, h, w), its frame
+    pairs, each laid out after its timestamp text (serving/qwen3_video.py)."""
     mrope, image = config["mrope"], config["image_token_index"]
     video = mrope.get("video_token_index")
+    if (config.get("qwen_video") or {}).get("timestamps") and second_per_grid:
+        # Qwen3-VL: a video's frame pairs are runs of their own (timestamps between them), each an image of
+        # grid (1, h, w), as its get_rope_index splits video_grid_thw
+        grids = [list(grid) if second is None else [1, grid[1], grid[2]]
+                 for grid, second in zip(grids, [*second_per_grid, *[None] * (len(grids) - len(second_per_grid))])
+                 for _ in range(1 if second is None else grid[0])]
+        second_per_grid = None
     marked = [image if (vocab_size is not None and t >= vocab_size) or (video is not None and t == video) else t
               for t in ids]
     per_second = mrope.get("tokens_per_second")

@@ -31,7 +31,8 @@ from torch import nn
 
 from engine.hf_checkpoint import TensorGetter
 from engine.vision.clip import first_found
-from engine.vision.qwen2_vl import PREFIXES, Qwen2VisionBlock, embed_patches, frame_attention, language_fields, unfused
+from engine.vision.qwen2_vl import (PREFIXES, Qwen2VisionBlock, embed_patches, frame_attention, language_fields, unfused,
+                                    with_video)
 from engine.vision.qwen2_vl import text_config as qwen2_vl_text_config
 
 # builder_config.model_type of both Qwen3-VL and Qwen3-VL-MoE (the same tower; the anchor has no Qwen3-VL)
@@ -148,8 +149,10 @@ def moe_language_tensors(get: TensorGetter) -> TensorGetter:
 def encoder_config(hf_config) -> dict:
     vision = hf_config.vision_config
     rope = getattr(vision, "rope_parameters", None) or {}
-    fields = language_fields(hf_config)
+    fields = with_video(language_fields(hf_config), hf_config)
     fields["mrope"]["interleaved"] = True  # Qwen3VLTextRotaryEmbedding always interleaves (transformers 5)
+    if "qwen_video" in fields:  # each frame pair its own run after a timestamp (serving/qwen3_video.py)
+        fields["qwen_video"]["timestamps"] = True
     return {
         "qwen3_vl": {"embed_dim": vision.hidden_size, "depth": vision.depth, "num_heads": vision.num_heads,
                      "intermediate_size": vision.intermediate_size, "hidden_act": vision.hidden_act,

@@ -1,8 +1,10 @@
 """Qwen3-VL as a built family: engine.build on a tiny random Qwen3VLForConditionalGeneration made by
 transformers writes a Qwen3 language engine with DeepStack levels and vision_encoder/; the encoder's rows
 are transformers' image features with its DeepStack features beside them; greedy ids of requests with
-images of two sizes and a text-only request, batched and chunked so that steps split the images, equal
-transformers' generate (interleaved M-RoPE, q/k norms, DeepStack added after the first layers)."""
+images of two sizes, a video (frame pairs after their timestamps) and a text-only request, batched and
+chunked so that steps split the images, equal transformers' generate (interleaved M-RoPE, q/k norms,
+DeepStack added after the first layers), for Qwen3-VL and Qwen3-VL-MoE. Video through the Triton pieces and
+the OpenAI path (serving/qwen3_video.py) below."""
 from __future__ import annotations
 
 import pytest
@@ -108,6 +110,9 @@ def assert_greedy_ids_equal_transformers(engine: str, hf, device: str | None = N
     text = [1, 5, 7, 8, 9, 10, 11, 12, 6]
     requests.append(Request(text, NEW_TOKENS, output=OutputConfig(exclude_input_from_output=True)))
     expected.append(hf_greedy(hf, text))
+    request, hf_inputs = video_request(engine, encoder, config)  # two frame pairs, each after its timestamp
+    requests.append(request)
+    expected.append(hf_video_greedy(hf, *hf_inputs))
     # chunks of 5 tokens: every image's rows (and so its DeepStack rows) are split across steps
     with Executor(engine, ExecutorConfig(max_num_tokens=5, enable_chunked_context=True), device=device or "cpu") as executor:
         with dense_table_steps_checked(executor) if device is None else table_twins_replayed(executor) as checked:
@@ -115,6 +120,28 @@ def assert_greedy_ids_equal_transformers(engine: str, hf, device: str | None = N
             responses = collect(executor, request_ids)
     assert checked  # steps with image / M-RoPE rows: the twin's forward (CPU) or its graph (CUDA)
     assert [final_tokens(responses[i]) for i in request_ids] == expected
+
+
+def video_request(engine: str, encoder, config: dict) -> tuple[Request, tuple]:
+    """An executor request of four 52 x 40 frames (two pairs) laid out as Qwen3-VL's processor lays them out,
+    its rows from the tower, and (prompt, patches, grid) for hf_video_greedy."""
+    import numpy as np
+
+    from serving.qwen3_video import Qwen3VideoFrames, pair_timestamps, timestamp_text
+    from tiny_qwen3_vl import VIDEO_TOKEN, tokenizer
+
+    frames = np.stack([np.asarray(make_image(seed, (52, 40))) for seed in range(4)])
+    patches, grid = Qwen3VideoFrames(vision_encoder_dir(engine))(frames)
+    table = encoder.image_features(torch.from_numpy(patches), [grid])[0]
+    per_pair = grid[1] * grid[2] // 4
+    video = "".join(f"{timestamp_text(s)}<|vision_start|>{'<|video_pad|>' * per_pair}<|vision_end|>"
+                    for s in pair_timestamps(list(range(4)), 24.0, 2))
+    prompt = tokenizer().encode(f"<|im_start|>user\n<|vision_start|>{video}<|vision_end|>What is it?")
+    rows = iter(range(len(table)))
+    ids = [VOCAB + next(rows) if t == VIDEO_TOKEN else t for t in prompt]
+    rotary, delta = request_mrope(ids, [grid], config, vocab_size=VOCAB, second_per_grid=[2 / 24])
+    return (Request(ids, NEW_TOKENS, output=OutputConfig(exclude_input_from_output=True),
+                    prompt_table=PromptTable(table), mrope=Mrope(rotary, delta)), (prompt, patches, grid))
 
 
 def test_tower_fused_blocks_equal_the_unfused(built, monkeypatch):
@@ -217,3 +244,167 @@ def test_triton_pieces_and_openai_path_give_transformers_ids(built):
     image = image_processor()([make_image(0, SIZES[0])], return_tensors="pt")
     fp16 = {**image, "pixel_values": image["pixel_values"].half().float()}  # as PIXEL_VALUES carries them
     assert [final_tokens(responses[i]) for i in request_ids] == [hf_greedy(hf, raw, fp16), hf_greedy(hf, prompt, image)]
+
+
+# ----------------------------------------------------------------------------- video (serving/qwen3_video.py)
+
+def processor_video_text(grid: list[int], indices: list[int], fps: float) -> str:
+    """What transformers' Qwen3VLProcessor.replace_video_token writes for a video of this grid whose frames
+    are ``indices`` of a ``fps`` video (run on a stand-in: the processor itself needs torchvision)."""
+    from functools import partial
+    from types import SimpleNamespace
+
+    from transformers import Qwen3VLProcessor
+    from transformers.video_utils import VideoMetadata
+
+    stand_in = SimpleNamespace(video_processor=SimpleNamespace(merge_size=2, temporal_patch_size=2),
+                               vision_start_token="<|vision_start|>", vision_end_token="<|vision_end|>",
+                               video_token="<|video_pad|>",
+                               _calculate_timestamps=partial(Qwen3VLProcessor._calculate_timestamps, None))
+    metadata = VideoMetadata(total_num_frames=max(indices) + 1, fps=fps, frames_indices=list(indices))
+    return Qwen3VLProcessor.replace_video_token(stand_in, {"video_grid_thw": torch.tensor([grid]),
+                                                           "video_metadata": [metadata]}, 0)
+
+
+def hf_video_greedy(hf, prompt: list[int], patches, grid: list[int]) -> list[int]:
+    """transformers' greedy ids for ``prompt`` (video rows as <|video_pad|>) with these patches."""
+    from tiny_qwen3_vl import VIDEO_TOKEN
+
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        return hf.generate(input_ids=ids, pixel_values_videos=torch.as_tensor(patches),
+                           video_grid_thw=torch.tensor([grid]), mm_token_type_ids=(ids == VIDEO_TOKEN).int() * 2,
+                           max_new_tokens=NEW_TOKENS, do_sample=False)[0, len(prompt):].tolist()
+
+
+def test_video_frames_through_the_triton_pieces_give_transformers_ids(built):
+    """video_bytes_input (five 52 x 40 frames as pixels: three frame pairs, the last frame repeated) through
+    preprocessing (prepare_batch: Qwen3-VL's resize, each pair after its timestamp at 24 fps as transformers
+    assumes for frames without a rate, in the chat turn's <|vision_start|> ... <|vision_end|>) ->
+    multimodal_encoders (the tower over the three pairs, each pair an image of grid (1, h, w) in M-RoPE) ->
+    tensorrt_llm: the prompt is Qwen3VLProcessor's text tokenized whole, and greedy ids equal transformers'
+    generate with the same pixel_values_videos and video_grid_thw."""
+    import numpy as np
+
+    from serving.bls import encoder_inputs
+    from serving.multimodal import ImagePrompts, VisionEncoderRunner, prepare_batch
+    from serving.requests import convert_request, to_executor_request
+    from tiny_qwen3_vl import VIDEO_TOKEN, tokenizer
+
+    engine, hf = built
+    encoder_dir = vision_encoder_dir(engine)
+    frames = np.stack([np.asarray(make_image(seed, (52, 40))) for seed in range(5)])
+    pre = prepare_batch(ImagePrompts(encoder_dir, tokenizer(), VOCAB), {"VIDEO_BYTES": frames[None]},
+                        ["What is it?"], True, 4)
+    grid = pre["IMAGE_GRID_THW"].tolist()[0]
+    assert grid == [3, 4, 4] and pre["IS_VIDEO_INPUT"].tolist() == [[True]]  # 5 x 52 x 40 over 32 rows: 28 x 28
+    text = ("<|im_start|>user\n<|vision_start|>" + processor_video_text(grid, list(range(5)), 24)
+            + "<|vision_end|>What is it?<|im_end|>\n<|im_start|>assistant\n")
+    hf_prompt = tokenizer().encode(text)
+    assert [VIDEO_TOKEN if t >= VOCAB else t for t in pre["INPUT_ID"][0].tolist()] == hf_prompt
+    sent = encoder_inputs({}, pre)  # what the BLS sends multimodal_encoders (the ensemble maps the same names)
+    outputs = VisionEncoderRunner(encoder_dir, "cpu").qwen_outputs(
+        sent["pixel_values"], sent["image_grid_thw"], sent["vision_input_id"], sent["second_per_grid_ts"])
+    assert outputs["OUT_PROMPT_EMBEDDING_TABLE"].shape == (1, 12, 64 * 3)
+    tensors = {"input_ids": pre["INPUT_ID"], "input_lengths": pre["REQUEST_INPUT_LEN"],
+               "request_output_len": np.array([[NEW_TOKENS]], np.int32),
+               "prompt_embedding_table": outputs["OUT_PROMPT_EMBEDDING_TABLE"],
+               "mrope_rotary_cos_sin": outputs["MROPE_ROTARY_COS_SIN"],
+               "mrope_position_deltas": outputs["MROPE_POSITION_DELTAS"]}
+    width = read_encoder_config(encoder_dir)["mrope"]["head_dim"]
+    [spec] = convert_request(tensors, decoupled=False, exclude_input_default=True, rotary_width=width)
+    with Executor(engine, ExecutorConfig(), device="cpu") as executor:
+        [request_id] = executor.enqueue_requests([to_executor_request(spec)])
+        served = final_tokens(collect(executor, [request_id])[request_id])
+    patches = pre["PIXEL_VALUES"][0, 0, 0].astype(np.float32)  # as PIXEL_VALUES carries them (FP16)
+    assert served == hf_video_greedy(hf, hf_prompt, patches, grid)
+
+
+def test_openai_video_url_gives_transformers_ids_and_takes_the_requests_frame_choice(built):
+    """An OpenAI video_url part (an 8-frame MP4 at 8 fps): by default the processor's 2 fps, raised to its
+    min_frames 4 (frames 0, 2, 5, 7: pairs at 0.1 and 0.8 seconds); with mm_processor_kwargs' num_frames 6
+    three pairs. The template's <|video_pad|> becomes the timestamped pairs, the M-RoPE pair rides beside:
+    greedy ids equal transformers' generate with the same patches."""
+    import base64
+
+    import numpy as np
+
+    pytest.importorskip("tritonclient", reason="the OpenAI frontend's direct path needs tritonclient")
+    pytest.importorskip("av")
+    from openai_frontend.protocol import SamplingParams
+    from openai_frontend.triton_client import direct_inputs
+    from openai_frontend.vision import ChatImages, VisionSettings
+    from serving.requests import convert_request, to_executor_request
+    from serving.videos import FrameRequest, decode_video, VideoLimits
+    from serving.images import ImageLimits
+    from tiny_llava_next import make_clip
+    from tiny_qwen3_vl import VIDEO_TOKEN, tokenizer
+
+    engine, hf = built
+    clip = make_clip(3, 8)
+    images = ChatImages(VisionSettings(vision_encoder_dir(engine)), tokenizer(), "cpu")
+    part = {"type": "video", "url": "data:video/mp4;base64," + base64.b64encode(clip).decode(),
+            "field": "messages[0].content[0]"}
+    template = tokenizer().apply_chat_template([{"role": "user", "content": [{"type": "video"},
+                                                                             {"type": "text", "text": "What is it?"}]}],
+                                               tokenize=False, add_generation_prompt=True)
+    specs, expected = [], []
+    for request, indices in ((FrameRequest(), [0, 2, 5, 7]), (FrameRequest(num_frames=6), [0, 1, 3, 4, 6, 7])):
+        images.check_count([part])
+        table, counts, grids = images._encode([part], request)
+        grid = grids.grids.tolist()[0]
+        assert grid[0] == len(indices) // 2 and counts == [len(table)]
+        ids = images.expand(tokenizer().encode(template), counts, ["video"], grids)
+        hf_prompt = tokenizer().encode(template.replace("<|video_pad|>", processor_video_text(grid, indices, 8)))
+        assert [VIDEO_TOKEN if t >= VOCAB else t for t in ids] == hf_prompt
+        [spec] = convert_request(direct_inputs(ids, SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0), NEW_TOKENS,
+                                               None, 2, 4, None, table, images.mrope(ids, grids)),
+                                 decoupled=True, rotary_width=images.prompts.config["mrope"]["head_dim"])
+        spec.streaming = False
+        specs.append(spec)
+        frames = decode_video(clip, "clip", VideoLimits(), ImageLimits(), sampler=lambda total, fps: indices)
+        patches, _ = images.prompts.qwen_video.processor(frames)
+        expected.append(hf_video_greedy(hf, hf_prompt, patches, grid))
+    images.close()
+    assert "<0.1" in template.replace("<|video_pad|>", processor_video_text([2, 4, 4], [0, 2, 5, 7], 8))
+    with Executor(engine, ExecutorConfig(), device="cpu") as executor:
+        request_ids = executor.enqueue_requests([to_executor_request(spec) for spec in specs])
+        responses = collect(executor, request_ids)
+    assert [final_tokens(responses[i]) for i in request_ids] == expected
+
+
+def test_video_resize_and_frame_choice_are_transformers(built):
+    """Qwen3-VL's video smart_resize (frames counted) equals transformers' at several sizes; too few frames is
+    an error naming them. Where torchvision is installed: the patches equal Qwen3VLVideoProcessor's (frames as
+    they are), and the frames chosen from a file equal its sample_frames'."""
+    import numpy as np
+
+    from serving.qwen3_video import Qwen3VideoFrames, smart_resize
+    from serving.videos import FrameRequest, VideoError, VideoLimits
+    from tiny_qwen3_vl import VIDEO_PROCESSOR
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize as hf_smart_resize
+
+    engine, _ = built
+    for frames, size in ((5, (52, 40)), (4, (300, 20)), (2, (7, 9)), (16, (100, 70)), (3, (14, 14))):
+        assert smart_resize(frames, *size, 2, 14, 784, 6272) == hf_smart_resize(frames, *size, 2, 14, 784, 6272)
+    with pytest.raises(VideoError, match="1 frame"):
+        smart_resize(1, 52, 40, 2, 14, 784, 6272)
+    processor = Qwen3VideoFrames(vision_encoder_dir(engine))
+    choose = processor.sampler(VideoLimits(max_frames=32))
+    assert choose(8, 8.0) == [0, 2, 5, 7] and choose(100, 10.0) == np.linspace(0, 99, 20).round().astype(int).tolist()
+    assert processor.sampler(VideoLimits(max_frames=6))(100, 10.0) == np.linspace(0, 99, 6).round().astype(int).tolist()
+    assert processor.sampler(VideoLimits(), FrameRequest(fps=4.0))(80, 8.0) == np.linspace(0, 79, 32).round().astype(
+        int).tolist()  # 10 s at 4 fps = 40, capped at max_num_frames 32
+    pytest.importorskip("torchvision")
+    from transformers import Qwen3VLVideoProcessor
+    from transformers.video_utils import VideoMetadata
+
+    hf_processor = Qwen3VLVideoProcessor(**{k: v for k, v in VIDEO_PROCESSOR.items() if k != "video_processor_type"})
+    frames = np.stack([np.asarray(make_image(seed, (52, 40))) for seed in range(5)])
+    expected = hf_processor(videos=[frames], do_sample_frames=False, return_tensors="np", cap_pixels_per_frame=False)
+    patches, grid = processor(frames)
+    assert grid == expected["video_grid_thw"][0].tolist()
+    np.testing.assert_allclose(patches, expected["pixel_values_videos"], atol=1e-5)
+    for total, fps in ((8, 8.0), (100, 10.0), (9, 30.0)):
+        hf_indices = hf_processor.sample_frames(VideoMetadata(total_num_frames=total, fps=fps))
+        assert processor.sampler(VideoLimits(max_frames=768))(total, fps) == hf_indices.tolist()

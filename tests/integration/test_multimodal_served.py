@@ -15,7 +15,8 @@ and renamed): the anchor client's --model_type mllama tensors, the anchor's curl
 image_url_input and a text-only request give transformers' greedy text, and a tiny Qwen3-VL as
 qwen3vl_ensemble (its own postprocessing too: its tokenizer has Qwen's special tokens) with an OpenAI
 frontend of its own: the anchor client's `--model_type qwen2_vl` tensors and an OpenAI chat image give
-transformers' text.
+transformers' text, and so do a Qwen3-VL video's frames through the ensemble and an MP4 video_url with
+mm_processor_kwargs.
 """
 from __future__ import annotations
 
@@ -600,7 +601,18 @@ def qwen3_oracle():
                               eos_token_id=END_ID, **extra)[0, len(ids):]
         return tok.decode(out, skip_special_tokens=True)
 
-    expected.tokenizer = tok
+    def video(ids, patches, grid) -> str:
+        """The text of transformers' greedy generate on ``ids`` (fake ids: the video's rows) with these patches."""
+        from tiny_qwen3_vl import VIDEO_TOKEN
+
+        ids = torch.tensor([[VIDEO_TOKEN if t >= VOCAB else t for t in np.asarray(ids).tolist()]])
+        with torch.no_grad():
+            out = hf.generate(input_ids=ids, pixel_values_videos=torch.as_tensor(patches, dtype=torch.float32),
+                              video_grid_thw=torch.tensor([list(grid)]), mm_token_type_ids=(ids == VIDEO_TOKEN).int() * 2,
+                              max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=END_ID)[0, ids.shape[1]:]
+        return tok.decode(out, skip_special_tokens=True)
+
+    expected.tokenizer, expected.video = tok, video
     return expected
 
 
@@ -638,3 +650,48 @@ def test_qwen3_vl_openai_chat_with_an_image_equals_transformers(launched, qwen3_
         completion = client.chat.completions.create(model=QWEN3_SERVED, messages=messages, max_tokens=MAX_TOKENS,
                                                     temperature=0)
     assert completion.choices[0].message.content.split() == qwen3_oracle(prompt, 21).split()
+
+
+def test_qwen3_vl_video_through_the_ensemble_and_openai_chat(launched, qwen3_engine, qwen3_oracle):
+    """Qwen3-VL video (serving/qwen3_video.py): five 52 x 40 frames as video_bytes_input through
+    qwen3vl_ensemble, streamed, and an 8-frame MP4 (8 fps) as an OpenAI video_url part with vLLM's
+    mm_processor_kwargs {"num_frames": 6}: each frame pair after its timestamp, an image of its own in M-RoPE;
+    transformers' greedy text on the same patches. A one-frame video and a num_frames over max_num_frames get
+    named errors, and the next request is served."""
+    from engine.vision.encoder_path import vision_encoder_dir
+    from serving.images import ImageLimits
+    from serving.multimodal import ImagePrompts, prepare_batch
+    from serving.qwen3_video import pair_timestamps
+    from serving.videos import VideoLimits, decode_video
+    from tiny_llava_next import make_clip
+
+    server, tok = launched[0], qwen3_oracle.tokenizer
+    prompts = ImagePrompts(vision_encoder_dir(qwen3_engine), tok, VOCAB)
+    frames = np.stack([np.asarray(make_image(seed, (52, 40))) for seed in range(5)])
+    _, error = generate(server, QWEN3 + "ensemble", inputs({"video_bytes_input": frames[None, :1]}, False))
+    assert error is not None and "video_bytes_input: the video has 1 frame(s); Qwen3-VL needs at least 2" in error
+    text, error = generate(server, QWEN3 + "ensemble", inputs({"video_bytes_input": frames[None]}, True))
+    assert error is None, error
+    pre = prepare_batch(prompts, {"VIDEO_BYTES": frames[None]}, [QUERY], True, 4)
+    assert text.split() == qwen3_oracle.video(pre["INPUT_ID"][0], pre["PIXEL_VALUES"][0, 0, 0],
+                                              pre["IMAGE_GRID_THW"][0]).split()
+
+    clip = make_clip(9, 8)
+    messages = [{"role": "user", "content": [
+        {"type": "video_url", "video_url": {"url": "data:video/mp4;base64," + base64.b64encode(clip).decode()}},
+        {"type": "text", "text": QUERY}]}]
+    with openai.OpenAI(base_url=f"{launched[3]}/v1", api_key="unused", max_retries=0) as client:
+        with pytest.raises(openai.BadRequestError) as caught:
+            client.chat.completions.create(model=QWEN3_SERVED, messages=messages, max_tokens=MAX_TOKENS,
+                                           extra_body={"mm_processor_kwargs": {"num_frames": 40}})
+        assert "mm_processor_kwargs.num_frames is 40; allowed: an integer from 1 to 32" in str(caught.value)
+        completion = client.chat.completions.create(model=QWEN3_SERVED, messages=messages, max_tokens=MAX_TOKENS,
+                                                    temperature=0, extra_body={"mm_processor_kwargs": {"num_frames": 6}})
+    indices = [0, 1, 3, 4, 6, 7]  # linspace(0, 7, 6) rounded, as the processor's sample_frames
+    sampled = decode_video(clip, "clip", VideoLimits(), ImageLimits(), sampler=lambda total, fps: indices)
+    patches, grid = prompts.qwen_video.processor(sampled)
+    template = tok.apply_chat_template([{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": QUERY}]}],
+                                       add_generation_prompt=True, tokenize=True)["input_ids"]
+    ids = prompts.expand_placeholders(template, [len(patches) // 4], kinds=["video"],
+                                      seconds=pair_timestamps(indices, 8.0, 2))
+    assert completion.choices[0].message.content.split() == qwen3_oracle.video(ids, patches, grid).split()

@@ -49,7 +49,7 @@ def test_messages_with_text_parts_and_developer_role():
     ("tools", {"type": "function"}, "list of function tools"), ("response_format", {"type": "json"}, "json_object"),
     ("functions", [{"name": "f"}], "not supported"), ("logit_bias", {"1": 5}, "not supported"),
     ("logprobs", 1, "true or false"), ("top_logprobs", 2, "logprobs: true"), ("frobnicate", 1, "Unrecognized"),
-    ("chat_template_kwargs", ["enable_thinking"], "an object"),
+    ("chat_template_kwargs", ["enable_thinking"], "an object"), ("mm_processor_kwargs", 2, "an object"),
 ])
 def test_bad_fields_are_named(field, value, words):
     error = rejected(parse_chat_request, {**CHAT, field: value})
@@ -80,6 +80,14 @@ def test_image_parts_are_kept_in_order_with_the_field_that_names_them():
         {"type": "image", "url": "data:x", "field": "messages[0].content[1].image_url.url"},
         {"type": "image", "url": "https://h/i.png", "field": "messages[0].content[2].image_url.url"}]
     assert [part["url"] for part in image_parts(request.messages)] == ["data:x", "https://h/i.png"]
+
+
+def test_mm_processor_kwargs_take_a_videos_frame_choice_and_name_other_keys():
+    """vLLM's mm_processor_kwargs: fps / num_frames kept for the video's reader (checked there against the
+    server's max_num_frames: tests/serving/test_video_frame_choice.py); any other key is named."""
+    assert parse_chat_request({**CHAT, "mm_processor_kwargs": {"fps": 2}}).media_kwargs == {"fps": 2}
+    error = rejected(parse_chat_request, {**CHAT, "mm_processor_kwargs": {"num_frames": 4, "max_pixels": 9}})
+    assert error.param == "mm_processor_kwargs.max_pixels" and "supported: fps, num_frames" in error.message
 
 
 def test_stream_options_need_stream_and_min_tokens_fit():
