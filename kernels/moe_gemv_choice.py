@@ -22,7 +22,7 @@ import torch
 from kernels import choice_cache, fused_moe, fused_moe_fp8, fused_moe_mxfp4, fused_moe_wna16, moe_gemv, mxfp4_gemv
 from kernels._triton import use_triton
 from kernels.linear import _arrival_counters
-from kernels.moe_gemv import (DEFAULT_TILES, GEMV_ATTR, GEMV_TILES, GemvExperts, candidate_tiles, gemv_supported,
+from kernels.moe_gemv import (DEFAULT_TILES, GEMV_ATTR, GemvExperts, candidate_tiles, gemv_supported,
                               mark_gemv, moe_gemv_triton)
 from kernels.mxfp4_gemv import (DEFAULT_WORD_TILES, WORD_TILES, WORDS_ENV, mxfp4_words_triton, word_mark,
                                 word_path_supported)
@@ -60,8 +60,8 @@ def choose_gemv(experts: GemvExperts) -> dict | None:
             or (gate_up.dtype == torch.uint8 and experts.wna16 is None and experts.mxfp4 is None)):
         return None
     probe = torch.empty(1, experts.down.shape[1], dtype=dtype, device=gate_up.device)  # (one token's activations)
-    if not gemv_supported(probe, gate_up, experts.gate_up_scale, experts.down_scale,
-                          tiles=candidate_tiles(moe_gemv.scale_kind(gate_up, experts.gate_up_scale)),
+    tiles = candidate_tiles(moe_gemv.scale_kind(gate_up, experts.gate_up_scale))
+    if not gemv_supported(probe, gate_up, experts.gate_up_scale, experts.down_scale, tiles=tiles,
                           epilogue=experts.epilogue):
         return None
     if hasattr(gate_up, GEMV_ATTR):
@@ -70,7 +70,9 @@ def choose_gemv(experts: GemvExperts) -> dict | None:
         "moe_gemv", gemv_key(experts), gate_up.device, lambda: time_gemv(experts),
         sources=(__file__, moe_gemv.__file__, fused_moe.__file__, fused_moe_fp8.__file__, fused_moe_wna16.__file__,
                  fused_moe_mxfp4.__file__, mxfp4_gemv.__file__),
-        candidates=(GEMV_TILES, WORD_TILES if words_enabled(experts) else ()),
+        # the tiles time_gemv times (candidate_tiles: with $TRITONLLM_MOE_GEMV_AHEAD=1 the AHEAD ones too), so a
+        # choice stored without them is not served to a run that asks for them (H200, 2026-12-01: it was)
+        candidates=(tiles, WORD_TILES if words_enabled(experts) else ()),
         valid=lambda r: set(r.get("tiles", {})) == set(TIMED_TOKENS))
     mark_gemv(gate_up, report["tiles"])
     if words_enabled(experts):  # (split / "r" word tiles count arrivals: the counters allocated now, eagerly, even
