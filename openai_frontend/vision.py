@@ -100,8 +100,8 @@ class ChatImages:
         video = self.prompts.video or self.prompts.qwen_video
         limits = video.limits if video is not None else video_limits(None)
         try:
-            return frame_request(media_kwargs.get("fps"), media_kwargs.get("num_frames"), "mm_processor_kwargs",
-                                 limits)
+            return frame_request(media_kwargs.get("fps"), media_kwargs.get("num_frames"),
+                                 ("mm_processor_kwargs.fps", "mm_processor_kwargs.num_frames"), limits)
         except VideoError as error:
             raise bad_request(error.field, str(error), code="invalid_video") from None
 

@@ -59,6 +59,7 @@ PREPROCESSING_INPUTS = {
 # its number of images: the prompt's image slots), and multimodal_encoders output -> tensorrt_llm input.
 IMAGE_PREPROCESSING_INPUTS = {"image_input": "IMAGE", "image_bytes_input": "IMAGE_BYTES",
                               "image_url_input": "IMAGE_URL", "video_bytes_input": "VIDEO_BYTES",
+                              "video_fps": "VIDEO_FPS", "video_num_frames": "VIDEO_NUM_FRAMES",
                               "image_sizes_input": "IMAGE_SIZES"}
 IMAGE_PREPROCESSING_OUTPUTS = ["PIXEL_VALUES", "IMAGE_SIZES", "IMAGE_GRID_THW", "VISION_INPUT_ID", "IS_VIDEO_INPUT",
                                "VIDEO_SECOND_PER_GRID", "ASPECT_RATIO_IDS", "ASPECT_RATIO_MASK", "CROSS_ATTENTION_MASK"]

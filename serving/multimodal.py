@@ -46,7 +46,8 @@ from serving.qwen_vl import (CHAT_WRAPPERS, NO_PIXELS, ONE_IMAGE, QWEN_VL_TYPES,
                              vision_input_ids)
 from serving.text import string_rows
 from serving.video_prompts import VIDEO_AND_IMAGES, VideoPrompts, video_frames, video_support_error
-from serving.videos import FrameRequest, VideoError, VideoLimits, frames_from_bytes, uniform_sampler, video_from_url
+from serving.videos import (FrameRequest, VideoError, VideoLimits, frame_request, frames_from_bytes, is_video_file,
+                            uniform_sampler, video_from_url)
 
 # builder_config.model_type -> (pre-prompt, after the image slots, post-prompt) around the image
 # slots and the text, as the anchor's preprocessing writes them (LLaVA-NeXT has none there: its
@@ -240,10 +241,12 @@ class ImagePrompts:
             raise ValueError(video_support_error(self.config))
         if any(_present(tensors.get(name)) for name in ("IMAGE", "IMAGE_BYTES")) or _urls(tensors.get("IMAGE_URL"), row):
             raise ValueError(VIDEO_AND_IMAGES)
+        item = tensors["VIDEO_BYTES"][row]
+        request = _frame_request(tensors, row, item, (self.video or self.qwen_video).limits)
         if self.qwen_video is not None:
-            frames, meta = self.qwen_video.frames(tensors["VIDEO_BYTES"][row])
+            frames, meta = self.qwen_video.frames(item, request)
             return self.qwen_video_item(query, frames, meta, add_special_tokens)
-        pixel_values = self.video.from_bytes(tensors["VIDEO_BYTES"][row])
+        pixel_values = self.video.from_bytes(item, request)
         ids = self.prompt_ids(query, [self.video.rows(pixel_values)], add_special_tokens, self.video.placeholder)
         return PreparedItem(ids, pixel_values, is_video=True)
 
@@ -423,6 +426,23 @@ class ImagePrompts:
         rows = iter(range(self.vocab_size, self.vocab_size + sum(counts)))
         return [next(rows) if t == self.image_token_id else t
                 for t in self.tokenizer.encode(text, add_special_tokens=add_special_tokens)]
+
+
+def _frame_request(tensors: dict, row: int, item: np.ndarray, limits: VideoLimits) -> FrameRequest:
+    """Item ``row``'s video_fps / video_num_frames (absent: the model's default choice of frames); given with
+    frames sent as pixels (which are taken as they are) is the request's error naming them."""
+    values = {}
+    for name, field in (("VIDEO_FPS", "video_fps"), ("VIDEO_NUM_FRAMES", "video_num_frames")):
+        if _present(tensors.get(name)):
+            value = np.asarray(tensors[name]).reshape(len(tensors[name]), -1)[row]
+            values[field] = value[0].item() if value.size else None
+    request = frame_request(values.get("video_fps"), values.get("video_num_frames"),
+                            ("video_fps", "video_num_frames"), limits)
+    if request and not is_video_file(item):
+        raise VideoError("video_fps / video_num_frames choose an encoded file's frames; this video_bytes_input holds "
+                         "frames as pixels, which are taken as they are: sample them before sending, or send the file "
+                         "as (1, 1, 1, num_bytes)")
+    return request
 
 
 def _sizes_row(sizes, row: int, model_type: str) -> np.ndarray:

@@ -56,9 +56,11 @@ class VideoPrompts:
         ids = tokenizer.encode(self.placeholder, add_special_tokens=False)
         self.placeholder_id = ids[0] if len(ids) == 1 else None
 
-    def from_bytes(self, item: np.ndarray) -> np.ndarray:
-        """One item of video_bytes_input -> its pixel values (F, 3, S, S) float32."""
-        return self.processor(frames_from_bytes(item, self.limits, self.image_limits))
+    def from_bytes(self, item: np.ndarray, request: FrameRequest = FrameRequest()) -> np.ndarray:
+        """One item of video_bytes_input -> its pixel values (F, 3, S, S) float32 (a file's frames chosen
+        uniformly, or as ``request`` asks)."""
+        return self.processor(frames_from_bytes(item, self.limits, self.image_limits,
+                                                sampler=uniform_sampler(self.limits, request)))
 
     def from_url(self, url: str, field: str, request: FrameRequest = FrameRequest()) -> np.ndarray:
         """A video URL -> its pixel values, its frames chosen uniformly (or as ``request`` asks)."""

@@ -83,21 +83,24 @@ class FrameRequest:
         return self.fps is not None or self.num_frames is not None
 
 
-def frame_request(fps, num_frames, where: str, limits: VideoLimits) -> FrameRequest:
-    """A request's ``fps`` / ``num_frames`` (None: not given) checked; a bad value is a VideoError naming
-    ``where``.fps or ``where``.num_frames, what was wrong and what is allowed."""
+def frame_request(fps, num_frames, fields: tuple[str, str], limits: VideoLimits) -> FrameRequest:
+    """A request's ``fps`` / ``num_frames`` (None: not given), ``fields`` their names in the request
+    (mm_processor_kwargs.fps / .num_frames on the OpenAI path, video_fps / video_num_frames on the Triton
+    models), checked; a bad value is a VideoError naming its field, what was wrong and what is allowed."""
+    fps_field, count_field = fields
     if fps is not None and num_frames is not None:
-        raise VideoError(f"{where}: fps and num_frames were both given; give one of them (fps: frames per second "
-                         "of video to sample; num_frames: how many frames to sample over the whole video)", where)
+        raise VideoError(f"{fps_field} and {count_field} were both given; give one of them ({fps_field}: frames per "
+                         f"second of video to sample; {count_field}: how many frames to sample over the whole video)",
+                         fps_field)
     if fps is not None and (isinstance(fps, bool) or not isinstance(fps, (int, float)) or not math.isfinite(fps)
                             or not 0 < fps <= MAX_REQUEST_FPS):
-        raise VideoError(f"{where}.fps is {fps!r}; allowed: a number of frames per second above 0 and at most "
-                         f"{MAX_REQUEST_FPS:g}", f"{where}.fps")
+        raise VideoError(f"{fps_field} is {fps!r}; allowed: a number of frames per second above 0 and at most "
+                         f"{MAX_REQUEST_FPS:g}", fps_field)
     if num_frames is not None and (isinstance(num_frames, bool) or not isinstance(num_frames, int)
                                    or not 1 <= num_frames <= limits.max_frames):
-        raise VideoError(f"{where}.num_frames is {num_frames!r}; allowed: an integer from 1 to {limits.max_frames} "
+        raise VideoError(f"{count_field} is {num_frames!r}; allowed: an integer from 1 to {limits.max_frames} "
                          "(max_num_frames of the preprocessing model; `tritonllm serve --max_num_frames`)",
-                         f"{where}.num_frames")
+                         count_field)
     return FrameRequest(None if fps is None else float(fps), num_frames)
 
 
@@ -173,13 +176,18 @@ def decode_video(data: bytes, name: str, limits: VideoLimits, image_limits: Imag
     return np.stack(frames)
 
 
+def is_video_file(item: np.ndarray) -> bool:
+    """Whether one item of video_bytes_input is an encoded file, (1, 1, 1, num_bytes), rather than frames."""
+    return item.ndim == 4 and item.shape[:3] == (1, 1, 1) and item.shape[3] > 4
+
+
 def frames_from_bytes(item: np.ndarray, limits: VideoLimits, image_limits: ImageLimits,
                       name: str = "video_bytes_input", meta: dict | None = None,
                       sampler: Callable | None = None) -> np.ndarray:
     """One item of video_bytes_input -> (F, H, W, 3) uint8 frames: (F, H, W, 3) (or (F, 3, H, W))
     pixels, or an encoded file as (1, 1, 1, num_bytes) (``sampler`` and ``meta``: decode_video's)."""
     item = np.asarray(item, dtype=np.uint8)
-    if item.ndim == 4 and item.shape[:3] == (1, 1, 1) and item.shape[3] > 4:  # an encoded file
+    if is_video_file(item):
         return decode_video(item.reshape(-1).tobytes(), name, limits, image_limits, meta, sampler)
     if item.ndim != 4:
         raise VideoError(f"{name} has shape {item.shape}; send (frames, height, width, 3) uint8 pixels, or an "

@@ -408,3 +408,36 @@ def test_video_resize_and_frame_choice_are_transformers(built):
     for total, fps in ((8, 8.0), (100, 10.0), (9, 30.0)):
         hf_indices = hf_processor.sample_frames(VideoMetadata(total_num_frames=total, fps=fps))
         assert processor.sampler(VideoLimits(max_frames=768))(total, fps) == hf_indices.tolist()
+
+
+def test_triton_video_fps_and_num_frames_choose_a_files_frames(built):
+    """video_fps / video_num_frames (the ensemble's and the BLS's inputs, preprocessing's VIDEO_FPS /
+    VIDEO_NUM_FRAMES) with an 8-frame MP4 at 8 fps as video_bytes_input: num_frames 6 -> three frame pairs,
+    fps 4 -> 4 frames (two pairs, at 0.1 and 0.8 seconds); both, a bad value, or either with frames sent as
+    pixels are errors naming the inputs."""
+    import numpy as np
+
+    pytest.importorskip("av")
+    from serving.multimodal import ImagePrompts, prepare_batch
+    from serving.videos import VideoError
+    from tiny_llava_next import make_clip
+    from tiny_qwen3_vl import tokenizer
+
+    engine, _ = built
+    prompts = ImagePrompts(vision_encoder_dir(engine), tokenizer(), VOCAB)
+    clip = np.frombuffer(make_clip(3, 8), np.uint8).reshape(1, 1, 1, 1, -1)
+    fps = lambda value: np.array([[value]], np.float32)  # noqa: E731
+    count = lambda value: np.array([[value]], np.int32)  # noqa: E731
+    for choice, pairs in (({"VIDEO_NUM_FRAMES": count(6)}, 3), ({"VIDEO_FPS": fps(4.0)}, 2)):
+        pre = prepare_batch(prompts, {"VIDEO_BYTES": clip, **choice}, ["What is it?"], True, 4)
+        assert pre["IMAGE_GRID_THW"][0, 0] == pairs
+    text = tokenizer().decode(pre["INPUT_ID"][0][pre["INPUT_ID"][0] < VOCAB])
+    assert "<0.1 seconds>" in text and "<0.8 seconds>" in text
+    frames = np.stack([np.asarray(make_image(seed, (52, 40))) for seed in range(4)])[None]
+    for video, choice, words in (
+            (clip, {"VIDEO_FPS": fps(2.0), "VIDEO_NUM_FRAMES": count(4)}, "video_fps and video_num_frames were both"),
+            (clip, {"VIDEO_NUM_FRAMES": count(33)}, "video_num_frames is 33; allowed: an integer from 1 to 32"),
+            (clip, {"VIDEO_FPS": fps(0.0)}, "video_fps is 0.0; allowed: a number of frames per second above 0"),
+            (frames, {"VIDEO_NUM_FRAMES": count(2)}, "this video_bytes_input holds frames as pixels")):
+        with pytest.raises(VideoError, match=words):
+            prepare_batch(prompts, {"VIDEO_BYTES": video, **choice}, ["x"], True, 4)

@@ -13,8 +13,11 @@ from serving.videos import FrameRequest, VideoError, VideoLimits, decode_video, 
 LIMITS = VideoLimits(max_frames=6)
 
 
+FIELDS = ("m.fps", "m.num_frames")
+
+
 @pytest.mark.parametrize("fps, num_frames, field, words", [
-    (2, 4, "m", "fps and num_frames were both given; give one of them"),
+    (2, 4, "m.fps", "m.fps and m.num_frames were both given; give one of them"),
     (0, None, "m.fps", "m.fps is 0; allowed: a number of frames per second above 0 and at most 240"),
     (-1.5, None, "m.fps", "above 0"), ("2", None, "m.fps", "'2'"), (float("nan"), None, "m.fps", "nan"),
     (1000, None, "m.fps", "at most 240"), (True, None, "m.fps", "True"),
@@ -23,7 +26,7 @@ LIMITS = VideoLimits(max_frames=6)
 ])
 def test_bad_frame_choices_name_the_field(fps, num_frames, field, words):
     with pytest.raises(VideoError) as caught:
-        frame_request(fps, num_frames, "m", LIMITS)
+        frame_request(fps, num_frames, FIELDS, LIMITS)
     assert caught.value.field == field and words in str(caught.value)
 
 
@@ -37,9 +40,9 @@ def test_a_files_frames_follow_the_requests_fps_or_count():
     clip = make_clip(4, 8)
     every = decode_video(clip, "clip", VideoLimits(), ImageLimits())
     for request, indices, fps in ((FrameRequest(), [0, 1, 2, 4, 5, 6], 6.0),
-                                  (frame_request(4, None, "m", LIMITS), [0, 2, 4, 6], 4.0),
-                                  (frame_request(None, 3, "m", LIMITS), [0, 2, 5], 3.0),
-                                  (frame_request(30, None, "m", LIMITS), [0, 1, 2, 4, 5, 6], 6.0)):
+                                  (frame_request(4, None, FIELDS, LIMITS), [0, 2, 4, 6], 4.0),
+                                  (frame_request(None, 3, FIELDS, LIMITS), [0, 2, 5], 3.0),
+                                  (frame_request(30, None, FIELDS, LIMITS), [0, 1, 2, 4, 5, 6], 6.0)):
         meta = {}
         frames = decode_video(clip, "clip", LIMITS, ImageLimits(), meta, uniform_sampler(LIMITS, request))
         assert meta == {"fps": fps, "source_fps": 8.0, "indices": indices}
