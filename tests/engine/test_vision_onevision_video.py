@@ -290,3 +290,9 @@ def test_the_anchor_clients_video_tensors(tmp_path):
     assert client.video_tensors(str(path), None)["video_bytes_input"].shape == (1, 1, 1, 1, len(make_clip(12)))
     args = client.parse_args(["--model_type", "llava_onevision", "--video", str(path), "--video_num_frames", "8"])
     assert client.request_tensors(args)["video_bytes_input"].shape == (1, 8, 40, 52, 3)
+    args = client.parse_args(["--model_type", "qwen2_vl", "--text", "x", "--video", str(path), "--video_fps", "2"])
+    tensors = client.request_tensors(args)  # the file, and the server samples 2 frames per second of video
+    assert tensors["video_bytes_input"].shape == (1, 1, 1, 1, len(make_clip(12))) and tensors["video_fps"] == 2.0
+    for refused in (["--model_type", "llava", "--video", str(path)],  # no video for llava
+                    ["--model_type", "qwen2_vl", "--video", str(path), "--video_fps", "2", "--video_num_frames", "4"]):
+        assert client.main(["--text", "x", *refused]) == 2

@@ -652,10 +652,10 @@ def test_qwen3_vl_openai_chat_with_an_image_equals_transformers(launched, qwen3_
     assert completion.choices[0].message.content.split() == qwen3_oracle(prompt, 21).split()
 
 
-def test_qwen3_vl_video_through_the_ensemble_and_openai_chat(launched, qwen3_engine, qwen3_oracle):
+def test_qwen3_vl_video_through_the_ensemble_and_openai_chat(launched, qwen3_engine, qwen3_oracle, tmp_path):
     """Qwen3-VL video (serving/qwen3_video.py): five 52 x 40 frames as video_bytes_input through
-    qwen3vl_ensemble, streamed, an 8-frame MP4 (8 fps) as video_bytes_input with video_num_frames 6, and the
-    MP4 as an OpenAI video_url part with vLLM's mm_processor_kwargs {"num_frames": 6}: each frame pair after its timestamp, an image of its own in M-RoPE;
+    qwen3vl_ensemble, streamed, an 8-frame MP4 (8 fps) from tools/multimodal/client.py --video --video_fps 6
+    (the file as video_bytes_input with video_fps: 6 frames), and the MP4 as an OpenAI video_url part with vLLM's mm_processor_kwargs {"num_frames": 6}: each frame pair after its timestamp, an image of its own in M-RoPE;
     transformers' greedy text on the same patches. A one-frame video and a num_frames over max_num_frames get
     named errors, and the next request is served."""
     from engine.vision.encoder_path import vision_encoder_dir
@@ -677,12 +677,15 @@ def test_qwen3_vl_video_through_the_ensemble_and_openai_chat(launched, qwen3_eng
                                               pre["IMAGE_GRID_THW"][0]).split()
 
     clip = make_clip(9, 8)
-    file = {"VIDEO_BYTES": np.frombuffer(clip, np.uint8).reshape(1, 1, 1, 1, -1),
-            "VIDEO_NUM_FRAMES": np.array([[6]], np.int32)}  # the ensemble's video_num_frames: 3 frame pairs
-    text, error = generate(server, QWEN3 + "ensemble", inputs({"video_bytes_input": file["VIDEO_BYTES"],
-                                                                "video_num_frames": file["VIDEO_NUM_FRAMES"]}, False))
+    path = tmp_path / "clip.mp4"
+    path.write_bytes(clip)
+    args = ["--model_type", "qwen2_vl", "--text", QUERY, "--request-output-len", str(MAX_TOKENS), "--end-id",
+            str(END_ID), "--pad-id", "4", "--video", str(path), "--video_fps", "6"]  # the file, sampled at 6 fps
+    client = _load_tool("multimodal/client")
+    text, error = generate(server, QWEN3 + "ensemble", client.request_tensors(client.parse_args(args)))
     assert error is None, error
-    pre = prepare_batch(prompts, file, [QUERY], True, 4)
+    pre = prepare_batch(prompts, {"VIDEO_BYTES": np.frombuffer(clip, np.uint8).reshape(1, 1, 1, 1, -1),
+                                  "VIDEO_FPS": np.array([[6.0]], np.float32)}, [QUERY], True, 4)
     assert pre["IMAGE_GRID_THW"][0, 0] == 3 and text.split() == qwen3_oracle.video(
         pre["INPUT_ID"][0], pre["PIXEL_VALUES"][0, 0, 0], pre["IMAGE_GRID_THW"][0]).split()
     messages = [{"role": "user", "content": [

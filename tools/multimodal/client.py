@@ -7,16 +7,19 @@ tools/multimodal/client.py:
         --image cat.png [--hf_model_dir CHECKPOINT] [--streaming] [--use_bls] [--request-output-len 16]
     python3 tools/multimodal/client.py --model_type llava_onevision --text "Why is this video funny?" \
         --video clip.mp4 --video_num_frames 8 --end-id 151645
+    python3 tools/multimodal/client.py --model_type qwen2_vl --text "What happens?" --video clip.mp4 --video_fps 1
 
 --image is a file, an http(s) or data: URL, or a comma-separated list of them. With --hf_model_dir
 the image is processed here by that checkpoint's image processor and sent as image_input (FP16
 [1, n, 3, H, W]), as the reference's client does for llava; without it, files go as
 image_bytes_input (the encoded file) and URLs as image_url_input, and the server's preprocessing
-model processes them (llava_onevision: always so, as the reference's client). --video (llava_onevision):
-the file is decoded here with PyAV and --video_num_frames frames sampled uniformly, as the reference's
-client does, and sent as video_bytes_input (UINT8 [1, frames, H, W, 3]); without --video_num_frames
-the encoded file itself goes ([1, 1, 1, num_bytes]) and the server samples up to its max_num_frames.
-Served families: blip2, llava, llava_onevision (tools/assemble_repository.py --kind multimodal).
+model processes them (llava_onevision: always so, as the reference's client). --video (llava_onevision,
+and qwen2_vl for a Qwen2-VL / Qwen2.5-VL / Qwen3-VL repository): the file is decoded here with PyAV and
+--video_num_frames frames sampled uniformly, as the reference's client does, and sent as
+video_bytes_input (UINT8 [1, frames, H, W, 3]); without --video_num_frames the encoded file itself goes
+([1, 1, 1, num_bytes]) and the server chooses its frames (the model's default, or --video_fps frames per
+second of video: the video_fps input, beyond the reference).
+Served families: blip2, llava, llava_onevision, mllama, qwen2_vl (tools/assemble_repository.py --kind multimodal).
 """
 from __future__ import annotations
 
@@ -30,8 +33,11 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # serving/
 
 MODEL_TYPES = ("blip2", "llava", "vila", "mllama", "llava_onevision", "qwen2_vl")
-SERVED_MODEL_TYPES = ("blip2", "llava", "llava_onevision", "mllama")
-BYTES_ONLY = ("llava_onevision",)  # images always go as files (the server's processor tiles them)
+# qwen2_vl: a Qwen2-VL, Qwen2.5-VL or Qwen3-VL repository (the anchor's one type for them)
+SERVED_MODEL_TYPES = ("blip2", "llava", "llava_onevision", "mllama", "qwen2_vl")
+# images always go as files: the server's processor tiles them (OneVision) or makes patches and grids (Qwen)
+BYTES_ONLY = ("llava_onevision", "qwen2_vl")
+VIDEO_MODEL_TYPES = ("llava_onevision", "qwen2_vl")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -43,6 +49,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--video", default=None, help="a video file (llava_onevision)")
     p.add_argument("--video_num_frames", type=int, default=None,
                    help="frames sampled from --video here (unset: the server samples the file)")
+    p.add_argument("--video_fps", type=float, default=None,
+                   help="the file's frames per second of video the server samples (video_fps; not with "
+                        "--video_num_frames)")
     p.add_argument("--end-id", type=int, default=-1)
     p.add_argument("--pad-id", type=int, default=1)
     p.add_argument("-b", "--beam-width", type=int, default=1)
@@ -91,11 +100,13 @@ def image_tensors(images: list[str], hf_model_dir: str | None) -> dict[str, np.n
     return {"image_bytes_input": data}
 
 
-def video_tensors(path: str, num_frames: int | None) -> dict[str, np.ndarray]:
-    """video_bytes_input: ``num_frames`` frames decoded and sampled here, (1, F, H, W, 3), or the file."""
+def video_tensors(path: str, num_frames: int | None, fps: float | None = None) -> dict[str, np.ndarray]:
+    """video_bytes_input: ``num_frames`` frames decoded and sampled here, (1, F, H, W, 3), or the file (with
+    ``fps``: video_fps, the server samples that many frames per second of video)."""
     data = open(path, "rb").read()
     if num_frames is None:
-        return {"video_bytes_input": np.frombuffer(data, np.uint8).reshape(1, 1, 1, 1, -1)}
+        tensors = {"video_bytes_input": np.frombuffer(data, np.uint8).reshape(1, 1, 1, 1, -1)}
+        return tensors if fps is None else {**tensors, "video_fps": np.array([[fps]], np.float32)}
     from serving.images import ImageLimits
     from serving.videos import VideoLimits, decode_video
 
@@ -133,7 +144,7 @@ def request_tensors(args: argparse.Namespace) -> dict[str, np.ndarray]:
         if images:
             tensors["image_bytes_input"] = mllama_pixels(images)
     elif args.video:
-        tensors.update(video_tensors(args.video, args.video_num_frames))
+        tensors.update(video_tensors(args.video, args.video_num_frames, args.video_fps))
     elif images:
         tensors.update(image_tensors(images, None if args.model_type in BYTES_ONLY else args.hf_model_dir))
     return tensors
@@ -189,9 +200,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --model_type {args.model_type} is not served yet; served: {', '.join(SERVED_MODEL_TYPES)}",
               file=sys.stderr)
         return 2
-    if args.video and args.model_type != "llava_onevision":
-        print(f"error: --video: {args.model_type} models take no video; video is served for llava_onevision",
-              file=sys.stderr)
+    if args.video and args.model_type not in VIDEO_MODEL_TYPES:
+        print(f"error: --video: {args.model_type} models take no video; video is served for "
+              f"{', '.join(VIDEO_MODEL_TYPES)}", file=sys.stderr)
+        return 2
+    if args.video_fps is not None and args.video_num_frames is not None:
+        print("error: --video_fps and --video_num_frames: give one (--video_num_frames samples here, --video_fps "
+              "has the server sample the file)", file=sys.stderr)
         return 2
     text = generate(args.url, "tensorrt_llm_bls" if args.use_bls else "ensemble", request_tensors(args), args.verbose)
     print(text)
