@@ -42,12 +42,13 @@ from kernels.rotary import build_cos_sin_cache
 if TYPE_CHECKING:
     from kernels.lora import LoraBatch
 
-# "1" (the default): at decode on CUDA the attention kernel applies Qwen3's per-head q/k norms before its rotary
-# (kernels/triton_attention.py qk_norm): kernels/rmsnorm.py qk_rms_norm's launch a layer less. "0": that launch, then
-# the attention kernel (one H200, one lease, 2026-12-01, Qwen3-30B-A3B bf16 batch 1: graph replay 2.834 against
-# 2.876 ms; 2026-11-30 in another lease: no change).
+# "1": at decode on CUDA the attention kernel applies Qwen3's per-head q/k norms before its rotary
+# (kernels/triton_attention.py qk_norm): kernels/rmsnorm.py qk_rms_norm's launch a layer less. "0" (the default): that
+# launch, then the attention kernel (H200, Qwen3-30B-A3B batch 1, 2026-11-30: no change; the attention kernel gained
+# 0.75 us a call, the norm's launch was 1.44 on the critical path; 2026-12-01: 2.834 against 2.876 ms alone, then
+# 2.896 against 2.882 with the normed router, both within the spread).
 QK_NORM_IN_ATTENTION_ENV = "TRITONLLM_QK_NORM_IN_ATTENTION"
-QK_NORM_IN_ATTENTION_DEFAULT = "1"
+QK_NORM_IN_ATTENTION_DEFAULT = "0"
 
 
 def qk_norm_in_attention() -> bool:

@@ -57,17 +57,17 @@ from kernels.wna16 import stored_columns
 # "1": a decode step's sparse layers (softmax top-k, SiLU experts in the model dtype or FP8, 1-2 tokens) run their
 # post-attention norm, router product and routing in one launch (kernels/moe_router.py route_decode_normed, the
 # DeepSeek path's), and the experts read the chosen ids: one launch a layer less (the norm's), and no top-k inside
-# each program of the experts' gate_up launch. "0": the norm, the router Linear, the routing in gate_up. Unset: on
-# for model-dtype experts, off for FP8 ones (one H200, one lease, 2026-12-01, Qwen3-30B-A3B batch 1, graph replay:
-# bf16 2.818 against 2.876 ms; block-FP8 3.107 against 2.982, its route launch waiting 6.8 us after the FP8 o_proj).
+# each program of the experts' gate_up launch. "0" (the default: no gain beyond the run-to-run spread on an H200,
+# Qwen3-30B-A3B batch 1, 2026-12-01: graph 2.818 against 2.876 ms alone in one lease, but with the q/k norms in
+# attention 2.896 against 2.882 for both off in the next; block-FP8 3.107 against 2.982): the norm, the router Linear,
+# the routing in gate_up.
 NORM_ROUTER_ENV = "TRITONLLM_MOE_NORM_ROUTER"
+NORM_ROUTER_DEFAULT = "0"
 
 
-def norm_router_enabled(fp8_experts: bool) -> bool:
-    """TRITONLLM_MOE_NORM_ROUTER "1" / "0", else the measured default for these experts (read per call:
-    benchmarks flip it between runs)."""
-    setting = os.environ.get(NORM_ROUTER_ENV, "").strip()
-    return setting == "1" if setting in ("0", "1") else not fp8_experts
+def norm_router_enabled() -> bool:
+    """TRITONLLM_MOE_NORM_ROUTER (read per call: benchmarks flip it between runs)."""
+    return os.environ.get(NORM_ROUTER_ENV, NORM_ROUTER_DEFAULT).strip() == "1"
 
 
 class SparseMoeBlock(nn.Module):
@@ -83,7 +83,6 @@ class SparseMoeBlock(nn.Module):
         self.tp_group = tp_group
         self.dtype = dtype
         self.weight_only = weight_only
-        self.fp8 = fp8  # None, "fp8" or "fp8_block": the experts' stored format
         self.experts: tuple[WNA16Experts, WNA16Experts] | None = None  # prepare_weights(): (gate_up, down)
         # Options of the hybrids (engine/ssm/hybrid.py), model-dtype experts only: activation "relu2"
         # (Nemotron-H: non-gated relu(up x)^2 experts, gate_up_proj holds I_r up rows), and topk_method
@@ -141,12 +140,10 @@ class SparseMoeBlock(nn.Module):
         return out if self.tp_group is None else tp_all_reduce(out, self.tp_group)
 
     def takes_norm(self, num_tokens: int) -> bool:
-        """forward_normed serves this step (norm_router_enabled for these experts): SiLU experts with softmax
-        routing in the model dtype or FP8 on CUDA, a batch whose rows fit the router launch's one product chunk
-        (norm_fuses: 1-2 tokens of Qwen3-30B-A3B's 2048), and not the opt-in one-launch experts
-        (kernels/moe_decode.py)."""
-        return (norm_router_enabled(self.fp8 is not None) and not self.grouped and self.activation == "silu"
-                and self.weight_only is None
+        """forward_normed serves this step (norm_router_enabled): SiLU experts with softmax routing in the model
+        dtype or FP8 on CUDA, a batch whose rows fit the router launch's one product chunk (norm_fuses: 1-2 tokens
+        of Qwen3-30B-A3B's 2048), and not the opt-in one-launch experts (kernels/moe_decode.py)."""
+        return (norm_router_enabled() and not self.grouped and self.activation == "silu" and self.weight_only is None
                 and use_triton(self.router.weight) and norm_fuses(num_tokens, self.router.in_features)
                 and not fused_decode_enabled())
 
