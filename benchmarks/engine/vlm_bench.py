@@ -304,7 +304,7 @@ def bench_executor(args, config, sections: list[str]) -> dict:
     side = args.image_sizes[0]
     grid = image_grid(side)
     num_rows = grid[0] * grid[1] * grid[2] // MERGE ** 2
-    engine = write_language_engine(config, args, max_batch_size=max(args.requests, 8))
+    engine = write_language_engine(config, args, max_batch_size=args.max_batch_size or max(args.requests, 8))
     results = {}
     executor_config = ExecutorConfig(kv_cache_free_gpu_mem_fraction=args.kv_fraction,
                                      max_tokens_in_paged_kv_cache=args.requests * 1024 if args.device == "cpu" else None)
@@ -898,6 +898,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "(3,420) instead of padding it to 3,456 as load_vision_encoder does on CUDA (the before figure)")
     p.add_argument("--tower-variants", default="", help="encoder section: time the tower again with each of "
                    f"{', '.join(TOWER_VARIANTS)} (comma-separated; the environment variables they set)")
+    p.add_argument("--max-batch-size", type=int, default=None,
+                   help="the language engine's max batch (default: --requests, one wave; fewer: waves, so later "
+                        "requests' tower forwards overlap earlier ones' decode steps, as in steady serving)")
     p.add_argument("--max-num-tokens", type=int, default=8192)
     p.add_argument("--kv-fraction", type=float, default=0.8, help="kv_cache_free_gpu_mem_fraction of the executor")
     p.add_argument("--profile-dir", default=None, help="write the tower's torch-profiler tables and a cProfile "
