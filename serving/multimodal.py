@@ -256,7 +256,7 @@ class ImagePrompts:
         after its timestamp, video_slot_ids), second_per_grid_t from ``meta``'s fps (decode_video's)."""
         try:
             patches, grid, second, seconds = self.qwen_video.encode(frames, meta)
-        except VideoError as error:
+        except ValueError as error:  # too few frames (Qwen3-VL), an aspect ratio over 200
             raise VideoError(f"video_bytes_input: {error}") from None
         rows = grid_rows(np.array([grid]), self.config["mrope"]["merge"])
         ids = self.prompt_ids(query, rows, add_special_tokens, self.qwen_video.placeholder, seconds)
