@@ -248,6 +248,7 @@ class ImagePrompts:
             return self.qwen_video_item(query, frames, meta, add_special_tokens)
         pixel_values = self.video.from_bytes(item, request)
         ids = self.prompt_ids(query, [self.video.rows(pixel_values)], add_special_tokens, self.video.placeholder)
+        self.check_video_room(len(ids), len(pixel_values), "video_bytes_input")
         return PreparedItem(ids, pixel_values, is_video=True)
 
     def qwen_video_item(self, query: str, frames: np.ndarray, meta: dict, add_special_tokens: bool) -> PreparedItem:
@@ -260,6 +261,7 @@ class ImagePrompts:
             raise VideoError(f"video_bytes_input: {error}") from None
         rows = grid_rows(np.array([grid]), self.config["mrope"]["merge"])
         ids = self.prompt_ids(query, rows, add_special_tokens, self.qwen_video.placeholder, seconds)
+        self.check_video_room(len(ids), len(frames), "video_bytes_input")
         return PreparedItem(ids, patches[None, None], image_grid_thw=np.array([grid], np.int64), is_video=True,
                             second_per_grid=second)
 
@@ -300,6 +302,15 @@ class ImagePrompts:
         crops = np.asarray(batch["num_crops"], np.int64).reshape(-1).tolist()
         return (np.asarray(batch["pixel_values"], np.float32), None,
                 [(1 + c) * self.num_image_tokens for c in crops])
+
+    def check_video_room(self, prompt_len: int, frames: int, where: str) -> None:
+        """A video whose rows make the prompt too long for the engine is the request's error naming it, before
+        the tower encodes it (tensorrt_llm would refuse the prompt after)."""
+        if self.max_seq_len is not None and prompt_len >= self.max_seq_len:
+            raise VideoError(f"{where}: the video's {frames} frames make the prompt {prompt_len} tokens; the engine's "
+                             f"max_seq_len is {self.max_seq_len} (prompt and output): send fewer frames "
+                             "(video_num_frames / video_fps with a file, or fewer frames as pixels), smaller frames, "
+                             "or a shorter video")
 
     def check_crops_room(self, prompt_len: int, counts: list[int], where: str) -> None:
         """A prompt that pan-and-scan crops make too long for the engine is the request's error naming them."""

@@ -441,3 +441,22 @@ def test_triton_video_fps_and_num_frames_choose_a_files_frames(built):
             (frames, {"VIDEO_NUM_FRAMES": count(2)}, "this video_bytes_input holds frames as pixels")):
         with pytest.raises(VideoError, match=words):
             prepare_batch(prompts, {"VIDEO_BYTES": video, **choice}, ["x"], True, 4)
+
+
+def test_a_video_too_long_for_the_engine_is_named_before_the_tower(built):
+    """A video whose frame pairs (with their timestamps) leave the prompt no room in the engine's max_seq_len
+    (128 here) is preprocessing's error naming video_bytes_input and what to send instead."""
+    import numpy as np
+
+    from serving.multimodal import ImagePrompts, prepare_batch
+    from serving.videos import VideoError, VideoLimits
+    from tiny_qwen3_vl import tokenizer
+
+    engine, _ = built
+    prompts = ImagePrompts(vision_encoder_dir(engine), tokenizer(), VOCAB, video_limits=VideoLimits(max_frames=64),
+                           max_seq_len=EngineConfig.load(engine).build.max_seq_len)
+    frames = np.stack([np.asarray(make_image(seed % 4, (52, 40))) for seed in range(64)])[None]
+    with pytest.raises(VideoError, match="video_bytes_input: the video's 64 frames make the prompt 1[0-9]{2} tokens; "
+                                         "the engine's max_seq_len is 128"):
+        prepare_batch(prompts, {"VIDEO_BYTES": frames}, ["What is it?"], True, 4)
+    assert prepare_batch(prompts, {"VIDEO_BYTES": frames[:, :8]}, ["What is it?"], True, 4)["IMAGE_GRID_THW"][0, 0] == 4
