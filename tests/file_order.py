@@ -6,24 +6,21 @@ tests of its current one run). Two things that scheme does not know, fixed here:
 
 - Every worker is a pytest session of its own, so the integration package's session server
   (tests/integration/conftest.py: ``triton_server``, its generation phase ``disaggregated_server``,
-  ``frontend``, ``lora_adapters``) was started on both workers, each start two engine processes,
-  eight Python-backend stubs, an OpenAI frontend and a LoRA conversion (the generation phase, an
-  engine process and three of the stubs, is loaded only where a test asks for it since 2026-11-30:
-  the OpenAI frontend's files do not). The files that use it are
-  two units of work (``scope_of``): those of the OpenAI frontend (``OPENAI_SERVER_SCOPE``) and the
-  rest (``SHARED_SERVER_SCOPE``). Both go early (the next point says why not both first), so each
-  worker takes one and starts the server once. The session's non-decoupled server (``unary_server``)
-  belongs to SHARED_SERVER_SCOPE alone: its files run on one worker, which starts it once.
-  Why two: as one unit those files were ~680 of the ~1,000 s the suite took on 2 cores (2026-11-30),
-  so one worker ran them while the other finished everything else and idled; a second server start
-  (~45 s) costs less than that wait.
-- Both units start with the session fixtures of tests/conftest.py: the first worker to ask for
-  ``smollm2_hf`` dequantizes the GGUF (~12-15 s on CI's cores) while the other waits on its file lock,
-  idle, to load the copy. So the second unit handed out is a long file that needs no SmolLM2
-  (``WHILE_THE_MODEL_LOADS``): one worker starts the shared unit, the other that file, which outlasts the
-  dequantization, then the OpenAI unit, whose model copy is ready by then.
+  ``frontend``, ``lora_adapters``, and the non-decoupled ``unary_server``) would be started on both
+  workers. The files that use it are one unit of work (``scope_of``, ``SHARED_SERVER_SCOPE``), handed
+  out first: one worker starts that server once and runs them all while the other does everything else.
+  (Two units, the OpenAI frontend's files and the rest, one a worker, from 2026-11-30 to 12-01: as one
+  unit they were ~680 of the ~1,000 worker-s the suite took on 2 cores then, so one worker ran them
+  while the other finished everything else and idled. Since, requests sent at once and fewer tokens
+  brought them to ~380 of ~1,120 worker-s (session 26's last fresh clone), well under a worker's half,
+  so the second unit's own start of the server, the SmolLM2 engine build and the model copy's load
+  bought nothing.)
+- That unit starts with the session fixtures of tests/conftest.py: the first worker to ask for
+  ``smollm2_hf`` dequantizes the GGUF (~12-15 s on CI's cores) and builds the engine while the other
+  would wait on their file locks, idle, to take them. So the second unit handed out is a long file that
+  needs no SmolLM2 (``WHILE_THE_MODEL_LOADS``), which outlasts them.
 - A long file handed out last runs alone while the other worker has nothing left. Longest first:
-  those units, then the files that start servers or ranks (``LONG_FIRST``), then the rest in
+  that unit, then the files that start servers or ranks (``LONG_FIRST``), then the rest in
   collection order, whose many short files let both workers finish together (``file_rank``).
 
 Plain Python (no xdist import): tests/conftest.py makes the scheduler from it.
@@ -39,8 +36,6 @@ from pathlib import Path
 SHARED_SERVER_FIXTURES = frozenset({"triton_server", "disaggregated_server", "frontend", "lora_adapters",
                                     "unary_server"})
 SHARED_SERVER_SCOPE = "tests/integration[session server]"
-OPENAI_SERVER_FIXTURES = frozenset({"frontend", "lora_adapters"})
-OPENAI_SERVER_SCOPE = "tests/integration[session server + OpenAI frontend]"
 INTEGRATION = "tests/integration/"
 # Files first after the shared unit: each starts tritonserver, mpirun ranks or a built wheel's server
 # (~10-50 s each on CI's two cores), so none of them is left for the end; so do the two longest of
@@ -48,8 +43,8 @@ INTEGRATION = "tests/integration/"
 # 12 s of session 25's fresh clone), which came among the last files handed out.
 LONG_FIRST = ("tests/tools/test_wheel.py", INTEGRATION, "tests/distributed/",
               "tests/serving/test_torchless_preprocessing.py", "tests/serving/test_tokenization.py")
-# Handed out second, between the two session-server units: tiny random Llamas on two ranks (~47 s of
-# CI), no SmolLM2 fixture (see the module docstring).
+# Handed out second, beside the session-server unit: tiny random Llamas on two ranks (~47 s of CI), no
+# SmolLM2 fixture (see the module docstring).
 WHILE_THE_MODEL_LOADS = "tests/distributed/test_tp_engine.py"
 
 
@@ -79,25 +74,17 @@ def _fixtures_named(root: str, path: str) -> frozenset[str]:
 
 
 def scope_of(root: str, nodeid: str) -> str:
-    """The unit of work of a test: its file, or for a file of the shared server OPENAI_SERVER_SCOPE
-    (it names the OpenAI frontend or its adapters) or SHARED_SERVER_SCOPE."""
+    """The unit of work of a test: its file, or SHARED_SERVER_SCOPE for a file of the session server."""
     path = nodeid.split("::", 1)[0]
-    named = _fixtures_named(root, path)
-    if named & OPENAI_SERVER_FIXTURES:
-        return OPENAI_SERVER_SCOPE
-    return SHARED_SERVER_SCOPE if named else path
+    return SHARED_SERVER_SCOPE if _fixtures_named(root, path) else path
 
 
 def file_rank(root: str, nodeid: str) -> int:
-    """0: the session server's files but the OpenAI frontend's, 1: WHILE_THE_MODEL_LOADS, 2: the OpenAI
-    frontend's files, 3: LONG_FIRST, 4: the rest (a stable sort keeps each file's tests together and in
-    their order)."""
+    """0: the session server's files, 1: WHILE_THE_MODEL_LOADS, 2: LONG_FIRST, 3: the rest (a stable sort
+    keeps each file's tests together and in their order)."""
     path = nodeid.split("::", 1)[0]
-    scope = scope_of(root, path)
-    if scope == SHARED_SERVER_SCOPE:
+    if scope_of(root, path) == SHARED_SERVER_SCOPE:
         return 0
     if path == WHILE_THE_MODEL_LOADS:
         return 1
-    if scope == OPENAI_SERVER_SCOPE:
-        return 2
-    return 3 if path.startswith(LONG_FIRST) else 4
+    return 2 if path.startswith(LONG_FIRST) else 3

@@ -26,8 +26,7 @@ def triton_server(smollm2_engine_dir, tmp_path_factory):
 def disaggregated_server(triton_server):
     """``triton_server`` with disaggregated_serving_bls over tensorrt_llm and a second engine process,
     `generation` (add_generation_phase), added and loaded on first use: only the disaggregated tests use
-    them, so the server of the OpenAI frontend's files (tests/file_order.py) starts without that engine
-    process and its three stubs (started with the server until 2026-11-30: ~5 of its ~18 CPU-s)."""
+    them (`extended`), so `make test`'s server starts without that engine process and its three stubs (started with the server until 2026-11-30: ~5 of its ~18 CPU-s)."""
     if not (triton_server.repo / "generation").exists():
         add_generation_phase(triton_server.repo, decoupled=True)
         triton_server.load_models("generation", "disaggregated_serving_bls")
