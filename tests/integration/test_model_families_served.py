@@ -32,7 +32,16 @@ anchor's keys (encoder_engine_dir, cross_kv_cache_fraction, encoder_input_featur
 `ensemble_t5`, `tensorrt_llm_bls_t5`, `preprocessing`, `tensorrt_llm_t5` and `postprocessing`, and a tiny Whisper
 as `tensorrt_llm_whisper` behind the anchor's `whisper_bls` (all_models/whisper), which
 tools/whisper/client.py and the OpenAI audio endpoints (through the official `openai` client) call,
-and a decoupled copy `whisper_bls_stream` for the streamed path."""
+and a decoupled copy `whisper_bls_stream` for the streamed path.
+
+`make test` serves Qwen3, T5, Whisper and the disaggregated BLS here; the GPT-NeoX, Nemotron-H and DeepSeek-V3
+cases are `extended` (since 2026-12-01, ~3 engine processes and their references of CI's 10 minutes;
+`make test-all` adds their models to this server). The served path (`tensorrt_llm`, its engine process, the
+executor) is the same for every family and Qwen3 runs it here; their model code meets transformers in `make test`
+at tests/engine/test_decoder_families.py (GPT-NeoX's parallel residual and partial rotary: greedy ids at 5, 40
+and 150 tokens, a chunked packed prefill), test_hybrid_models.py (Nemotron-H in flight through the executor,
+its state slots freed on cancel), test_deepseek.py (MLA's latent pool through the executor) and
+test_deepseek_mtp.py (the MTP module drafting through the executor: plain greedy ids)."""
 import os
 import re
 import shutil
@@ -141,10 +150,23 @@ def _build_decoder_family(family: str, smollm2_engine_dir, tmp_path_factory) -> 
     return model, str(engine_dir)
 
 
+# The `extended` tests' families (`make test-all`): served only where one of their tests runs.
+EXTENDED_FAMILY_TESTS = {"test_decoder_family_greedy_ids_equal_transformers_generate": DECODER_FAMILIES,
+                         "test_hybrid_family_greedy_ids_equal_transformers_generate": HYBRID_FAMILIES,
+                         "test_mla_family_greedy_ids_equal_transformers_generate": MLA_FAMILIES}
+
+
+def _selected_extended_families(session, module_path) -> tuple[str, ...]:
+    """The families of EXTENDED_FAMILY_TESTS whose test runs in this session (not deselected)."""
+    selected = {item.originalname for item in session.items if getattr(item, "path", None) == module_path}
+    return tuple(family for test, families in EXTENDED_FAMILY_TESTS.items() if test in selected for family in families)
+
+
 @pytest.fixture(scope="module")
-def served_families(smollm2_engine_dir, tmp_path_factory):
+def served_families(smollm2_engine_dir, tmp_path_factory, request):
     """({family: transformers model}, server): one tritonserver whose repository holds each family's
-    `tensorrt_llm` model, filled as serve_default fills it (non-decoupled), as `tensorrt_llm_<family>`."""
+    `tensorrt_llm` model, filled as serve_default fills it (non-decoupled), as `tensorrt_llm_<family>`:
+    FAMILIES always, the decoder, hybrid and MLA families where their (`extended`) tests run."""
     serve = load_script("serve_default")
     work = tmp_path_factory.mktemp("families_triton")
     repo = work / "repo"
@@ -153,7 +175,7 @@ def served_families(smollm2_engine_dir, tmp_path_factory):
     builds = [(name, lambda make=make: _build_family(make, smollm2_engine_dir, tmp_path_factory))
               for name, make in FAMILIES.items()]
     builds += [(name, lambda name=name: _build_decoder_family(name, smollm2_engine_dir, tmp_path_factory))
-               for name in DECODER_FAMILIES + HYBRID_FAMILIES + MLA_FAMILIES]
+               for name in _selected_extended_families(request.session, request.node.path)]
     for name, build in builds:
         models[name], engine_dir = build()
         # LoRA adapters are for the Llama-block families only (engine/executor/runner.py enable_lora);
@@ -282,6 +304,7 @@ def test_disaggregated_bad_params_are_named(served_families):
         client.close()
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("family", list(DECODER_FAMILIES))
 def test_decoder_family_greedy_ids_equal_transformers_generate(served_families, family):
     """Prompts of 5, 40 and 150 tokens in one batch (in-flight batched on the served model)."""
@@ -292,6 +315,7 @@ def test_decoder_family_greedy_ids_equal_transformers_generate(served_families, 
     _assert_served_greedy_ids(server, f"tensorrt_llm_{family}", models[family], prompts)
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("family", list(HYBRID_FAMILIES))
 def test_hybrid_family_greedy_ids_equal_transformers_generate(served_families, family):
     """Prompts of 5, 40 and 300 tokens in one batch: chunks and decodes of different requests share
@@ -303,6 +327,7 @@ def test_hybrid_family_greedy_ids_equal_transformers_generate(served_families, f
     _assert_served_greedy_ids(server, f"tensorrt_llm_{family}", models[family], prompts)
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("family", list(MLA_FAMILIES))
 def test_mla_family_greedy_ids_equal_transformers_generate(served_families, family):
     """Prompts of 5, 40 and 150 tokens in one batch through the served model's latent KV pool, drafted
