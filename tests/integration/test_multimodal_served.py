@@ -17,6 +17,21 @@ qwen3vl_ensemble (its own postprocessing too: its tokenizer has Qwen's special t
 frontend of its own: the anchor client's `--model_type qwen2_vl` tensors and an OpenAI chat image give
 transformers' text, and so do a Qwen3-VL video's frames through the ensemble and an MP4 video_url with
 mm_processor_kwargs.
+
+`make test` serves LLaVA alone here (its ensemble, BLS, HTTP generate, the anchor's client, the prefix cache, bad
+images and its OpenAI frontend); the OneVision video, Mllama and Qwen3-VL (image and video) cases are `extended`
+(since 2026-12-01: their engines, stubs, frontend and references were ~half of this module's start on CI's 2 cores;
+`make test-all` adds their models to this server). In `make test` the same pieces of the served path
+(preprocessing, multimodal_encoders and tensorrt_llm's model code, run in process on the tensors each passes on)
+give transformers' ids in tests/engine/test_vision_onevision_video.py
+(test_triton_pipeline_video_image_and_text_give_transformers_ids, bad videos named, the OpenAI video_url part, the
+anchor client's video tensors), test_vision_mllama.py
+(test_triton_pipeline_preprocessing_encoders_tensorrt_llm_give_transformers_ids, the OpenAI image path, a re-sent
+image's prompt blocks) and test_qwen3_vl.py (test_triton_pieces_and_openai_path_give_transformers_ids,
+test_video_frames_through_the_triton_pieces_give_transformers_ids,
+test_openai_video_url_gives_transformers_ids_and_takes_the_requests_frame_choice,
+test_triton_video_fps_and_num_frames_choose_a_files_frames); tests/serving/test_torchless_preprocessing.py holds
+every vision family's preprocessing stub without torch.
 """
 from __future__ import annotations
 
@@ -121,13 +136,30 @@ def mllama_engine(tmp_path_factory) -> str:
 MLLAMA_MODELS = ("ensemble", "preprocessing", "multimodal_encoders", "tensorrt_llm")
 
 
+# The `extended` tests of the families served beside LLaVA (`make test-all`), by family: a family's
+# models (and Qwen3-VL's frontend) are in the repository only where one of its tests runs.
+EXTENDED_FAMILY_TESTS = {
+    "onevision": {"test_onevision_video_through_the_ensemble"},
+    "mllama": {"test_mllama_anchor_client_tensors_curl_and_text_only_equal_transformers"},
+    "qwen3": {"test_qwen3_vl_ensemble_with_the_anchor_clients_qwen2_vl_tensors",
+              "test_qwen3_vl_openai_chat_with_an_image_equals_transformers",
+              "test_qwen3_vl_video_through_the_ensemble_and_openai_chat"}}
+
+
+def _selected_families(request) -> set[str]:
+    """The families of EXTENDED_FAMILY_TESTS with a test of this module in the session (not deselected)."""
+    selected = {item.originalname for item in request.session.items if getattr(item, "path", None) == request.node.path}
+    return {family for family, tests in EXTENDED_FAMILY_TESTS.items() if tests & selected}
+
+
 @pytest.fixture(scope="module")
-def launched(llava_engine, onevision_engine, mllama_engine, qwen3_engine, tmp_path_factory):
+def launched(llava_engine, tmp_path_factory, request):
     """tritonserver on the repository `tritonllm serve` fills for a vision-language engine (the
-    multimodal one) with the OneVision, Mllama and Qwen3-VL models beside, and two OpenAI frontends in
-    this process: LLaVA's from the command line `tritonllm serve` starts it with (its launcher's
-    openai_frontend_command, reading file: image URLs under ``media``), and Qwen3-VL's: (Server, the
-    LLaVA frontend's URL, media, the Qwen3-VL frontend's URL). In this process rather than as the
+    multimodal one), with the OneVision, Mllama and Qwen3-VL models beside where their (`extended`) tests
+    run, and the OpenAI frontends in this process: LLaVA's from the command line `tritonllm serve` starts
+    it with (its launcher's openai_frontend_command, reading file: image URLs under ``media``), and
+    Qwen3-VL's beside its models: (Server, the LLaVA frontend's URL, media, the Qwen3-VL frontend's URL or
+    None). In this process rather than as the
     `python -m openai_frontend` process the launcher would start: that process's interpreter, torch
     import and encoder load were ~9 CPU-s of this module's start, and what it runs besides the app
     these flags configure (main: parse, config_from_arguments, serve) is the session frontend's
@@ -137,18 +169,21 @@ def launched(llava_engine, onevision_engine, mllama_engine, qwen3_engine, tmp_pa
     from tritonllm import launcher
     from tritonllm.serve import checkpoint_repository, wait_until_ready
 
+    families = _selected_families(request)
     work = tmp_path_factory.mktemp("llava_triton")
     media = work / "media"
     media.mkdir()
     repo, engine_models = checkpoint_repository(
         llava_engine, str(work / "repo"), bls_instances=1,  # fewer stubs: a faster start
         images={"max_image_pixels": 10000, "allowed_image_url_hosts": "127.0.0.1"})
-    add_renamed_models(repo, onevision_engine, work, ONEVISION_MODELS, lambda model: ONEVISION + model,
-                       images={"max_num_frames": ONEVISION_FRAMES})
-    # Mllama's BLS calls preprocessing by its plain name, so it stays out
-    add_renamed_models(repo, mllama_engine, work, MLLAMA_MODELS, lambda model: f"{model}_mllama",
-                       images={"allowed_image_url_hosts": "127.0.0.1"})
-    add_renamed_models(repo, qwen3_engine, work, QWEN3_MODELS, lambda model: QWEN3 + model)
+    if "onevision" in families:
+        add_renamed_models(repo, request.getfixturevalue("onevision_engine"), work, ONEVISION_MODELS,
+                           lambda model: ONEVISION + model, images={"max_num_frames": ONEVISION_FRAMES})
+    if "mllama" in families:  # Mllama's BLS calls preprocessing by its plain name, so it stays out
+        add_renamed_models(repo, request.getfixturevalue("mllama_engine"), work, MLLAMA_MODELS,
+                           lambda model: f"{model}_mllama", images={"allowed_image_url_hosts": "127.0.0.1"})
+    if "qwen3" in families:
+        add_renamed_models(repo, request.getfixturevalue("qwen3_engine"), work, QWEN3_MODELS, lambda model: QWEN3 + model)
     ports = [str(free_port()) for _ in range(4)]
     args = launcher.parse_arguments([f"--model_repo={repo}", "--no-mpi", "--host=127.0.0.1", f"--http_port={ports[0]}",
                                      f"--grpc_port={ports[1]}", f"--metrics_port={ports[2]}", "--force",
@@ -165,17 +200,18 @@ def launched(llava_engine, onevision_engine, mllama_engine, qwen3_engine, tmp_pa
             pytest.fail(f"tritonserver did not become ready:\n{log_path.read_text()[-5000:]}")
         server = Server(http=f"http://127.0.0.1:{ports[0]}", grpc_url=f"127.0.0.1:{ports[1]}",
                         metrics=f"http://127.0.0.1:{ports[2]}", log_path=log_path, pid=process.pid)
-        # Qwen3-VL's frontend from its command line's flags (its engine directory holds the tokenizer
-        # and vision_encoder/): `tritonllm serve`'s own frontend is LLaVA's.
-        qwen3 = config_from_arguments(parse_arguments([
-            f"--grpc_url=127.0.0.1:{ports[1]}", f"--tokenizer_dir={qwen3_engine}", f"--llm_model={QWEN3}tensorrt_llm",
-            f"--served_model_name={QWEN3_SERVED}"]))
-        configs = {"llava": config_from_arguments(parse_arguments(command[3:])), "qwen3": qwen3}
+        configs = {"llava": config_from_arguments(parse_arguments(command[3:]))}
+        if "qwen3" in families:
+            # Qwen3-VL's frontend from its command line's flags (its engine directory holds the tokenizer
+            # and vision_encoder/): `tritonllm serve`'s own frontend is LLaVA's.
+            configs["qwen3"] = config_from_arguments(parse_arguments([
+                f"--grpc_url=127.0.0.1:{ports[1]}", f"--tokenizer_dir={request.getfixturevalue('qwen3_engine')}",
+                f"--llm_model={QWEN3}tensorrt_llm", f"--served_model_name={QWEN3_SERVED}"]))
         with in_process_frontends(configs) as urls:
             for name, url in urls.items():
                 if not wait_for(lambda: _health(url) == 200, timeout=120):
                     pytest.fail(f"the {name} OpenAI frontend did not become ready")
-            yield server, urls["llava"], media, urls["qwen3"]
+            yield server, urls["llava"], media, urls.get("qwen3")
     finally:
         stop(process)
 
@@ -353,9 +389,13 @@ def test_image_preprocessing_stubs_run_without_torch(server):
         return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
 
     stubs = {process_name(pid): pid for pid in descendant_pids(server.pid)}
-    image_only = ("stub:preprocessing", "stub:preprocessing_mllama", f"stub:{QWEN3}preprocessing")
+    # LLaVA's always; the others where their (`extended`) tests put them in the repository (launched)
+    image_only = [name for name in ("stub:preprocessing", "stub:preprocessing_mllama", f"stub:{QWEN3}preprocessing")
+                  if name == "stub:preprocessing" or name in stubs]
     assert {name: loaded_torch(stubs[name]) for name in image_only} == dict.fromkeys(image_only, False)
-    assert loaded_torch(stubs[f"stub:{ONEVISION}preprocessing"]) and loaded_torch(stubs["stub:multimodal_encoders"])
+    assert loaded_torch(stubs["stub:multimodal_encoders"])
+    if f"stub:{ONEVISION}preprocessing" in stubs:
+        assert loaded_torch(stubs[f"stub:{ONEVISION}preprocessing"])
 
 
 BAD = [  # (model, image inputs, what the error names)
@@ -386,6 +426,7 @@ def test_bad_images_get_named_errors_and_the_server_keeps_serving(server, oracle
     assert error is None and text.split() == oracle(1).split()
 
 
+@pytest.mark.extended
 def test_onevision_video_through_the_ensemble(server, llava_engine, onevision_engine):
     """LLaVA-OneVision video as the anchor's client sends it: video_bytes_input, the clip's frames
     decoded with PyAV (1, frames, H, W, 3): greedy text = transformers' generate on the prompt and
@@ -551,6 +592,7 @@ def mllama_oracle(mllama_engine):
     return expected
 
 
+@pytest.mark.extended
 def test_mllama_anchor_client_tensors_curl_and_text_only_equal_transformers(server, mllama_oracle, tmp_path):
     """The anchor client's --model_type mllama tensors (decoded pixels as image_bytes_input, <|image|> put
     before the text), streamed; the anchor's curl request (image_url_input, a data: URL) over HTTP generate;
@@ -616,6 +658,7 @@ def qwen3_oracle():
     return expected
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("image, stream", [("file", True), ("data", False), (None, False)])
 def test_qwen3_vl_ensemble_with_the_anchor_clients_qwen2_vl_tensors(server, qwen3_oracle, tmp_path, image, stream):
     """tools/multimodal/client.py --model_type qwen2_vl's tensors (a file: image_bytes_input; a data: URL:
@@ -638,6 +681,7 @@ def test_qwen3_vl_ensemble_with_the_anchor_clients_qwen2_vl_tensors(server, qwen
     assert text.split() == qwen3_oracle(prompt, 20 if image else None, fp16=True).split()
 
 
+@pytest.mark.extended
 def test_qwen3_vl_openai_chat_with_an_image_equals_transformers(launched, qwen3_oracle):
     """The Qwen3-VL frontend: the chat template writes <|vision_start|><|image_pad|><|vision_end|>, the
     frontend encodes the data: image in process and sends the wide table with the M-RoPE pair."""
@@ -652,6 +696,7 @@ def test_qwen3_vl_openai_chat_with_an_image_equals_transformers(launched, qwen3_
     assert completion.choices[0].message.content.split() == qwen3_oracle(prompt, 21).split()
 
 
+@pytest.mark.extended
 def test_qwen3_vl_video_through_the_ensemble_and_openai_chat(launched, qwen3_engine, qwen3_oracle, tmp_path):
     """Qwen3-VL video (serving/qwen3_video.py): five 52 x 40 frames as video_bytes_input through
     qwen3vl_ensemble, streamed, an 8-frame MP4 (8 fps) from tools/multimodal/client.py --video --video_fps 6
