@@ -33,16 +33,21 @@ def disaggregated_server(triton_server):
     return triton_server
 
 
+# The test of the unary server's draft_target copy (`extended`): the copy is served only where it runs.
+DRAFT_TARGET_TEST = "test_draft_target_decoding_mode_keeps_the_greedy_ids"
+
+
 @pytest.fixture(scope="session")
-def unary_servers(smollm2_engine_dir, tmp_path_factory):
+def unary_servers(smollm2_engine_dir, tmp_path_factory, request):
     """unary_server's maker: the running one, or a fresh one where a test killed the last."""
+    draft_target = any(item.originalname == DRAFT_TARGET_TEST for item in request.session.items)
     with contextlib.ExitStack() as stack:
         started = []
 
         def current():
             if not started or not alive(started[-1].pid):
                 work = tmp_path_factory.mktemp("unary")
-                started.append(stack.enter_context(running_unary_server(smollm2_engine_dir, work)))
+                started.append(stack.enter_context(running_unary_server(smollm2_engine_dir, work, draft_target)))
             return started[-1]
         yield current
 
@@ -50,8 +55,9 @@ def unary_servers(smollm2_engine_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def unary_server(unary_servers):
     """The non-decoupled repository (triton_helpers.running_unary_server: the five models, the BLS naming a
-    draft model, tensorrt_llm's n-gram and draft-target copies) that test_speculative_served.py and
-    test_unary_served.py share (they started one each, the same five models, until 2026-11-30). Started
+    draft model, tensorrt_llm's n-gram copy and, for an `extended` test, its draft-target one) that
+    test_speculative_served.py and test_unary_served.py share (they started one each, the same five models,
+    until 2026-11-30). Started
     once a session; again only for a module after one whose test killed it (test_unary_served.py's last
     test does, and `make test` runs that file after the other: tests/tools/test_file_order.py checks)."""
     return unary_servers()

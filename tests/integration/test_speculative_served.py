@@ -6,7 +6,7 @@ with the prompt in output_ids), and serves three `tensorrt_llm` models on the sa
 target `tensorrt_llm`; `tensorrt_llm_draft`, the BLS's tensorrt_llm_draft_model_name, which itself
 runs with decoding_mode ngram (one model for two roles: n-gram drafting keeps its greedy ids, so it
 drafts what plain decoding would); and `tensorrt_llm_draft_target` (decoding_mode draft_target,
-the same engine as its own draft model). Greedy decoding must give plain decoding's ids whatever
+the same engine as its own draft model; served where its `extended` test runs). Greedy decoding must give plain decoding's ids whatever
 the drafts: right ones (the draft is the target's own engine, so everything is accepted),
 deliberately wrong ones sent straight to the target, n-gram lookups and draft-model drafts. The engine-level proofs
 (20 prompts, sampling laws) are tests/executor/test_speculative*.py's.
@@ -208,9 +208,15 @@ def test_nvidias_speculative_decoding_client(server):
     assert expected.strip() in run.stdout, (expected, run.stdout)
 
 
+@pytest.mark.extended
 def test_draft_target_decoding_mode_keeps_the_greedy_ids(server, sea):
     """decoding_mode draft_target with draft_model_path: the executor's own draft model (here the
-    target's engine, so it drafts the target's tokens) gives the plain ids, most drafts accepted."""
+    target's engine, so it drafts the target's tokens) gives the plain ids, most drafts accepted.
+    `extended` (since 2026-12-01; the server holds DRAFT_TARGET only where this test runs: conftest
+    DRAFT_TARGET_TEST): an engine process holding SmolLM2 twice and ~5 forward passes a step, of CI's 10
+    minutes. In `make test`, tests/serving/test_speculative_serving.py's test_draft_target_names_the_draft_engine
+    holds the model's parameters to the executor's settings and tests/executor/test_speculative_draft_model.py
+    the draft model's drafts (plain greedy ids whatever they are, streams, stops, preemption, refusals)."""
     prompt, plain, _ = sea
     ids, perf = generate(server, prompt, SEA_TOKENS, model=DRAFT_TARGET)
     assert ids == plain

@@ -107,12 +107,13 @@ def _copy_model(repo: Path, source: str, name: str, config_text: str) -> None:
 
 
 @contextmanager
-def running_unary_server(engine_dir: str, work: Path):
+def running_unary_server(engine_dir: str, work: Path, draft_target: bool = True):
     """The five-model repository non-decoupled (one response per request, as end_to_end_test.py,
     benchmark_core_model.py and e2e_grpc_speculative_decoding_client.py need), the BLS naming
-    DRAFT_MODEL as its draft model, plus two copies of tensorrt_llm on the same engine: DRAFT_MODEL
-    (decoding_mode ngram) and DRAFT_TARGET_MODEL (decoding_mode draft_target, the engine as its own
-    draft model); served on free ports (conftest.unary_server)."""
+    DRAFT_MODEL as its draft model, plus copies of tensorrt_llm on the same engine: DRAFT_MODEL
+    (decoding_mode ngram) and, with ``draft_target``, DRAFT_TARGET_MODEL (decoding_mode draft_target, the
+    engine as its own draft model: an engine process holding the model twice); served on free ports
+    (conftest.unary_server)."""
     serve = load_script("serve_default")
     # No guides and no adapters here: the three engine processes start without xgrammar's vocabulary
     # (~1.3 CPU-s each) and LoRA slots.
@@ -123,9 +124,11 @@ def running_unary_server(engine_dir: str, work: Path):
     # the copies: the template filled like tensorrt_llm's, with their decoding modes
     template = serve.model_templates_dir() / "tensorrt_llm" / "config.pbtxt"
     base = {**serve.default_substitutions(os.path.abspath(engine_dir), decoupled=False)["tensorrt_llm"], **unused}
-    for name, values in ((DRAFT_MODEL, {"decoding_mode": "ngram", "max_draft_len": "4", "max_matching_ngram_size": "3"}),
-                         (DRAFT_TARGET_MODEL, {"decoding_mode": "draft_target", "max_draft_len": "4",
-                                               "draft_engine_dir": os.path.abspath(engine_dir)})):
+    copies = [(DRAFT_MODEL, {"decoding_mode": "ngram", "max_draft_len": "4", "max_matching_ngram_size": "3"})]
+    if draft_target:
+        copies.append((DRAFT_TARGET_MODEL, {"decoding_mode": "draft_target", "max_draft_len": "4",
+                                            "draft_engine_dir": os.path.abspath(engine_dir)}))
+    for name, values in copies:
         pairs = ",".join(f"{k}:{serve._escape(v)}" for k, v in {**base, **values}.items())
         _copy_model(repo, "tensorrt_llm", name, serve.fill_template(template.read_text(), pairs, str(template)))
     with serving_repository(repo, work) as running:
