@@ -158,7 +158,7 @@ def write_language_engine(config, args, max_batch_size: int) -> str:
     root = tempfile.mkdtemp(prefix="bench-qwen2_5_vl-")
     atexit.register(shutil.rmtree, root, ignore_errors=True)  # (as benchmarks/common.py's config-only engines)
     build = BuildConfig(dtype=args.dtype, max_batch_size=max_batch_size, max_input_len=1024, max_seq_len=2048,
-                        max_num_tokens=args.max_num_tokens, tokens_per_block=32)
+                        max_num_tokens=args.max_num_tokens, tokens_per_block=32, quantization=args.quantization)
     model = model_config_from_hf(qwen2_vl.text_config(config))
     # "vision_encoder": what engine.build writes for a vision-language checkpoint (the runner captures the
     # prefill graphs' table twins for it, engine/executor/table_graphs.py); the tower here is the bench's own
@@ -901,6 +901,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-batch-size", type=int, default=None,
                    help="the language engine's max batch (default: --requests, one wave; fewer: waves, so later "
                         "requests' tower forwards overlap earlier ones' decode steps, as in steady serving)")
+    p.add_argument("--quantization", choices=["fp8"], default=None,
+                   help="the language engine's linear weights in FP8 (random weights quantized at load, as "
+                        "engine_bench's); the text-only baseline uses the same engine, the tower stays as chosen")
     p.add_argument("--max-num-tokens", type=int, default=8192)
     p.add_argument("--kv-fraction", type=float, default=0.8, help="kv_cache_free_gpu_mem_fraction of the executor")
     p.add_argument("--profile-dir", default=None, help="write the tower's torch-profiler tables and a cProfile "
