@@ -3,7 +3,7 @@
 A Python-backend send is a synchronous round trip to the server and a stub must send from one
 thread only (serving/shared_engine.py says why), so `tensorrt_llm` scales its relay with model
 instances that share one engine. This server runs two (and, in an engine process of its own, a copy
-with stream_interval=4 behind a copy of the ensemble). What must hold: a client that keeps up
+with stream_interval=4 behind a copy of the ensemble, where that `extended` test runs). What must hold: a client that keeps up
 gets one response per token (no coalescing), every stream arrives whole whichever instance holds
 it, and a stop, or a hang-up reported by postprocessing, reaches the instance that holds the
 request.
@@ -49,12 +49,18 @@ def add_interval_models(repo) -> None:
     config.write_text(text)
 
 
+# The stream-interval test (`extended`): its models are in the repository only where it runs.
+INTERVAL_TEST = "test_stream_interval_groups_tokens_and_the_text_stays_whole"
+
+
 @pytest.fixture(scope="module")
-def two_instance_server(smollm2_engine_dir, tmp_path_factory):
+def two_instance_server(smollm2_engine_dir, tmp_path_factory, request):
     """tensorrt_llm with two instances sharing one engine process; beside them (a second engine
-    process) the stream-interval models, so that test needs no server of its own."""
-    with running_server(smollm2_engine_dir, tmp_path_factory.mktemp("triton_2x"),
-                        tensorrt_llm_instances=2, add_models=add_interval_models) as server:
+    process), where INTERVAL_TEST runs, the stream-interval models, so that test needs no server of its own."""
+    interval = any(item.originalname == INTERVAL_TEST and getattr(item, "path", None) == request.node.path
+                   for item in request.session.items)
+    with running_server(smollm2_engine_dir, tmp_path_factory.mktemp("triton_2x"), tensorrt_llm_instances=2,
+                        add_models=add_interval_models if interval else None) as server:
         yield server
 
 
@@ -122,7 +128,10 @@ def tokens_per_response(server, max_tokens: int, model: str = "tensorrt_llm") ->
     return [int(r.as_numpy("sequence_length").reshape(-1)[0]) for r, _, _ in items]
 
 
-@pytest.mark.parametrize("server_name", ["triton_server", "two_instance_server"])
+# One instance (the session's server) is `extended` since 2026-12-01: the relay is the same code with one
+# instance or two, and test_grpc_stream.py's incremental test holds one instance's streams to >= 5 pieces.
+@pytest.mark.parametrize("server_name", [pytest.param("triton_server", marks=pytest.mark.extended),
+                                         "two_instance_server"])
 def test_one_response_per_token_when_the_client_keeps_up(server_name, request):
     server = request.getfixturevalue(server_name)  # one instance, or two sharing the engine
     # tensorrt_llm itself: every response but the (empty or last-token) final one carries one token.
@@ -143,10 +152,15 @@ def test_one_response_per_token_when_the_client_keeps_up(server_name, request):
     assert tokens - 1 <= responses <= tokens + 1  # one per token, and perhaps an empty final one
 
 
+@pytest.mark.extended
 def test_stream_interval_groups_tokens_and_the_text_stays_whole(two_instance_server):
     """stream_interval=4 (INTERVAL_LLM): the first token alone (time to first token is kept), then
     responses of at least 4 tokens (more only if the relay fell behind), the rest in the last one;
-    the ensemble's streamed text is the same answer. 10 tokens: 1, 4, 4 and a rest of 1 (was 18)."""
+    the ensemble's streamed text is the same answer. 10 tokens: 1, 4, 4 and a rest of 1 (was 18).
+    `extended` since 2026-12-01 (an engine process of its own and a stub in the server's start): in `make
+    test`, tests/executor/test_executor_api.py holds the executor's stream_interval (the first token at once,
+    then every n, a stop between sends) and tests/serving/test_executor_settings_and_bls.py the model's
+    parameter to the executor's setting; the relay sends what the executor gives, as the other tests check."""
     per_response = [n for n in tokens_per_response(two_instance_server, 10, INTERVAL_LLM) if n]  # (an empty final)
     assert sum(per_response) == 10 and per_response[0] == 1, per_response
     assert all(n >= 4 for n in per_response[1:-1]) and len(per_response) <= 4, per_response
@@ -201,8 +215,9 @@ def test_a_killed_shared_engine_fails_every_call_at_once_and_the_model_comes_bac
     from triton_helpers import wait_for
 
     server = two_instance_server
+    interval_engines = len(engine_pids(server.pid)) - 1  # the interval model's (where it is served)
     kill_the_engine_under_load(server, lambda: llm_engine_pids(server), ready_within_s=90, signal_named=False)
-    assert len(engine_pids(server.pid)) == 2, process_tree(server.pid)  # the interval model's kept running
+    assert len(engine_pids(server.pid)) == 1 + interval_engines, process_tree(server.pid)  # the other kept running
     # (With two instances the old version's last instance may finish unloading just after the new
     # one is ready, and Triton then reloads the ensemble: wait for the first answer.)
     assert wait_for(lambda: answers(server), timeout=30, interval=0.5) == ANSWER
