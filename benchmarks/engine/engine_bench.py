@@ -683,6 +683,11 @@ def bench_executor_decode(executor, vocab: int, batch: int, prompt_len: int = 12
         row["graph_replays"] = {str(bucket): count for bucket, count in sorted(graphs.replays.items())}
     if profiled is not None:
         row["profile"] = profiled
+    if executor.runner.device.type == "cuda":  # the step's parts alone, beside its period in the timeline
+        try:  # (a diagnostic: a runner it does not know must not cost the run its figures)
+            row["step_parts"] = decode_step_parts(executor.runner, min(batch, executor.max_batch_size))
+        except Exception as error:
+            row["step_parts_error"] = repr(error)[:300]
     return row
 
 
@@ -701,7 +706,8 @@ def executor_decode_line(row: dict) -> str:
                 f"{t.get('graph_steps', 0)}/{t['steps']} steps replayed a graph")
     return (f"[executor_decode] batch {row['batch']}: {row['decode_tok_s']:,.1f} decode tok/s; before the profiler "
             f"window{' (CUPTI attached earlier)' if row.get('cupti_attached') else ''}: {part(row.get('timeline'))}; "
-            f"after: {part(row.get('timeline_after_profile'))}; graph replays by bucket {row.get('graph_replays')}")
+            f"after: {part(row.get('timeline_after_profile'))}; graph replays by bucket {row.get('graph_replays')}"
+            f"{decode_step_parts_text(row.get('step_parts'))}")
 
 
 def iteration_breakdown(executor, since_ns: int) -> dict:
@@ -730,7 +736,69 @@ def iteration_breakdown(executor, since_ns: int) -> dict:
         # forever: encdec_bench --tp 2 hung here on the H200s, 2026-11-30; tp_bench.py step_periods skips it too)
         if graphs is not None and widest <= graphs.max_batch_size and executor.runner.build_config.tp_size == 1:
             out["decode_graph_replay_ms"] = cuda_time_ms(graphs.graphs[graphs.bucket_for(widest)].replay, repeat=10)
+            try:  # (a diagnostic: a runner it does not know must not cost the run its figures)
+                out["decode_step_parts"] = decode_step_parts(executor.runner, widest)
+            except Exception as error:
+                out["decode_step_parts_error"] = repr(error)[:300]
     return out
+
+
+# decode_step_parts: back-to-back replays of the graph, at most this many and ~SUSTAINED_MS of device time
+SUSTAINED_REPLAYS, SUSTAINED_MS = 200, 1500.0
+
+
+def decode_step_parts(runner, rows: int) -> dict | None:
+    """A decode step of ``rows`` sequences on the device, part by part, each timed alone with CUDA events (ms), to
+    split the executor's step period (step_timeline, iteration_breakdown) into its graph and what runs outside it:
+    ``graph_ms``: its bucket's replay, median of 10 (as decode_graph_replay_ms); ``graph_sustained_ms``: the mean of
+    ``sustained_replays`` back to back, ~SUSTAINED_MS in all (a compute-bound batch may run at lower clocks under a
+    sustained load);
+    ``lm_head_ms``: the float32 logits of the graph's ``rows`` hidden rows (runner._logits, outside the graph);
+    ``argmax_ms``: the greedy tokens of those logits (kernels/sampling.greedy_tokens, the sampler's greedy path);
+    ``logits_mb``: those logits' size; ``sm_clock_mhz``: the SM clock after the short and the sustained replays (NVML
+    through torch, where it is installed). None off CUDA, for tensor-parallel ranks (their graphs all-reduce) and
+    where no decode graph holds ``rows``. The graph's inputs are those of its last replay in the run."""
+    from kernels.sampling import greedy_tokens
+
+    graphs = getattr(runner, "decode_graphs", None)
+    if graphs is None or runner.build_config.tp_size != 1 or not 0 < rows <= graphs.max_batch_size:
+        return None
+    bucket = graphs.bucket_for(rows)
+    graph, hidden = graphs.graphs[bucket], graphs.hidden[bucket][:rows]
+
+    def clock() -> int | None:
+        try:
+            return torch.cuda.clock_rate(runner.device)
+        except Exception:  # (no pynvml on the machine)
+            return None
+
+    parts = {"rows": rows, "bucket": bucket, "graph_ms": cuda_time_ms(graph.replay, repeat=10)}
+    clocks, replays = [clock()], max(10, min(SUSTAINED_REPLAYS, int(SUSTAINED_MS / max(parts["graph_ms"], 1e-3))))
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    parts["graph_sustained_ms"], parts["sustained_replays"] = start.elapsed_time(end) / replays, replays
+    clocks.append(clock())
+    with torch.inference_mode():
+        logits = runner._logits(hidden)
+        parts["lm_head_ms"] = cuda_time_ms(lambda: runner._logits(hidden), repeat=10)
+        parts["argmax_ms"] = cuda_time_ms(lambda: greedy_tokens(logits), repeat=10)
+    parts["logits_mb"] = logits.numel() * logits.element_size() / 1e6
+    parts["sm_clock_mhz"] = clocks
+    return parts
+
+
+def decode_step_parts_text(parts: dict | None) -> str:
+    """decode_step_parts as one clause of a results line ("" without them)."""
+    if not parts:
+        return ""
+    return (f"; alone at {parts['rows']} rows (bucket {parts['bucket']}): graph {parts['graph_ms']:.3f} ms "
+            f"({parts['graph_sustained_ms']:.3f} over {parts['sustained_replays']} back to back, SM clock "
+            f"{parts['sm_clock_mhz'][0]} -> {parts['sm_clock_mhz'][1]} MHz), LM head {parts['lm_head_ms']:.3f} ms "
+            f"({parts['logits_mb']:.0f} MB of float32 logits), argmax {parts['argmax_ms']:.3f} ms")
 
 
 def profile_executor_loop(executor):
@@ -973,7 +1041,8 @@ def markdown(results: dict) -> str:
             lines.append(f"| ... where the time went | {row['context_seconds']:.2f} s in {row['context_iterations']} "
                          f"prefill-carrying steps, {row['decode_seconds']:.2f} s in {row['decode_iterations']} decode-only; "
                          f"decode step at batch {row['decode_batch']}: {row['decode_step_ms_median']:.1f} ms "
-                         f"(graph alone {row.get('decode_graph_replay_ms', float('nan')):.1f} ms) | |")
+                         f"(graph alone {row.get('decode_graph_replay_ms', float('nan')):.1f} ms)"
+                         f"{decode_step_parts_text(row.get('decode_step_parts'))} | |")
     kv = results.get("kv_cache")
     if kv:
         lines.append(f"| executor KV pool ({kv['dtype']}) | {kv['blocks']:,} blocks of {kv['tokens_per_block']} tokens "
@@ -1006,6 +1075,7 @@ def markdown(results: dict) -> str:
         if "idle_ms_per_step" in p:
             steps += (f"; profiler over {p['steps']} steps: GPU idle {p['idle_ms_per_step']:.3f} ms per step "
                       f"(busy {p['busy_ms_per_step']:.3f} ms)")
+        steps += decode_step_parts_text(row.get("step_parts"))
         sampled = f", temperature {row['temperature']:g}, top-p {row['top_p']:g}" if row.get("temperature") else ""
         lines.append(f"| executor decode, {row['batch']} request(s) at once, {row['prompt_len']}/{row['output_len']}{sampled} "
                      f"(overlap {'on' if results.get('overlap_scheduler', True) else 'off'}) | "
@@ -1081,6 +1151,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="input x output x requests, comma-separated")
     parser.add_argument("--executor-decode-batches", default="1,64,512",
                         help="batch sizes of the executor_decode section (comma-separated)")
+    parser.add_argument("--executor-decode-profile-seconds", type=float, default=0.5,
+                        help="executor_decode: a torch.profiler window this long in each batch's steady decode (0: "
+                             "none; the window leaves CUPTI attached to the process, which slows what runs after it)")
     parser.add_argument("--executor-decode-temperature", type=float, default=0.0,
                         help="executor_decode: > 0 makes every request sample at this temperature (0: greedy)")
     parser.add_argument("--executor-decode-top-p", type=float, default=1.0,
@@ -1174,7 +1247,8 @@ class SectionRunner:
         rows = []
         for batch in [int(b) for b in self.args.executor_decode_batches.split(",") if b]:
             rows.append(bench_executor_decode(self._started_executor(), self.model_cfg.vocab_size, batch,
-                                              profile_seconds=0.5, temperature=self.args.executor_decode_temperature,
+                                              profile_seconds=self.args.executor_decode_profile_seconds,
+                                              temperature=self.args.executor_decode_temperature,
                                               top_p=self.args.executor_decode_top_p))
             print(executor_decode_line(rows[-1]), file=sys.stderr, flush=True)  # (a run cut short keeps it)
         self.results["executor_decode"] = rows

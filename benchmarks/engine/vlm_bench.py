@@ -61,7 +61,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: en
 
 from benchmarks.common import (command_line, environment_set, free_device_memory, git_commit,  # noqa: E402
                                machine_summary, print_table, sync, timed_generate, utc_now)
-from benchmarks.engine.engine_bench import drain_offline, iteration_breakdown, profile_executor_loop  # noqa: E402
+from benchmarks.engine.engine_bench import (decode_step_parts_text, drain_offline, iteration_breakdown,  # noqa: E402
+                                            profile_executor_loop)
 from benchmarks.engine.gc_pauses import GcPauses  # noqa: E402
 from benchmarks.engine.vlm_timeline import LoopTimeline  # noqa: E402
 from benchmarks.sync_watch import SyncWatch  # noqa: E402
@@ -805,6 +806,7 @@ def markdown(results: dict) -> str:
             step = (f"; decode-only iterations at batch {it['decode_batch']}: {it['decode_step_ms_median']:.2f} ms median"
                     if "decode_batch" in it else "")
             replay = f" (its graph's replay {it['decode_graph_replay_ms']:.2f} ms)" if "decode_graph_replay_ms" in it else ""
+            replay += decode_step_parts_text(it.get("decode_step_parts"))
             extra = (f"tower + tables to the host {o[kind]['encode_and_enqueue_seconds']:.2f} s in batches of "
                      f"{o['encode_batch']}; " if "encode_and_enqueue_seconds" in o[kind] else "")
             if "tables_ready_s" in o[kind]:
