@@ -12,7 +12,9 @@ Weights, per rank: q/k/v fused as the Llama family's, each head's dims de-interl
 rope rotates pairs (2i, 2i + 1); q and k of every layer are permuted alike, which leaves q . k, the
 weightless per-head norm and the NoPE layers unchanged); experts as the checkpoint holds them,
 ``gate_up_proj`` (E, hidden, 2I) [gate | up] and ``down_proj`` (E, I, hidden), transposed to the
-engine's (E, 2I_r, hidden) and (E, hidden, I_r); the shared expert fused and split like a dense MLP.
+engine's (E, 2I_r, hidden) and (E, hidden, I_r), or per expert (``experts.{e}.gate_proj.weight`` ...:
+compressed-tensors FP8 checkpoints, whose codes and per-row scales engine/fp8_checkpoint.py carries
+through this same conversion) stacked; the shared expert fused and split like a dense MLP.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ import torch
 
 from engine.config import ModelConfig
 from engine.convert_deepseek import deinterleaved_rope_rows, gate_up_down
-from engine.hf_checkpoint import TensorGetter, decoder_shape, read_rope, shard
+from engine.hf_checkpoint import TensorGetter, decoder_shape, has_tensor, read_rope, shard
 
 
 def llama4_config_from_hf(c, architecture: str) -> ModelConfig:
@@ -66,11 +68,25 @@ def llama4_rank_weights(get: TensorGetter, cfg: ModelConfig, rank: int, tp_size:
             yield from gate_up_down(get, ff, out, rank, tp_size)
             continue
         yield out + "moe.router.weight", get(ff + "router.weight")
-        gate, up = get(ff + "experts.gate_up_proj").transpose(1, 2).chunk(2, dim=1)  # (E, I, hidden) each
+        gate, up, down = _experts(get, ff, cfg.num_experts)
         yield out + "moe.gate_up_proj", torch.cat([shard(gate, 1, rank, tp_size), shard(up, 1, rank, tp_size)], dim=1)
-        yield out + "moe.down_proj", shard(get(ff + "experts.down_proj").transpose(1, 2), 2, rank, tp_size)
+        yield out + "moe.down_proj", shard(down, 2, rank, tp_size)
         yield from gate_up_down(get, ff + "shared_expert.", out + "moe.shared_", rank, tp_size)
     yield "norm.weight", get("model.norm.weight")
     if not cfg.tie_word_embeddings:
         yield "lm_head.weight", shard(get("lm_head.weight"), 0, rank, tp_size)
 
+
+
+def _experts(get: TensorGetter, ff: str, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """gate (E, I, hidden), up (E, I, hidden), down (E, hidden, I) of one MoE layer, from either layout:
+    per-expert Linears ``experts.{e}.gate_proj.weight`` (I, hidden) ... (the compressed-tensors FP8 checkpoints,
+    Meta's Maverick FP8 among them, whose quantizer sees each expert as Linears: transformers'
+    SequentialLlama4TextExperts), or the stacked ``experts.gate_up_proj`` (E, hidden, 2I) [gate | up] and
+    ``experts.down_proj`` (E, I, hidden). The per-expert names are probed first: engine/fp8_checkpoint.py's
+    stand-in getters answer for ``.weight`` names only as the checkpoint does."""
+    if has_tensor(get, ff + "experts.0.gate_proj.weight"):
+        return tuple(torch.stack([get(ff + f"experts.{e}.{p}_proj.weight") for e in range(num_experts)])
+                     for p in ("gate", "up", "down"))
+    gate, up = get(ff + "experts.gate_up_proj").transpose(1, 2).chunk(2, dim=1)
+    return gate, up, get(ff + "experts.down_proj").transpose(1, 2)

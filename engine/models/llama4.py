@@ -23,21 +23,36 @@ the layer's one all-reduce. Weights per rank beyond the Llama block's (engine-di
 ``moe.router.weight`` (E, hidden), ``moe.gate_up_proj`` (E, 2 I_r, hidden), ``moe.down_proj``
 (E, hidden, I_r), ``moe.shared_gate_up_proj.weight``, ``moe.shared_down_proj.weight``. q and k heads
 are stored with their dims de-interleaved (engine/convert_llama4.py).
+
+FP8 (``quantization`` "fp8" or "fp8_block", engine/models/moe.py's schemes): the attention and dense
+MLP linears and the shared expert are FP8 Linears (engine/models/layers.py), the routed experts FP8
+stacks with ``moe.gate_up_proj_scale`` (E, 2 I_r) / ``moe.down_proj_scale`` (E, hidden) per channel, or
+per 128 x 128 block (E, ceil(2 I_r / 128), ceil(hidden / 128)) / (E, ceil(hidden / 128), ceil(I_r / 128)),
+run by kernels/fused_moe_fp8.py; the router stays in the model dtype (its top-1 choice is discrete: a
+rounding there would send tokens to other experts; FP8 checkpoints leave it unquantized too). The sigmoid
+score scales each routed row before the experts quantize it, as in the model dtype. Decode steps of the token counts the
+runner's load-time choice marked (decode_experts, kernels/moe_gemv_choice.py) take kernels/moe_gemv.py's
+two GEMV launches instead of the grouped kernels, in either dtype.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from engine.config import ConfigError, ModelConfig
+from engine.config import FP8_QUANTIZATIONS, ConfigError, ModelConfig
 from engine.models.layers import Linear, qkv_heads, tp_all_reduce
 from engine.models.llama import LlamaForCausalLM
 from engine.models.moe import MoeLayer
+from kernels._triton import use_triton
 from kernels.activation import silu_and_mul
 from kernels.attention import paged_attention, write_kv_cache
 from kernels.attention_metadata import AttentionMetadata
 from kernels.chunked_attention import chunked_attention
+from kernels.fp8 import FP8_DTYPE
+from kernels.fp8_block import blocks
 from kernels.fused_moe import fused_moe
+from kernels.fused_moe_fp8 import fused_moe_fp8
+from kernels.moe_gemv import GemvExperts, gemv_tiles, moe_gemv_triton
 from kernels.rotary import apply_rotary
 
 
@@ -46,20 +61,27 @@ def _parameter(*shape: int, dtype: torch.dtype, device) -> nn.Parameter:
 
 
 class Llama4Experts(nn.Module):
-    """Router, routed experts (input-scaled) and the shared expert of one MoE layer, for one rank."""
+    """Router, routed experts (input-scaled) and the shared expert of one MoE layer, for one rank.
+    ``fp8``: None (the model dtype), "fp8" or "fp8_block" (module docstring)."""
 
-    def __init__(self, config: ModelConfig, *, tp_size: int, tp_group, dtype, device):
+    def __init__(self, config: ModelConfig, *, tp_size: int, tp_group, dtype, device, fp8: str | None = None):
         super().__init__()
         hidden, experts = config.hidden_size, config.num_experts
         inter_local = config.moe_intermediate_size // tp_size
         self.top_k = config.num_experts_per_tok
         self.tp_group = tp_group
-        self.router = Linear(hidden, experts, bias=False, dtype=dtype, device=device)
-        self.gate_up_proj = _parameter(experts, 2 * inter_local, hidden, dtype=dtype, device=device)
-        self.down_proj = _parameter(experts, hidden, inter_local, dtype=dtype, device=device)
+        self.dtype = dtype
+        self.router = Linear(hidden, experts, bias=False, dtype=dtype, device=device)  # model dtype in every scheme
+        for name, (rows, cols) in {"gate_up_proj": (2 * inter_local, hidden), "down_proj": (hidden, inter_local)}.items():
+            setattr(self, name, _parameter(experts, rows, cols, dtype=FP8_DTYPE if fp8 else dtype, device=device))
+            if fp8 is not None:
+                scale = (rows,) if fp8 == "fp8" else (blocks(rows), blocks(cols))
+                setattr(self, name + "_scale", _parameter(experts, *scale, dtype=torch.float32, device=device))
         shared_local = config.n_shared_experts * config.moe_intermediate_size // tp_size
-        self.shared_gate_up_proj = Linear(hidden, 2 * shared_local, bias=False, dtype=dtype, device=device)
-        self.shared_down_proj = Linear(shared_local, hidden, bias=False, dtype=dtype, device=device)  # partial sum
+        self.shared_gate_up_proj = Linear(hidden, 2 * shared_local, bias=False, dtype=dtype, device=device,
+                                          quantization=fp8)
+        self.shared_down_proj = Linear(shared_local, hidden, bias=False, dtype=dtype, device=device,
+                                       quantization=fp8)  # partial sum
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (T, hidden) -> (T, hidden), all-reduced over ranks."""
@@ -67,11 +89,31 @@ class Llama4Experts(nn.Module):
         top_logits, ids = self.router(x).topk(self.top_k, dim=-1)
         scores = torch.sigmoid(top_logits.float()).to(x.dtype)  # (T, K), transformers' rounding
         routed_in = (x[:, None, :] * scores[..., None]).reshape(-1, hidden)  # (T * K, hidden): row t*K + k
-        ones = torch.ones(routed_in.shape[0], 1, dtype=torch.float32, device=x.device)
-        routed = fused_moe(routed_in, self.gate_up_proj, self.down_proj, ones, ids.reshape(-1, 1).to(torch.int32))
+        routed = self.routed_experts(routed_in, ids.reshape(-1, 1).to(torch.int32))
         out = routed.view(num_tokens, self.top_k, hidden).sum(dim=1)
         out = out + self.shared_down_proj(silu_and_mul(self.shared_gate_up_proj(x)))
         return out if self.tp_group is None else tp_all_reduce(out, self.tp_group)
+
+    def routed_experts(self, rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """rows (R, hidden), each for the one expert of ids (R, 1) with weight 1 -> (R, hidden): the GEMV pair at
+        the row counts the load-time choice marked on gate_up (decode steps), else the grouped kernels."""
+        fp8 = self.gate_up_proj.dtype == FP8_DTYPE
+        scales = dict(gate_up_scale=self.gate_up_proj_scale, down_scale=self.down_proj_scale) if fp8 else {}
+        ones = torch.ones(rows.shape[0], 1, dtype=torch.float32, device=rows.device)
+        if use_triton(rows) and (tiles := gemv_tiles(self.gate_up_proj, rows.shape[0])) is not None:
+            return moe_gemv_triton(rows, self.gate_up_proj, self.down_proj, top_k=1, topk_weights=ones, topk_ids=ids,
+                                   tiles=tiles, **scales)
+        if fp8:
+            return fused_moe_fp8(rows, self.gate_up_proj, self.gate_up_proj_scale, self.down_proj,
+                                 self.down_proj_scale, ones, ids)
+        return fused_moe(rows, self.gate_up_proj, self.down_proj, ones, ids)
+
+    def gemv_experts(self) -> GemvExperts:
+        """These experts as the runner's decode choice times them: one expert a row (the rows are the T * K
+        input-scaled copies routed_experts receives)."""
+        fp8 = self.gate_up_proj.dtype == FP8_DTYPE
+        return GemvExperts(self.gate_up_proj, self.down_proj, 1, self.dtype,
+                           self.gate_up_proj_scale if fp8 else None, self.down_proj_scale if fp8 else None)
 
 
 class Llama4Layer(MoeLayer):
@@ -92,7 +134,8 @@ class Llama4Layer(MoeLayer):
             super()._init_mlp(config, tp_size=tp_size, tp_group=tp_group, dtype=dtype, device=device,
                               quantization=quantization)
             return
-        self.moe = Llama4Experts(config, tp_size=tp_size, tp_group=tp_group, dtype=dtype, device=device)
+        fp8 = quantization if quantization in FP8_QUANTIZATIONS else None
+        self.moe = Llama4Experts(config, tp_size=tp_size, tp_group=tp_group, dtype=dtype, device=device, fp8=fp8)
 
     def _l2_normed(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
@@ -118,7 +161,8 @@ class Llama4Layer(MoeLayer):
 
 
 class Llama4ForCausalLM(LlamaForCausalLM):
-    """Llama 4 text for one tensor-parallel rank; weights in the model dtype."""
+    """Llama 4 text for one tensor-parallel rank; weights in the model dtype, or ``quantization`` "fp8" /
+    "fp8_block" (module docstring)."""
 
     layer_class = Llama4Layer
     supports_prefill_graphs = False  # not checked against eager in a mixed-step graph yet
@@ -127,8 +171,14 @@ class Llama4ForCausalLM(LlamaForCausalLM):
     def __init__(self, config: ModelConfig, *, tp_rank: int = 0, tp_size: int = 1, tp_group=None,
                  dtype: torch.dtype = torch.float32, device=None, max_positions: int | None = None,
                  quantization=None):
-        if quantization is not None:
-            raise ConfigError(f"quantization {quantization!r} is not supported for {config.architecture} yet; "
-                              "build it in the model dtype")
+        if quantization is not None and quantization not in FP8_QUANTIZATIONS:
+            raise ConfigError(f"quantization {quantization!r} is not supported for {config.architecture}; allowed: "
+                              f"{', '.join(FP8_QUANTIZATIONS)} (FP8 linears and experts, the router in the model "
+                              "dtype) or none")
         super().__init__(config, tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group, dtype=dtype, device=device,
-                         max_positions=max_positions)
+                         max_positions=max_positions, quantization=quantization)
+
+    def decode_experts(self) -> list[GemvExperts]:
+        """Each MoE layer's routed experts for the runner's load-time choice (engine/executor/runner.py,
+        kernels/moe_decode_tiles.py): per decode row count, the grouped path or kernels/moe_gemv.py's GEMV pair."""
+        return [layer.moe.gemv_experts() for layer in self.layers if isinstance(layer.moe, Llama4Experts)]

@@ -1,0 +1,283 @@
+"""Llama 4 text in FP8 (engine/models/llama4.py): ``--quantization fp8`` / ``fp8_block`` engines of a tiny
+random Llama4ForCausalLM made by transformers at the scale of trained weights, and a compressed-tensors FP8
+checkpoint (per-channel E4M3 weights, dynamic per-token activations: Maverick's FP8 checkpoint's scheme)
+written by the compressed-tensors library with one Linear per expert, as such checkpoints hold them
+(transformers' SequentialLlama4TextExperts). On CPU (the kernels' plain-torch references), but one GPU test.
+
+The oracle of an FP8 engine is its own weights dequantized (codes x scales) in a float32 engine: the two differ
+by the run-time activation rounding only, so the bounds below are the activation rounding's, not the weights'.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+from engine.build import main as build_main
+from engine.config import ConfigError, EngineConfig
+from engine.models.llama4 import Llama4ForCausalLM
+from engine_testing import random_tokens
+from kernels.fp8 import FP8_DTYPE
+from kernels.fused_moe_fp8 import dequantize_experts
+from test_fp8_engine import all_logits, build
+
+IDS = random_tokens(24, 55)
+
+
+def llama4_of_trained_scale(seed: int = 0) -> torch.nn.Module:
+    """4 layers (MoE on 1 and 3: 4 experts of width 128, top-1, a shared expert; dense SwiGLU of width 192 on 0
+    and 2; NoPE layers 1 and 3), hidden 128: two 128-row blocks in gate_up, a partial one in the dense MLP's.
+    Weights N(0, 0.02), the spread of trained checkpoints (test_fp8_engine.llama_of_trained_scale)."""
+    config = transformers.Llama4TextConfig(
+        vocab_size=128, hidden_size=128, intermediate_size=128, intermediate_size_mlp=192, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_local_experts=4, num_experts_per_tok=1,
+        interleave_moe_layer_step=2, attention_chunk_size=8, no_rope_layer_interval=2, floor_scale=4, attn_scale=0.1,
+        max_position_embeddings=256, rms_norm_eps=1e-5)
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = transformers.Llama4ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_((1.0 if "norm" in name and name.endswith("weight") else 0.0) + 0.02 * torch.randn_like(p))
+    return model
+
+
+def dequantized_engine(engine_dir: str, out_dir: str) -> str:
+    """A float32 engine holding ``engine_dir``'s FP8 weights dequantized (every ``<name>`` with a
+    ``<name>_scale``: codes x per-row or per-block scales), its quantization cleared."""
+    os.makedirs(out_dir, exist_ok=True)
+    tensors = load_file(os.path.join(engine_dir, "rank0.safetensors"))
+    for name in [n for n in tensors if n + "_scale" in tensors]:
+        tensors[name] = dequantize_experts(tensors[name], tensors.pop(name + "_scale")).float()
+    save_file(tensors, os.path.join(out_dir, "rank0.safetensors"), metadata={"format": "pt"})
+    config = EngineConfig.load(engine_dir)
+    config.build = dataclasses.replace(config.build, quantization=None)
+    config.save(out_dir)
+    return out_dir
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    """{None | "fp8" | "fp8_block": engine dir} of the same model."""
+    root = tmp_path_factory.mktemp("llama4_fp8")
+    hf = llama4_of_trained_scale()
+    return {q: build(hf, str(root / f"engine-{q}"), q) for q in (None, "fp8", "fp8_block")}
+
+
+@pytest.mark.parametrize("quantization", ["fp8", "fp8_block"])
+def test_linears_experts_and_shared_expert_are_e4m3_and_the_router_stays(engines, quantization):
+    """Layer 1 (MoE): experts (4, 2 x 128, 128) / (4, 128, 128) with a scale per row or per 128 x 128 block,
+    the shared expert and attention FP8 Linears; layer 0's dense MLP FP8; router, norms, embedding and lm_head
+    float32 without scales."""
+    tensors = load_file(f"{engines[quantization]}/rank0.safetensors")
+    assert EngineConfig.load(engines[quantization]).build.quantization == quantization
+    expected = {"layers.1.moe.gate_up_proj": ((4, 256, 128), {"fp8": (4, 256), "fp8_block": (4, 2, 1)}),
+                "layers.1.moe.down_proj": ((4, 128, 128), {"fp8": (4, 128), "fp8_block": (4, 1, 1)}),
+                "layers.1.moe.shared_gate_up_proj.weight": ((256, 128), {"fp8": (256,), "fp8_block": (2, 1)}),
+                "layers.1.moe.shared_down_proj.weight": ((128, 128), {"fp8": (128,), "fp8_block": (1, 1)}),
+                "layers.1.qkv_proj.weight": ((256, 128), {"fp8": (256,), "fp8_block": (2, 1)}),
+                "layers.0.gate_up_proj.weight": ((384, 128), {"fp8": (384,), "fp8_block": (3, 1)}),
+                "layers.0.down_proj.weight": ((128, 192), {"fp8": (128,), "fp8_block": (1, 2)})}
+    for name, (shape, scales) in expected.items():
+        assert tensors[name].dtype == FP8_DTYPE and tuple(tensors[name].shape) == shape, name
+        scale = tensors[name + "_scale"]
+        assert scale.dtype == torch.float32 and tuple(scale.shape) == scales[quantization] and (scale > 0).all(), name
+    for name in ("layers.1.moe.router.weight", "layers.1.input_norm.weight", "embed_tokens.weight", "lm_head.weight"):
+        assert tensors[name].dtype == torch.float32 and name + "_scale" not in tensors, name
+
+
+@pytest.mark.parametrize("quantization", ["fp8", "fp8_block"])
+def test_fp8_logits_are_the_dequantized_weights_within_activation_rounding(engines, quantization, tmp_path):
+    """Against the float32 engine of the same FP8 weights dequantized: only the activations' E4M3 rounding
+    (per token, or per token and 128 columns) is left. Measured over these 24 tokens, model seeds 0-2: relative
+    RMS fp8 4.7-5.1%, fp8_block 4.2-5.1%, argmax agreement 0.83-1.0 (a token whose top-1 router logits lie
+    within the rounding takes the other expert: a discrete change, as for the MoE families); bounds 6% and 0.75.
+    Against the unquantized model (weights rounded too) the MoE families' bound, 10% (measured 6.8-8.1%)."""
+    reference = all_logits(dequantized_engine(engines[quantization], str(tmp_path / "dequantized")), IDS)
+    quantized = all_logits(engines[quantization], IDS)
+    relative_rms = ((quantized - reference).norm() / reference.norm()).item()
+    assert relative_rms < 0.06, relative_rms
+    assert (quantized.argmax(-1) == reference.argmax(-1)).float().mean().item() >= 0.75
+    unquantized = all_logits(engines[None], IDS)
+    assert ((quantized - unquantized).norm() / unquantized.norm()).item() < 0.10
+
+
+def test_other_quantizations_are_refused_by_name(engines, tmp_path, capsys):
+    """Integer weight-only and SmoothQuant schemes are not Llama 4's: engine.build names the family and the ones
+    that take the scheme; the model class names what it takes."""
+    from engine.convert import model_config_from_hf
+
+    hf = llama4_of_trained_scale()
+    hf.save_pretrained(tmp_path / "ckpt")
+    args = ["--checkpoint", str(tmp_path / "ckpt"), "--output", str(tmp_path / "engine"), "--quantization", "int4_wo"]
+    assert build_main(args) == 2
+    assert "quantization int4_wo is not supported for Llama4ForCausalLM" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match=r"quantization 'int8_sq' is not supported for Llama4ForCausalLM; "
+                                          r"allowed: fp8, fp8_block"):
+        Llama4ForCausalLM(model_config_from_hf(hf.config), device="meta", quantization="int8_sq")
+
+
+def test_random_weight_engines_hold_valid_fp8_experts():
+    """Benchmark engines (engine_bench: config only, weights made at load) of Llama 4 in fp8_block: experts,
+    shared expert and attention quantized from N(0, 0.02) per block, so they dequantize to that spread."""
+    from engine.convert import model_config_from_hf
+    from engine.executor.random_weights import materialize_random_weights
+
+    cfg = model_config_from_hf(llama4_of_trained_scale().config)
+    model = materialize_random_weights(Llama4ForCausalLM(cfg, device="meta", quantization="fp8_block"),
+                                       torch.device("cpu"), seed=0)
+    moe = model.layers[1].moe
+    for weight, scale in ((moe.gate_up_proj, moe.gate_up_proj_scale), (moe.down_proj, moe.down_proj_scale),
+                          (moe.shared_gate_up_proj.weight, moe.shared_gate_up_proj.weight_scale),
+                          (model.layers[1].qkv_proj.weight, model.layers[1].qkv_proj.weight_scale)):
+        assert weight.dtype == FP8_DTYPE and (scale > 0).all()
+        assert 0.017 < dequantize_experts(weight, scale).std().item() < 0.023
+    assert moe.router.weight.dtype == torch.float32
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("quantization", ["fp8", "fp8_block"])
+def test_fp8_engine_on_cuda_with_decode_graphs(engines, quantization, tmp_path):
+    """bf16 FP8 engine on CUDA (the FP8 grouped expert kernels, or the GEMV pair where the load-time choice
+    marked it, inside the decode graphs; chunked attention; a packed mixed step) against the float32 FP8
+    engine on CPU: within the MoE families' CUDA bound (test_fp8_moe: bf16 adds its own rounding, 12%)."""
+    from engine.executor.runner import ModelRunner
+    from engine_testing import PagedSession
+
+    engine_dir = build(llama4_of_trained_scale(), str(tmp_path / "engine"), quantization, dtype="bfloat16")
+    reference = all_logits(engines[quantization], IDS + [7])
+    runner = ModelRunner(engine_dir, device="cuda")
+    session = PagedSession(runner, num_blocks=32)
+    runner.capture_cuda_graphs()
+    rows = list(session.step([(0, IDS[:12])])[0].float().cpu())
+    for pos in range(12, len(IDS)):
+        rows.append(session.step([(0, [IDS[pos]])])[0][0].float().cpu())
+    other = session.step([(1, IDS[:9]), (0, [7])])
+    rows.append(other[1][0].float().cpu())
+    got = torch.stack(rows)
+    assert ((got - reference).norm() / reference.norm()).item() < 0.12
+    assert ((other[0].float().cpu() - reference[:9]).norm() / reference[:9].norm()).item() < 0.12
+
+
+# ---- compressed-tensors FP8 checkpoints ----------------------------------------------------------
+
+def on_disk_experts(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's float32 tensors under a compressed-tensors checkpoint's names: transformers holds a layer's
+    experts stacked (gate_up_proj (E, H, 2I) [gate | up], down_proj (E, I, H)); its quantizer, and so the
+    checkpoint, sees one Llama4TextMLP of Linears per expert (transformers' SequentialLlama4TextExperts)."""
+    state = {}
+    for name, tensor in model.state_dict().items():
+        tensor = tensor.detach().float()
+        prefix = name.rsplit(".", 1)[0] + "."
+        if name.endswith("feed_forward.experts.gate_up_proj"):
+            inter = tensor.shape[2] // 2
+            for e in range(tensor.shape[0]):
+                state[f"{prefix}{e}.gate_proj.weight"] = tensor[e, :, :inter].T.contiguous()
+                state[f"{prefix}{e}.up_proj.weight"] = tensor[e, :, inter:].T.contiguous()
+        elif name.endswith("feed_forward.experts.down_proj"):
+            for e in range(tensor.shape[0]):
+                state[f"{prefix}{e}.down_proj.weight"] = tensor[e].T.contiguous()
+        else:
+            state[name] = tensor.clone()
+    return state
+
+
+def write_compressed_tensors_fp8(path: str, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A compressed-tensors ``float-quantized`` checkpoint of ``model``: every Linear of the decoder (attention,
+    dense MLPs, each expert, the shared expert) as E4M3 codes with a float32 scale per output channel, made by
+    the library's FloatQuantizationCompressor from our scales (max |row| / 400: values a fresh quantization by
+    the engine would move); the router and lm_head left unquantized (``ignore``). Returns the tensors written."""
+    from compressed_tensors.compressors import FloatQuantizationCompressor, ModelCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
+
+    scheme = QuantizationScheme(
+        targets=["Linear"],
+        weights=QuantizationArgs(num_bits=8, type="float", strategy="channel", symmetric=True, dynamic=False),
+        input_activations=QuantizationArgs(num_bits=8, type="float", strategy="token", symmetric=True, dynamic=True))
+    tensors = {}
+    for name, tensor in on_disk_experts(model).items():
+        module = name.removesuffix(".weight")
+        linear = name.startswith("model.layers.") and name.endswith("proj.weight")
+        if not linear:
+            tensors[name] = tensor
+            continue
+        scale = tensor.abs().amax(dim=1, keepdim=True) / 400.0
+        compressed = FloatQuantizationCompressor().compress({"weight": tensor, "weight_scale": scale}, scheme)
+        tensors.update({f"{module}.{key}": value for key, value in compressed.items()})
+    os.makedirs(path, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(path, "model.safetensors"))
+    model.config.to_json_file(os.path.join(path, "config.json"))
+    config = QuantizationConfig(config_groups={"group_0": scheme}, format="float-quantized",
+                                quantization_status="compressed", ignore=["lm_head", "re:.*router"])
+    ModelCompressor(quantization_config=config).update_config(path)
+    return tensors
+
+
+@pytest.fixture(scope="module")
+def compressed_checkpoint(tmp_path_factory):
+    """(checkpoint dir, tensors written, engine dir built from it with no quantization flag)."""
+    root = tmp_path_factory.mktemp("llama4_ct")
+    tensors = write_compressed_tensors_fp8(str(root / "ckpt"), llama4_of_trained_scale(seed=1))
+    assert build_main(["--checkpoint", str(root / "ckpt"), "--output", str(root / "engine"), "--dtype", "float32",
+                       "--max_batch_size", "4", "--max_input_len", "64", "--max_seq_len", "64",
+                       "--max_num_tokens", "64", "--tokens_per_block", "4"]) == 0
+    return str(root / "ckpt"), tensors, str(root / "engine")
+
+
+def test_compressed_tensors_checkpoint_codes_and_scales_reach_the_engine_exactly(compressed_checkpoint):
+    """No flag given: the checkpoint's scheme builds an ``fp8`` engine whose experts are the checkpoint's
+    per-expert codes stacked, their scales beside them, gate rows above up rows; the shared expert and o_proj
+    likewise; the router the checkpoint's float32."""
+    _, tensors, engine_dir = compressed_checkpoint
+    assert EngineConfig.load(engine_dir).build.quantization == "fp8"
+    engine = load_file(f"{engine_dir}/rank0.safetensors")
+    ff = "model.layers.1.feed_forward."
+    stacked = {p: torch.stack([tensors[f"{ff}experts.{e}.{p}_proj.weight"] for e in range(4)]) for p in
+               ("gate", "up", "down")}
+    scales = {p: torch.stack([tensors[f"{ff}experts.{e}.{p}_proj.weight_scale"][:, 0] for e in range(4)]) for p in
+              ("gate", "up", "down")}
+
+    def same_codes(a: torch.Tensor, b: torch.Tensor) -> bool:
+        return a.dtype == b.dtype == FP8_DTYPE and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+    assert same_codes(engine["layers.1.moe.gate_up_proj"], torch.cat([stacked["gate"], stacked["up"]], dim=1))
+    assert torch.equal(engine["layers.1.moe.gate_up_proj_scale"], torch.cat([scales["gate"], scales["up"]], dim=1))
+    assert same_codes(engine["layers.1.moe.down_proj"], stacked["down"])
+    assert torch.equal(engine["layers.1.moe.down_proj_scale"], scales["down"])
+    shared = [tensors[f"{ff}shared_expert.{p}_proj.weight"] for p in ("gate", "up")]
+    assert same_codes(engine["layers.1.moe.shared_gate_up_proj.weight"], torch.cat(shared))
+    assert same_codes(engine["layers.1.o_proj.weight"], tensors["model.layers.1.self_attn.o_proj.weight"])
+    assert torch.equal(engine["layers.1.moe.router.weight"], tensors[ff + "router.weight"])
+
+
+def test_compressed_tensors_checkpoint_logits_are_transformers_decompressed_model_within_activation_rounding(
+        compressed_checkpoint):
+    """transformers loads the checkpoint through its compressed-tensors quantizer, decompressed (its experts
+    as per-expert Linears of codes x scales): the engine's logits differ from it by the activations' per-token
+    rounding only (measured over model seeds 0-2: 4.4-5.4%, argmax agreement 0.92-0.96; bounds 8% and 0.75,
+    the bounds of the test above with room for the routing's discrete changes)."""
+    checkpoint, _, engine_dir = compressed_checkpoint
+    hf = transformers.Llama4ForCausalLM.from_pretrained(
+        checkpoint, dtype=torch.float32, quantization_config=transformers.CompressedTensorsConfig(run_compressed=False))
+    with torch.no_grad():
+        reference = hf(torch.tensor([IDS])).logits[0]
+    engine = all_logits(engine_dir, IDS)
+    relative_rms = ((engine - reference).norm() / reference.norm()).item()
+    assert relative_rms < 0.08, relative_rms
+    assert (engine.argmax(-1) == reference.argmax(-1)).float().mean().item() >= 0.75
+
+
+def test_compressed_tensors_checkpoint_refuses_block_scales(compressed_checkpoint, tmp_path, capsys):
+    """Its per-channel codes built as fp8_block would be rounded again: refused, naming both schemes."""
+    checkpoint, _, _ = compressed_checkpoint
+    args = ["--checkpoint", checkpoint, "--output", str(tmp_path / "engine"), "--quantization", "fp8_block"]
+    assert build_main(args) == 2
+    assert ("holds FP8 weights (per channel), which build as --quantization fp8; --quantization fp8_block would "
+            "round them again") in capsys.readouterr().err
