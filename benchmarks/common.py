@@ -519,8 +519,8 @@ def _model_shapes() -> dict[str, dict]:
         # Llama-4-Scout (engine/models/llama4.py, as engine/convert_llama4.py reads Llama4ForCausalLM's text
         # config): 48 layers, every one MoE (16 experts of width 8192, top-1 by sigmoid, one shared expert),
         # chunked local attention (8192) on RoPE layers, every fourth layer global NoPE with temperature
-        # tuning, L2 qk norm; 109B parameters, 17B active. bf16 (218 GB) fits only two H200s (TP2), and
-        # Llama 4 FP8/INT4 weights are refused today, so one H200 runs "_12l": its first 12 layers (27B,
+        # tuning, L2 qk norm; 109B parameters, 17B active. bf16 (218 GB) fits only two H200s (TP2); one H200
+        # runs it with --quantization fp8 / fp8_block (110 GB), or "_12l" in bf16: its first 12 layers (27B,
         # 4.2B active), whose batch-1 step times scale to the whole stack by the layer count.
         "llama4_scout": dict(
             architecture="Llama4ForCausalLM", vocab_size=202048, hidden_size=5120, num_layers=48, num_heads=40,

@@ -7,8 +7,8 @@
 #     (goal >= 60%) and 128/128 offline (512 requests) through the executor;
 #  3. MTP (decoding_mode mtp) on V2-Lite + a V3-style module: batch-1 step costs at k = 1..3 and the
 #     speed-up they give at stated acceptances;
-#  4. Llama-4-Scout's first 12 layers (llama4_scout_12l, bf16; the whole model needs TP2 or FP8/INT4
-#     weights, which Llama 4 refuses today): batch-1 decode and 128/128 offline (256 requests); per-layer
+#  4. Llama-4-Scout's first 12 layers (llama4_scout_12l, bf16; the whole model needs TP2, or FP8:
+#     engine_bench --model llama4_scout --quantization fp8_block): batch-1 decode and 128/128 offline (256 requests); per-layer
 #     step time x 48/12 gives the whole stack's batch-1 figure.
 # TINY=1: the same steps on the CPU with the tiny shapes (deepseek_tiny, llama4_tiny), a smoke run.
 # Writes JSON and logs under $1; prints the tables' key rows.
