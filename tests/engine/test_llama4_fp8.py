@@ -189,11 +189,13 @@ def on_disk_experts(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return state
 
 
-def write_compressed_tensors_fp8(path: str, model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """A compressed-tensors ``float-quantized`` checkpoint of ``model``: every Linear of the decoder (attention,
-    dense MLPs, each expert, the shared expert) as E4M3 codes with a float32 scale per output channel, made by
-    the library's FloatQuantizationCompressor from our scales (max |row| / 400: values a fresh quantization by
-    the engine would move); the router and lm_head left unquantized (``ignore``). Returns the tensors written."""
+def write_compressed_tensors_fp8(path: str, model: torch.nn.Module, decoder: str = "model.layers.",
+                                 ignore: tuple[str, ...] = ("lm_head", "re:.*router")) -> dict[str, torch.Tensor]:
+    """A compressed-tensors ``float-quantized`` checkpoint of ``model``: every Linear of the decoder layers
+    (names under ``decoder``: attention, dense MLPs, each expert, the shared expert) as E4M3 codes with a float32
+    scale per output channel, made by the library's FloatQuantizationCompressor from our scales (max |row| / 400:
+    values a fresh quantization by the engine would move); the rest (the routers, lm_head, a vision tower) left
+    unquantized, as ``ignore`` says. Returns the tensors written."""
     from compressed_tensors.compressors import FloatQuantizationCompressor, ModelCompressor
     from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
 
@@ -204,7 +206,7 @@ def write_compressed_tensors_fp8(path: str, model: torch.nn.Module) -> dict[str,
     tensors = {}
     for name, tensor in on_disk_experts(model).items():
         module = name.removesuffix(".weight")
-        linear = name.startswith("model.layers.") and name.endswith("proj.weight")
+        linear = name.startswith(decoder) and name.endswith("proj.weight") and "router" not in name
         if not linear:
             tensors[name] = tensor
             continue
@@ -215,9 +217,15 @@ def write_compressed_tensors_fp8(path: str, model: torch.nn.Module) -> dict[str,
     save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(path, "model.safetensors"))
     model.config.to_json_file(os.path.join(path, "config.json"))
     config = QuantizationConfig(config_groups={"group_0": scheme}, format="float-quantized",
-                                quantization_status="compressed", ignore=["lm_head", "re:.*router"])
+                                quantization_status="compressed", ignore=list(ignore))
     ModelCompressor(quantization_config=config).update_config(path)
     return tensors
+
+
+def build_cli(checkpoint: str, output: str, *extra: str) -> int:
+    return build_main(["--checkpoint", checkpoint, "--output", output, "--dtype", "float32", "--max_batch_size", "4",
+                       "--max_input_len", "64", "--max_seq_len", "64", "--max_num_tokens", "64",
+                       "--tokens_per_block", "4", *extra])
 
 
 @pytest.fixture(scope="module")
@@ -225,10 +233,12 @@ def compressed_checkpoint(tmp_path_factory):
     """(checkpoint dir, tensors written, engine dir built from it with no quantization flag)."""
     root = tmp_path_factory.mktemp("llama4_ct")
     tensors = write_compressed_tensors_fp8(str(root / "ckpt"), llama4_of_trained_scale(seed=1))
-    assert build_main(["--checkpoint", str(root / "ckpt"), "--output", str(root / "engine"), "--dtype", "float32",
-                       "--max_batch_size", "4", "--max_input_len", "64", "--max_seq_len", "64",
-                       "--max_num_tokens", "64", "--tokens_per_block", "4"]) == 0
+    assert build_cli(str(root / "ckpt"), str(root / "engine")) == 0
     return str(root / "ckpt"), tensors, str(root / "engine")
+
+
+def same_codes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype == FP8_DTYPE and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
 def test_compressed_tensors_checkpoint_codes_and_scales_reach_the_engine_exactly(compressed_checkpoint):
@@ -244,9 +254,6 @@ def test_compressed_tensors_checkpoint_codes_and_scales_reach_the_engine_exactly
     scales = {p: torch.stack([tensors[f"{ff}experts.{e}.{p}_proj.weight_scale"][:, 0] for e in range(4)]) for p in
               ("gate", "up", "down")}
 
-    def same_codes(a: torch.Tensor, b: torch.Tensor) -> bool:
-        return a.dtype == b.dtype == FP8_DTYPE and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-
     assert same_codes(engine["layers.1.moe.gate_up_proj"], torch.cat([stacked["gate"], stacked["up"]], dim=1))
     assert torch.equal(engine["layers.1.moe.gate_up_proj_scale"], torch.cat([scales["gate"], scales["up"]], dim=1))
     assert same_codes(engine["layers.1.moe.down_proj"], stacked["down"])
@@ -257,6 +264,48 @@ def test_compressed_tensors_checkpoint_codes_and_scales_reach_the_engine_exactly
     assert torch.equal(engine["layers.1.moe.router.weight"], tensors[ff + "router.weight"])
 
 
+def test_compressed_tensors_checkpoint_splits_exactly_over_two_ranks(compressed_checkpoint, tmp_path):
+    """--tp_size 2: each rank holds its half of every expert's rows (gate_r | up_r) and of down's columns, the
+    checkpoint's codes and row scales split with them, and its heads of q/k/v (de-interleaved) and o_proj."""
+    _, tensors, engine_dir = compressed_checkpoint
+    assert build_cli(compressed_checkpoint[0], str(tmp_path / "tp2"), "--tp_size", "2") == 0
+    whole = load_file(f"{engine_dir}/rank0.safetensors")
+    for rank in range(2):
+        part = load_file(f"{tmp_path}/tp2/rank{rank}.safetensors")
+        gate_up, gate_up_scale = whole["layers.1.moe.gate_up_proj"], whole["layers.1.moe.gate_up_proj_scale"]
+        rows = torch.cat([torch.arange(64) + 64 * rank, torch.arange(64) + 128 + 64 * rank])  # gate_r, then up_r
+        assert same_codes(part["layers.1.moe.gate_up_proj"], gate_up[:, rows])
+        assert torch.equal(part["layers.1.moe.gate_up_proj_scale"], gate_up_scale[:, rows])
+        assert same_codes(part["layers.1.moe.down_proj"], whole["layers.1.moe.down_proj"][:, :, 64 * rank:64 * (rank + 1)])
+        assert torch.equal(part["layers.1.moe.down_proj_scale"], whole["layers.1.moe.down_proj_scale"])
+        assert same_codes(part["layers.1.o_proj.weight"], whole["layers.1.o_proj.weight"][:, 64 * rank:64 * (rank + 1)])
+        q, k, v = whole["layers.1.qkv_proj.weight"].split([128, 64, 64])
+        heads = torch.cat([q[64 * rank:64 * (rank + 1)], k[32 * rank:32 * (rank + 1)], v[32 * rank:32 * (rank + 1)]])
+        assert same_codes(part["layers.1.qkv_proj.weight"], heads)
+
+
+def test_conditional_generation_fp8_checkpoint_builds_the_same_text_engine(compressed_checkpoint, tmp_path):
+    """The layout Meta ships Maverick's FP8 checkpoint in: a Llama4ForConditionalGeneration (a one-layer vision
+    tower and projector beside the same text model) whose decoder Linears under ``language_model.model.layers.``
+    are compressed-tensors FP8 per expert, the vision parts ignored (bf16). It builds the text model alone, an
+    engine identical tensor for tensor to the text-only checkpoint's."""
+    text = llama4_of_trained_scale(seed=1)
+    vision = transformers.Llama4VisionConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                             intermediate_size=32, image_size=28, patch_size=14, projector_input_dim=32,
+                                             projector_output_dim=128, vision_output_dim=32)
+    model = transformers.Llama4ForConditionalGeneration(
+        transformers.Llama4Config(text_config=text.config.to_dict(), vision_config=vision.to_dict()))
+    model.language_model.load_state_dict(text.state_dict())
+    write_compressed_tensors_fp8(str(tmp_path / "ckpt"), model, decoder="language_model.model.layers.",
+                                 ignore=("re:.*lm_head", "re:.*router", "re:.*vision_model.*",
+                                         "re:.*multi_modal_projector.*"))
+    assert build_cli(str(tmp_path / "ckpt"), str(tmp_path / "engine")) == 0
+    got, expected = (load_file(f"{d}/rank0.safetensors") for d in (str(tmp_path / "engine"), compressed_checkpoint[2]))
+    assert sorted(got) == sorted(expected)
+    for name, tensor in expected.items():
+        assert got[name].dtype == tensor.dtype and torch.equal(got[name].view(torch.uint8), tensor.view(torch.uint8)), name
+
+
 def test_compressed_tensors_checkpoint_logits_are_transformers_decompressed_model_within_activation_rounding(
         compressed_checkpoint):
     """transformers loads the checkpoint through its compressed-tensors quantizer, decompressed (its experts
@@ -265,7 +314,7 @@ def test_compressed_tensors_checkpoint_logits_are_transformers_decompressed_mode
     the bounds of the test above with room for the routing's discrete changes)."""
     checkpoint, _, engine_dir = compressed_checkpoint
     hf = transformers.Llama4ForCausalLM.from_pretrained(
-        checkpoint, dtype=torch.float32, quantization_config=transformers.CompressedTensorsConfig(run_compressed=False))
+        checkpoint, dtype=torch.float32, quantization_config=transformers.CompressedTensorsConfig(dequantize=True))
     with torch.no_grad():
         reference = hf(torch.tensor([IDS])).logits[0]
     engine = all_logits(engine_dir, IDS)
