@@ -6,8 +6,6 @@ not ready until the tensorrt_llm model has started a fresh engine process by its
 requests are served, without restarting tritonserver. Here through the launcher's mpirun job, on a
 server of its own (its engine is killed on purpose); as `make serve` runs tritonserver alone, on
 test_streaming_relay.py's server of two instances sharing the engine (kill_the_engine_under_load).
-Ctrl-C with requests running (ctrl_c_with_requests_running): here on scripts/serve_default.py (`extended`),
-in `make test` on the built wheel's `tritonllm serve` (tests/tools/test_wheel.py).
 """
 import json
 import os
@@ -167,21 +165,19 @@ def test_killed_engine_fails_requests_at_once_and_comes_back_through_mpirun(smol
 
 class ServeDefault:
     """`make serve` as a person runs it: scripts/serve_default.py in its own process group, on free
-    ports, its log in a file; Ctrl-C is SIGINT to the whole group. ``command``: another way in to the same
-    code (tests/tools/test_wheel.py: the wheel's `tritonllm serve`), run with ``env`` in ``tmp_path``, the
-    same flags after it; ``extra``: more flags."""
+    ports, its log in a file; Ctrl-C is SIGINT to the whole group."""
 
-    def __init__(self, engine_dir, tmp_path, command=None, env=None, extra=()):
+    def __init__(self, engine_dir, tmp_path):
         ports = [str(free_port()) for _ in range(4)]  # the OpenAI frontend's too: 9000 may be taken (test_soak)
         self.http, self.grpc_url = f"http://127.0.0.1:{ports[0]}", f"127.0.0.1:{ports[1]}"
-        self.metrics, self.openai = f"http://127.0.0.1:{ports[2]}", f"http://127.0.0.1:{ports[3]}"
+        self.metrics = f"http://127.0.0.1:{ports[2]}"
         self.log_path = tmp_path / "serve.log"
         with open(self.log_path, "w") as log:
             self.process = subprocess.Popen(
-                [*(command or [sys.executable, str(ROOT / "scripts" / "serve_default.py")]), "--engine_dir",
-                 engine_dir, "--repo", str(tmp_path / "repo"), "--http_port", ports[0], "--grpc_port", ports[1],
-                 "--metrics_port", ports[2], "--openai_port", ports[3], *extra], stdout=log,
-                stderr=subprocess.STDOUT, start_new_session=True, cwd=tmp_path if command else None, env=env)
+                [sys.executable, str(ROOT / "scripts" / "serve_default.py"), "--engine_dir", engine_dir,
+                 "--repo", str(tmp_path / "repo"), "--http_port", ports[0], "--grpc_port", ports[1],
+                 "--metrics_port", ports[2], "--openai_port", ports[3]], stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True)
         assert wait_for(lambda: "READY:" in self.log() or self.process.poll() is not None, timeout=300,
                         interval=0.5)
         assert self.process.poll() is None, self.log()[-3000:]
@@ -220,43 +216,31 @@ class ServeDefault:
             self.process.wait()
 
 
-@pytest.mark.extended
 def test_ctrl_c_ends_running_requests_with_a_clear_error_and_exits(smollm2_engine_dir, tmp_path):
-    """`make serve` (scripts/serve_default.py) Ctrl-C'd with requests running (ctrl_c_with_requests_running).
-    `extended` since 2026-12-01: `make test` runs the same checks on the same serving code
-    (tritonllm/serve.py) in tests/tools/test_wheel.py's test_serve_answers_a_request, `tritonllm serve` from
-    the built wheel on the same engine: one full start of tritonserver, its models and the OpenAI frontend
-    fewer (~20 worker-s of CI's fresh clone)."""
+    """Graceful shutdown: requests still generating when Ctrl-C comes get the grace period
+    (graceful_shutdown_timeout_ms, 3 s by default), then an error saying why; new requests are refused
+    meanwhile; everything exits with nothing left in flight, and the shutdown ends exactly the 4 running
+    requests. Ctrl-C with nothing running is test_soak.py's. (Until 2026-11-30 three hang-ups and a
+    cancel ran first on this server, then an answer: a 5th request ended here would have been one they
+    left behind. test_hangups.py hangs up the same ways, and test_grpc_stream.py and test_streaming_relay.py
+    cancel gRPC streams, on servers filled by the same serve_default.prepare_model_repo and served by
+    tritonserver alone as here, and wait for the gauges to read no request active and no KV block used;
+    25 s of CI's fresh clone with them.)"""
     serve = ServeDefault(smollm2_engine_dir, tmp_path)
     try:
-        ctrl_c_with_requests_running(serve, bls_calls=2)
+        calls = [(streamed_http, "ensemble"), (streamed_http, "tensorrt_llm_bls"),
+                 (streamed_grpc, "ensemble"), (streamed_grpc, "tensorrt_llm_bls")]
+        threads, outcomes = start_running(serve, calls)
+        assert wait_for(lambda: all(outcome.chunks >= 2 for outcome in outcomes), timeout=30)
+        stopped_at = time.time()
+        serve.ctrl_c_and_wait(limit_s=12)
+        for thread in threads:
+            thread.join(timeout=5)
+        for (call, model), outcome in zip(calls, outcomes):
+            assert outcome.ok is False, (call.__name__, model, outcome.detail)
+            assert "shutting down" in outcome.detail, (call.__name__, model, outcome.detail)
+            assert 2.5 < outcome.ended_at - stopped_at < 8, (call.__name__, model, outcome.ended_at - stopped_at)
+        log = serve.log()
+        assert "tensorrt_llm: ended 4 unfinished requests for the shutdown" in log, log[-3000:]
     finally:
         serve.kill()
-
-
-def ctrl_c_with_requests_running(serve, bls_calls: int) -> None:
-    """Graceful shutdown of ``serve`` (a ServeDefault): requests still generating when Ctrl-C comes get the
-    grace period (graceful_shutdown_timeout_ms, 3 s by default), then an error saying why; new requests are
-    refused meanwhile; everything exits with nothing left in flight, and the shutdown ends exactly the 4
-    running requests, streamed over HTTP and gRPC to the ensemble and ``bls_calls`` of them to the BLS (at
-    most its instance count: each instance holds one call). Ctrl-C with nothing running is test_soak.py's.
-    (Until 2026-11-30 three hang-ups and a cancel ran first on this server, then an answer: a 5th request
-    ended here would have been one they left behind. test_hangups.py hangs up the same ways, and
-    test_grpc_stream.py and test_streaming_relay.py cancel gRPC streams, on servers filled by the same
-    serve_default.prepare_model_repo and served by tritonserver alone as here, and wait for the gauges to
-    read no request active and no KV block used; 25 s of CI's fresh clone with them.)"""
-    calls = [(streamed_http, "ensemble"), (streamed_http, "tensorrt_llm_bls"),
-             (streamed_grpc, "ensemble"), (streamed_grpc, "tensorrt_llm_bls" if bls_calls > 1 else "ensemble")]
-    threads, outcomes = start_running(serve, calls)
-    assert wait_for(lambda: all(outcome.chunks >= 2 for outcome in outcomes), timeout=30)
-    stopped_at = time.time()
-    serve.ctrl_c_and_wait(limit_s=12)
-    for thread in threads:
-        thread.join(timeout=5)
-    for (call, model), outcome in zip(calls, outcomes):
-        assert outcome.ok is False, (call.__name__, model, outcome.detail)
-        assert "shutting down" in outcome.detail, (call.__name__, model, outcome.detail)
-        assert 2.5 < outcome.ended_at - stopped_at < 8, (call.__name__, model, outcome.ended_at - stopped_at)
-    log = serve.log()
-    assert "tensorrt_llm: ended 4 unfinished requests for the shutdown" in log, log[-3000:]
-
