@@ -50,7 +50,7 @@ from kernels.attention_metadata import AttentionMetadata
 from kernels.chunked_attention import chunked_attention
 from kernels.fp8 import FP8_DTYPE
 from kernels.fp8_block import blocks
-from kernels.fused_moe import fused_moe
+from kernels.fused_moe import fused_moe, warm_up_token_counts
 from kernels.fused_moe_fp8 import fused_moe_fp8
 from kernels.moe_gemv import GemvExperts, gemv_tiles, moe_gemv_triton
 from kernels.rotary import apply_rotary
@@ -177,6 +177,21 @@ class Llama4ForCausalLM(LlamaForCausalLM):
                               "dtype) or none")
         super().__init__(config, tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group, dtype=dtype, device=device,
                          max_positions=max_positions, quantization=quantization)
+
+    @torch.inference_mode()
+    def warm_up_kernels(self, max_tokens: int = 8192) -> None:
+        """Compile the routed experts' kernels (kernels/fused_moe.py or fused_moe_fp8.py: alignment, block sizes,
+        the sorted-rows grouped GEMMs) for every variant a forward of at most ``max_tokens`` tokens may pick, so
+        the first long prefill does not compile them in a request's time (the runner's warm-up calls this on
+        CUDA), as MoeForCausalLM.warm_up_kernels does: the first MoE layer's experts on zero rows spread over the
+        experts, one expert a row as forward routes them, without the all-reduce (ranks may warm up apart)."""
+        moe = next((layer.moe for layer in self.layers if isinstance(layer.moe, Llama4Experts)), None)
+        if moe is None:
+            return
+        experts, hidden = moe.router.out_features, moe.router.in_features
+        for rows in warm_up_token_counts(experts, 1, max_tokens * moe.top_k):
+            ids = (torch.arange(rows, device=moe.router.weight.device) % experts).to(torch.int32)[:, None]
+            moe.routed_experts(torch.zeros(rows, hidden, dtype=moe.dtype, device=ids.device), ids)
 
     def decode_experts(self) -> list[GemvExperts]:
         """Each MoE layer's routed experts for the runner's load-time choice (engine/executor/runner.py,
