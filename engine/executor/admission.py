@@ -23,6 +23,7 @@ from engine.executor import state_cache
 from engine.executor.guided import GuideError, make_matcher
 from engine.executor.overlap import needs_tokens_on_host
 from engine.executor.prompt_table import prompt_cache_keys
+from engine.executor.sampler import greedy_alone
 from engine.executor.request import (
     FinishReason, Request, RequestState, Sequence, SequenceStatus, now_ns, validate_request,
 )
@@ -85,6 +86,8 @@ class Admission:
                               else prompt_cache_keys(state.request.input_token_ids, table, self.limits.vocab_size))
             if state.request.mrope is not None:
                 self._mrope_request_ids.add(state.request_id)
+            if not greedy_alone(state.request):
+                self._sampler_request_ids.add(state.request_id)
             for index in range(state.num_streams if beam_width == 1 else beam_width):
                 seq = Sequence(next(self._seq_ids), state, sequence_index=0 if beam_width > 1 else index,
                                beam_index=index if beam_width > 1 else 0)

@@ -199,6 +199,7 @@ class Finishing:
         self._sync_request_ids.discard(state.request_id)
         self._table_request_ids.discard(state.request_id)
         self._mrope_request_ids.discard(state.request_id)
+        self._sampler_request_ids.discard(state.request_id)
 
     def _deliver(self, responses: list[Response]) -> None:
         started = time.perf_counter()

@@ -155,6 +155,29 @@ def draws_alone(seq: Sequence) -> bool:
             and not _may_ban(request) and request.embedding_bias is None and request.whisper_timestamps is None)
 
 
+def greedy_alone(request) -> bool:
+    """Whether ``build_sampling_metadata`` gives this request's rows nothing of their own: greedy (no beams), no
+    penalties, bans, embedding bias or Whisper timestamps, no log-probs or top log-probs. Rows that all are get
+    ``greedy_metadata()``, whatever the rows: the executor keeps the ids of its active requests that are not
+    (Executor._sampler_request_ids), and while there are none it samples a step with no pass over its rows."""
+    config, output = request.sampling, request.output
+    return (config.is_greedy and config.beam_width <= 1
+            and (config.repetition_penalty is None or config.repetition_penalty == 1.0)
+            and not config.presence_penalty and not config.frequency_penalty
+            and not _may_ban(request) and request.embedding_bias is None and request.whisper_timestamps is None
+            and not output.return_log_probs and not output.num_top_log_probs)
+
+
+def greedy_metadata() -> SamplingMetadata:
+    """``build_sampling_metadata`` of rows that are all ``greedy_alone``: the argmax of the raw logits, no per-row
+    tensor (a new object each call: the executor sets a step's grammar masks on it)."""
+    return SamplingMetadata(
+        all_greedy=True, is_greedy=None, temperature=None, top_k=None, top_p=None, draw_temperature=None,
+        needs_top_k_top_p=False, seeds=None, offsets=None, repetition_penalty=None, presence_penalty=None,
+        frequency_penalty=None, prompt_token_ids=None, output_token_ids=None, banned=None, embedding_bias=None,
+        return_log_probs=False)
+
+
 def build_sampling_metadata(seqs: list[Sequence], vocab_size: int, device, return_log_probs: bool) -> SamplingMetadata:
     """Gather per-sequence settings into batch tensors (one sequence per logits row). Runs once per
     step over the whole batch: each per-row pass costs ~0.1 ms at 256 rows on the host."""

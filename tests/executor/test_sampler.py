@@ -1,13 +1,15 @@
 """Sampler on hand-made logits: penalties as defined, bans, top-k/top-p, seeded draws."""
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from executor_testing import make_seq
 
 from engine.executor.request import OutputConfig
 from engine.executor.packed_draws import draw_metadata, pack_draws
 from engine.executor.sampler import (
-    apply_top_k_top_p, build_sampling_metadata, draws_alone, process_logits, sample,
+    apply_top_k_top_p, build_sampling_metadata, draws_alone, greedy_alone, greedy_metadata, process_logits, sample,
 )
 from kernels.sampling import greedy_tokens
 
@@ -226,6 +228,58 @@ def test_plain_argmax_rows_are_sampled_by_greedy_tokens_alone():
     guided = make_seq([0], top_k=1)
     guided.grammar = object()  # (a GrammarMatcher: its mask is applied before the argmax)
     assert not plain_argmax(guided) and not draws_alone(guided)
+
+
+def metadata_fields(md) -> dict:
+    """A SamplingMetadata's fields, each tensor as its kind and values (dataclass equality would compare tensors)."""
+    return {f.name: (("tensor", getattr(md, f.name).tolist()) if isinstance(getattr(md, f.name), torch.Tensor)
+                     else getattr(md, f.name)) for f in dataclasses.fields(md)}
+
+
+def test_greedy_alone_rows_get_the_greedy_metadata_and_no_other_row_does():
+    """Executor._sample takes greedy_metadata() without a pass over a step's rows while every active request is
+    greedy_alone: that is build_sampling_metadata's result for any batch of such rows (log-probs asked as the
+    executor asks them: when a row's request does), and for no row of a request that is not."""
+    def output(**fields):
+        def set_output(seq):
+            seq.state.request.output = OutputConfig(**fields)
+        return set_output
+
+    def request(**fields):
+        def set_fields(seq):
+            for name, value in fields.items():
+                setattr(seq.state.request, name, value)
+        return set_fields
+
+    def built(seqs):
+        return metadata(seqs, log_probs=any(s.state.request.output.return_log_probs for s in seqs))
+
+    alone = [make_seq([0, 1], top_k=1), make_seq([2], temperature=0.0), make_seq([3], repetition_penalty=1.0),
+             make_seq([4], temperature=0.7), make_seq([5])]
+    for seq, change in zip(alone[:2], (output(return_context_logits=True), output(return_generation_logits=True))):
+        change(seq)  # (logits returned to the host do not change the metadata; they take the synchronous path)
+    assert all(greedy_alone(s.state.request) for s in alone)
+    assert metadata_fields(built(alone)) == metadata_fields(greedy_metadata())
+    assert greedy_metadata() is not greedy_metadata()  # (a step's grammar masks are set on its own object)
+    others = {
+        "sampled": (dict(temperature=0.7, top_k=40), None), "top-p": (dict(top_p=0.9), None),
+        "beams": (dict(top_k=1, beam_width=2), None),
+        "repetition penalty": (dict(top_k=1, repetition_penalty=1.2), None),
+        "presence penalty": (dict(top_k=1, presence_penalty=0.5), None),
+        "frequency penalty": (dict(top_k=1, frequency_penalty=0.5), None),
+        "min tokens": (dict(top_k=1, min_tokens=2), request(end_id=4)),
+        "bad words": (dict(top_k=1), request(bad_words=[[3]])),
+        "embedding bias": (dict(top_k=1), request(embedding_bias=[0.0] * VOCAB)),
+        "log-probs": (dict(top_k=1), output(return_log_probs=True)),
+        "top log-probs": (dict(top_k=1), output(num_top_log_probs=2)),
+    }
+    for name, (sampling, change) in others.items():
+        seq = make_seq([0, 1], **sampling)
+        if change is not None:
+            change(seq)
+        assert not greedy_alone(seq.state.request), name
+        if name != "beams":  # (beam rows never reach the sampler's batch: beam_search.py takes them)
+            assert metadata_fields(built([alone[-1], seq])) != metadata_fields(greedy_metadata()), name
 
 
 def test_packed_draws_rebuild_the_metadata_rank0_builds():
