@@ -81,6 +81,7 @@ class Admission:
             cache_keys = None
             if table is not None:  # the prefix cache sees each fake id as its table's content
                 self._table_request_ids.add(state.request_id)
+                self._keys_pending_ids.add(state.request_id)
                 made = state.prompt_cache_keys  # at enqueue, off this thread (request.py normalize_all: keys or a Future)
                 cache_keys = (made[2] if made is not None and made[0] is state.request.input_token_ids and made[1] is table
                               else prompt_cache_keys(state.request.input_token_ids, table, self.limits.vocab_size))

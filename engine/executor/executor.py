@@ -52,7 +52,7 @@ from engine.executor.output import ResponseQueue
 from engine.executor.overlap import InFlightStep, TokenTransfer, pinned_token_buffers, placeholder
 from engine.executor.request import (
     FinishReason, Request, RequestLimits, RequestState, Response, Sequence, SequenceStatus, normalize_all,
-    now_ns, prompt_keys_error,
+    now_ns, prompt_keys_error, prompt_keys_settled,
 )
 from engine.executor.runner import ForwardBatch, ModelRunner
 from engine.executor.packed_draws import pack_draws
@@ -168,6 +168,8 @@ class Executor(Admission, Finishing):
             mrope_width=self.runner.model_config.head_dim if build.tp_size == 1 and build.pp_size == 1
             and getattr(getattr(self.runner, "model", None), "supports_mrope", False) else 0)
         self._table_request_ids: set[int] = set()  # active requests with a prompt table
+        # ... of them, those whose table digests may still fail (request.py prompt_keys_settled): checked each step
+        self._keys_pending_ids: set[int] = set()
         # Gemma 3: an image's table rows attend both ways in prefill (engine/executor/image_spans.py)
         self._image_spans = self.limits.supports_prompt_tables and getattr(
             getattr(self.runner, "model", None), "bidirectional_prompt_tables", False)
@@ -366,11 +368,13 @@ class Executor(Admission, Finishing):
             stats.latest = replace(stats.latest, **self._pool_stats())
         self._admit(new)
         self._cancel(cancels)
-        for state in [self._active[i] for i in self._table_request_ids if i in self._active]:
+        for state in [self._active[i] for i in self._keys_pending_ids if i in self._active]:
             if (message := prompt_keys_error(state)) is not None:  # hashing its table failed: it alone ends
                 for seq in state.sequences:
                     self._finish(seq, FinishReason.ERROR)  # (as a cancel: safe with a step in flight)
                 self._fail(state, message)
+            elif prompt_keys_settled(state):  # no error can come any more: not checked again
+                self._keys_pending_ids.discard(state.request_id)
         if self.encoder_stage is not None:  # encoder runs of waiting requests, then they queue
             for state in self.encoder_stage.encode_pending(self._fail):
                 self._schedule_sequences(state)

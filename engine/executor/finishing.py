@@ -198,6 +198,7 @@ class Finishing:
         self._active.pop(state.request_id, None)
         self._sync_request_ids.discard(state.request_id)
         self._table_request_ids.discard(state.request_id)
+        self._keys_pending_ids.discard(state.request_id)
         self._mrope_request_ids.discard(state.request_id)
         self._sampler_request_ids.discard(state.request_id)
 

@@ -89,31 +89,52 @@ def step_rotary(sequences: list[tuple[Mrope | None, int, list[int]]]) -> StepRot
     """``sequences``: per scheduled sequence in packing order, (its request's Mrope or None, its prompt
     length, the positions of its new tokens). None when every token rotates at its own position (no
     M-RoPE prompt token, every delta 0): the step then runs as any other."""
-    import torch
-
-    indices, rows, extra = [], [], 0
+    indices, rows, shifted = [], [], False
     for mrope, prompt_len, positions in sequences:
-        if mrope is None:
-            indices += positions
-            continue
-        delta = mrope.position_delta
-        prompt = [p for p in positions if p < prompt_len]
-        if prompt:  # a chunk's prompt tokens are consecutive and come first
-            rows.append(mrope.rotary_cos_sin[prompt[0]:prompt[-1] + 1])
-            indices += range(-1 - extra, -1 - extra - len(prompt), -1)
-            extra += len(prompt)
-        indices += [p + delta for p in positions[len(prompt):]]
-    if not rows and all(m is None or m.position_delta == 0 for m, _, _ in sequences):
-        return None
-    return StepRotary(indices, torch.cat(rows) if rows else None)
+        shifted = _add_rotary_indices(indices, rows, mrope, prompt_len, positions) or shifted
+    return _step_rotary(indices, rows, shifted)
 
 
 def step_rotary_of(scheduled, batch) -> StepRotary | None:
     """``step_rotary`` of a scheduler step: ``scheduled`` (its items, in the order the ForwardBatch packs
-    them) and ``batch`` (their positions, seq_lens_q)."""
-    sequences, offset = [], 0
+    them) and ``batch`` (their positions, seq_lens_q). Runs once per sequence per step: a decode token of an
+    M-RoPE request (past its prompt) takes its index without a call."""
+    indices, rows, shifted, offset, positions = [], [], False, 0, batch.positions
     for item, n in zip(scheduled, batch.seq_lens_q):
         seq = item.seq
-        sequences.append((seq.state.request.mrope, seq.num_prompt_tokens, batch.positions[offset:offset + n]))
+        mrope = seq.state.request.mrope
+        if n == 1 and mrope is not None and positions[offset] >= seq.num_prompt_tokens:
+            indices.append(positions[offset] + mrope.position_delta)
+            shifted = shifted or mrope.position_delta != 0
+        else:
+            shifted = _add_rotary_indices(indices, rows, mrope, seq.num_prompt_tokens,
+                                          positions[offset:offset + n]) or shifted
         offset += n
-    return step_rotary(sequences)
+    return _step_rotary(indices, rows, shifted)
+
+
+def _add_rotary_indices(indices: list[int], rows: list, mrope: Mrope | None, prompt_len: int,
+                        positions: list[int]) -> bool:
+    """One sequence's part of ``step_rotary``: its tokens' indices onto ``indices`` (its prompt tokens' rows onto
+    ``rows``, indexed -1 - k after the step's rows before them); True when it rotates away from its positions
+    (a nonzero delta)."""
+    if mrope is None:
+        indices += positions
+        return False
+    delta = mrope.position_delta
+    prompt = [p for p in positions if p < prompt_len]
+    if prompt:  # a chunk's prompt tokens are consecutive and come first
+        extra = sum(len(r) for r in rows)
+        rows.append(mrope.rotary_cos_sin[prompt[0]:prompt[-1] + 1])
+        indices += range(-1 - extra, -1 - extra - len(prompt), -1)
+    indices += [p + delta for p in positions[len(prompt):]]
+    return delta != 0
+
+
+def _step_rotary(indices: list[int], rows: list, shifted: bool) -> StepRotary | None:
+    """None when every token rotates at its own position (no prompt row, every delta 0)."""
+    import torch
+
+    if not rows and not shifted:
+        return None
+    return StepRotary(indices, torch.cat(rows) if rows else None)

@@ -657,6 +657,19 @@ def _keys_or_none(prompt: list[int], table: PromptTable, vocab_size: int) -> lis
                                f"({type(err).__name__}: {err})")
 
 
+def prompt_keys_settled(state: "RequestState") -> bool:
+    """Whether ``prompt_keys_error(state)`` is None for good: the table's keys made at enqueue are known and are
+    not a PromptKeysError. Its sequences' keys are that same result (or made at admission, never an error), so
+    none of them can set ``Sequence.prompt_keys_error`` later; the executor stops checking the request."""
+    made = state.prompt_cache_keys
+    keys = made[2] if made is not None else None
+    if isinstance(keys, Future):
+        if not keys.done():
+            return False
+        keys = keys.result()
+    return not isinstance(keys, PromptKeysError)
+
+
 def prompt_keys_error(state: "RequestState") -> str | None:
     """The error ``state``'s request must end with when hashing its table failed (PromptKeysError), once known;
     None while its keys are pending or when they were made."""

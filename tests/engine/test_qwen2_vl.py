@@ -426,6 +426,42 @@ def test_step_rotary_indexes_prompt_rows_then_position_plus_delta():
     assert step_rotary([(None, 3, [7]), (Mrope(rows, 0), 5, [6])]) is None  # plain RoPE: graphs may run
 
 
+def test_step_rotary_of_a_step_is_step_rotary_of_its_sequences():
+    """Executor steps take step_rotary_of (a decode token of an M-RoPE request without a call): the same indices and
+    rows as step_rotary over the step's sequences, for decode rows, prompt chunks (two of them: their rows are
+    numbered across the step), text rows, a decode at delta 0 alone (None: plain RoPE) and a recompute past the
+    prompt."""
+    from types import SimpleNamespace
+
+    from engine.executor.mrope_rotary import step_rotary, step_rotary_of
+    from engine.executor.runner import ForwardBatch
+
+    rows = torch.arange(6 * 4, dtype=torch.float32).view(6, 4)
+    shifted, plain = Mrope(rows, -2), Mrope(rows, 0)
+
+    def item(mrope, prompt_len):
+        state = SimpleNamespace(request=SimpleNamespace(mrope=mrope))
+        return SimpleNamespace(seq=SimpleNamespace(state=state, num_prompt_tokens=prompt_len))
+
+    def check(chunks):  # (mrope, prompt length, positions) per sequence
+        scheduled = [item(m, n) for m, n, _ in chunks]
+        positions = [p for _, _, ps in chunks for p in ps]
+        lens = [len(ps) for _, _, ps in chunks]
+        batch = ForwardBatch(positions, positions, lens, [ps[-1] + 1 for _, _, ps in chunks], [[0]] * len(chunks),
+                             [])
+        got, want = step_rotary_of(scheduled, batch), step_rotary(chunks)
+        if want is None:
+            return got is None
+        return got.indices == want.indices and (got.rows is None) == (want.rows is None) and (
+            got.rows is None or torch.equal(got.rows, want.rows))
+
+    assert check([(None, 3, [7]), (shifted, 5, [3, 4, 5]), (shifted, 5, [9]), (shifted, 6, [0, 1, 2]),
+                  (plain, 5, [8]), (shifted, 4, [4, 5, 6])])
+    assert check([(None, 3, [7]), (plain, 5, [6]), (plain, 5, [5])]) and step_rotary_of(
+        [item(plain, 5)], ForwardBatch([6], [6], [1], [7], [[0]], [])) is None
+    assert check([(shifted, 5, [5]), (shifted, 5, [6])])
+
+
 def test_wire_layout_is_the_anchors():
     """tensorrtllm_backend's compute_mrope layout (sources in serving/mrope.py): per position the
     frequencies' (cos, sin) pairs; positions past the prompt hold position 0's (1, 0)."""

@@ -196,6 +196,28 @@ def test_a_table_whose_hashing_fails_ends_that_request_alone(tiny_engine, monkey
     assert good[-1].error is None and text[-1].error is None
 
 
+def test_a_request_is_checked_for_a_hashing_error_until_its_keys_are_known_good():
+    """The executor checks a table request's keys each step (prompt_keys_error) only while prompt_keys_settled is
+    False: a digest still running, or one that failed; made keys, done or not a Future, settle it."""
+    from concurrent.futures import Future
+
+    from engine.executor.request import PromptKeysError, prompt_keys_error, prompt_keys_settled
+
+    prompt, table = image_prompt(), PromptTable(image_table(1))
+    state = RequestState(1, Request(prompt, 4, prompt_table=table), False)
+    digest = Future()
+    state.prompt_cache_keys = (prompt, table, digest)
+    assert not prompt_keys_settled(state) and prompt_keys_error(state) is None  # (still hashing)
+    digest.set_result(["key"] * len(prompt))
+    assert prompt_keys_settled(state) and prompt_keys_error(state) is None
+    failed = Future()
+    failed.set_result(PromptKeysError("hashing failed"))
+    state.prompt_cache_keys = (prompt, table, failed)
+    assert not prompt_keys_settled(state) and prompt_keys_error(state) == "hashing failed"
+    state.prompt_cache_keys = (prompt, table, ["key"] * len(prompt))  # (made in the enqueuing call)
+    assert prompt_keys_settled(state)
+
+
 @pytest.mark.parametrize("tp_size, pp_size, named", [
     (2, 1, "by a tensor-parallel engine (tp_size 2): its ranks' steps carry token ids"),
     (1, 2, "by a pipeline-parallel engine (pp_size 2)"),
