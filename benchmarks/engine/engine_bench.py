@@ -736,15 +736,19 @@ def iteration_breakdown(executor, since_ns: int) -> dict:
         # forever: encdec_bench --tp 2 hung here on the H200s, 2026-11-30; tp_bench.py step_periods skips it too)
         if graphs is not None and widest <= graphs.max_batch_size and executor.runner.build_config.tp_size == 1:
             out["decode_graph_replay_ms"] = cuda_time_ms(graphs.graphs[graphs.bucket_for(widest)].replay, repeat=10)
-            try:  # (a diagnostic: a runner it does not know must not cost the run its figures)
-                out["decode_step_parts"] = decode_step_parts(executor.runner, widest)
-            except Exception as error:
-                out["decode_step_parts_error"] = repr(error)[:300]
+            if os.environ.get(STEP_PARTS_ENV) == "1":  # (~3 s a run: off unless asked)
+                try:  # (a diagnostic: a runner it does not know must not cost the run its figures)
+                    out["decode_step_parts"] = decode_step_parts(executor.runner, widest)
+                except Exception as error:
+                    out["decode_step_parts_error"] = repr(error)[:300]
     return out
 
 
-# decode_step_parts: back-to-back replays of the graph, at most this many and ~SUSTAINED_MS of device time
+# decode_step_parts: back-to-back replays of the graph (and steps), at most this many and ~SUSTAINED_MS of device time
 SUSTAINED_REPLAYS, SUSTAINED_MS = 200, 1500.0
+# "1": iteration_breakdown (engine_bench's offline rows, vlm_bench's and encdec_bench's runs) adds decode_step_parts
+# at the widest decode batch; engine_bench's executor_decode rows always have them
+STEP_PARTS_ENV = "TRITONLLM_BENCH_STEP_PARTS"
 
 
 def decode_step_parts(runner, rows: int) -> dict | None:
@@ -755,7 +759,9 @@ def decode_step_parts(runner, rows: int) -> dict | None:
     sustained load);
     ``lm_head_ms``: the float32 logits of the graph's ``rows`` hidden rows (runner._logits, outside the graph);
     ``argmax_ms``: the greedy tokens of those logits (kernels/sampling.greedy_tokens, the sampler's greedy path);
-    ``logits_mb``: those logits' size; ``sm_clock_mhz``: the SM clock after the short and the sustained replays (NVML
+    ``step_sustained_ms``: graph, LM head and argmax back to back, as many times as the sustained replays (a step's
+    device work without the executor: against the run's period, what the run adds); ``logits_mb``: the logits'
+    size; ``sm_clock_mhz``: the SM clock before and after the sustained replays and after the sustained steps (NVML
     through torch, where it is installed). None off CUDA, for tensor-parallel ranks (their graphs all-reduce) and
     where no decode graph holds ``rows``. The graph's inputs are those of its last replay in the run."""
     from kernels.sampling import greedy_tokens
@@ -786,6 +792,18 @@ def decode_step_parts(runner, rows: int) -> dict | None:
         logits = runner._logits(hidden)
         parts["lm_head_ms"] = cuda_time_ms(lambda: runner._logits(hidden), repeat=10)
         parts["argmax_ms"] = cuda_time_ms(lambda: greedy_tokens(logits), repeat=10)
+
+        def step() -> None:  # the device work of a greedy decode step but its input and token copies
+            graph.replay()
+            greedy_tokens(runner._logits(hidden))
+
+        start.record()
+        for _ in range(replays):
+            step()
+        end.record()
+        end.synchronize()
+        parts["step_sustained_ms"] = start.elapsed_time(end) / replays
+        clocks.append(clock())
     parts["logits_mb"] = logits.numel() * logits.element_size() / 1e6
     parts["sm_clock_mhz"] = clocks
     return parts
@@ -798,7 +816,9 @@ def decode_step_parts_text(parts: dict | None) -> str:
     return (f"; alone at {parts['rows']} rows (bucket {parts['bucket']}): graph {parts['graph_ms']:.3f} ms "
             f"({parts['graph_sustained_ms']:.3f} over {parts['sustained_replays']} back to back, SM clock "
             f"{parts['sm_clock_mhz'][0]} -> {parts['sm_clock_mhz'][1]} MHz), LM head {parts['lm_head_ms']:.3f} ms "
-            f"({parts['logits_mb']:.0f} MB of float32 logits), argmax {parts['argmax_ms']:.3f} ms")
+            f"({parts['logits_mb']:.0f} MB of float32 logits), argmax {parts['argmax_ms']:.3f} ms; graph + LM head + "
+            f"argmax {parts['step_sustained_ms']:.3f} ms a step back to back (SM clock then "
+            f"{parts['sm_clock_mhz'][2]} MHz)")
 
 
 def profile_executor_loop(executor):
