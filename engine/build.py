@@ -62,7 +62,8 @@ from engine.encoder_decoder.mllama_build import build_mllama, is_mllama_config
 from engine.encoder_decoder.spec import is_encoder_decoder_config
 from engine.gguf_header import read_gguf_scalars
 from engine.gguf_reader_cache import parsed_once
-from engine.fp8_checkpoint import dequantizing_getter, fp8_checkpoint_strategy, rank_block_scales, rank_row_scales
+from engine.fp8_checkpoint import (dequantizing_getter, fp8_checkpoint_strategy, rank_block_scales, rank_row_scales,
+                                   rank_source_rows)
 from engine.models import MODEL_FAMILIES, get_family, get_model_class
 from engine.mxfp4 import MXFP4_EXPERTS, is_mxfp4_checkpoint, mxfp4_checkpoint
 from engine.pipeline.layout import balanced_pp_layers, parse_pp_layers, split_rank_weights, stages_of
@@ -119,18 +120,22 @@ def fp8_weight_names(names) -> list[str]:
 
 
 def quantize_rank_weights(weights: dict[str, torch.Tensor], names: list[str],
-                          source_scales: dict[str, torch.Tensor] | None = None, *, int8: bool = False
-                          ) -> dict[str, torch.Tensor]:
+                          source_scales: dict[str, torch.Tensor] | None = None, *, int8: bool = False,
+                          kept: set[str] = frozenset()) -> dict[str, torch.Tensor]:
     """FP8: every weight the model declares a ``<name>_scale`` for becomes E4M3 with per-output-channel
     scales (kernels/fp8.py; experts (E, N, K): per row of each expert), quantized from this rank's
     shard; the rest is left as converted. ``source_scales``: row scales of weights that were FP8 in the
     checkpoint (engine/fp8_checkpoint.py), kept as they are so those weights' values are not rounded a
-    second time. ``int8``: int8 codes per output channel instead (int8_sq, kernels/int8_sq.py)."""
+    second time. ``kept``: weights an FP8 checkpoint left unquantized, which stay as converted (the model
+    dtype) with ones as their unread scales (the model runs them unquantized: their dtype says so).
+    ``int8``: int8 codes per output channel instead (int8_sq, kernels/int8_sq.py)."""
     scaled = set(fp8_weight_names(names))
     source_scales = source_scales or {}
     out = {}
     for name, tensor in weights.items():
-        if name in scaled:
+        if name in scaled and name in kept:
+            out[name], out[name + "_scale"] = tensor, torch.ones(tensor.shape[:-1])
+        elif name in scaled:
             scale = source_scales.get(name)
             rows = tensor.reshape(-1, tensor.shape[-1])
             scale = None if scale is None else scale.reshape(-1)
@@ -173,6 +178,16 @@ def _with_expert_pairs_alike(scales: dict[str, torch.Tensor | None]) -> dict[str
     return scales
 
 
+def _expert_pairs_kept_alike(kept: set[str]) -> set[str]:
+    """Unquantized weights to keep in the model dtype, with a sparse layer's gate_up and down kept together
+    when either is (the FP8 expert kernels take the two projections in one format; the other one, FP8 in
+    the checkpoint, then holds its dequantized values), as _with_expert_pairs_alike does for block scales."""
+    kept = set(kept)
+    for name in [n for n in kept if n.endswith(".moe.gate_up_proj") or n.endswith(".moe.down_proj")]:
+        kept |= {name.rsplit(".", 1)[0] + ".gate_up_proj", name.rsplit(".", 1)[0] + ".down_proj"}
+    return kept
+
+
 def write_engine(output_dir: str, model: ModelConfig, build: BuildConfig, get: TensorGetter, *,
                  tokenizer=None, extra: dict | None = None, progress: bool = True,
                  fp8_source: TensorGetter | None = None,
@@ -210,8 +225,12 @@ def write_engine(output_dir: str, model: ModelConfig, build: BuildConfig, get: T
                 weights[name] = tensor
                 bar.update(1)
         if build.quantization == "fp8":
-            source_scales = rank_row_scales(fp8_source, model, rank, build.tp_size) if fp8_source else None
-            weights = quantize_rank_weights(weights, names, source_scales)
+            source_scales, kept = rank_source_rows(fp8_source, model, rank, build.tp_size) if fp8_source else ({}, set())
+            kept = _expert_pairs_kept_alike(kept & set(fp8_weight_names(names)))
+            if kept and rank == 0:
+                print(f"note: {len(kept)} weights the checkpoint leaves unquantized keep --dtype {build.dtype}: "
+                      f"{', '.join(sorted(kept)[:4])}{', ...' if len(kept) > 4 else ''}", file=sys.stderr)
+            weights = quantize_rank_weights(weights, names, source_scales, kept=kept)
         elif build.quantization == INT8_SQ:
             source_scales = rank_row_scales(fp8_source, model, rank, build.tp_size) if fp8_source else None
             weights = quantize_rank_weights(weights, names, source_scales, int8=True)

@@ -143,8 +143,16 @@ def dequantizing_getter(get: TensorGetter, strategy: str = "channel") -> TensorG
 
 
 def rank_row_scales(get: TensorGetter, cfg: ModelConfig, rank: int, tp_size: int) -> dict[str, torch.Tensor]:
-    """Engine weight name -> the source's per-row scales (rows,) for this rank, for every engine
-    weight all of whose parts are FP8 in the checkpoint.
+    """rank_source_rows' scales alone."""
+    return rank_source_rows(get, cfg, rank, tp_size)[0]
+
+
+def rank_source_rows(get: TensorGetter, cfg: ModelConfig, rank: int, tp_size: int
+                     ) -> tuple[dict[str, torch.Tensor], set[str]]:
+    """(scales, unquantized): engine weight name -> the source's per-row scales (rows,) for this rank, for
+    every engine weight all of whose parts are FP8 in the checkpoint; and the names of the engine tensors
+    none of whose parts is (the modules the checkpoint left in its float dtype, e.g. those its compressed-tensors
+    ``ignore`` names; norms and biases among them, which no caller quantizes).
 
     The scales follow their rows through the family's own conversion: each quantized weight is stood
     in for by its row scales widened to (out, tp_size), a shape that every fuse (cat along rows),
@@ -162,8 +170,9 @@ def rank_row_scales(get: TensorGetter, cfg: ModelConfig, rank: int, tp_size: int
         return torch.full((tp_size, tp_size), float("nan"))  # biases, norms: never a linear weight's part
 
     stand_ins = rank_weights(widened_scales, cfg, rank, tp_size, torch.float32)
-    return {name: t[..., 0].contiguous() for name, t in stand_ins.items()
-            if t.dim() >= 2 and not torch.isnan(t[..., 0]).any()}  # 3-D: stacked experts (E, rows)
+    scales = {name: t[..., 0].contiguous() for name, t in stand_ins.items()
+              if t.dim() >= 2 and not torch.isnan(t[..., 0]).any()}  # 3-D: stacked experts (E, rows)
+    return scales, {name for name, t in stand_ins.items() if torch.isnan(t).all()}
 
 
 # ---- block-wise checkpoints ------------------------------------------------------------------

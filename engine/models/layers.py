@@ -125,7 +125,9 @@ class Linear(nn.Module):
     """y = x @ weight.T (+ bias). weight: (out_local, in_local). Holds no parallel logic itself.
 
     ``quantization="fp8"``: weight is float8_e4m3fn with ``weight_scale`` (out_local,) float32 per
-    output channel, and the product runs the FP8 scheme of kernels/fp8.py (the bias stays in dtype).
+    output channel, and the product runs the FP8 scheme of kernels/fp8.py (the bias stays in dtype). A
+    layer an FP8 checkpoint left unquantized is loaded with its weight in the model dtype (its
+    weight_scale, all ones, is unread), as for fp8_block: the weight's dtype says which product runs.
 
     ``quantization="fp8_block"``: weight is float8_e4m3fn with ``weight_scale`` float32
     (ceil(out_local / 128), ceil(in_local / 128)), one per 128 x 128 block, and the product runs
@@ -181,8 +183,10 @@ class Linear(nn.Module):
 
     @property
     def is_fp8(self) -> bool:
-        """Per-channel FP8 (the W8A8 path whose input may come as QuantizedRows)."""
-        return self.weight_scale is not None and self.weight_only is None and not self.block_scales and not self.int8
+        """Per-channel FP8 (the W8A8 path whose input may come as QuantizedRows); not a layer of an fp8 engine
+        that holds its checkpoint's unquantized weight in the model dtype."""
+        return (self.weight_scale is not None and self.weight_only is None and not self.block_scales and not self.int8
+                and self.weight.dtype == FP8_DTYPE)
 
     @torch.no_grad()
     def prepare_weights(self) -> None:
@@ -216,7 +220,7 @@ class Linear(nn.Module):
             return int8_linear(x, self.weight, self.weight_scale, bias)
         if self.block_scales and self.weight.dtype == FP8_DTYPE:
             return fp8_block_linear(x, self.weight, self.weight_scale, bias)
-        if self.weight_scale is not None and not self.block_scales:
+        if self.is_fp8:
             return fp8_linear(x, self.weight, self.weight_scale, bias)
         return linear(x, self.weight, bias)  # F.linear, or a skinny Triton GEMM chosen at engine load
 
@@ -248,7 +252,7 @@ class Linear(nn.Module):
             return int8_gated_linear(x, self.weight, self.weight_scale)
         if self.weight_only is not None or self.block_scales:
             return silu_and_mul(self._product(x, None))
-        if self.weight_scale is not None:
+        if self.is_fp8:
             return fp8_gated_linear(x, self.weight, self.weight_scale, quantize_output=quantize_output)
         return gated_linear(x, self.weight)  # one fused skinny kernel for decode batches when chosen at load
 
