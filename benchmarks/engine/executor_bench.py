@@ -20,6 +20,9 @@ iteration, with a tiny random-weight model on CPU (1 torch thread) so the forwar
 ``step - forward`` per step isolates what the GPU would wait for (decode forwards are replaced
 by fixed random logits, as cheap as a GPU launch; the cProfile excludes the forward). Prompt 128, output 128,
 no end_id; only decode-only iterations at the full batch count. ``--cprofile`` adds the top entries.
+``--host-profile-images``: the same with image requests (a 16-row prompt table and M-RoPE rows each, vlm_bench's
+tiny Qwen2.5-VL language engine), the work a vision-language engine's steps add. The load's objects are frozen
+out of the garbage collector's reach, as a CUDA engine's are (engine/executor/gc_freeze.py).
 """
 from __future__ import annotations
 
@@ -184,26 +187,66 @@ def write_section(path: str, block: str) -> None:
 
 
 def host_profile(batch_sizes: list[int], args) -> dict:
-    """Median host ms per full-batch decode iteration (step wall time minus the forward's)."""
+    """Median host ms per full-batch decode iteration (step wall time minus the forward's); ``args.host_profile_images``:
+    image requests (a prompt table of IMAGE_ROWS rows and M-RoPE rows each) through vlm_bench's CPU Qwen2.5-VL
+    language engine instead of text through the tiny Llama."""
+    import gc
+
     import torch
 
     torch.set_num_threads(1)
     report = {}
     for batch in batch_sizes:
         args.max_batch_size, args.max_num_tokens = batch, 8192
-        engine_dir = random_weight_engine("tiny", argparse.Namespace(**{**vars(args), "dtype": "float32"}))
+        if args.host_profile_images:
+            engine_dir, requests = _image_workload(batch)
+        else:
+            engine_dir, requests = random_weight_engine("tiny", argparse.Namespace(**{**vars(args), "dtype": "float32"})), None
         config = ExecutorConfig(max_batch_size=batch, max_num_tokens=8192, enable_kv_cache_reuse=args.kv_reuse,
-                                max_tokens_in_paged_kv_cache=batch * 272)
+                                max_tokens_in_paged_kv_cache=batch * (272 + IMAGE_ROWS + 2))
         with Executor(engine_dir, config, device="cpu") as executor:
-            report[batch] = _profile_decode(executor, batch, args.cprofile)
+            gc.collect()  # the load's objects out of the collector's reach, as a CUDA engine's are (gc_freeze.py)
+            gc.freeze()
+            try:
+                report[batch] = _profile_decode(executor, batch, args.cprofile, requests)
+            finally:
+                gc.unfreeze()
         print(json.dumps({batch: {k: v for k, v in report[batch].items() if k != "profile"}}), flush=True)
         if args.cprofile:
             print(report[batch]["profile"])
     return report
 
 
-def _profile_decode(executor: Executor, batch: int, with_cprofile: bool) -> dict:
-    """Wrap the loop's step and the runner's forward with timers; run batch x (128 in, 128 out)."""
+IMAGE_ROWS = 16  # --host-profile-images: table rows an image request has (an 8 x 8 patch grid merged 2 x 2)
+
+
+def _image_workload(batch: int) -> tuple[str, list[Request]]:
+    """vlm_bench's CPU language engine (Qwen2.5-VL's tiny shape, M-RoPE) and ``batch`` requests of one image each
+    (IMAGE_ROWS random table rows, their M-RoPE rows and delta) + 128 text tokens, 128 out."""
+    import torch
+
+    from benchmarks.engine import vlm_bench
+    from engine.executor.mrope_rotary import Mrope
+    from engine.executor.prompt_table import PromptTable
+    from engine.vision import qwen2_5_vl
+    from engine.vision.mrope import request_mrope
+
+    config = vlm_bench.hf_config("cpu")
+    engine_dir = vlm_bench.write_language_engine(
+        config, argparse.Namespace(dtype="float32", max_num_tokens=8192, quantization=None), batch)
+    encoder, vocab, rng = qwen2_5_vl.encoder_config(config), config.text_config.vocab_size, random.Random(0)
+    requests = []
+    for _ in range(batch):
+        ids = vlm_bench.prompt_ids(config, IMAGE_ROWS, 128, rng, vocab)
+        rotary, delta = request_mrope(ids, [[1, 8, 8]], encoder, vocab_size=vocab)
+        requests.append(Request(ids, 128, output=OutputConfig(exclude_input_from_output=True),
+                                prompt_table=PromptTable(torch.randn(IMAGE_ROWS, config.text_config.hidden_size)),
+                                mrope=Mrope(rotary, delta)))
+    return engine_dir, requests
+
+
+def _profile_decode(executor: Executor, batch: int, with_cprofile: bool, requests: list[Request] | None = None) -> dict:
+    """Wrap the loop's step and the runner's forward with timers; run batch x (128 in, 128 out), or ``requests``."""
     import cProfile
     import io
     import pstats
@@ -247,8 +290,8 @@ def _profile_decode(executor: Executor, batch: int, with_cprofile: bool) -> dict
     executor.runner.forward, executor._step = timed_forward, timed_step
     rng = random.Random(0)
     vocab = executor.runner.vocab_size
-    requests = [Request([rng.randrange(vocab) for _ in range(128)], 128,
-                        output=OutputConfig(exclude_input_from_output=True)) for _ in range(batch)]
+    requests = requests or [Request([rng.randrange(vocab) for _ in range(128)], 128,
+                                    output=OutputConfig(exclude_input_from_output=True)) for _ in range(batch)]
     started = time.perf_counter()
     run_batch(executor, requests, {}, {}, {}, {})
     wall = time.perf_counter() - started
@@ -258,6 +301,7 @@ def _profile_decode(executor: Executor, batch: int, with_cprofile: bool) -> dict
            "step_ms": 1e3 * statistics.median(s for s, _ in full),
            "forward_ms": 1e3 * statistics.median(f for _, f in full),
            "host_ms": 1e3 * statistics.median(s - f for s, f in full)}
+    out["host_us_per_request"] = out["host_ms"] * 1e3 / batch
     if profiler is not None:
         stream = io.StringIO()
         for order in ("cumulative", "tottime"):
@@ -290,6 +334,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="only measure host ms per decode iteration at these batch sizes (tiny model, CPU)")
     p.add_argument("--cprofile", action="store_true", help="with --host-profile: cProfile the loop (slows it)")
     p.add_argument("--kv-reuse", action="store_true", help="with --host-profile: enable_kv_cache_reuse")
+    p.add_argument("--host-profile-images", action="store_true",
+                   help="with --host-profile: image requests (prompt table and M-RoPE rows) through a tiny "
+                        "Qwen2.5-VL language engine")
     return p.parse_args(argv)
 
 
