@@ -5,6 +5,9 @@ on the host before the next step). Why it matters: the bench reports the overlap
 synchronous one to say what of a step the host adds (issue 55)."""
 from __future__ import annotations
 
+import pytest
+import torch
+
 from engine.executor.runner import ModelRunner
 
 from benchmarks.engine.engine_bench import decode_overlapped, decode_synchronous
@@ -49,3 +52,35 @@ def test_iteration_breakdown_never_replays_a_tensor_parallel_graph_on_rank_0_alo
     out = iteration_breakdown(executor, since_ns=0)
     assert out["decode_batch"] == 8 and out["decode_iterations"] == 3 and out["decode_step_ms_median"] == 5.0
     assert "decode_graph_replay_ms" not in out and not replays
+
+
+def test_decode_step_parts_need_a_decode_graph(tiny_engine):
+    """decode_step_parts (engine_bench's executor_decode rows; vlm_bench with TRITONLLM_BENCH_STEP_PARTS=1) times a
+    decode graph's replay: a runner without decode graphs (the CPU's) gives None, not a figure."""
+    from benchmarks.engine.engine_bench import decode_step_parts
+
+    runner = ModelRunner(tiny_engine)
+    runner.allocate_kv_cache(16)
+    assert runner.decode_graphs is None and decode_step_parts(runner, 4) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="decode CUDA graphs: GPU only")
+def test_decode_step_parts_time_the_graph_the_lm_head_and_the_argmax(tiny_engine):
+    """On CUDA: each part of a 5-row decode step timed alone (bucket 8), the logits' size, the back-to-back step no
+    shorter than the graph alone less the spread, and rows past the graphs' largest bucket refused."""
+    from benchmarks.engine.engine_bench import decode_step_parts
+
+    runner = ModelRunner(tiny_engine, device="cuda")
+    runner.allocate_kv_cache(64)
+    runner.capture_cuda_graphs()
+    page = runner.tokens_per_block
+    rows = 5
+    tables = [[1 + 4 * row + j for j in range(4)] for row in range(rows)]
+    assert runner.decode_graphs.run([3] * rows, [9] * rows, [10] * rows, [t[:-(-10 // page)] for t in tables]) is not None
+    parts = decode_step_parts(runner, rows)
+    assert parts["rows"] == rows and parts["bucket"] == runner.decode_graphs.bucket_for(rows)
+    assert all(parts[k] > 0 for k in ("graph_ms", "graph_sustained_ms", "lm_head_ms", "argmax_ms", "step_sustained_ms"))
+    assert parts["logits_mb"] == rows * runner.vocab_size * 4 / 1e6 and len(parts["sm_clock_mhz"]) == 3
+    assert parts["step_sustained_ms"] > 0.5 * parts["graph_sustained_ms"]
+    assert decode_step_parts(runner, runner.decode_graphs.max_batch_size + 1) is None
