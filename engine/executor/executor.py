@@ -628,9 +628,10 @@ class Executor(Admission, Finishing):
             self._emit()
         # The step's period: from when it began, or, overlapped, from when the step before it
         # finished (steps in flight overlap; their latencies must add up to the wall time).
-        finished_at = time.perf_counter()
+        finished_at, finished_ns = time.perf_counter(), now_ns()  # (read together: the stats' timestamp is the
+        # step's end, so timestamp - latency is its start whatever delays the record after it on a loaded host)
         self._record_stats(step.plan, (finished_at - max(step.started, self._last_step_finished)) * 1e3,
-                           step.num_active)
+                           step.num_active, finished_ns)
         self._last_step_finished = finished_at
         return True
 
@@ -650,8 +651,10 @@ class Executor(Admission, Finishing):
     def _pool_stats(self) -> dict:
         return pool_stats(self.blocks, self.encoder_stage, self.adapters)
 
-    def _record_stats(self, plan: SchedulerOutput, latency_ms: float, num_active: int) -> None:
-        self._step_stats.record(plan, latency_ms, num_active, num_queued=len(self._inbox) + self._num_unscheduled,
+    def _record_stats(self, plan: SchedulerOutput, latency_ms: float, num_active: int,
+                      end_ns: int | None = None) -> None:
+        self._step_stats.record(plan, latency_ms, num_active, end_ns=end_ns,
+                                num_queued=len(self._inbox) + self._num_unscheduled,
                                 num_preemptions=self.scheduler.num_preemptions, pools=self._pool_stats(),
                                 num_draft_tokens_total=self._num_draft_tokens_total,
                                 num_accepted_draft_tokens_total=self._num_accepted_draft_tokens_total,

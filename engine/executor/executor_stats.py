@@ -64,9 +64,10 @@ class StepStats:
 
     def record(self, plan: SchedulerOutput, latency_ms: float, num_active: int, *, num_queued: int,
                num_preemptions: int, pools: dict, num_draft_tokens_total: int,
-               num_accepted_draft_tokens_total: int, disagg: dict, idle: bool) -> None:
+               num_accepted_draft_tokens_total: int, disagg: dict, idle: bool, end_ns: int | None = None) -> None:
         """One finished step's stats into the history (and the log). ``idle``: no request is active
-        after it, so the latest stats read no active or scheduled requests."""
+        after it, so the latest stats read no active or scheduled requests. ``end_ns``: the step's end
+        (now_ns's clock; default now), the stats' timestamp_ns."""
         self.iteration += 1
         now = datetime.now(timezone.utc)
         kv_bytes = self.runner.kv_cache.numel() * self.runner.kv_cache.element_size()
@@ -76,7 +77,7 @@ class StepStats:
         num_ctx_tokens = plan.num_context_tokens if num_context else 0
         num_tokens = plan.num_tokens
         stats = IterationStats(
-            timestamp=now.strftime(STATS_TIME_FORMAT), timestamp_ns=now_ns(), iter=self.iteration,
+            timestamp=now.strftime(STATS_TIME_FORMAT), timestamp_ns=end_ns if end_ns is not None else now_ns(), iter=self.iteration,
             iter_latency_ms=latency_ms,
             num_active_requests=num_active, max_num_active_requests=self.max_batch_size,
             num_queued_requests=num_queued,
