@@ -14,8 +14,11 @@ integrations/finegrained_fp8.py runs the same one):
   block's dot of E4M3 values accumulated in float32, scaled, and added in float32; returned in x's
   dtype.
 
-Paths: on CUDA ``quantize_groups_triton`` (the rounding of ``quantize_groups``) and one Triton GEMM
-(``fp8_block_linear_triton``) whose K step is one 128-column block, so both scales apply once per
+Paths: on CUDA at decode rows (at most 16), for a weight the engine's load timed it faster on
+(kernels/fp8_block_choice.py), kernels/fp8_block_skinny.py: the E4M3 weight widened in registers and
+the activations unquantized (those rows are weight-read bound: quantizing them and the FP8 dot bought
+nothing, see there). Otherwise on CUDA ``quantize_groups_triton`` (the rounding of ``quantize_groups``)
+and one Triton GEMM (``fp8_block_linear_triton``) whose K step is one 128-column block, so both scales apply once per
 step; from CUBLAS_BLOCK_SCALED_MIN_ROWS rows cuBLAS's own block-scaled GEMM (``fp8_block_linear_cublas``,
 torch._scaled_mm with 1 x 128 and 128 x 128 scales, CUDA 12.9+ on Hopper), which keeps the tensor
 cores' accumulator running where the Triton GEMM's per-step scaling stops it (prefill-size rows
@@ -39,8 +42,9 @@ import torch.nn.functional as F
 from kernels._triton import dense, jit, num_sms, tl, triton, use_triton
 from kernels.e4m3_rows import e4m3_row_scale, to_e4m3
 from kernels.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE
+from kernels.fp8_block_skinny import SCALE_BLOCK, fp8_block_skinny_triton, skinny_options, skinny_variant
 
-BLOCK = 128  # the checkpoints' weight_block_size [128, 128]; activation groups are 1 x BLOCK
+BLOCK = SCALE_BLOCK  # the checkpoints' weight_block_size [128, 128] (128); activation groups are 1 x BLOCK
 
 
 def blocks(size: int) -> int:
@@ -301,11 +305,18 @@ def _dequantize_for_cublas(rows: int, n: int, block_scaled: bool) -> bool:
 
 def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                      bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x (..., K) @ the block-dequantized weight (N, K).T (+ bias): on CUDA the Triton block GEMM,
-    from CUBLAS_BLOCK_SCALED_MIN_ROWS rows cuBLAS's block-scaled GEMM, and the dequantized weight on
-    bf16 cuBLAS where _dequantize_for_cublas says; else the reference."""
+    """x (..., K) @ the block-dequantized weight (N, K).T (+ bias): on CUDA, decode rows (at most
+    MAX_SKINNY_ROWS) of a weight marked at engine load on the skinny kernel with the activations
+    unquantized (kernels/fp8_block_skinny.py), else the Triton block GEMM, from
+    CUBLAS_BLOCK_SCALED_MIN_ROWS rows cuBLAS's block-scaled GEMM, and the dequantized weight on bf16
+    cuBLAS where _dequantize_for_cublas says; else the reference."""
     if use_triton(x) and x.stride(-1) == 1:
         rows = x.numel() // x.shape[-1]
+        flat = x.reshape(rows, x.shape[-1])
+        variant = skinny_variant(flat, weight)  # marked at load where it timed faster (kernels/fp8_block_choice.py)
+        if variant:
+            return fp8_block_skinny_triton(flat, weight, weight_scale, bias, **skinny_options(variant)).reshape(
+                *x.shape[:-1], weight.shape[0])
         block_scaled = cublas_block_scaled_supported(x, weight)
         if _dequantize_for_cublas(rows, weight.shape[0], block_scaled) and x.dtype in (torch.bfloat16, torch.float16):
             return F.linear(x, dequantize_blocks_triton(weight, weight_scale, x.dtype), bias)

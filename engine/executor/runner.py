@@ -38,6 +38,7 @@ from kernels.attention import KV_FP8_DTYPE
 from kernels.attention_metadata import AttentionMetadata, pack_tree_mask
 from kernels.triton_attention import prefill_tokens_per_tile
 from kernels.fp8 import FP8_DTYPE, choose_fp8_scaling, choose_fp8_skinny_variants
+from kernels.fp8_block_choice import choose_fp8_block_skinny
 from kernels.int8_gemm import choose_int8_gemm_tilings, int8_gemm_row_counts
 from kernels.int8_sq import choose_int8_skinny_variants
 from kernels.linear import choose_activated_weights, choose_gated_weights, choose_skinny_weights
@@ -408,7 +409,14 @@ class ModelRunner:
                                       for shape, choice in choose_activated_weights(weights, activation).items()})
         fp8_gate_ups = [layer.gate_up_proj.weight for layer in getattr(self.model, "layers", [])
                         if hasattr(layer, "gate_up_proj") and layer.gate_up_proj.weight.dtype == FP8_DTYPE]
-        fp8_plain = [w for w in linears if w.dtype == FP8_DTYPE and not any(w is g for g in fp8_gate_ups)]
+        # block-FP8 layers (every family's, through Linear): the skinny kernel without activation quantization at
+        # decode rows where it times faster than quantize + block GEMM (kernels/fp8_block_skinny.py)
+        block_fp8 = [m.weight for m in self.model.modules()
+                     if isinstance(m, Linear) and m.block_scales and m.weight.dtype == FP8_DTYPE]
+        self.gemm_choices.update({("fp8_block_skinny",) + shape: report
+                                  for shape, report in choose_fp8_block_skinny(block_fp8, self.dtype).items()})
+        fp8_plain = [w for w in linears if w.dtype == FP8_DTYPE and not any(w is g for g in fp8_gate_ups)
+                     and not any(w is b for b in block_fp8)]  # (per-channel tilings: block-FP8 weights never read them)
         fp8 = choose_fp8_skinny_variants(fp8_plain, gated=fp8_gate_ups)
         self.gemm_choices.update({("fp8",) + key: {"variant": variant} for key, variant in fp8.items()})
         int8_gate_ups = [layer.gate_up_proj.weight for layer in getattr(self.model, "layers", [])

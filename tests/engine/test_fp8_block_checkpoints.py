@@ -253,3 +253,52 @@ def test_block_checkpoint_engine_on_cuda_with_decode_graphs(tmp_path, family):
     rows += [session.step([(0, [token])])[0][0].cpu() for token in IDS[12:]]
     got = torch.stack(rows)
     assert ((got - reference).norm() / reference.norm()).item() < (0.06 if family == "llama" else 0.10)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("family", ["llama", "qwen3_moe"])
+def test_bf16_block_engine_decodes_on_the_unquantized_skinny_kernel(tmp_path, family, monkeypatch):
+    """A bf16 engine whose block-FP8 products of decode rows run kernels/fp8_block_skinny.py (every such weight
+    marked with one split-K tiling in place of the load's timing, which may keep the block GEMM for these tiny
+    shapes): its decode graphs call the kernel, and the logits stay within the float32 engine's bounds above."""
+    from engine.executor import runner as runner_module
+    from engine.executor.runner import ModelRunner
+    from engine.models.layers import Linear
+    from engine_testing import PagedSession
+    from kernels import fp8_block
+    from kernels.fp8_block_skinny import VARIANT_ATTR
+
+    marked, calls = [], []
+
+    def mark_all(weights, dtype):
+        for weight in weights:
+            setattr(weight, VARIANT_ATTR, (32, 128, 4, 6, 4))
+            marked.append(weight)
+        return {}
+
+    real_kernel = fp8_block.fp8_block_skinny_triton
+
+    def counted(*args, **kwargs):  # the real kernel, its calls counted (graph captures run it too)
+        calls.append(args[0].shape[0])
+        return real_kernel(*args, **kwargs)
+
+    monkeypatch.setattr(runner_module, "choose_fp8_block_skinny", mark_all)
+    monkeypatch.setattr(fp8_block, "fp8_block_skinny_triton", counted)
+    model, _, _ = write_block_checkpoint(str(tmp_path / "ckpt"), family)
+    assert build_main(["--checkpoint", str(tmp_path / "ckpt"), "--output", str(tmp_path / "engine"),
+                       "--dtype", "bfloat16", "--max_batch_size", "4", "--max_input_len", "64", "--max_seq_len",
+                       "64", "--max_num_tokens", "64", "--tokens_per_block", "4"]) == 0
+    with torch.no_grad():
+        reference = model(torch.tensor([IDS])).logits[0]
+    runner = ModelRunner(str(tmp_path / "engine"), device="cuda")
+    session = PagedSession(runner, num_blocks=16)
+    runner.capture_cuda_graphs()
+    block_layers = [m for m in runner.model.modules() if isinstance(m, Linear) and m.block_scales
+                    and m.weight.dtype == FP8_DTYPE]
+    assert block_layers and all(any(m.weight is w for w in marked) for m in block_layers)
+    assert calls and max(calls) <= 16  # rows past MAX_SKINNY_ROWS (prefill buckets) keep the other paths
+    rows = list(session.step([(0, IDS[:12])])[0].float().cpu())
+    rows += [session.step([(0, [token])])[0][0].float().cpu() for token in IDS[12:]]
+    got = torch.stack(rows)
+    assert ((got - reference).norm() / reference.norm()).item() < (0.06 if family == "llama" else 0.10)
