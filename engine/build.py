@@ -80,6 +80,11 @@ from kernels.fp8_block import blocks, quantize_blocks
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
+# Families that take integer weights but not engine/weight_only/awq.py's calibration (its layer plan reads
+# transformers' Llama-style ``mlp``; Llama 4's MoE layers hold ``feed_forward`` and stacked experts).
+AWQ_UNCALIBRATED = ("Llama4ForCausalLM",)
+
+
 def check_quantization_supported(model: ModelConfig, build: BuildConfig) -> None:
     """ConfigError naming the families that take ``build.quantization`` when this one does not."""
     if build.quantization is None:
@@ -419,6 +424,9 @@ def build_from_hf(hf_config, get: TensorGetter, tokenizer, output_dir: str, buil
         build = resolve_group_size(build, model)
     check_quantization_supported(model, build)  # before any calibration runs
     if build.quantization == "int4_awq" and integer_quant is None:
+        if model.architecture in AWQ_UNCALIBRATED:
+            raise ConfigError(f"int4_awq calibration is not built for {model.architecture}; use --quantization int4_wo "
+                              "(round to nearest), or build an AWQ / GPTQ / compressed-tensors checkpoint as shipped")
         get = awq_getter(hf_config, get, tokenizer, build, calibration_tokens, source)
         extra["source_quantization"] = "AWQ scales calibrated at build (engine/weight_only/awq.py)"
     if build.quantization == INT8_SQ and strategy is None:

@@ -75,7 +75,8 @@ MODEL_FAMILIES = (
                 "Llama 4 Scout, Maverick: the text model, also of Llama4ForConditionalGeneration checkpoints "
                 "(chunked local attention on rope layers, global NoPE layers with temperature tuning, q/k L2 norm, "
                 "MoE layers interleaved with dense ones: top-1 sigmoid routing and a shared expert; FP8 per channel "
-                "or per block, Meta's compressed-tensors FP8 checkpoints as shipped)", fp8=True),
+                "or per block, Meta's compressed-tensors FP8 checkpoints as shipped; INT4 / INT8 weight-only, "
+                "compressed-tensors W4A16 checkpoints as shipped)", fp8=True, weight_only=True),
     # The configurable decoder (engine/models/decoder.py): each family is a set of block options.
     ModelFamily("GPTNeoXForCausalLM", "engine.models.decoder", "DecoderForCausalLM",
                 "GPT-NeoX-20B, Pythia (partial rotary, parallel or sequential residual, LayerNorm, biases)",

@@ -33,16 +33,25 @@ rounding there would send tokens to other experts; FP8 checkpoints leave it unqu
 score scales each routed row before the experts quantize it, as in the model dtype. Decode steps of the token counts the
 runner's load-time choice marked (decode_experts, kernels/moe_gemv_choice.py) take kernels/moe_gemv.py's
 two GEMV launches instead of the grouped kernels, in either dtype.
+
+Integer weight-only (``quantization`` a WeightOnlyScheme: ``int4_wo`` / ``int8_wo`` round-to-nearest at build, or
+AWQ / GPTQ / compressed-tensors pack-quantized checkpoints as shipped): the attention and dense MLP linears and the
+shared expert are integer Linears (kernels/wna16.py), the routed experts integer stacks as engine/models/moe.py
+holds them (``moe.gate_up_proj`` uint8 (E, 2 I_r, stored hidden) with ``_scale`` float32 / ``_zero`` uint8
+(E, 2 I_r, groups of hidden); ``moe.down_proj`` likewise over I_r), run by kernels/fused_moe_wna16.py's grouped
+kernels on the same T * K input-scaled rows with weight 1 (the dequantized experts through kernels/fused_moe.py
+on CPU), and, 4-bit, kernels/moe_gemv.py's GEMV pair at the decode row counts the load-time choice marked; the
+router and the lm_head stay in the model dtype.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from engine.config import FP8_QUANTIZATIONS, ConfigError, ModelConfig
+from engine.config import FP8_QUANTIZATIONS, ConfigError, ModelConfig, WeightOnlyScheme
 from engine.models.layers import Linear, qkv_heads, tp_all_reduce
 from engine.models.llama import LlamaForCausalLM
-from engine.models.moe import MoeLayer
+from engine.models.moe import MoeLayer, prepare_integer_experts
 from kernels._triton import use_triton
 from kernels.activation import silu_and_mul
 from kernels.attention import paged_attention, write_kv_cache
@@ -52,8 +61,10 @@ from kernels.fp8 import FP8_DTYPE
 from kernels.fp8_block import blocks
 from kernels.fused_moe import fused_moe, warm_up_token_counts
 from kernels.fused_moe_fp8 import fused_moe_fp8
+from kernels.fused_moe_wna16 import WNA16Experts, fused_moe_wna16_triton, gemv_quantization
 from kernels.moe_gemv import GemvExperts, gemv_tiles, moe_gemv_triton
 from kernels.rotary import apply_rotary
+from kernels.wna16 import stored_columns
 
 
 def _parameter(*shape: int, dtype: torch.dtype, device) -> nn.Parameter:
@@ -62,10 +73,15 @@ def _parameter(*shape: int, dtype: torch.dtype, device) -> nn.Parameter:
 
 class Llama4Experts(nn.Module):
     """Router, routed experts (input-scaled) and the shared expert of one MoE layer, for one rank.
-    ``fp8``: None (the model dtype), "fp8" or "fp8_block" (module docstring)."""
+    ``fp8``: None (the model dtype), "fp8" or "fp8_block"; or ``weight_only``: integer experts and shared
+    expert (module docstring)."""
 
-    def __init__(self, config: ModelConfig, *, tp_size: int, tp_group, dtype, device, fp8: str | None = None):
+    def __init__(self, config: ModelConfig, *, tp_size: int, tp_group, dtype, device, fp8: str | None = None,
+                 weight_only: WeightOnlyScheme | None = None):
         super().__init__()
+        assert fp8 is None or weight_only is None
+        self.weight_only = weight_only  # prepare_weights() (engine/models/layers.py) finds integer modules by this
+        self.experts: tuple[WNA16Experts, WNA16Experts] | None = None  # prepare_weights(): (gate_up, down)
         hidden, experts = config.hidden_size, config.num_experts
         inter_local = config.moe_intermediate_size // tp_size
         self.top_k = config.num_experts_per_tok
@@ -73,15 +89,29 @@ class Llama4Experts(nn.Module):
         self.dtype = dtype
         self.router = Linear(hidden, experts, bias=False, dtype=dtype, device=device)  # model dtype in every scheme
         for name, (rows, cols) in {"gate_up_proj": (2 * inter_local, hidden), "down_proj": (hidden, inter_local)}.items():
+            if weight_only is not None:  # engine/models/moe.py SparseMoeBlock's integer stacks
+                groups = weight_only.groups(cols)
+                setattr(self, name, _parameter(experts, rows, stored_columns(cols, weight_only.bits), dtype=torch.uint8,
+                                               device=device))
+                setattr(self, name + "_scale", _parameter(experts, rows, groups, dtype=torch.float32, device=device))
+                setattr(self, name + "_zero", _parameter(experts, rows, groups, dtype=torch.uint8, device=device))
+                continue
             setattr(self, name, _parameter(experts, rows, cols, dtype=FP8_DTYPE if fp8 else dtype, device=device))
             if fp8 is not None:
                 scale = (rows,) if fp8 == "fp8" else (blocks(rows), blocks(cols))
                 setattr(self, name + "_scale", _parameter(experts, *scale, dtype=torch.float32, device=device))
         shared_local = config.n_shared_experts * config.moe_intermediate_size // tp_size
+        quantization = fp8 or weight_only
         self.shared_gate_up_proj = Linear(hidden, 2 * shared_local, bias=False, dtype=dtype, device=device,
-                                          quantization=fp8)
+                                          quantization=quantization)
         self.shared_down_proj = Linear(shared_local, hidden, bias=False, dtype=dtype, device=device,
-                                       quantization=fp8)  # partial sum
+                                       quantization=quantization)  # partial sum
+
+    @torch.no_grad()
+    def prepare_weights(self) -> None:
+        """Integer experts -> kernels/fused_moe_wna16.py's layout (engine/models/moe.py prepare_integer_experts);
+        a no-op for model-dtype and FP8 experts."""
+        prepare_integer_experts(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (T, hidden) -> (T, hidden), all-reduced over ranks."""
@@ -97,6 +127,8 @@ class Llama4Experts(nn.Module):
     def routed_experts(self, rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """rows (R, hidden), each for the one expert of ids (R, 1) with weight 1 -> (R, hidden): the GEMV pair at
         the row counts the load-time choice marked on gate_up (decode steps), else the grouped kernels."""
+        if self.weight_only is not None:
+            return self._integer_experts(rows, ids)
         fp8 = self.gate_up_proj.dtype == FP8_DTYPE
         scales = dict(gate_up_scale=self.gate_up_proj_scale, down_scale=self.down_proj_scale) if fp8 else {}
         ones = torch.ones(rows.shape[0], 1, dtype=torch.float32, device=rows.device)
@@ -108,9 +140,30 @@ class Llama4Experts(nn.Module):
                                  self.down_proj_scale, ones, ids)
         return fused_moe(rows, self.gate_up_proj, self.down_proj, ones, ids)
 
-    def gemv_experts(self) -> GemvExperts:
+    def _integer_experts(self, rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """routed_experts for integer experts: the dequantized experts through kernels/fused_moe.py's reference
+        where the kernels' layout is absent (CPU), else (4 bits, decode row counts the load-time choice marked)
+        the GEMV pair or kernels/fused_moe_wna16.py's grouped kernels, with the routing given."""
+        self.prepare_weights()
+        gate_up, down = self.experts
+        ones = torch.ones(rows.shape[0], 1, dtype=torch.float32, device=rows.device)
+        if not (use_triton(rows) and gate_up.kernel):
+            return fused_moe(rows, gate_up.dense, down.dense, ones, ids)
+        if gate_up.bits == 4 and (tiles := gemv_tiles(gate_up.kernel["weight"], rows.shape[0])) is not None:
+            return moe_gemv_triton(rows, gate_up.kernel["weight"], down.kernel["weight"], top_k=1, topk_weights=ones,
+                                   topk_ids=ids, tiles=tiles, **gemv_quantization(gate_up, down))
+        return fused_moe_wna16_triton(rows, gate_up, down, ones, ids)
+
+    def gemv_experts(self) -> GemvExperts | None:
         """These experts as the runner's decode choice times them: one expert a row (the rows are the T * K
-        input-scaled copies routed_experts receives)."""
+        input-scaled copies routed_experts receives); integer experts once in the kernels' layout and 4-bit
+        (the GEMV takes no other), else None."""
+        if self.weight_only is not None:
+            if self.experts is None or not self.experts[0].kernel or self.weight_only.bits != 4:
+                return None
+            gate_up, down = self.experts
+            return GemvExperts(gate_up.kernel["weight"], down.kernel["weight"], 1, self.dtype,
+                               **gemv_quantization(gate_up, down), wna16=self.experts)
         fp8 = self.gate_up_proj.dtype == FP8_DTYPE
         return GemvExperts(self.gate_up_proj, self.down_proj, 1, self.dtype,
                            self.gate_up_proj_scale if fp8 else None, self.down_proj_scale if fp8 else None)
@@ -135,7 +188,9 @@ class Llama4Layer(MoeLayer):
                               quantization=quantization)
             return
         fp8 = quantization if quantization in FP8_QUANTIZATIONS else None
-        self.moe = Llama4Experts(config, tp_size=tp_size, tp_group=tp_group, dtype=dtype, device=device, fp8=fp8)
+        weight_only = quantization if isinstance(quantization, WeightOnlyScheme) else None
+        self.moe = Llama4Experts(config, tp_size=tp_size, tp_group=tp_group, dtype=dtype, device=device, fp8=fp8,
+                                 weight_only=weight_only)
 
     def _l2_normed(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float()
@@ -162,7 +217,7 @@ class Llama4Layer(MoeLayer):
 
 class Llama4ForCausalLM(LlamaForCausalLM):
     """Llama 4 text for one tensor-parallel rank; weights in the model dtype, or ``quantization`` "fp8" /
-    "fp8_block" (module docstring)."""
+    "fp8_block" or an integer WeightOnlyScheme (module docstring)."""
 
     layer_class = Llama4Layer
     supports_prefill_graphs = False  # not checked against eager in a mixed-step graph yet
@@ -171,10 +226,12 @@ class Llama4ForCausalLM(LlamaForCausalLM):
     def __init__(self, config: ModelConfig, *, tp_rank: int = 0, tp_size: int = 1, tp_group=None,
                  dtype: torch.dtype = torch.float32, device=None, max_positions: int | None = None,
                  quantization=None):
-        if quantization is not None and quantization not in FP8_QUANTIZATIONS:
+        takes = quantization is None or quantization in FP8_QUANTIZATIONS or isinstance(quantization, WeightOnlyScheme)
+        if not takes:
             raise ConfigError(f"quantization {quantization!r} is not supported for {config.architecture}; allowed: "
-                              f"{', '.join(FP8_QUANTIZATIONS)} (FP8 linears and experts, the router in the model "
-                              "dtype) or none")
+                              f"{', '.join(FP8_QUANTIZATIONS)} (FP8 linears and experts), an integer weight-only "
+                              "scheme (int4_wo, int8_wo, or an AWQ / GPTQ / compressed-tensors checkpoint's), both "
+                              "with the router in the model dtype, or none")
         super().__init__(config, tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group, dtype=dtype, device=device,
                          max_positions=max_positions, quantization=quantization)
 
@@ -196,4 +253,5 @@ class Llama4ForCausalLM(LlamaForCausalLM):
     def decode_experts(self) -> list[GemvExperts]:
         """Each MoE layer's routed experts for the runner's load-time choice (engine/executor/runner.py,
         kernels/moe_decode_tiles.py): per decode row count, the grouped path or kernels/moe_gemv.py's GEMV pair."""
-        return [layer.moe.gemv_experts() for layer in self.layers if isinstance(layer.moe, Llama4Experts)]
+        found = [layer.moe.gemv_experts() for layer in self.layers if isinstance(layer.moe, Llama4Experts)]
+        return [experts for experts in found if experts is not None]

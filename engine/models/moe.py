@@ -119,16 +119,7 @@ class SparseMoeBlock(nn.Module):
     def prepare_weights(self) -> None:
         """Integer experts -> the kernels' layout (kernels/fused_moe_wna16.py); the stored tensors
         are then released on CUDA. A no-op for model-dtype experts."""
-        if self.weight_only is None or self.experts is not None:
-            return
-        self.experts = tuple(prepare_wna16_experts(getattr(self, name), getattr(self, name + "_scale"),
-                                                   getattr(self, name + "_zero"), self.weight_only.bits, self.dtype)
-                             for name in ("gate_up_proj", "down_proj"))
-        if self.gate_up_proj.is_cuda:
-            for name in ("gate_up_proj", "down_proj"):
-                for suffix in ("", "_scale", "_zero"):
-                    setattr(self, name + suffix, nn.Parameter(getattr(self, name + suffix).new_empty(0),
-                                                              requires_grad=False))
+        prepare_integer_experts(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (num_tokens, hidden) -> the routed experts' output (num_tokens, hidden); on one rank
@@ -201,6 +192,24 @@ class SparseMoeBlock(nn.Module):
 
 def _parameter(*shape: int, dtype: torch.dtype, device) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+@torch.no_grad()
+def prepare_integer_experts(block: nn.Module) -> None:
+    """A block of integer experts (SparseMoeBlock's stored tensors: gate_up_proj / down_proj with _scale and
+    _zero, ``weight_only``, ``dtype``; Llama 4's too) -> ``block.experts``, the (gate_up, down) WNA16Experts pair
+    in kernels/fused_moe_wna16.py's layout; the stored tensors are then released on CUDA. A no-op where
+    ``block.weight_only`` is None or it already ran."""
+    if block.weight_only is None or block.experts is not None:
+        return
+    block.experts = tuple(prepare_wna16_experts(getattr(block, name), getattr(block, name + "_scale"),
+                                                getattr(block, name + "_zero"), block.weight_only.bits, block.dtype)
+                          for name in ("gate_up_proj", "down_proj"))
+    if block.gate_up_proj.is_cuda:
+        for name in ("gate_up_proj", "down_proj"):
+            for suffix in ("", "_scale", "_zero"):
+                setattr(block, name + suffix, nn.Parameter(getattr(block, name + suffix).new_empty(0),
+                                                           requires_grad=False))
 
 
 class MoeLayer(LlamaLayer):

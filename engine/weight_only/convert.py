@@ -18,8 +18,9 @@ row reorders) by converting stand-ins shaped like the weight: the codes (N, K) t
 scales and zeros (N, groups), and with act-order the permutation repeated on every row. Every
 fuse concatenates rows and every split cuts rows or columns, so each stand-in lands where its
 weight lands. A per-channel scale (N, 1) stands in widened to (N, tp_size), so a row-parallel
-split leaves each rank its (N, 1). Parts a checkpoint left unquantized stand in as NaN; an engine
-tensor with any NaN part is quantized afresh from the dequantized conversion (printed).
+split leaves each rank its (N, 1). Parts a checkpoint left unquantized stand in as NaN (a float
+3-D stack of experts too); an engine tensor with any NaN part is quantized afresh from the
+dequantized conversion (printed).
 
 Act-order (GPTQ ``desc_act``): a layer's groups are sets of input columns named by ``g_idx``. The
 codes are stored sorted by group (``perm = argsort(g_idx)``, so each group is contiguous again) and
@@ -148,6 +149,11 @@ class CheckpointStandIns:
         if module is not None:
             return quantized(self._read(module))
         raw = self.get(name)
+        if raw.dim() == 3 and raw.is_floating_point():
+            # A stack of experts the checkpoint left unquantized (a Parameter, not Linears: Llama 4's
+            # experts.gate_up_proj, which compressed-tensors cannot quantize): NaN in every stand-in, so the
+            # engine's expert block is quantized afresh. Expanded, so the stand-in holds no memory of its own.
+            return torch.tensor(float("nan")).expand(raw.shape)
         if raw.dim() != 2 or not name.endswith(".weight"):
             return raw
         return unquantized(*raw.shape)
