@@ -72,7 +72,7 @@ from engine.vision.encoder_dir import VISION_ENCODER_DIR, write_vision_encoder
 from engine.vision.registry import vision_family
 from engine.weight_only.checkpoint_formats import QuantizedLinearReader, checkpoint_weight_quant
 from engine.weight_only.convert import (CheckpointStandIns, build_time_quantize, checkpoint_integer_weights,
-                                       resolve_group_size)
+                                       resolve_group_size, unquantized_linears)
 from kernels.fp8 import quantize_weight
 from kernels.int8_sq import quantize_weight_int8
 from kernels.fp8_block import blocks, quantize_blocks
@@ -83,6 +83,23 @@ TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": 
 # Families that take integer weights but not engine/weight_only/awq.py's calibration (its layer plan reads
 # transformers' Llama-style ``mlp``; Llama 4's MoE layers hold ``feed_forward`` and stacked experts).
 AWQ_UNCALIBRATED = ("Llama4ForCausalLM",)
+
+
+# Families whose model holds in --dtype the Linears an integer checkpoint left unquantized
+# (WeightOnlyScheme.float_linears); elsewhere those are quantized at build, round to nearest.
+FLOAT_LINEAR_FAMILIES = ("Llama4ForCausalLM",)
+
+
+def with_float_linears(build: BuildConfig, model: ModelConfig, stand_ins: CheckpointStandIns) -> BuildConfig:
+    """``build`` with ``quant_float_linears``: the Linear weights the integer checkpoint left wholly unquantized
+    (its ignore list: Llama 4 W4A16's attention), which the engine then holds in --dtype as the checkpoint has
+    them instead of rounding them to the scheme's bits (said on stderr)."""
+    floats = unquantized_linears(stand_ins, model, build.tp_size, expected_tensor_names(model, build))
+    if not floats:
+        return build
+    print(f"note: {len(floats)} linear weights the checkpoint leaves unquantized keep --dtype {build.dtype}: "
+          f"{', '.join(floats[:4])}{', ...' if len(floats) > 4 else ''}", file=sys.stderr)
+    return dataclasses.replace(build, quant_float_linears=floats).validate()
 
 
 def check_quantization_supported(model: ModelConfig, build: BuildConfig) -> None:
@@ -419,6 +436,8 @@ def build_from_hf(hf_config, get: TensorGetter, tokenizer, output_dir: str, buil
         extra["source_quantization"] = integer_quant.describe()
         reader = QuantizedLinearReader(get, integer_quant)
         integer_source = CheckpointStandIns(reader, get, build.weight_only, build.tp_size)
+        if model.architecture in FLOAT_LINEAR_FAMILIES and build.pp_size == 1:
+            build = with_float_linears(build, model, integer_source)
         get = reader.dequantized_getter()
     else:
         build = resolve_group_size(build, model)

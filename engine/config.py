@@ -527,11 +527,14 @@ class ModelConfig:
 class WeightOnlyScheme:
     """Integer weight-only linear layers (kernels/wna16.py): ``bits`` 4 or 8, ``group_size`` input
     columns per scale and zero (0: one group per output row, i.e. the layer's whole K), and
-    ``act_order``: layers hold an ``input_perm`` that reorders their input columns into group order."""
+    ``act_order``: layers hold an ``input_perm`` that reorders their input columns into group order.
+    ``float_linears``: engine names of Linear weights (``layers.3.qkv_proj.weight``) an integer checkpoint left
+    unquantized, which the model holds in its dtype (the families whose model class says so: Llama 4)."""
 
     bits: int
     group_size: int
     act_order: bool = False
+    float_linears: tuple[str, ...] = ()
 
     def groups(self, in_features: int) -> int:
         """Scale groups per row of a layer with ``in_features`` input columns (on this rank)."""
@@ -577,6 +580,9 @@ class BuildConfig:
     # an ``input_perm`` (a GPTQ act-order checkpoint's group order, engine/weight_only/convert.py).
     quant_group_size: int | None = None
     quant_act_order: bool = False
+    # Integer checkpoints: engine names of the Linear weights the checkpoint left unquantized, held in ``dtype``
+    # (WeightOnlyScheme.float_linears; set by the build for the families that take it); None: every linear integer.
+    quant_float_linears: list[str] | None = None
     # None: the KV pool in ``dtype``. "fp8": K and V stored as FP8 E4M3 (scale 1, saturating at
     # +-448), half the bytes per block; the executor's kv_cache_dtype may override it.
     kv_cache_dtype: str | None = None
@@ -605,6 +611,8 @@ class BuildConfig:
                  f"unsupported quant_group_size {self.quant_group_size}; supported: "
                  f"{', '.join(map(str, WEIGHT_ONLY_GROUP_SIZES[1:]))} or 0 (per output channel)")
         _require(not self.quant_act_order or weight_only, "quant_act_order applies only to integer weight-only schemes")
+        _require(self.quant_float_linears is None or weight_only,
+                 "quant_float_linears applies only to integer weight-only schemes")
         return self
 
     @property
@@ -614,7 +622,8 @@ class BuildConfig:
             return None
         bits = WEIGHT_ONLY_BITS[self.quantization]
         group = DEFAULT_GROUP_SIZE[bits] if self.quant_group_size is None else self.quant_group_size
-        return WeightOnlyScheme(bits=bits, group_size=group, act_order=self.quant_act_order)
+        return WeightOnlyScheme(bits=bits, group_size=group, act_order=self.quant_act_order,
+                                float_linears=tuple(self.quant_float_linears or ()))
 
     @property
     def world_size(self) -> int:
@@ -622,10 +631,11 @@ class BuildConfig:
         return self.tp_size * self.pp_size
 
     def to_dict(self) -> dict[str, Any]:
-        """asdict, without pp_layers when unset (the even split): a config.json an older reader takes."""
+        """asdict, without pp_layers and quant_float_linears when unset: a config.json an older reader takes."""
         data = asdict(self)
-        if data["pp_layers"] is None:
-            del data["pp_layers"]
+        for name in ("pp_layers", "quant_float_linears"):
+            if data[name] is None:
+                del data[name]
         return data
 
     @classmethod

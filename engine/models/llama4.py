@@ -41,7 +41,8 @@ holds them (``moe.gate_up_proj`` uint8 (E, 2 I_r, stored hidden) with ``_scale``
 (E, 2 I_r, groups of hidden); ``moe.down_proj`` likewise over I_r), run by kernels/fused_moe_wna16.py's grouped
 kernels on the same T * K input-scaled rows with weight 1 (the dequantized experts through kernels/fused_moe.py
 on CPU), and, 4-bit, kernels/moe_gemv.py's GEMV pair at the decode row counts the load-time choice marked; the
-router and the lm_head stay in the model dtype.
+router and the lm_head stay in the model dtype, and so do the Linears an integer checkpoint left unquantized
+(``WeightOnlyScheme.float_linears``: llm-compressor's Llama 4 W4A16 recipe leaves the attention in bf16).
 """
 from __future__ import annotations
 
@@ -234,6 +235,14 @@ class Llama4ForCausalLM(LlamaForCausalLM):
                               "with the router in the model dtype, or none")
         super().__init__(config, tp_rank=tp_rank, tp_size=tp_size, tp_group=tp_group, dtype=dtype, device=device,
                          max_positions=max_positions, quantization=quantization)
+        if isinstance(quantization, WeightOnlyScheme):
+            for name in quantization.float_linears:  # Linears an integer checkpoint left unquantized: in ``dtype``
+                path, _, _ = name.rpartition(".")
+                owner, _, attribute = path.rpartition(".")
+                integer = self.get_submodule(path)
+                setattr(self.get_submodule(owner), attribute,
+                        Linear(integer.in_features, integer.out_features, bias=integer.bias is not None, dtype=dtype,
+                               device=device))
 
     @torch.inference_mode()
     def warm_up_kernels(self, max_tokens: int = 8192) -> None:

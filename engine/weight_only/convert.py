@@ -218,6 +218,16 @@ def checkpoint_integer_weights(stand_ins: CheckpointStandIns, model: ModelConfig
     return out
 
 
+def unquantized_linears(stand_ins: CheckpointStandIns, model: ModelConfig, tp_size: int,
+                        names: list[str]) -> list[str]:
+    """The integer engine names among ``names`` that are Linear weights (``.weight``) none of whose parts the
+    checkpoint quantized: their code stand-ins are NaN throughout (on rank 0, so on every rank: the same
+    modules split). A fused weight of quantized and unquantized parts is not among them."""
+    linears = [name for name in integer_tensor_names(names) if name.endswith(".weight")]
+    codes = _converted(stand_ins.codes, model, 0, tp_size, linears)
+    return [name for name in linears if bool(torch.isnan(codes[name]).all())]
+
+
 def _nan(rows: int, columns: int) -> torch.Tensor:
     """The stand-in of a part the checkpoint left unquantized."""
     return torch.full((rows, columns), float("nan"))
