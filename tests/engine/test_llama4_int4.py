@@ -248,9 +248,10 @@ def test_w4a16_checkpoint_splits_exactly_over_two_ranks(w4a16_checkpoint, tmp_pa
 
 def test_scouts_recipe_keeps_the_attention_it_ignores_in_the_model_dtype(tmp_path, capsys):
     """llm-compressor's Llama 4 W4A16 recipe (RedHatAI's Scout) leaves the attention unquantized: the engine
-    holds q/k/v and o_proj in --dtype as the checkpoint has them (said on stderr; recorded in the build config),
-    everything else with the checkpoint's codes, so its logits are transformers' decompressed model's up to that
-    model's bf16 weights (measured 0.060-0.063% over model seeds 0-2, every argmax the same; bound 1%)."""
+    holds q/k/v and o_proj in --dtype as the checkpoint has them (said on stderr; recorded in the build config;
+    at --tp_size 2 split like float Linears, each rank's tensors the shapes its model declares), everything else
+    with the checkpoint's codes, so its logits are transformers' decompressed model's up to that model's bf16
+    weights (measured 0.060-0.063% over model seeds 0-2, every argmax the same; bound 1%)."""
     _, expected, reference = write_compressed_tensors_w4a16(str(tmp_path / "ckpt"), llama4_of_trained_scale(seed=2),
                                                             unquantized=("self_attn",))
     assert build_cli(str(tmp_path / "ckpt"), str(tmp_path / "engine")) == 0
@@ -264,6 +265,16 @@ def test_scouts_recipe_keeps_the_attention_it_ignores_in_the_model_dtype(tmp_pat
     assert_carried(engine, "layers.1.moe.down_proj", *stacked(expected, "model.layers.1.feed_forward.", "down"))
     got = all_logits(str(tmp_path / "engine"), IDS)
     assert relative_rms(got, transformers_decompressed_logits(str(tmp_path / "ckpt"))) < 0.01
+    assert build_cli(str(tmp_path / "ckpt"), str(tmp_path / "tp2"), "--tp_size", "2") == 0  # each rank its columns
+    tp2 = EngineConfig.load(str(tmp_path / "tp2"))
+    rank_model = Llama4ForCausalLM(tp2.model, tp_size=2, device="meta", quantization=tp2.build.weight_only)
+    declared = {name: tuple(tensor.shape) for name, tensor in rank_model.state_dict().items()}  # float Linears too
+    for rank in range(2):
+        part = load_file(f"{tmp_path}/tp2/rank{rank}.safetensors")
+        assert {name: tuple(tensor.shape) for name, tensor in part.items()} == declared
+        columns = slice(64 * rank, 64 * (rank + 1))
+        assert torch.equal(part["layers.1.o_proj.weight"], engine["layers.1.o_proj.weight"][:, columns])
+        assert part["layers.1.qkv_proj.weight"].shape == (128, 128) and "layers.1.o_proj.weight_zero" not in part
 
 
 def test_stacked_unquantized_experts_are_quantized_at_build(tmp_path, capsys):
