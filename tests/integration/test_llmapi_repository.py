@@ -1,6 +1,6 @@
 """The LLM-API model repository (all_models/llmapi) on a real tritonserver: model.yaml points at the
-embedded SmolLM2's .gguf, the engine is built into a cache under the test's tmp dir at load, and
-the anchor's documented requests answer (generate with sampling_param_max_tokens, with perf
+session's SmolLM2 engine directory (``python -m engine.build`` of the embedded .gguf: tests/conftest.py),
+served as it is, nothing built, and the anchor's documented requests answer (generate with sampling_param_max_tokens, with perf
 metrics, generate_stream), stop strings cut the text, unsupported inputs are refused by name, and
 a bad model.yaml value fails the load naming the key."""
 from __future__ import annotations
@@ -29,8 +29,11 @@ NGRAM = "speculative_config:\n  decoding_type: NGram\n  max_draft_len: 4\n  max_
 
 
 def model_yaml(model: str, extra: str = "") -> str:
+    """model.yaml of `model`; the build options (ENGINE_OPTIONS) only for a checkpoint (an engine
+    directory is served with the options it was built with)."""
+    options = "" if os.path.isdir(model) else ENGINE_OPTIONS
     return (f"model: {model}\nbackend: pytorch\ntensor_parallel_size: 1\npipeline_parallel_size: 1\n"
-            f"{ENGINE_OPTIONS}kv_cache_config:\n  enable_block_reuse: true\n{extra}"
+            f"{options}kv_cache_config:\n  enable_block_reuse: true\n{extra}"
             "triton_config:\n  max_batch_size: 0\n  decoupled: true\n")
 
 
@@ -81,9 +84,11 @@ def llmapi_server(work: Path, yaml_text: str, expect_ready: bool = True, edit_co
 
 @pytest.fixture(scope="module")
 def engine_cache(tmp_path_factory):
+    """An empty engine cache the module's servers inherit: nothing may be built into it (the engine
+    directory is served as it is), and were anything built, it would land in tmp."""
     cache = tmp_path_factory.mktemp("tritonllm_cache")
     old = os.environ.get("TRITONLLM_CACHE")
-    os.environ["TRITONLLM_CACHE"] = str(cache)  # the server inherits it: the engine lands in tmp
+    os.environ["TRITONLLM_CACHE"] = str(cache)
     yield cache
     if old is None:
         del os.environ["TRITONLLM_CACHE"]
@@ -92,22 +97,18 @@ def engine_cache(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def llmapi(smollm2_gguf, engine_cache, tmp_path_factory):
-    """The module's server: two instances without gpu_device_ids (they share one engine, and both load
-    at once on an empty cache: one builds, the other waits for that build), so every request below
-    goes through whichever instance Triton picks (a stop request may reach the other one). One server
-    for what took two (~12 s of CI)."""
-    with llmapi_server(tmp_path_factory.mktemp("llmapi"), model_yaml(smollm2_gguf, LORA + NGRAM),
+def llmapi(smollm2_engine_dir, engine_cache, tmp_path_factory):
+    """The module's server: two instances without gpu_device_ids (they share one engine), so every
+    request below goes through whichever instance Triton picks (a stop request may reach the other
+    one). One server for what took two (~12 s of CI). model.yaml names the session's engine directory:
+    until 2026-12-01 it named the .gguf and the server built its engine into the cache at load (~8 s
+    of a quiet 2-core machine, 25-43 worker-s of make test under load); the command line's GGUF build is
+    now the session engine's own (tests/conftest.py smollm2_engine_dir), and a checkpoint built into the
+    cache at load and reused by a second start is test_serve_checkpoint.py's (the same
+    serving/engine_cache.py ensure_checkpoint_engine)."""
+    with llmapi_server(tmp_path_factory.mktemp("llmapi"), model_yaml(smollm2_engine_dir, LORA + NGRAM),
                        edit_config=instances(2)) as (server, _):
         yield server
-
-
-@pytest.fixture(scope="module")
-def cached_engine(llmapi, engine_cache) -> str:
-    """The engine the llmapi server built from the .gguf into the cache."""
-    engines = [p for p in (engine_cache / "engines").iterdir() if (p / "config.json").exists()]
-    assert len(engines) == 1, engines
-    return str(engines[0])
 
 
 def generate(server, body, stream=False):
@@ -157,7 +158,8 @@ def replies(llmapi):
         return {test: [future.result() for future in test_futures] for test, test_futures in futures.items()}
 
 
-def test_generate_answers_the_documented_request_and_builds_the_engine_into_the_cache(replies, engine_cache):
+def test_generate_answers_the_documented_request_from_the_engine_directory_as_it_is(replies, llmapi, engine_cache,
+                                                                                     smollm2_engine_dir):
     response, = replies["documented"]
     assert response.status_code == 200, response.text
     body = response.json()
@@ -165,7 +167,8 @@ def test_generate_answers_the_documented_request_and_builds_the_engine_into_the_
     assert "Paris" in body["text_output"], body
     assert not body["text_output"].startswith("<|im_start|>")  # generated text only
     assert body["finish_reason"] in ("stop", "length") and body["stop_reason"] == "None"
-    assert [p.name for p in (engine_cache / "engines").iterdir() if (p / "config.json").exists()]
+    assert not (engine_cache / "engines").exists()  # nothing built: the engine directory as it is
+    assert f"serving {smollm2_engine_dir} with engine {smollm2_engine_dir}" in llmapi.log(), llmapi.log()[-3000:]
 
 
 def test_perf_metrics_come_from_the_executor(replies):
@@ -216,9 +219,9 @@ def test_stop_string_ends_the_text_before_it(replies):
 
 
 def test_greedy_text_equals_the_ensembles(replies, triton_server):
-    """The five-model repository (the session's server, whose engine engine.build made from the same .gguf,
-    float32) gives the same greedy text for the same prompt (its preprocessing/postprocessing tokenize and
-    detokenize; here the LLM-API model does). Until 2026-11-30 a second tritonserver of its own served the
+    """The five-model repository (the session's server, on the same engine directory) gives the same
+    greedy text for the same prompt (its preprocessing/postprocessing tokenize and detokenize; here the
+    LLM-API model does, with the engine directory's tokenizer). Until 2026-11-30 a second tritonserver of its own served the
     cached engine for this one request (~9-11 s of CI's make test)."""
     ours = replies["ours"][0].json()["text_output"]
     theirs = triton_server.generate("ensemble", {"text_input": PROMPT, "max_tokens": 8,
@@ -251,8 +254,8 @@ def test_a_stop_request_ends_a_stream_and_cumulative_logprob_comes_back(llmapi):
     assert all(event["cumulative_logprob"] <= 0 for event in events if "cumulative_logprob" in event)
 
 
-def test_a_lora_adapter_named_by_lora_id_name_and_path_changes_the_text(llmapi, cached_engine, tmp_path):
-    adapter = write_peft_adapter(cached_engine, tmp_path / "r8", rank=8, seed=8)
+def test_a_lora_adapter_named_by_lora_id_name_and_path_changes_the_text(llmapi, smollm2_engine_dir, tmp_path):
+    adapter = write_peft_adapter(smollm2_engine_dir, tmp_path / "r8", rank=8, seed=8)
     # 4 tokens: a random rank-8 adapter moves the logprob from the first token on. The base request runs
     # alone, as the adapted one does (not among replies' twelve): in a step of another batch size its logprob
     # could differ in the last bits without any adapter, and the test would pass with the adapter ignored.
@@ -274,10 +277,10 @@ def test_unsupported_inputs_are_refused_by_name(replies, named):
     assert named in response.json()["error"]
 
 
-def test_two_instances_without_gpu_device_ids_share_one_engine_and_answer(llmapi, engine_cache):
+def test_two_instances_without_gpu_device_ids_share_one_engine_and_answer(llmapi):
     """Triton names them tensorrt_llm_0_0 and tensorrt_llm_0_1 (the names gpu_device_ids is
-    matched by); without gpu_device_ids both relay one engine's responses (one engine built into
-    the cache: cached_engine; no stub holds torch: the stub test below)."""
+    matched by); without gpu_device_ids both relay one engine's responses (no stub holds torch: the
+    stub test below)."""
     bodies = [{"text_input": PROMPT, "sampling_param_max_tokens": 8} for _ in range(4)]
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         responses = list(pool.map(lambda body: generate(llmapi, body), bodies))
@@ -288,7 +291,6 @@ def test_two_instances_without_gpu_device_ids_share_one_engine_and_answer(llmapi
     for name in ("tensorrt_llm_0_0", "tensorrt_llm_0_1"):
         assert f"tensorrt_llm (LLM-API) instance {name}: serving" in log, log[-3000:]
     assert "on GPU(s)" not in log  # no gpu_device_ids: the shared engine
-    assert len([p for p in (engine_cache / "engines").iterdir() if (p / "config.json").exists()]) == 1
 
 
 def test_the_llmapi_stub_served_everything_above_without_torch(llmapi):
