@@ -9,7 +9,7 @@ model dequantizes the GGUF and saves a float32 copy, the first to ask for the en
 take the engine as it is.
 
 Stable names (other packages depend on them): ``smollm2_gguf``, ``smollm2_hf``,
-``smollm2_engine_dir``.
+``smollm2_engine_dir``, ``smollm2_engine_build_stderr``.
 """
 from __future__ import annotations
 
@@ -193,10 +193,12 @@ def smollm2_engine_dir(smollm2_gguf, tmp_path_factory) -> str:
     machine). Under pytest-xdist the workers share one (tests only read it): the first to get here
     builds it beside the workers' temporary folders, the others wait on its file lock and take it as
     it is. (The same engine, byte for byte but its built_at, as engine.build's build_from_hf writes
-    from ``smollm2_hf``; this worker need not load that model for it.)"""
+    from ``smollm2_hf``; this worker need not load that model for it.) What the build wrote on stderr
+    is beside it, in ``<engine dir>.build-stderr.txt`` (tests/engine/test_build_and_errors.py reads its
+    progress bar)."""
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         out = tmp_path_factory.mktemp("smollm2_engine")
-        _build_smollm2_engine(smollm2_gguf, out)
+        _build_smollm2_engine(smollm2_gguf, out, build_stderr_path(str(out)))
         return str(out)
     from filelock import FileLock
 
@@ -205,7 +207,7 @@ def smollm2_engine_dir(smollm2_gguf, tmp_path_factory) -> str:
         if not (shared / "config.json").exists():
             partial = shared.with_name(shared.name + ".partial")
             shutil.rmtree(partial, ignore_errors=True)  # a worker killed mid-build left it
-            _build_smollm2_engine(smollm2_gguf, partial)
+            _build_smollm2_engine(smollm2_gguf, partial, build_stderr_path(str(shared)))
             partial.rename(shared)  # whole or not at all: a worker killed mid-build leaves only the .partial
     return str(shared)
 
@@ -215,12 +217,26 @@ SMOLLM2_BUILD = ["--dtype", "float32", "--max_batch_size", "8", "--max_input_len
                  "--max_num_tokens", "4096", "--tokens_per_block", "16", "--tp_size", "1"]
 
 
-def _build_smollm2_engine(smollm2_gguf, out) -> None:
+def build_stderr_path(engine_dir: str) -> str:
+    """Where smollm2_engine_dir's build left its stderr: beside the engine directory, not in it."""
+    return engine_dir.rstrip("/") + ".build-stderr.txt"
+
+
+@pytest.fixture(scope="session")
+def smollm2_engine_build_stderr(smollm2_engine_dir) -> str:
+    """What ``python -m engine.build`` wrote on stderr while it built ``smollm2_engine_dir`` (exit 0)."""
+    with open(build_stderr_path(smollm2_engine_dir)) as f:
+        return f.read()
+
+
+def _build_smollm2_engine(smollm2_gguf, out, stderr_path: str) -> None:
     import subprocess
     import sys
 
     build = subprocess.run([sys.executable, "-m", "engine.build", "--checkpoint", smollm2_gguf, "--output", str(out),
                             *SMOLLM2_BUILD], capture_output=True, text=True,
                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with open(stderr_path, "w") as f:
+        f.write(build.stderr)
     assert build.returncode == 0, f"python -m engine.build --checkpoint {smollm2_gguf} failed:\n{build.stderr[-3000:]}"
     assert (out / "config.json").exists() and (out / "tokenizer.json").exists(), build.stdout
