@@ -34,6 +34,7 @@ if os.environ.get("TRITONLLM_ROOT"):  # a source checkout not installed into the
     sys.path.insert(0, os.environ["TRITONLLM_ROOT"])
 from serving.executor_config import executor_settings, to_executor_config  # noqa: E402
 from serving.inflight import InflightRequests  # noqa: E402
+from serving.loop_threads import join_by_deadline, where_blocked  # noqa: E402
 from serving.metrics import (COUNTER_FAMILIES, HISTOGRAMS, GaugeChanges, gauge_specs,  # noqa: E402
                              gauge_values, cumulative_counts)
 from serving.params import get_parameter, model_parameters  # noqa: E402
@@ -45,6 +46,10 @@ from serving.shared_engine import KEY_STRIDE, open_shared_engine, rendezvous_pat
 from serving.stub_watchdog import start_server_watchdog, stop_crash_dumps  # noqa: E402
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+# finalize: the loops' stop deadline beyond their longest period (the stop watcher's liveness request and
+# latch refresh time out after 1 s each), and an unload slow enough to log where its time went.
+LOOP_STOP_MARGIN_S = 2.5
+SLOW_UNLOAD_S = 3.0
 RESTARTS_PARAMETER = "engine_restarts"  # set by the model's own reload after an engine death
 SHUTTING_DOWN = ("the server is shutting down; this request was ended before it finished "
                  "(it had run for the shutdown grace period, graceful_shutdown_timeout_ms)")
@@ -536,10 +541,21 @@ class TritonPythonModel:
             pb_utils.Logger.log_warn(message)
 
     def finalize(self):
+        started = time.monotonic()
         self.running = False
-        for thread in self.threads:
-            thread.join(timeout=5)
+        # One deadline for the four loops, not a timeout each (serving/loop_threads.py says why): each
+        # sees `running` within its period, the stop watcher within its liveness requests' timeouts.
+        stuck = join_by_deadline(self.threads, max(self.cancellation_period, self.stats_period)
+                                 + LOOP_STOP_MARGIN_S)
+        loops_s = time.monotonic() - started
+        if stuck:  # to the log directly: a logging call through the backend could block as they do
+            print(f"tensorrt_llm: unloading without waiting for threads blocked in a call: {where_blocked(stuck)}",
+                  file=sys.__stderr__, flush=True)
         self.executor.shutdown()
+        took = time.monotonic() - started
+        if took > SLOW_UNLOAD_S:  # Ctrl-C waits for it: say where the time went
+            print(f"tensorrt_llm: finalize took {took:.1f} s (loop threads {loops_s:.1f} s, the engine process's "
+                  f"shutdown {took - loops_s:.1f} s)", file=sys.__stderr__, flush=True)
         if self.shared_engine is not None:
             self.shared_engine.release()
         if getattr(self, "reload_in_finalize", False):
