@@ -29,7 +29,7 @@ import torch
 
 from kernels._triton import dense, jit, num_sms, pdl_options, pdl_prologue, tl, triton, use_triton
 from kernels.linear import (MAX_SKINNY_ROWS, _arrival_counters, last_arrival, output_columns, padded_rows,
-                            product_epilogue, variant_options)
+                            product_epilogue, split_k_layout, variant_options)
 
 SCALE_BLOCK = 128  # the checkpoints' 128 x 128 weight blocks (kernels/fp8_block.py's BLOCK is this one: it imports us)
 # On a weight: the tiling kernels/fp8_block_choice.py chose for it (a SKINNY_BLOCK_VARIANTS tuple), or False (keep
@@ -134,10 +134,7 @@ def fp8_block_skinny_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale:
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    k_tiles = triton.cdiv(k, block_k)
-    split_k = max(1, min(split_k, k_tiles))
-    k_per_split = triton.cdiv(k_tiles, split_k) * block_k
-    split_k = triton.cdiv(k, k_per_split)  # no program without work
+    split_k, k_per_split = split_k_layout(k, block_k, split_k)
     part = torch.empty(split_k, m, n, dtype=torch.float32, device=x.device) if split_k > 1 else out
     bias, = dense(bias)  # read at bias_ptr + feature
     rows_per_program = min(block_n, triton.cdiv(n, waves * num_sms(x.device))) if waves > 0 else block_n

@@ -279,6 +279,17 @@ MAX_OUTPUT_TILES = 1 << 16  # split-K output tiles of one product: N up to 1M fe
 _ARRIVALS: dict[torch.device, torch.Tensor] = {}
 
 
+def split_k_layout(k: int, block_k: int, split_k: int) -> tuple[int, int]:
+    """(programs along K, columns each covers: k_per_split) of the skinny kernels' split-K grid, for a K of ``k``
+    columns asked to split ``split_k`` ways in whole BLOCK_K tiles: never more parts than tiles, and fewer where
+    rounding the share up to whole tiles leaves the last ones without work (K of 5 tiles asked 4 ways: 2 tiles a
+    part, so 3 parts). Every part covers k_per_split columns but the last, which covers the rest (>= 1)."""
+    k_tiles = triton.cdiv(k, block_k)
+    split_k = max(1, min(split_k, k_tiles))
+    k_per_split = triton.cdiv(k_tiles, split_k) * block_k
+    return triton.cdiv(k, k_per_split), k_per_split  # no program without work
+
+
 def _arrival_counters(device: torch.device, tiles: int) -> torch.Tensor:
     """Per-device int32 counters, all 0 between kernels (each kernel's last arrivals reset theirs).
     Shared by every split-K product on the device: kernels on one stream run one after another
@@ -332,10 +343,7 @@ def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     if m == 0:
         return out
-    k_tiles = triton.cdiv(k, block_k)
-    split_k = max(1, min(split_k, k_tiles))
-    k_per_split = triton.cdiv(k_tiles, split_k) * block_k
-    split_k = triton.cdiv(k, k_per_split)  # no program without work
+    split_k, k_per_split = split_k_layout(k, block_k, split_k)
     part = torch.empty(split_k, m, 2 * n if gated else n, dtype=torch.int32 if int8_dot else torch.float32,
                        device=x.device) if split_k > 1 else out
     bias, weight_scale, x_scale = dense(bias, weight_scale, x_scale)  # read at ptr + feature / + row

@@ -764,6 +764,7 @@ def decode_step_parts(runner, rows: int) -> dict | None:
     size; ``sm_clock_mhz``: the SM clock before and after the sustained replays and after the sustained steps (NVML
     through torch, where it is installed). None off CUDA, for tensor-parallel ranks (their graphs all-reduce) and
     where no decode graph holds ``rows``. The graph's inputs are those of its last replay in the run."""
+    from kernels.linear import replay_time_ms
     from kernels.sampling import greedy_tokens
 
     graphs = getattr(runner, "decode_graphs", None)
@@ -780,13 +781,8 @@ def decode_step_parts(runner, rows: int) -> dict | None:
 
     parts = {"rows": rows, "bucket": bucket, "graph_ms": cuda_time_ms(graph.replay, repeat=10)}
     clocks, replays = [clock()], max(10, min(SUSTAINED_REPLAYS, int(SUSTAINED_MS / max(parts["graph_ms"], 1e-3))))
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    parts["graph_sustained_ms"], parts["sustained_replays"] = start.elapsed_time(end) / replays, replays
+    # (replay_time_ms replays once before timing: the graph is warm from cuda_time_ms already, so no change)
+    parts["graph_sustained_ms"], parts["sustained_replays"] = replay_time_ms(graph, replays), replays
     clocks.append(clock())
     with torch.inference_mode():
         logits = runner._logits(hidden)
@@ -797,6 +793,7 @@ def decode_step_parts(runner, rows: int) -> dict | None:
             graph.replay()
             greedy_tokens(runner._logits(hidden))
 
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         for _ in range(replays):
             step()

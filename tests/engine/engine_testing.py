@@ -11,10 +11,12 @@ way the executor does. ``assert_tp2_matches_tp1``
 """
 from __future__ import annotations
 
+import os
 import random
 
 import torch
 import transformers
+from safetensors.torch import load_file
 
 from engine.build import build_from_hf
 from engine.config import BuildConfig
@@ -235,6 +237,33 @@ def assert_cuda_steps_equal_transformers(hf_model, engine_dir: str, tolerance: f
     outs = session.step([(1, other), (0, [7])])
     assert (outs[0].cpu() - hf_logits(hf_model, other)).abs().max().item() <= tolerance
     assert (outs[1].cpu() - hf_logits(hf_model, sequence + [7])[-1:]).abs().max().item() <= tolerance
+
+
+def cuda_graph_steps_logits(engine_dir: str, ids: list[int], prompt: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The engine on CUDA with its decode graphs captured, as the quantized engines' tests drive it against their
+    float32 engine on CPU: ``ids[:prompt]`` as a prompt, the rest of ``ids`` one decode step each (graph replays),
+    then a packed step of another sequence's prompt ``ids[:9]`` beside a decode row of token 7. Returns
+    (sequence 0's logits (len(ids) + 1, vocab): the all_logits rows of ``ids + [7]``; the packed prompt's (9, vocab)),
+    float32 on the CPU."""
+    runner = ModelRunner(engine_dir, device="cuda")
+    session = PagedSession(runner, num_blocks=32)
+    runner.capture_cuda_graphs()
+    rows = list(session.step([(0, ids[:prompt])])[0].float().cpu())
+    for pos in range(prompt, len(ids)):
+        rows.append(session.step([(0, [ids[pos]])])[0][0].float().cpu())
+    other = session.step([(1, ids[:9]), (0, [7])])
+    rows.append(other[1][0].float().cpu())
+    return torch.stack(rows), other[0].float().cpu()
+
+
+def assert_same_engine_tensors(engine_dir: str, expected_dir: str) -> None:
+    """Two engine directories' rank0.safetensors hold the same names, each tensor of the same dtype and shape and
+    the same bytes (a comparison that holds for FP8 codes and integer codes alike)."""
+    got, expected = (load_file(os.path.join(d, "rank0.safetensors")) for d in (engine_dir, expected_dir))
+    assert sorted(got) == sorted(expected)
+    for name, tensor in expected.items():
+        assert got[name].dtype == tensor.dtype and got[name].shape == tensor.shape, name
+        assert torch.equal(got[name].reshape(-1).view(torch.uint8), tensor.reshape(-1).view(torch.uint8)), name
 
 
 def tp_rank_logits(rank: int, engine_dirs: dict) -> dict:

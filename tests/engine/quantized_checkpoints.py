@@ -224,6 +224,20 @@ def ct_compressor(fmt: str):
     return PackedQuantizationCompressor if fmt == "pack-quantized" else NaiveQuantizationCompressor
 
 
+def save_compressed_tensors(path: str, model: torch.nn.Module, tensors: dict, scheme, fmt: str,
+                            ignore: list[str]) -> None:
+    """A compressed-tensors checkpoint of ``tensors`` (the quantized modules' already compressed) and ``model``'s
+    config: one config group ``scheme`` in format ``fmt``, status compressed, the modules ``ignore`` names left out
+    (the library writes its quantization_config into config.json)."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+
+    config = QuantizationConfig(config_groups={"group_0": scheme}, format=fmt, quantization_status="compressed",
+                                ignore=ignore)
+    _save(path, model, tensors, None)
+    ModelCompressor(quantization_config=config).update_config(path)
+
+
 def write_compressed_tensors(path: str, model: torch.nn.Module, *, bits: int = 4, group_size: int = 128,
                              symmetric: bool = True, fmt: str = "pack-quantized", actorder: bool = False) -> Written:
     """compressed-tensors, packed by the library's compressor from the dequantized weight and our
@@ -231,9 +245,7 @@ def write_compressed_tensors(path: str, model: torch.nn.Module, *, bits: int = 4
 
     ``actorder``: the layout llm-compressor wrote for ``actorder: group`` (``weight_g_idx`` (K,)); the
     library dropped that mode, so these layers are packed with its ``pack_to_int32`` directly."""
-    from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.compressors.pack_quantized import pack_to_int32
-    from compressed_tensors.quantization import QuantizationConfig
 
     state = on_disk_state(model)
     written = _quantize_all(state, bits, group_size, symmetric, torch.bfloat16, act_order=actorder, seed=7)
@@ -253,10 +265,7 @@ def write_compressed_tensors(path: str, model: torch.nn.Module, *, bits: int = 4
                 module_state["weight_zero_point"] = signed_zero
             compressed = ct_compressor(fmt).compress(module_state, scheme)
         tensors.update({f"{module}.{name}": t for name, t in compressed.items()})
-    config = QuantizationConfig(config_groups={"group_0": scheme}, format=fmt, quantization_status="compressed",
-                                ignore=["lm_head", "re:.*mlp\\.gate$"])
-    _save(path, model, tensors, None)
-    ModelCompressor(quantization_config=config).update_config(path)
+    save_compressed_tensors(path, model, tensors, scheme, fmt, ["lm_head", "re:.*mlp\\.gate$"])
     if actorder:  # the library no longer accepts the value: set it the way older versions wrote it
         with open(os.path.join(path, "config.json")) as f:
             saved = json.load(f)

@@ -9,26 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-import transformers
 
 from engine.executor.runner import ModelRunner
 from engine_testing import (EXECUTOR_POOL, PagedSession, assert_cuda_steps_equal_transformers, hf_logits,
                             make_engine, random_tokens)
-
-
-def tiny_llama4(seed: int = 0) -> torch.nn.Module:
-    config = transformers.Llama4TextConfig(
-        vocab_size=96, hidden_size=64, intermediate_size=32, intermediate_size_mlp=96, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=1,
-        interleave_moe_layer_step=2, attention_chunk_size=8, no_rope_layer_interval=2, floor_scale=4, attn_scale=0.1,
-        max_position_embeddings=256, rms_norm_eps=1e-5)
-    config._attn_implementation = "eager"
-    torch.manual_seed(seed)
-    model = transformers.Llama4ForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_((1.0 if "norm" in name and name.endswith("weight") else 0.0) + 0.1 * torch.randn_like(p))
-    return model
+from tiny_llama4 import tiny_llama4, with_vision_tower
 
 
 @pytest.fixture(scope="module")
@@ -96,12 +81,7 @@ def test_conditional_generation_checkpoint_builds_its_text_model(llama4, tmp_pat
     from engine.config import BuildConfig
 
     text = llama4[0]
-    vision = transformers.Llama4VisionConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                                             intermediate_size=32, image_size=28, patch_size=14, projector_input_dim=32,
-                                             projector_output_dim=64, vision_output_dim=32)
-    model = transformers.Llama4ForConditionalGeneration(
-        transformers.Llama4Config(text_config=text.config.to_dict(), vision_config=vision.to_dict()))
-    model.language_model.load_state_dict(text.state_dict())
+    model = with_vision_tower(text)
     model.save_pretrained(tmp_path / "ckpt")
     build_engine(str(tmp_path / "ckpt"), str(tmp_path / "engine"),
                  BuildConfig(dtype="float32", max_batch_size=2, max_seq_len=64, max_input_len=64, max_num_tokens=64,

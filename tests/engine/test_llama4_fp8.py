@@ -10,42 +10,24 @@ by the run-time activation rounding only, so the bounds below are the activation
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-import shutil
 
 import pytest
 import torch
-import transformers
 from safetensors.torch import load_file, save_file
 
 from engine.build import main as build_main
 from engine.config import EngineConfig
 from engine.models.llama4 import Llama4ForCausalLM
-from engine_testing import random_tokens
+from engine_testing import assert_same_engine_tensors, cuda_graph_steps_logits, random_tokens
 from kernels.fp8 import FP8_DTYPE
 from kernels.fused_moe_fp8 import dequantize_experts
+from quantized_checkpoints import save_compressed_tensors
 from test_fp8_engine import all_logits, build
+from tiny_llama4 import (CONDITIONAL_GENERATION_IGNORE, decompressed_logits, llama4_of_trained_scale,
+                         with_vision_tower)
 
 IDS = random_tokens(24, 55)
-
-
-def llama4_of_trained_scale(seed: int = 0) -> torch.nn.Module:
-    """4 layers (MoE on 1 and 3: 4 experts of width 128, top-1, a shared expert; dense SwiGLU of width 192 on 0
-    and 2; NoPE layers 1 and 3), hidden 128: two 128-row blocks in gate_up, a partial one in the dense MLP's.
-    Weights N(0, 0.02), the spread of trained checkpoints (test_fp8_engine.llama_of_trained_scale)."""
-    config = transformers.Llama4TextConfig(
-        vocab_size=128, hidden_size=128, intermediate_size=128, intermediate_size_mlp=192, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_local_experts=4, num_experts_per_tok=1,
-        interleave_moe_layer_step=2, attention_chunk_size=8, no_rope_layer_interval=2, floor_scale=4, attn_scale=0.1,
-        max_position_embeddings=256, rms_norm_eps=1e-5)
-    config._attn_implementation = "eager"
-    torch.manual_seed(seed)
-    model = transformers.Llama4ForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_((1.0 if "norm" in name and name.endswith("weight") else 0.0) + 0.02 * torch.randn_like(p))
-    return model
 
 
 def dequantized_engine(engine_dir: str, out_dir: str) -> str:
@@ -144,22 +126,11 @@ def test_fp8_engine_on_cuda_with_decode_graphs(engines, quantization, tmp_path):
     """bf16 FP8 engine on CUDA (the FP8 grouped expert kernels, or the GEMV pair where the load-time choice
     marked it, inside the decode graphs; chunked attention; a packed mixed step) against the float32 FP8
     engine on CPU: within the MoE families' CUDA bound (test_fp8_moe: bf16 adds its own rounding, 12%)."""
-    from engine.executor.runner import ModelRunner
-    from engine_testing import PagedSession
-
     engine_dir = build(llama4_of_trained_scale(), str(tmp_path / "engine"), quantization, dtype="bfloat16")
     reference = all_logits(engines[quantization], IDS + [7])
-    runner = ModelRunner(engine_dir, device="cuda")
-    session = PagedSession(runner, num_blocks=32)
-    runner.capture_cuda_graphs()
-    rows = list(session.step([(0, IDS[:12])])[0].float().cpu())
-    for pos in range(12, len(IDS)):
-        rows.append(session.step([(0, [IDS[pos]])])[0][0].float().cpu())
-    other = session.step([(1, IDS[:9]), (0, [7])])
-    rows.append(other[1][0].float().cpu())
-    got = torch.stack(rows)
+    got, packed_prompt = cuda_graph_steps_logits(engine_dir, IDS, prompt=12)
     assert ((got - reference).norm() / reference.norm()).item() < 0.12
-    assert ((other[0].float().cpu() - reference[:9]).norm() / reference[:9].norm()).item() < 0.12
+    assert ((packed_prompt - reference[:9]).norm() / reference[:9].norm()).item() < 0.12
 
 
 # ---- compressed-tensors FP8 checkpoints ----------------------------------------------------------
@@ -194,8 +165,8 @@ def write_compressed_tensors_fp8(path: str, model: torch.nn.Module, decoder: str
     values a fresh quantization by the engine would move); the rest (the routers, lm_head, a vision tower) left
     unquantized, as ``ignore`` says, and so are the decoder modules whose names hold one of ``unquantized``
     (added to ``ignore`` as ``re:.*<part>.*``). Returns the tensors written."""
-    from compressed_tensors.compressors import FloatQuantizationCompressor, ModelCompressor
-    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
+    from compressed_tensors.compressors import FloatQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
     scheme = QuantizationScheme(
         targets=["Linear"],
@@ -212,13 +183,8 @@ def write_compressed_tensors_fp8(path: str, model: torch.nn.Module, decoder: str
         scale = tensor.abs().amax(dim=1, keepdim=True) / 400.0
         compressed = FloatQuantizationCompressor().compress({"weight": tensor, "weight_scale": scale}, scheme)
         tensors.update({f"{module}.{key}": value for key, value in compressed.items()})
-    os.makedirs(path, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(path, "model.safetensors"))
-    model.config.to_json_file(os.path.join(path, "config.json"))
-    config = QuantizationConfig(config_groups={"group_0": scheme}, format="float-quantized",
-                                quantization_status="compressed",
-                                ignore=list(ignore) + [f"re:.*{part}.*" for part in unquantized])
-    ModelCompressor(quantization_config=config).update_config(path)
+    save_compressed_tensors(path, model, tensors, scheme, "float-quantized",
+                            list(ignore) + [f"re:.*{part}.*" for part in unquantized])
     return tensors
 
 
@@ -289,21 +255,11 @@ def test_conditional_generation_fp8_checkpoint_builds_the_same_text_engine(compr
     tower and projector beside the same text model) whose decoder Linears under ``language_model.model.layers.``
     are compressed-tensors FP8 per expert, the vision parts ignored (bf16). It builds the text model alone, an
     engine identical tensor for tensor to the text-only checkpoint's."""
-    text = llama4_of_trained_scale(seed=1)
-    vision = transformers.Llama4VisionConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                                             intermediate_size=32, image_size=28, patch_size=14, projector_input_dim=32,
-                                             projector_output_dim=128, vision_output_dim=32)
-    model = transformers.Llama4ForConditionalGeneration(
-        transformers.Llama4Config(text_config=text.config.to_dict(), vision_config=vision.to_dict()))
-    model.language_model.load_state_dict(text.state_dict())
+    model = with_vision_tower(llama4_of_trained_scale(seed=1))
     write_compressed_tensors_fp8(str(tmp_path / "ckpt"), model, decoder="language_model.model.layers.",
-                                 ignore=("re:.*lm_head", "re:.*router", "re:.*vision_model.*",
-                                         "re:.*multi_modal_projector.*"))
+                                 ignore=CONDITIONAL_GENERATION_IGNORE)
     assert build_cli(str(tmp_path / "ckpt"), str(tmp_path / "engine")) == 0
-    got, expected = (load_file(f"{d}/rank0.safetensors") for d in (str(tmp_path / "engine"), compressed_checkpoint[2]))
-    assert sorted(got) == sorted(expected)
-    for name, tensor in expected.items():
-        assert got[name].dtype == tensor.dtype and torch.equal(got[name].view(torch.uint8), tensor.view(torch.uint8)), name
+    assert_same_engine_tensors(str(tmp_path / "engine"), compressed_checkpoint[2])
 
 
 def test_compressed_tensors_checkpoint_logits_are_transformers_decompressed_model_within_activation_rounding(
@@ -313,10 +269,7 @@ def test_compressed_tensors_checkpoint_logits_are_transformers_decompressed_mode
     rounding only (measured over model seeds 0-2: 4.4-5.4%, argmax agreement 0.92-0.96; bounds 8% and 0.75,
     the bounds of the test above with room for the routing's discrete changes)."""
     checkpoint, _, engine_dir = compressed_checkpoint
-    hf = transformers.Llama4ForCausalLM.from_pretrained(
-        checkpoint, dtype=torch.float32, quantization_config=transformers.CompressedTensorsConfig(dequantize=True))
-    with torch.no_grad():
-        reference = hf(torch.tensor([IDS])).logits[0]
+    reference = decompressed_logits(checkpoint, IDS)
     engine = all_logits(engine_dir, IDS)
     relative_rms = ((engine - reference).norm() / reference.norm()).item()
     assert relative_rms < 0.08, relative_rms
@@ -343,10 +296,7 @@ def test_modules_the_checkpoint_leaves_unquantized_keep_the_model_dtype(tmp_path
     assert torch.equal(engine["layers.1.moe.shared_gate_up_proj.weight"], shared)
     assert torch.equal(engine["layers.1.o_proj.weight"], tensors["model.layers.1.self_attn.o_proj.weight"])
     assert engine["layers.1.moe.gate_up_proj"].dtype == engine["layers.0.gate_up_proj.weight"].dtype == FP8_DTYPE
-    hf = transformers.Llama4ForCausalLM.from_pretrained(
-        str(tmp_path / "ckpt"), dtype=torch.float32, quantization_config=transformers.CompressedTensorsConfig(dequantize=True))
-    with torch.no_grad():
-        reference = hf(torch.tensor([IDS])).logits[0]
+    reference = decompressed_logits(str(tmp_path / "ckpt"), IDS)
     got = all_logits(str(tmp_path / "engine"), IDS)
     assert ((got - reference).norm() / reference.norm()).item() < 0.03
 

@@ -15,15 +15,17 @@ import os
 
 import pytest
 import torch
-import transformers
 from safetensors.torch import load_file, save_file
 
 from engine.config import BuildConfig, ConfigError, EngineConfig
 from engine.models.llama4 import Llama4ForCausalLM
+from engine_testing import assert_same_engine_tensors, cuda_graph_steps_logits
 from kernels.wna16 import dequantize, unpack_codes
-from quantized_checkpoints import ct_compressor, ct_scheme, round_to_nearest
+from quantized_checkpoints import ct_compressor, ct_scheme, round_to_nearest, save_compressed_tensors
 from test_fp8_engine import all_logits, build
-from test_llama4_fp8 import IDS, build_cli, llama4_of_trained_scale, on_disk_experts
+from test_llama4_fp8 import IDS, build_cli, on_disk_experts
+from tiny_llama4 import (CONDITIONAL_GENERATION_IGNORE, decompressed_logits, llama4_of_trained_scale,
+                         with_vision_tower)
 
 GROUP = 32
 INTEGER_NAMES = ("layers.1.moe.gate_up_proj", "layers.1.moe.down_proj", "layers.1.moe.shared_gate_up_proj.weight",
@@ -138,9 +140,6 @@ def write_compressed_tensors_w4a16(path: str, model: torch.nn.Module, *, decoder
     (added to ``ignore``). The experts as one Linear per expert, or (``stacked_experts``) as transformers holds
     them, stacked and unquantized. Returns (the tensors written, {module: (codes uint8, scale float32)}, the
     float32 weights the checkpoint stands for)."""
-    from compressed_tensors.compressors import ModelCompressor
-    from compressed_tensors.quantization import QuantizationConfig
-
     scheme = ct_scheme(4, GROUP, True)
     state = ({n: t.detach().float().clone() for n, t in model.state_dict().items()} if stacked_experts
              else on_disk_experts(model))
@@ -156,13 +155,8 @@ def write_compressed_tensors_w4a16(path: str, model: torch.nn.Module, *, decoder
         compressed = ct_compressor("pack-quantized")().compress({"weight": reference[name], "weight_scale": scale}, scheme)
         tensors.update({f"{module}.{key}": value for key, value in compressed.items()})
         expected[module] = (codes, scale.float())
-    os.makedirs(path, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(path, "model.safetensors"))
-    model.config.to_json_file(os.path.join(path, "config.json"))
-    config = QuantizationConfig(config_groups={"group_0": scheme}, format="pack-quantized",
-                                quantization_status="compressed",
-                                ignore=list(ignore) + [f"re:.*{part}.*" for part in unquantized])
-    ModelCompressor(quantization_config=config).update_config(path)
+    save_compressed_tensors(path, model, tensors, scheme, "pack-quantized",
+                            list(ignore) + [f"re:.*{part}.*" for part in unquantized])
     return tensors, expected, reference
 
 
@@ -208,20 +202,13 @@ def test_w4a16_checkpoint_codes_and_scales_reach_the_engine_exactly(w4a16_checkp
     assert engine["layers.1.moe.router.weight"].dtype == torch.float32
 
 
-def transformers_decompressed_logits(checkpoint: str) -> torch.Tensor:
-    hf = transformers.Llama4ForCausalLM.from_pretrained(
-        checkpoint, dtype=torch.float32, quantization_config=transformers.CompressedTensorsConfig(dequantize=True))
-    with torch.no_grad():
-        return hf(torch.tensor([IDS])).logits[0]
-
-
 def test_w4a16_checkpoint_logits_are_transformers_decompressed_model(w4a16_checkpoint):
     """transformers loads the checkpoint through its compressed-tensors quantizer, decompressed: the same
     weights, but rounded to bfloat16 (the scales' dtype; checked: its o_proj equals our (code - zero) x scale in
     bfloat16 exactly), so the same logits up to that rounding (measured 0.31-0.35% relative over model seeds
     0-2; bound 1%) and every argmax the same."""
     checkpoint, _, engine_dir = w4a16_checkpoint
-    reference = transformers_decompressed_logits(checkpoint)
+    reference = decompressed_logits(checkpoint, IDS)
     engine = all_logits(engine_dir, IDS)
     assert relative_rms(engine, reference) < 0.01
     assert torch.equal(engine.argmax(-1), reference.argmax(-1))
@@ -264,7 +251,7 @@ def test_scouts_recipe_keeps_the_attention_it_ignores_in_the_model_dtype(tmp_pat
     assert engine["layers.1.qkv_proj.weight"].dtype == torch.float32 and "layers.1.qkv_proj.weight_zero" not in engine
     assert_carried(engine, "layers.1.moe.down_proj", *stacked(expected, "model.layers.1.feed_forward.", "down"))
     got = all_logits(str(tmp_path / "engine"), IDS)
-    assert relative_rms(got, transformers_decompressed_logits(str(tmp_path / "ckpt"))) < 0.01
+    assert relative_rms(got, decompressed_logits(str(tmp_path / "ckpt"), IDS)) < 0.01
     assert build_cli(str(tmp_path / "ckpt"), str(tmp_path / "tp2"), "--tp_size", "2") == 0  # each rank its columns
     tp2 = EngineConfig.load(str(tmp_path / "tp2"))
     rank_model = Llama4ForCausalLM(tp2.model, tp_size=2, device="meta", quantization=tp2.build.weight_only)
@@ -299,7 +286,7 @@ def test_stacked_unquantized_experts_are_quantized_at_build(tmp_path, capsys):
     for suffix, tensor in (("", codes), ("_scale", scale), ("_zero", zero)):
         assert torch.equal(engine["layers.1.moe.down_proj" + suffix], tensor), suffix
     got = all_logits(str(tmp_path / "engine"), IDS)
-    assert relative_rms(got, transformers_decompressed_logits(str(tmp_path / "ckpt"))) < 0.12
+    assert relative_rms(got, decompressed_logits(str(tmp_path / "ckpt"), IDS)) < 0.12
 
 
 def test_conditional_generation_w4a16_checkpoint_builds_the_same_text_engine(w4a16_checkpoint, tmp_path):
@@ -307,21 +294,11 @@ def test_conditional_generation_w4a16_checkpoint_builds_the_same_text_engine(w4a
     beside the same text model) whose decoder Linears under ``language_model.model.layers.`` are W4A16 per
     expert, the vision parts ignored. It builds the text model alone, an engine identical tensor for tensor to the
     text-only checkpoint's."""
-    text = llama4_of_trained_scale(seed=1)
-    vision = transformers.Llama4VisionConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                                             intermediate_size=32, image_size=28, patch_size=14, projector_input_dim=32,
-                                             projector_output_dim=128, vision_output_dim=32)
-    model = transformers.Llama4ForConditionalGeneration(
-        transformers.Llama4Config(text_config=text.config.to_dict(), vision_config=vision.to_dict()))
-    model.language_model.load_state_dict(text.state_dict())
+    model = with_vision_tower(llama4_of_trained_scale(seed=1))
     write_compressed_tensors_w4a16(str(tmp_path / "ckpt"), model, decoder="language_model.model.layers.",
-                                   ignore=("re:.*lm_head", "re:.*router", "re:.*vision_model.*",
-                                           "re:.*multi_modal_projector.*"))
+                                   ignore=CONDITIONAL_GENERATION_IGNORE)
     assert build_cli(str(tmp_path / "ckpt"), str(tmp_path / "engine")) == 0
-    got, expected = (load_file(f"{d}/rank0.safetensors") for d in (str(tmp_path / "engine"), w4a16_checkpoint[2]))
-    assert sorted(got) == sorted(expected)
-    for name, tensor in expected.items():
-        assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
+    assert_same_engine_tensors(str(tmp_path / "engine"), w4a16_checkpoint[2])
 
 
 def test_bad_combinations_are_refused_by_name(w4a16_checkpoint, tmp_path, capsys):
@@ -352,20 +329,9 @@ def test_int4_engine_on_cuda_with_decode_graphs(int4_engine, tmp_path):
     """bf16 int4_wo engine on CUDA (kernels/fused_moe_wna16.py's grouped kernels on the input-scaled rows, or the
     GEMV pair where the load-time choice marked it, inside the decode graphs; chunked attention; a packed mixed
     step) against the float32 int4 engine on CPU: within the bf16 bound of the FP8 engines' test (12%)."""
-    from engine.executor.runner import ModelRunner
-    from engine_testing import PagedSession
-
     engine_dir = build(llama4_of_trained_scale(), str(tmp_path / "engine"), "int4_wo", quant_group_size=GROUP,
                        dtype="bfloat16")
     reference = all_logits(int4_engine[0], IDS + [7])
-    runner = ModelRunner(engine_dir, device="cuda")
-    session = PagedSession(runner, num_blocks=32)
-    runner.capture_cuda_graphs()
-    rows = list(session.step([(0, IDS[:12])])[0].float().cpu())
-    for pos in range(12, len(IDS)):
-        rows.append(session.step([(0, [IDS[pos]])])[0][0].float().cpu())
-    other = session.step([(1, IDS[:9]), (0, [7])])
-    rows.append(other[1][0].float().cpu())
-    got = torch.stack(rows)
+    got, packed_prompt = cuda_graph_steps_logits(engine_dir, IDS, prompt=12)
     assert relative_rms(got, reference) < 0.12
-    assert relative_rms(other[0].float().cpu(), reference[:9]) < 0.12
+    assert relative_rms(packed_prompt, reference[:9]) < 0.12

@@ -269,7 +269,7 @@ def test_registry_config_and_test_families_agree():
     from decoder_testing import DECODER_FAMILIES
     from hybrid_testing import HYBRIDS
     from test_deepseek import tiny_deepseek
-    from test_llama4 import tiny_llama4
+    from tiny_llama4 import tiny_llama4
     from test_sliding_window import FAMILIES as WINDOWED_FAMILIES  # Gemma's equivalence tests live there
 
     assert set(SUPPORTED_ARCHITECTURES) == set(engine.config.SUPPORTED_ARCHITECTURES)

@@ -172,6 +172,37 @@ def test_sampled_rows_draw_only_inside_their_top_k_and_top_p():
     assert len(drawn[2]) > 4
 
 
+def change_output(**fields):
+    """A change to a row (a callable of its Sequence): its request's output settings OutputConfig(**fields)."""
+    def set_output(seq):
+        seq.state.request.output = OutputConfig(**fields)
+    return set_output
+
+
+def change_request(**fields):
+    """A change to a row (a callable of its Sequence): these fields of its request set."""
+    def set_fields(seq):
+        for name, value in fields.items():
+            setattr(seq.state.request, name, value)
+    return set_fields
+
+
+# Rows of a request that is not greedy_alone, each by one setting: {name: (make_seq's sampling fields, a change
+# of the row or None)}. None of them is plain_argmax either; "sampled" and "top-p" still draw_alone.
+NOT_GREEDY_ALONE = {
+    "sampled": (dict(temperature=0.7, top_k=40), None), "top-p": (dict(top_p=0.9), None),
+    "beams": (dict(top_k=1, beam_width=2), None),
+    "repetition penalty": (dict(top_k=1, repetition_penalty=1.2), None),
+    "presence penalty": (dict(top_k=1, presence_penalty=0.5), None),
+    "frequency penalty": (dict(top_k=1, frequency_penalty=0.5), None),
+    "min tokens": (dict(top_k=1, min_tokens=2), change_request(end_id=4)),
+    "bad words": (dict(top_k=1), change_request(bad_words=[[3]])),
+    "embedding bias": (dict(top_k=1), change_request(embedding_bias=[0.0] * VOCAB)),
+    "log-probs": (dict(top_k=1), change_output(return_log_probs=True)),
+    "top log-probs": (dict(top_k=1), change_output(num_top_log_probs=2)),
+}
+
+
 def plain_argmax(seq) -> bool:
     """A greedy row that only draws: of a step of such rows, Executor._mark_last_stage_sampling has a
     pipeline's last stage send ``greedy_tokens`` of the logits (engine/pipeline/runner.py)."""
@@ -182,17 +213,6 @@ def test_plain_argmax_rows_are_sampled_by_greedy_tokens_alone():
     """plain_argmax (a pipeline's last stage samples such rows: engine/pipeline/runner.py) holds
     exactly where sample() is greedy_tokens of the raw logits: greedy, nothing processed, no log-probs.
     Any one setting that changes the sampler's work makes it False."""
-    def output(**fields):
-        def set_output(seq):
-            seq.state.request.output = OutputConfig(**fields)
-        return set_output
-
-    def request(**fields):
-        def set_fields(seq):
-            for name, value in fields.items():
-                setattr(seq.state.request, name, value)
-        return set_fields
-
     plain = [make_seq([0, 1], top_k=1), make_seq([2], temperature=0.0), make_seq([3], repetition_penalty=1.0),
              make_seq([4], temperature=0.7)]  # (no top-k or top-p: the argmax, whatever the temperature)
     assert all(map(plain_argmax, plain))
@@ -203,21 +223,9 @@ def test_plain_argmax_rows_are_sampled_by_greedy_tokens_alone():
     logits[1, 2] = logits[1, 5] = logits[1].max() + 1  # a tie: the first index, in both
     assert torch.equal(sample(logits, md).token_ids, greedy_tokens(logits))
 
-    not_plain = {
-        "sampled": (dict(temperature=0.7, top_k=40), None), "top-k 2": (dict(top_k=2), None),
-        "top-p": (dict(top_p=0.9), None),
-        "beams": (dict(top_k=1, beam_width=2), None),
-        "repetition penalty": (dict(top_k=1, repetition_penalty=1.2), None),
-        "presence penalty": (dict(top_k=1, presence_penalty=0.5), None),
-        "frequency penalty": (dict(top_k=1, frequency_penalty=0.5), None),
-        "min tokens": (dict(top_k=1, min_tokens=2), request(end_id=4)),
-        "bad words": (dict(top_k=1), request(bad_words=[[3]])),
-        "embedding bias": (dict(top_k=1), request(embedding_bias=[0.0] * VOCAB)),
-        "log-probs": (dict(top_k=1), output(return_log_probs=True)),
-        "top log-probs": (dict(top_k=1), output(num_top_log_probs=2)),
-        "context logits": (dict(top_k=1), output(return_context_logits=True)),
-        "generation logits": (dict(top_k=1), output(return_generation_logits=True)),
-    }
+    not_plain = {**NOT_GREEDY_ALONE, "top-k 2": (dict(top_k=2), None),
+                 "context logits": (dict(top_k=1), change_output(return_context_logits=True)),
+                 "generation logits": (dict(top_k=1), change_output(return_generation_logits=True))}
     draws = ("sampled", "top-k 2", "top-p")  # (not greedy, but nothing beside the draw: draws_alone)
     for name, (sampling, change) in not_plain.items():
         seq = make_seq([0, 1], **sampling)
@@ -240,40 +248,18 @@ def test_greedy_alone_rows_get_the_greedy_metadata_and_no_other_row_does():
     """Executor._sample takes greedy_metadata() without a pass over a step's rows while every active request is
     greedy_alone: that is build_sampling_metadata's result for any batch of such rows (log-probs asked as the
     executor asks them: when a row's request does), and for no row of a request that is not."""
-    def output(**fields):
-        def set_output(seq):
-            seq.state.request.output = OutputConfig(**fields)
-        return set_output
-
-    def request(**fields):
-        def set_fields(seq):
-            for name, value in fields.items():
-                setattr(seq.state.request, name, value)
-        return set_fields
-
     def built(seqs):
         return metadata(seqs, log_probs=any(s.state.request.output.return_log_probs for s in seqs))
 
     alone = [make_seq([0, 1], top_k=1), make_seq([2], temperature=0.0), make_seq([3], repetition_penalty=1.0),
              make_seq([4], temperature=0.7), make_seq([5])]
-    for seq, change in zip(alone[:2], (output(return_context_logits=True), output(return_generation_logits=True))):
+    for seq, change in zip(alone[:2], (change_output(return_context_logits=True),
+                                       change_output(return_generation_logits=True))):
         change(seq)  # (logits returned to the host do not change the metadata; they take the synchronous path)
     assert all(greedy_alone(s.state.request) for s in alone)
     assert metadata_fields(built(alone)) == metadata_fields(greedy_metadata())
     assert greedy_metadata() is not greedy_metadata()  # (a step's grammar masks are set on its own object)
-    others = {
-        "sampled": (dict(temperature=0.7, top_k=40), None), "top-p": (dict(top_p=0.9), None),
-        "beams": (dict(top_k=1, beam_width=2), None),
-        "repetition penalty": (dict(top_k=1, repetition_penalty=1.2), None),
-        "presence penalty": (dict(top_k=1, presence_penalty=0.5), None),
-        "frequency penalty": (dict(top_k=1, frequency_penalty=0.5), None),
-        "min tokens": (dict(top_k=1, min_tokens=2), request(end_id=4)),
-        "bad words": (dict(top_k=1), request(bad_words=[[3]])),
-        "embedding bias": (dict(top_k=1), request(embedding_bias=[0.0] * VOCAB)),
-        "log-probs": (dict(top_k=1), output(return_log_probs=True)),
-        "top log-probs": (dict(top_k=1), output(num_top_log_probs=2)),
-    }
-    for name, (sampling, change) in others.items():
+    for name, (sampling, change) in NOT_GREEDY_ALONE.items():
         seq = make_seq([0, 1], **sampling)
         if change is not None:
             change(seq)

@@ -153,6 +153,22 @@ def test_split_k_equals_one_program_per_tile(m, split_k):
     assert relative_error(fp8_split, fp8_whole.double()) < ROUNDING[torch.bfloat16]
 
 
+def test_split_k_layout_covers_k_in_whole_tiles_with_no_idle_program():
+    """The skinny kernels' split-K grid: parts of whole BLOCK_K tiles that cover K exactly once, each with work,
+    never more parts than asked or than tiles (K 1000 in 256-tiles is the test above's: 3 full + 1 partial)."""
+    from kernels.linear import split_k_layout
+
+    assert split_k_layout(1000, 256, 1) == (1, 1024)
+    assert split_k_layout(1000, 256, 3) == (2, 512)  # 2 tiles a part covers the 4 tiles in 2 parts
+    assert split_k_layout(1000, 256, 64) == (4, 256)
+    for k in (1, 128, 255, 256, 257, 1000, 4096, 5000):
+        for block_k in (128, 256, 512):
+            for asked in (1, 2, 3, 4, 7, 64):
+                parts, k_per_split = split_k_layout(k, block_k, asked)
+                assert 1 <= parts <= min(asked, -(-k // block_k)) and k_per_split % block_k == 0
+                assert (parts - 1) * k_per_split < k <= parts * k_per_split, (k, block_k, asked)
+
+
 def test_linear_without_a_marked_weight_is_f_linear():
     from kernels.linear import linear
 
