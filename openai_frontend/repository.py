@@ -88,5 +88,5 @@ def vision_settings(repo: str | None, tokenizer_dir: str, local_media_path: str 
                               allowed_image_url_hosts=model_parameter(repo, "preprocessing", "allowed_image_url_hosts")
                               if repo else None)
     return replace(settings, max_num_images=number("max_num_images") or settings.max_num_images,
-                   max_num_frames=number("max_num_frames"),
+                   max_num_frames=number("max_num_frames"), max_decoded_frames=number("max_decoded_frames"),
                    allowed_local_media_path=local_media_path)

@@ -61,6 +61,7 @@ class VisionSettings:
     allowed_image_url_hosts: str | None = None  # "*", "a,b", or None: data: URLs only
     allowed_local_media_path: str | None = None  # file: URLs of files under it (vLLM's flag); None: none
     max_num_frames: int | None = None  # frames of one video (OneVision); None: serving/videos.py's default
+    max_decoded_frames: int | None = None  # frames one encoded video file may hold; None: the same
 
 
 class ChatImages:
@@ -72,7 +73,7 @@ class ChatImages:
                                    settings.allowed_local_media_path)
         self.prompts = ImagePrompts(settings.encoder_dir, tokenizer, engine_vocab_size(engine_dir),
                                     max_num_images=settings.max_num_images, limits=self.limits,
-                                    video_limits=video_limits(settings.max_num_frames),
+                                    video_limits=video_limits(settings.max_num_frames, settings.max_decoded_frames),
                                     max_seq_len=engine_max_seq_len(engine_dir))
         self.runner = VisionEncoderRunner(settings.encoder_dir, device)
         self.cross_attention = self.runner.mllama  # Llama 3.2 Vision: vision states, not a table (cross_inputs)

@@ -17,6 +17,13 @@ processor arguments), never more than ``max_frames``. Frames sent as pixels are 
 and more than ``max_frames`` of them is the request's error. Every frame is checked against the
 image pixel limit (from the stream header, before decoding).
 
+Decoding is bounded (the CPU time one request may cost): a file holding more than ``max_decoded_frames``
+frames is the request's error before any frame is decoded. The count is the stream header's where it has
+one (MP4, AVI), else the count of the stream's packets (WebM, MKV, MPEG-TS, MPEG-PS: one demux pass that
+decodes nothing, stopped past the limit; one packet is one frame for the codecs these carry, and the
+container's duration x rate is not: an MPEG-PS file of 11 frames at 8 fps says 1 s). The frames are then
+decoded once, up to the last one chosen; a file whose header understates its packets stops at the limit.
+
 ``VideoFrames``: frames (F, H, W, 3) uint8 -> pixel values (F, 3, h, w) float32 exactly as
 transformers' LlavaOnevisionVideoProcessor makes them (its torchvision path: bicubic resize with
 antialias on the uint8 frames, then (x - mean / r) / (std / r) with r the rescale factor), from the
@@ -38,6 +45,7 @@ VIDEO_MEDIA_TYPES = ("video/mp4", "video/webm", "video/quicktime", "video/x-matr
                      "video/x-msvideo", "video/avi", "image/gif")
 DEFAULT_MAX_NUM_FRAMES = 32  # per video (vLLM's default frame count for video inputs)
 DEFAULT_MAX_VIDEO_BYTES = 64 * 1024 * 1024  # one encoded video file (or URL download)
+DEFAULT_MAX_DECODED_FRAMES = 7200  # frames of one encoded video file: 4 minutes at 30 fps, 5 at 24
 RESAMPLE_MODES = {2: "bilinear", 3: "bicubic"}  # PIL's resample numbers a video processor config names
 
 
@@ -54,11 +62,13 @@ class VideoError(ValueError):
 class VideoLimits:
     max_frames: int = DEFAULT_MAX_NUM_FRAMES  # frames of one video (sampled down to it from a file)
     max_bytes: int = DEFAULT_MAX_VIDEO_BYTES
+    max_decoded_frames: int = DEFAULT_MAX_DECODED_FRAMES  # frames an encoded file may hold (decoding work)
 
 
-def video_limits(max_num_frames: int | None) -> VideoLimits:
-    """preprocessing's max_num_frames (unset: the default)."""
-    return VideoLimits(max_frames=max_num_frames or DEFAULT_MAX_NUM_FRAMES)
+def video_limits(max_num_frames: int | None, max_decoded_frames: int | None = None) -> VideoLimits:
+    """preprocessing's max_num_frames and max_decoded_frames (unset: the defaults)."""
+    return VideoLimits(max_frames=max_num_frames or DEFAULT_MAX_NUM_FRAMES,
+                       max_decoded_frames=max_decoded_frames or DEFAULT_MAX_DECODED_FRAMES)
 
 
 def _check_frames(name: str, count: int, limits: VideoLimits) -> None:
@@ -137,7 +147,8 @@ def decode_video(data: bytes, name: str, limits: VideoLimits, image_limits: Imag
     stream's fps or None) -> sorted indices; default ``uniform_sampler(limits)``). ``meta``, when given,
     gets "fps": the sampled frames' rate, F / total * the stream's, as transformers'
     VideoMetadata.sampled_fps (None when the stream does not say), "source_fps" (the stream's, or None)
-    and "indices" (the frames taken)."""
+    and "indices" (the frames taken). Decoded once, up to the last frame taken; a file of more than
+    ``limits.max_decoded_frames`` frames is a VideoError before decoding (the module's docstring)."""
     import av
 
     sampler = sampler or uniform_sampler(limits)
@@ -153,7 +164,9 @@ def decode_video(data: bytes, name: str, limits: VideoLimits, image_limits: Imag
             if width * height > image_limits.max_pixels:
                 raise VideoError(f"{name}'s frames are {width}x{height} = {width * height} pixels; allowed: at most "
                                  f"{image_limits.max_pixels} pixels (max_image_pixels of the preprocessing model)")
-            total = stream.frames or sum(1 for _ in container.decode(video=0))  # 0: the header does not say
+            total = stream.frames or _count_packets(container, stream, name, limits)  # 0: no header count
+            if total > limits.max_decoded_frames:
+                raise VideoError(_too_many_frames(name, f"holds {total} frames", limits))
             rate = stream.average_rate or stream.guessed_rate
             source_fps = float(rate) if rate else None
             indices = sampler(total, source_fps) if total else []
@@ -162,18 +175,51 @@ def decode_video(data: bytes, name: str, limits: VideoLimits, image_limits: Imag
                 meta["fps"] = len(wanted) / total * source_fps if source_fps and total else None
                 meta["source_fps"], meta["indices"] = source_fps, sorted(wanted)
             container.seek(0)
-            frames = []
-            for index, frame in enumerate(container.decode(video=0)):
-                if index in wanted:
-                    frames.append(frame.to_ndarray(format="rgb24"))
-                if len(frames) == len(wanted):
-                    break
+            frames = _decode_frames(container, stream, wanted, name, limits)
     except av.FFmpegError as error:
         raise VideoError(f"{name} cannot be decoded as a video ({error}); send an MP4, WebM or other file "
                          "FFmpeg reads, or the frames as (frames, height, width, 3) uint8 pixels") from None
     if not frames:
         raise VideoError(f"{name} holds no frames")
     return np.stack(frames)
+
+
+def _too_many_frames(name: str, what: str, limits: VideoLimits) -> str:
+    return (f"{name} {what}; allowed: at most {limits.max_decoded_frames} frames in a video file "
+            "(max_decoded_frames of the preprocessing model; `tritonllm serve --max_decoded_frames`); "
+            "send a shorter video, one at a lower frame rate, or frames sampled from it")
+
+
+def _count_packets(container, stream, name: str, limits: VideoLimits) -> int:
+    """The stream's frames where its header does not count them: its packets (demuxed, not decoded; the
+    size-0 packet at the end only flushes the decoder), a VideoError past ``max_decoded_frames``."""
+    count = 0
+    for packet in container.demux(stream):
+        count += packet.size > 0
+        if count > limits.max_decoded_frames:
+            raise VideoError(_too_many_frames(name, f"holds more than {limits.max_decoded_frames} frames", limits))
+    return count
+
+
+def _decode_frames(container, stream, wanted: set[int], name: str, limits: VideoLimits) -> list[np.ndarray]:
+    """The frames at ``wanted`` indices as (H, W, 3) uint8 RGB, decoding from the start up to the last of
+    them. At most ``max_decoded_frames`` packets are decoded: more is a VideoError (a header that
+    understated its frames; an honest count is at most the limit, checked before)."""
+    frames, index, packets = [], 0, 0
+    if not wanted:
+        return frames
+    for packet in container.demux(stream):
+        packets += packet.size > 0
+        if packets > limits.max_decoded_frames:
+            raise VideoError(_too_many_frames(name, f"decodes to more than {limits.max_decoded_frames} frames "
+                                              f"(its header says {stream.frames})", limits))
+        for frame in packet.decode():
+            if index in wanted:
+                frames.append(frame.to_ndarray(format="rgb24"))
+                if len(frames) == len(wanted):
+                    return frames
+            index += 1
+    return frames
 
 
 def is_video_file(item: np.ndarray) -> bool:

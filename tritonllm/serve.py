@@ -15,7 +15,7 @@ reused while neither changes.
         [--engine_dir DIR] [--repo DIR] [--tool_call_parser hermes|llama3_json|mistral|openai]
         [--reasoning_parser deepseek_r1|qwen3|gpt_oss|none]
         [--max_num_images N] [--max_image_pixels N] [--allowed_image_url_hosts HOSTS] [--allowed_local_media_path DIR]
-        [--max_num_frames N]
+        [--max_num_frames N] [--max_decoded_frames N]
 
 A vision-language checkpoint (LLaVA) is served through the multimodal repository
 (tritonllm/repository.py): images through the ensemble and the BLS, and ``image_url`` parts in the
@@ -152,7 +152,8 @@ def checkpoint_repository(engine_dir: str, repo_dir: str, *, bls_instances: int 
     """(the filled repository serving a checkpoint's engine, the models holding the engine as the
     launcher's --tensorrt_llm_model_name takes them). A vision-language engine (engine.build wrote
     its vision_encoder/) gets the multimodal repository (tritonllm/repository.py), its preprocessing
-    parameters ``images`` (max_num_images, max_image_pixels, allowed_image_url_hosts, max_num_frames) where given;
+    parameters ``images`` (max_num_images, max_image_pixels, allowed_image_url_hosts, max_num_frames,
+    max_decoded_frames) where given;
     an encoder-decoder engine (encoder/ + decoder/) the text repository of its decoder/ with the
     encoder's fill keys (T5, BART) or the whisper repository (non-decoupled); any other engine the
     text repository. ``engine_parameters``: more tensorrt_llm parameters (speculative decoding)."""
@@ -366,6 +367,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
                         help="width x height of one image (default 4096 x 4096)")
     vision.add_argument("--max_num_frames", type=int, default=None,
                         help="frames of one video (LLaVA-OneVision; default 32; a video file is sampled to it)")
+    vision.add_argument("--max_decoded_frames", type=int, default=None,
+                        help="frames one encoded video file may hold (default 7200); more is the request's "
+                             "error before decoding")
     vision.add_argument("--allowed_local_media_path", default=None, metavar="DIR",
                         help="the OpenAI API reads file: image URLs of files under DIR (default: none)")
     vision.add_argument("--allowed_image_url_hosts", default=None,
@@ -389,7 +393,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
                 lora=bool(args.lora_modules), images={"max_num_images": args.max_num_images,
                                                       "max_image_pixels": args.max_image_pixels,
                                                       "allowed_image_url_hosts": args.allowed_image_url_hosts,
-                                                      "max_num_frames": args.max_num_frames},
+                                                      "max_num_frames": args.max_num_frames,
+                                                      "max_decoded_frames": args.max_decoded_frames},
                 engine_parameters=engine_parameters(args))
         served, prompt = model_name, "The capital of France is"
     else:

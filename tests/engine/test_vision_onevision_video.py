@@ -179,13 +179,14 @@ def test_triton_pipeline_video_image_and_text_give_transformers_ids(built):
 
 
 def test_bad_videos_get_named_errors(built, tmp_path):
-    """Too many frames, an undecodable file, video beside images, video to a model without video; an
-    encoded file with more frames than allowed is sampled down instead."""
+    """Too many frames, an undecodable file, a file of more frames than max_decoded_frames, video beside
+    images, video to a model without video; an encoded file with more frames than allowed is sampled down
+    instead."""
     import json
     import shutil
 
     from serving.multimodal import ImagePrompts, VisionEncoderRunner, prepare_batch
-    from serving.videos import VideoError
+    from serving.videos import VideoError, video_limits
     from tiny_llava_next import kind_tokenizer
 
     engine = built[0]
@@ -200,6 +201,10 @@ def test_bad_videos_get_named_errors(built, tmp_path):
     garbage = np.frombuffer(b"not a video" * 50, np.uint8).reshape(1, 1, 1, 1, -1)
     with pytest.raises(VideoError, match="video_bytes_input cannot be decoded as a video"):
         prepare_batch(prompts, {"VIDEO_BYTES": garbage}, [QUERY], True, 4)
+    bounded = ImagePrompts(encoder_dir, kind_tokenizer(KIND), VOCAB, video_limits=video_limits(4, 7))
+    with pytest.raises(VideoError, match=r"^video_bytes_input holds 8 frames; allowed: at most 7 frames in a video "
+                                         r"file \(max_decoded_frames"):
+        prepare_batch(bounded, {"VIDEO_BYTES": clip_item(8)[None]}, [QUERY], True, 4)
     with pytest.raises(ValueError, match="a request takes one video or images, not both"):
         prepare_batch(prompts, {"VIDEO_BYTES": clip_item(8)[None], "IMAGE_URL": np.array([[b"data:,x"]], object)},
                       [QUERY], True, 4)
@@ -221,7 +226,7 @@ def test_openai_video_url_part_gives_the_triton_paths_prompt_and_table(built, tm
     """The OpenAI frontend's direct path: a chat message with a video_url part (a data: URL of the
     encoded clip, as vLLM takes video) -> the chat template's <video> -> the video's fake ids, and the
     table the Triton path's processing and encoder make of the same file (before its FP16 pixels);
-    bad video parts are 400s naming the part."""
+    bad video parts (and a file of more frames than max_decoded_frames) are 400s naming the part."""
     import base64
 
     from openai_frontend.chat_template import PromptBuilder
@@ -269,6 +274,10 @@ def test_openai_video_url_part_gives_the_triton_paths_prompt_and_table(built, tm
         b"not a video" * 50).decode()}}), "messages[0].content[0].video_url.url", "cannot be decoded as a video")
     refused(chat({"type": "video_url", "video_url": {"url": "data:image/png;base64,AAAA"}}),
             "messages[0].content[0].video_url.url", "data URL media type 'image/png' is not supported")
+    images.close()
+    images = ChatImages(VisionSettings(vision_encoder_dir(engine), max_decoded_frames=7), kind_tokenizer(KIND), "cpu")
+    refused(chat(video_part), "messages[0].content[0].video_url.url",
+            "holds 8 frames; allowed: at most 7 frames in a video file (max_decoded_frames")
     images.close()
 
 

@@ -110,7 +110,9 @@ def video_tensors(path: str, num_frames: int | None, fps: float | None = None) -
     from serving.images import ImageLimits
     from serving.videos import VideoLimits, decode_video
 
-    frames = decode_video(data, "--video", VideoLimits(max_frames=num_frames, max_bytes=len(data)), ImageLimits())
+    # decoded here, on the client's own machine: the server's bound on decoding work (max_decoded_frames) is not its
+    limits = VideoLimits(max_frames=num_frames, max_bytes=len(data), max_decoded_frames=sys.maxsize)
+    frames = decode_video(data, "--video", limits, ImageLimits())
     return {"video_bytes_input": frames[None]}
 
 

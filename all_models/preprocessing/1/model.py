@@ -75,7 +75,8 @@ class TritonPythonModel:
                                   get_parameter(params, "allowed_image_url_hosts", str))
             self.images = ImagePrompts(encoder_dir, self.tokenizer, self.vocab_size, limits=limits,
                                        max_num_images=get_parameter(params, "max_num_images", int),
-                                       video_limits=video_limits(get_parameter(params, "max_num_frames", int)),
+                                       video_limits=video_limits(get_parameter(params, "max_num_frames", int),
+                                                                 get_parameter(params, "max_decoded_frames", int)),
                                        max_seq_len=engine_max_seq_len(engine_dir))
 
     def execute(self, requests):
