@@ -28,7 +28,11 @@ row-major scales: the layout their kernel's strides read); the INT8 quantizers r
 Printed per kind and token count: each side's microseconds a call, GB/s of the expert weights the routing touches
 (distinct experts chosen x an expert's bytes: weights and block scales) and TFLOPS (6 T K H I); the JSON and a
 markdown table go to --out. Correctness first (both sides against the plain-torch reference, fused_moe_ref /
-fused_moe_fp8_ref, at a small shape and at 8 tokens of the full one on CUDA), printed as relative errors.
+fused_moe_fp8_ref, at a small shape and at 8 tokens of the full one on CUDA), printed as relative errors; the
+table's "our path" says which of ours moe_forward took (gemv: marked at load; one-token; block-tiled). Both sides
+launch with PDL on Hopper (ours: kernels/_triton.py's default; theirs: their check, shimmed as Hopper or later).
+--tiny (with --device cpu under TRITON_INTERPRET=1): the checks, then the bench once through eagerly at 1 / 5 / 40
+tokens of a tiny shape, so a harness bug shows before a GPU call; its timings mean nothing.
 """
 from __future__ import annotations
 
@@ -37,6 +41,7 @@ import importlib.util
 import json
 import os
 import sys
+import time
 import types
 from pathlib import Path
 
@@ -218,21 +223,36 @@ def check(anchor, kind: str, shape: dict, tables: dict, device: str, num_tokens:
 
 # ---- timing --------------------------------------------------------------------------------------
 
-def bench(anchor, kind: str, tables: dict, token_counts) -> list[dict]:
+def eager_call_us(fn, inputs) -> float:
+    """Wall microseconds of one eager fn(*inputs[0]) call: the --tiny run's stand-in for graph_call_us, which needs
+    CUDA (it exercises the harness; its figures mean nothing)."""
+    start = time.perf_counter()
+    fn(*inputs[0])
+    return (time.perf_counter() - start) * 1e6
+
+
+def bench(anchor, kind: str, tables: dict, token_counts, shape: dict = QWEN3_30B_A3B, device: str = "cuda",
+          timer=None) -> list[dict]:
+    """One row per token count (module docstring); ``timer(fn, inputs) -> us``: graph_call_us by default."""
     from benchmarks.common import graph_call_us
-    from kernels.moe_gemv import GemvExperts
+    from kernels.moe_gemv import GemvExperts, gemv_tiles
     from kernels.moe_gemv_choice import choose_gemv
 
-    shape = QWEN3_30B_A3B
-    experts = make_experts(kind, shape, "cuda")
+    timer = timer or graph_call_us
+    interpreted = device == "cpu"
+    dtype = torch.float32 if interpreted else torch.bfloat16  # (the interpreter has no bf16 arithmetic)
+    experts = make_experts(kind, shape, device, dtype)
     gu, d, gu_s, d_s = experts["gate_up"], experts["down"], experts["gate_up_scale"], experts["down_scale"]
-    choice = choose_gemv(GemvExperts(gu, d, shape["top_k"], torch.bfloat16, gu_s, d_s))  # the engine's load step
+    choice = choose_gemv(GemvExperts(gu, d, shape["top_k"], dtype, gu_s, d_s))  # the engine's load step (CUDA only)
     print(f"[{kind}] load-time GEMV choice: {None if choice is None else choice.get('tiles')}", flush=True)
     rows = []
     top_k, hidden, inter = shape["top_k"], shape["hidden"], shape["inter"]
     for tokens in token_counts:
-        sets = routing_sets(tokens, shape["experts"], top_k, "cuda")
-        x = torch.randn(tokens, hidden, device="cuda").bfloat16()
+        sets = routing_sets(tokens, shape["experts"], top_k, device)
+        x = torch.randn(tokens, hidden, device=device).to(dtype)
+        # which of our paths moe_forward(_fp8) takes here (kernels/fused_moe.py's order; the interpreter: the grouped)
+        our_path = ("block-tiled" if interpreted else "gemv" if gemv_tiles(gu, tokens) is not None
+                    else "one-token" if tokens == 1 else "block-tiled")
         inputs = [(x, logits) for logits in sets]
         config = their_config(tables[kind], tokens)
 
@@ -241,20 +261,20 @@ def bench(anchor, kind: str, tables: dict, token_counts) -> list[dict]:
             return their_moe(anchor, x, weights, ids, gu, d, gu_s, d_s, config)
 
         def ours(x, logits):
-            return our_moe(kind, experts, x, logits, top_k, False)
+            return our_moe(kind, experts, x, logits, top_k, interpreted)
 
         touched = sum(route_tokens(logits, top_k, True)[1].unique().numel() for logits in sets) / len(sets)
         weight_bytes = touched * experts["expert_bytes"]
         flops = 6 * tokens * top_k * hidden * inter
-        row = dict(kind=kind, tokens=tokens, experts_touched=touched, their_config=config,
+        row = dict(kind=kind, tokens=tokens, our_path=our_path, experts_touched=touched, their_config=config,
                    diff_to_ours=rel_err(theirs(*inputs[0]), ours(*inputs[0])))
         for name, fn in (("ours", ours), ("theirs", theirs)):
-            us = graph_call_us(fn, inputs)
+            us = timer(fn, inputs)
             row[f"{name}_us"] = us
             row[f"{name}_gbs"] = weight_bytes / us / 1e3
             row[f"{name}_tflops"] = flops / us / 1e6
         row["theirs_over_ours"] = row["theirs_us"] / row["ours_us"]
-        print(f"[{kind}] T={tokens:5d}: ours {row['ours_us']:8.1f} us {row['ours_gbs']:7.0f} GB/s "
+        print(f"[{kind}] T={tokens:5d}: ours ({our_path}) {row['ours_us']:8.1f} us {row['ours_gbs']:7.0f} GB/s "
               f"{row['ours_tflops']:6.1f} TFLOPS | theirs {row['theirs_us']:8.1f} us {row['theirs_gbs']:7.0f} GB/s "
               f"{row['theirs_tflops']:6.1f} TFLOPS | theirs/ours {row['theirs_over_ours']:.2f} "
               f"(rel diff {row['diff_to_ours']:.1e})", flush=True)
@@ -263,10 +283,11 @@ def bench(anchor, kind: str, tables: dict, token_counts) -> list[dict]:
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| kind | tokens | experts touched | ours us | ours GB/s | ours TFLOPS | SGLang us | SGLang GB/s "
-             "| SGLang TFLOPS | SGLang / ours |", "|" + "---|" * 10]
+    lines = ["| kind | tokens | experts touched | our path | ours us | ours GB/s | ours TFLOPS | SGLang us "
+             "| SGLang GB/s | SGLang TFLOPS | SGLang / ours |", "|" + "---|" * 11]
     for r in rows:
-        lines.append(f"| {r['kind']} | {r['tokens']} | {r['experts_touched']:.0f} | {r['ours_us']:.1f} "
+        lines.append(f"| {r['kind']} | {r['tokens']} | {r['experts_touched']:.0f} | {r['our_path']} "
+                     f"| {r['ours_us']:.1f} "
                      f"| {r['ours_gbs']:.0f} | {r['ours_tflops']:.1f} | {r['theirs_us']:.1f} | {r['theirs_gbs']:.0f} "
                      f"| {r['theirs_tflops']:.1f} | {r['theirs_over_ours']:.2f} |")
     return "\n".join(lines) + "\n"
@@ -288,7 +309,8 @@ def main() -> None:
     parser.add_argument("--kinds", nargs="+", default=["bf16", "fp8_block"], choices=["bf16", "fp8_block"])
     parser.add_argument("--tokens", nargs="+", type=int, default=list(TOKENS))
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    parser.add_argument("--tiny", action="store_true", help="correctness only, at a tiny shape (the CPU smoke check)")
+    parser.add_argument("--tiny", action="store_true",
+                        help="a tiny shape: the checks and the bench once through, eagerly (the CPU smoke check)")
     parser.add_argument("--out", default=None, help="folder for moe_anchor.json and moe_anchor.md")
     args = parser.parse_args()
     interpreted = args.device == "cpu"
@@ -310,11 +332,13 @@ def main() -> None:
             checks.append(dict(result, ok=ok))
     rows = []
     write(args.out, checks, rows)
-    if not args.tiny:
-        for kind in args.kinds:
+    for kind in args.kinds:
+        if args.tiny:  # the harness once through, eager (eager_call_us)
+            rows += bench(anchor, kind, tables, [1, 5, 40], TINY, args.device, timer=eager_call_us)
+        else:
             rows += bench(anchor, kind, tables, args.tokens)
-            write(args.out, checks, rows)  # (after each kind: a run cut by its guard keeps what it measured)
-        print(markdown(rows))
+        write(args.out, checks, rows)  # (after each kind: a run cut by its guard keeps what it measured)
+    print(markdown(rows))
     if not all(c["ok"] for c in checks):
         sys.exit(1)
 
