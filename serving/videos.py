@@ -23,6 +23,11 @@ one (MP4, AVI), else the count of the stream's packets (WebM, MKV, MPEG-TS, MPEG
 decodes nothing, stopped past the limit; one packet is one frame for the codecs these carry, and the
 container's duration x rate is not: an MPEG-PS file of 11 frames at 8 fps says 1 s). The frames are then
 decoded once, up to the last one chosen; a file whose header understates its packets stops at the limit.
+Frames chosen sparsely (far apart next to the keyframe spacing) are reached by seeking instead: to the
+keyframe at or before each run of nearby chosen frames, then forward to the exact frame, identified by its
+pts (frame i's pts is the i-th smallest of the packets' pts, where every packet has a distinct one and they
+count the frames); a seek that lands anywhere but that keyframe (MPEG-PS lands earlier), or a frame not
+found there, falls back to the sequential decode, so the frames are the same either way.
 
 ``VideoFrames``: frames (F, H, W, 3) uint8 -> pixel values (F, 3, h, w) float32 exactly as
 transformers' LlavaOnevisionVideoProcessor makes them (its torchvision path: bicubic resize with
@@ -32,6 +37,7 @@ transformers' video processors need torchvision, which these machines may lack.
 """
 from __future__ import annotations
 
+import bisect
 import io
 import math
 from dataclasses import dataclass, replace
@@ -147,7 +153,8 @@ def decode_video(data: bytes, name: str, limits: VideoLimits, image_limits: Imag
     stream's fps or None) -> sorted indices; default ``uniform_sampler(limits)``). ``meta``, when given,
     gets "fps": the sampled frames' rate, F / total * the stream's, as transformers'
     VideoMetadata.sampled_fps (None when the stream does not say), "source_fps" (the stream's, or None)
-    and "indices" (the frames taken). Decoded once, up to the last frame taken; a file of more than
+    "indices" (the frames taken) and "decoded_frames" (how many frames were decoded to take them). Decoded
+    once up to the last frame taken, or by seeking where the frames taken are sparse; a file of more than
     ``limits.max_decoded_frames`` frames is a VideoError before decoding (the module's docstring)."""
     import av
 
@@ -164,7 +171,10 @@ def decode_video(data: bytes, name: str, limits: VideoLimits, image_limits: Imag
             if width * height > image_limits.max_pixels:
                 raise VideoError(f"{name}'s frames are {width}x{height} = {width * height} pixels; allowed: at most "
                                  f"{image_limits.max_pixels} pixels (max_image_pixels of the preprocessing model)")
-            total = stream.frames or _count_packets(container, stream, name, limits)  # 0: no header count
+            packets = None if stream.frames else _index_packets(container, stream, limits.max_decoded_frames)
+            if packets is not None and packets.count > limits.max_decoded_frames:
+                raise VideoError(_too_many_frames(name, f"holds more than {limits.max_decoded_frames} frames", limits))
+            total = stream.frames or packets.count  # the header's count, else the packets'
             if total > limits.max_decoded_frames:
                 raise VideoError(_too_many_frames(name, f"holds {total} frames", limits))
             rate = stream.average_rate or stream.guessed_rate
@@ -174,8 +184,19 @@ def decode_video(data: bytes, name: str, limits: VideoLimits, image_limits: Imag
             if meta is not None:
                 meta["fps"] = len(wanted) / total * source_fps if source_fps and total else None
                 meta["source_fps"], meta["indices"] = source_fps, sorted(wanted)
-            container.seek(0)
-            frames = _decode_frames(container, stream, wanted, name, limits)
+            frames, decoded = None, 0
+            if wanted and max(wanted) + 1 > 2 * len(wanted):  # seeking may pay: see what the keyframes say
+                if packets is None:
+                    packets = _index_packets(container, stream, limits.max_decoded_frames)
+                plan, cost = _seek_plan(packets, total, sorted(wanted))
+                if plan:
+                    frames, decoded = _seek_frames(container, stream, plan, cost)
+            if frames is None:  # not sparse, not told by pts, or a seek that missed: from the start
+                container.seek(0)
+                frames, sequential = _decode_frames(container, stream, wanted, name, limits)
+                decoded += sequential
+            if meta is not None:
+                meta["decoded_frames"] = decoded
     except av.FFmpegError as error:
         raise VideoError(f"{name} cannot be decoded as a video ({error}); send an MP4, WebM or other file "
                          "FFmpeg reads, or the frames as (frames, height, width, 3) uint8 pixels") from None
@@ -190,24 +211,113 @@ def _too_many_frames(name: str, what: str, limits: VideoLimits) -> str:
             "send a shorter video, one at a lower frame rate, or frames sampled from it")
 
 
-def _count_packets(container, stream, name: str, limits: VideoLimits) -> int:
-    """The stream's frames where its header does not count them: its packets (demuxed, not decoded; the
-    size-0 packet at the end only flushes the decoder), a VideoError past ``max_decoded_frames``."""
-    count = 0
+@dataclass(frozen=True)
+class _PacketIndex:
+    """A video stream's packets from one demux pass (nothing decoded; the size-0 packet at the end only
+    flushes the decoder and is left out)."""
+    count: int  # packets with data: the stream's frames for the codecs these containers carry
+    pts: list  # each packet's pts in demux order, None where it has none
+    keyframe_pts: list  # the keyframes' pts
+
+
+def _index_packets(container, stream, limit: int) -> _PacketIndex:
+    """The stream's packets, demuxed without decoding; the pass stops past ``limit`` (its count then
+    limit + 1)."""
+    count, pts, keyframe_pts = 0, [], []
     for packet in container.demux(stream):
-        count += packet.size > 0
-        if count > limits.max_decoded_frames:
-            raise VideoError(_too_many_frames(name, f"holds more than {limits.max_decoded_frames} frames", limits))
-    return count
+        if packet.size == 0:
+            continue
+        count += 1
+        if count > limit:
+            break
+        pts.append(packet.pts)
+        if packet.is_keyframe:
+            keyframe_pts.append(packet.pts)
+    return _PacketIndex(count, pts, keyframe_pts)
 
 
-def _decode_frames(container, stream, wanted: set[int], name: str, limits: VideoLimits) -> list[np.ndarray]:
+def _seek_plan(packets: _PacketIndex, total: int, indices: list[int]) -> tuple[list[tuple[int, int | None]], int]:
+    """How to reach frames ``indices`` (sorted) by seeking: per frame (its pts, the keyframe pts to seek
+    to first, or None to decode on from the frame before), and how many frames that decodes. The plan is
+    empty where the frames cannot be told by pts (a packet without one, two alike, packets not counting
+    the ``total`` frames) or where seeking would decode more than half the frames the sequential decode
+    would (up to the last index)."""
+    if packets.count != total or None in packets.pts or len(set(packets.pts)) != total:
+        return [], 0
+    ordered = sorted(packets.pts)  # frame i (presentation order) has the i-th smallest pts
+    keyframes = sorted(bisect.bisect_left(ordered, pts) for pts in packets.keyframe_pts)  # their frame indices
+    plan, position, cost = [], -1, 0  # position: the last frame decoded
+    for index in indices:
+        at = bisect.bisect_right(keyframes, index) - 1
+        if at < 0:
+            return [], 0  # no keyframe before it: only decoding from the start reaches it
+        keyframe = keyframes[at]
+        if keyframe > position:  # a keyframe past where decoding stands: seek to it
+            plan.append((ordered[index], ordered[keyframe]))
+            cost += index - keyframe + 1
+        else:
+            plan.append((ordered[index], None))
+            cost += index - position
+        position = index
+    return (plan, cost) if 2 * cost <= indices[-1] + 1 else ([], 0)
+
+
+def _frames_after_seek(container, stream, keyframe_pts: int):
+    """The stream's frames decoded from a seek to the keyframe at ``keyframe_pts``; none when the seek lands
+    on any other packet (MPEG-PS lands earlier, mid-GOP)."""
+    container.seek(keyframe_pts, stream=stream, backward=True, any_frame=False)
+    first = True
+    for packet in container.demux(stream):
+        if first and packet.size:
+            if packet.pts != keyframe_pts or not packet.is_keyframe:
+                return
+            first = False
+        yield from packet.decode()
+
+
+def _seek_frames(container, stream, plan, cost: int) -> tuple[list[np.ndarray] | None, int]:
+    """The frames of ``plan`` (_seek_plan's) as (H, W, 3) uint8 RGB, by seeking, and how many frames were
+    decoded; the frames are None (fall back to the sequential decode) when a seek lands elsewhere, the
+    decoder does not take the frame landed on for a keyframe (a container that flags frames as keyframes
+    that are not: decoding on from one gives broken frames), a frame's pts is not found where it should
+    be, or more than the plan's ``cost`` frames would be decoded (so this way decodes at most half what
+    the sequential decode would)."""
+    frames, decoding, decoded = [], None, 0
+    try:
+        for pts, keyframe_pts in plan:
+            if keyframe_pts is not None:
+                if decoding is not None:
+                    decoding.close()
+                decoding = _frames_after_seek(container, stream, keyframe_pts)
+            for frame in decoding:
+                decoded += 1
+                if decoded > cost:
+                    return None, decoded
+                if keyframe_pts is not None:  # the first frame after this seek
+                    if frame.pts != keyframe_pts or not frame.key_frame:
+                        return None, decoded
+                    keyframe_pts = None
+                if frame.pts is None or frame.pts >= pts:
+                    break
+            else:
+                return None, decoded
+            if frame.pts != pts:
+                return None, decoded
+            frames.append(frame.to_ndarray(format="rgb24"))
+        return frames, decoded
+    finally:
+        if decoding is not None:
+            decoding.close()
+
+
+def _decode_frames(container, stream, wanted: set[int], name: str,
+                   limits: VideoLimits) -> tuple[list[np.ndarray], int]:
     """The frames at ``wanted`` indices as (H, W, 3) uint8 RGB, decoding from the start up to the last of
-    them. At most ``max_decoded_frames`` packets are decoded: more is a VideoError (a header that
-    understated its frames; an honest count is at most the limit, checked before)."""
+    them, and how many frames were decoded. At most ``max_decoded_frames`` packets are decoded: more is a
+    VideoError (a header that understated its frames; an honest count is at most the limit, checked before)."""
     frames, index, packets = [], 0, 0
     if not wanted:
-        return frames
+        return frames, 0
     for packet in container.demux(stream):
         packets += packet.size > 0
         if packets > limits.max_decoded_frames:
@@ -217,9 +327,9 @@ def _decode_frames(container, stream, wanted: set[int], name: str, limits: Video
             if index in wanted:
                 frames.append(frame.to_ndarray(format="rgb24"))
                 if len(frames) == len(wanted):
-                    return frames
+                    return frames, index + 1
             index += 1
-    return frames
+    return frames, index
 
 
 def is_video_file(item: np.ndarray) -> bool:

@@ -90,8 +90,10 @@ def write_checkpoint(kind: str, path: Path, seed: int = 0) -> Path:
 
 
 def make_clip(seed: int, frames: int = 8, size: tuple[int, int] = (52, 40), codec: str = "mpeg4",
-              container: str = "mp4") -> bytes:
-    """A video file of ``frames`` frames of random blocks (width x height = size), written with PyAV."""
+              container: str = "mp4", gop: int | None = None) -> bytes:
+    """A video file of ``frames`` frames of random blocks (width x height = size), written with PyAV;
+    ``gop``: a keyframe every ``gop`` frames and none between (unset: the encoder's choice, which for
+    random blocks is often a keyframe at a scene change)."""
     import io
 
     import av
@@ -100,7 +102,13 @@ def make_clip(seed: int, frames: int = 8, size: tuple[int, int] = (52, 40), code
     rng = np.random.default_rng(seed)
     out = io.BytesIO()
     with av.open(out, "w", format=container) as video:
-        stream = video.add_stream(codec, rate=8)
+        # the encoders put a keyframe at a scene change (random blocks: often) unless told not to: mpeg4 with
+        # a threshold out of reach, libx264 with 0 (off), libvpx with keyframes no nearer than gop
+        no_scene_cuts = {"mpeg4": {"sc_threshold": "1000000000"}, "libx264": {"sc_threshold": "0"}}
+        options = no_scene_cuts.get(codec, {"keyint_min": str(gop)}) if gop else {}
+        stream = video.add_stream(codec, rate=8, options=options)
+        if gop:
+            stream.gop_size = gop
         stream.width, stream.height, stream.pix_fmt = size[0], size[1], "yuv420p"
         for _ in range(frames):
             blocks = rng.integers(0, 256, (size[1] // 4 + 1, size[0] // 4 + 1, 3), dtype=np.uint8)

@@ -45,7 +45,8 @@ def test_a_files_frames_follow_the_requests_fps_or_count():
                                   (frame_request(30, None, FIELDS, LIMITS), [0, 1, 2, 4, 5, 6], 6.0)):
         meta = {}
         frames = decode_video(clip, "clip", LIMITS, ImageLimits(), meta, uniform_sampler(LIMITS, request))
-        assert meta == {"fps": fps, "source_fps": 8.0, "indices": indices}
+        # 8 frames: decoded from the start up to the last one taken (too few to seek)
+        assert meta == {"fps": fps, "source_fps": 8.0, "indices": indices, "decoded_frames": indices[-1] + 1}
         np.testing.assert_array_equal(frames, every[indices])
 
 
@@ -57,6 +58,16 @@ def every_frame(clip: bytes) -> np.ndarray:
 
     with av.open(io.BytesIO(clip)) as container:
         return np.stack([frame.to_ndarray(format="rgb24") for frame in container.decode(video=0)])
+
+
+def frame_pts(clip: bytes) -> list[int]:
+    """A file's frames' pts, in the order PyAV decodes them."""
+    import io
+
+    import av
+
+    with av.open(io.BytesIO(clip)) as container:
+        return [frame.pts for frame in container.decode(video=0)]
 
 
 @pytest.mark.parametrize("codec, container", [("libvpx", "webm"), ("mpeg4", "matroska"), ("mpeg4", "mpegts"),
@@ -102,3 +113,89 @@ def test_a_file_of_more_frames_than_max_decoded_frames_is_refused_before_decodin
     with pytest.raises(VideoError) as caught:
         frames_from_bytes(item, VideoLimits(max_frames=6, max_decoded_frames=10), ImageLimits())
     assert words in str(caught.value) and "send a shorter video" in str(caught.value)
+
+
+@pytest.mark.parametrize("codec, container", [("mpeg4", "mp4"), ("libvpx", "webm"), ("libvpx-vp9", "webm"),
+                                              ("mpeg4", "matroska"), ("mpeg4", "mpegts"), ("mpeg4", "mpeg"),
+                                              ("mpeg4", "avi"), ("libx264", "mp4")])
+def test_sparse_frames_are_reached_by_seeking_and_are_the_same_frames(codec, container):
+    """300 frames, a keyframe every 30: 6 frames chosen uniformly (every 50th) are reached by seeking to the
+    keyframe before each and decoding forward (6 runs of at most 30 frames, not 251 frames), and they are the
+    frames of a decode from the start (H.264 with B-frames too: decoded out of order, found by pts). MPEG-PS
+    seeks land before the keyframe, mid-GOP: it decodes from the start (after one seek tried). Two frames in
+    one GOP decode on from the first, not seeking again."""
+    av = pytest.importorskip("av")
+    from tiny_llava_next import make_clip
+
+    if codec not in av.codecs_available:
+        pytest.skip(f"this FFmpeg has no {codec} encoder")
+
+    clip = make_clip(7, 300, codec=codec, container=container, gop=30)
+    every = every_frame(clip)
+    assert len(every) == 300
+    meta = {}
+    frames = decode_video(clip, "clip", LIMITS, ImageLimits(), meta, uniform_sampler(LIMITS))
+    assert meta["indices"] == [0, 50, 100, 150, 200, 250]
+    np.testing.assert_array_equal(frames, every[meta["indices"]])
+    # per frame: from its keyframe (0, 30, 90, 150, 180, 240) to it
+    seeking = 1 + 21 + 11 + 1 + 21 + 11
+    assert meta["decoded_frames"] == (251 if container == "mpeg" else seeking)
+    # 33 and 40 share the keyframe 30: one seek, then on; 280 and 299 seek to 270 (one run)
+    near = [33, 40, 280, 299]
+    frames = decode_video(clip, "clip", LIMITS, ImageLimits(), meta, lambda total, fps: near)
+    np.testing.assert_array_equal(frames, every[near])
+    assert meta["decoded_frames"] == (300 if container == "mpeg" else 4 + 7 + 11 + 19)
+
+
+def remuxed(clip: bytes, container: str, change) -> bytes:
+    """``clip``'s video packets, each passed through ``change`` (packet, its index), written to ``container``
+    (nothing decoded or encoded)."""
+    import io
+
+    import av
+
+    out = io.BytesIO()
+    with av.open(io.BytesIO(clip)) as source, av.open(out, "w", format=container) as target:
+        stream = target.add_stream_from_template(source.streams.video[0])
+        for index, packet in enumerate(packet for packet in source.demux(video=0) if packet.size):
+            change(packet, index)
+            packet.stream = stream
+            target.mux(packet)
+    return out.getvalue()
+
+
+def test_a_variable_frame_rate_file_is_seeked_by_its_frames_pts():
+    """Frames 1/8 s apart +/- up to 80 ms (MKV, ms pts): frame i is the i-th smallest pts, not pts x rate,
+    so seeking still finds the same frames."""
+    pytest.importorskip("av")
+    from tiny_llava_next import make_clip
+
+    def jitter(packet, index):
+        packet.pts = packet.dts = index * 125 + (index % 3) * 40  # steps of 45 to 165 ms
+
+    clip = remuxed(make_clip(8, 300, container="matroska", gop=30), "matroska", jitter)
+    every = every_frame(clip)
+    steps = set(np.diff(frame_pts(clip)).tolist())
+    assert steps == {45, 165}
+    meta = {}
+    frames = decode_video(clip, "clip", LIMITS, ImageLimits(), meta, uniform_sampler(LIMITS))
+    np.testing.assert_array_equal(frames, every[[0, 50, 100, 150, 200, 250]])
+    assert meta["decoded_frames"] == 66
+
+
+def test_a_container_that_flags_every_frame_a_keyframe_is_decoded_from_the_start():
+    """An MP4 whose every packet says keyframe (a sync-sample table that lies; the GOP is really 30): the
+    seek lands on the packet asked for, the decoder takes its frame for no keyframe, and the file is decoded
+    from the start, giving the same frames (seeking there would give broken ones)."""
+    pytest.importorskip("av")
+    from tiny_llava_next import make_clip
+
+    def flag_key(packet, index):
+        packet.is_keyframe = True
+
+    clip = remuxed(make_clip(9, 300, gop=30), "mp4", flag_key)
+    every = every_frame(clip)
+    meta = {}
+    frames = decode_video(clip, "clip", LIMITS, ImageLimits(), meta, lambda total, fps: [10, 100, 200])
+    np.testing.assert_array_equal(frames, every[[10, 100, 200]])
+    assert meta["decoded_frames"] == 1 + 201  # the first frame after one seek, then from the start
