@@ -52,24 +52,18 @@ from torch import nn
 from engine.config import FP8_QUANTIZATIONS, ConfigError, ModelConfig, WeightOnlyScheme
 from engine.models.layers import Linear, qkv_heads, tp_all_reduce
 from engine.models.llama import LlamaForCausalLM
-from engine.models.moe import MoeLayer, prepare_integer_experts
+from engine.models.moe import MoeLayer, declare_expert_stacks, gemv_experts_of, prepare_integer_experts
 from kernels._triton import use_triton
 from kernels.activation import silu_and_mul
 from kernels.attention import paged_attention, write_kv_cache
 from kernels.attention_metadata import AttentionMetadata
 from kernels.chunked_attention import chunked_attention
 from kernels.fp8 import FP8_DTYPE
-from kernels.fp8_block import blocks
 from kernels.fused_moe import fused_moe, warm_up_token_counts
 from kernels.fused_moe_fp8 import fused_moe_fp8
 from kernels.fused_moe_wna16 import WNA16Experts, fused_moe_wna16_triton, gemv_quantization
 from kernels.moe_gemv import GemvExperts, gemv_tiles, moe_gemv_triton
 from kernels.rotary import apply_rotary
-from kernels.wna16 import stored_columns
-
-
-def _parameter(*shape: int, dtype: torch.dtype, device) -> nn.Parameter:
-    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
 
 
 class Llama4Experts(nn.Module):
@@ -89,18 +83,8 @@ class Llama4Experts(nn.Module):
         self.tp_group = tp_group
         self.dtype = dtype
         self.router = Linear(hidden, experts, bias=False, dtype=dtype, device=device)  # model dtype in every scheme
-        for name, (rows, cols) in {"gate_up_proj": (2 * inter_local, hidden), "down_proj": (hidden, inter_local)}.items():
-            if weight_only is not None:  # engine/models/moe.py SparseMoeBlock's integer stacks
-                groups = weight_only.groups(cols)
-                setattr(self, name, _parameter(experts, rows, stored_columns(cols, weight_only.bits), dtype=torch.uint8,
-                                               device=device))
-                setattr(self, name + "_scale", _parameter(experts, rows, groups, dtype=torch.float32, device=device))
-                setattr(self, name + "_zero", _parameter(experts, rows, groups, dtype=torch.uint8, device=device))
-                continue
-            setattr(self, name, _parameter(experts, rows, cols, dtype=FP8_DTYPE if fp8 else dtype, device=device))
-            if fp8 is not None:
-                scale = (rows,) if fp8 == "fp8" else (blocks(rows), blocks(cols))
-                setattr(self, name + "_scale", _parameter(experts, *scale, dtype=torch.float32, device=device))
+        declare_expert_stacks(self, experts, 2 * inter_local, hidden, inter_local, dtype=dtype, device=device,
+                              fp8=fp8, weight_only=weight_only)  # SparseMoeBlock's stacks
         shared_local = config.n_shared_experts * config.moe_intermediate_size // tp_size
         quantization = fp8 or weight_only
         self.shared_gate_up_proj = Linear(hidden, 2 * shared_local, bias=False, dtype=dtype, device=device,
@@ -156,18 +140,9 @@ class Llama4Experts(nn.Module):
         return fused_moe_wna16_triton(rows, gate_up, down, ones, ids)
 
     def gemv_experts(self) -> GemvExperts | None:
-        """These experts as the runner's decode choice times them: one expert a row (the rows are the T * K
-        input-scaled copies routed_experts receives); integer experts once in the kernels' layout and 4-bit
-        (the GEMV takes no other), else None."""
-        if self.weight_only is not None:
-            if self.experts is None or not self.experts[0].kernel or self.weight_only.bits != 4:
-                return None
-            gate_up, down = self.experts
-            return GemvExperts(gate_up.kernel["weight"], down.kernel["weight"], 1, self.dtype,
-                               **gemv_quantization(gate_up, down), wna16=self.experts)
-        fp8 = self.gate_up_proj.dtype == FP8_DTYPE
-        return GemvExperts(self.gate_up_proj, self.down_proj, 1, self.dtype,
-                           self.gate_up_proj_scale if fp8 else None, self.down_proj_scale if fp8 else None)
+        """These experts as the runner's decode choice times them (engine/models/moe.py gemv_experts_of): one
+        expert a row, the rows being the T * K input-scaled copies routed_experts receives."""
+        return gemv_experts_of(self, 1)
 
 
 class Llama4Layer(MoeLayer):

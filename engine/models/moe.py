@@ -100,20 +100,8 @@ class SparseMoeBlock(nn.Module):
             self.routing = dict(n_group=config.n_group, topk_group=config.topk_group, renormalize=config.norm_topk_prob,
                                 scaling=config.routed_scaling_factor)
         up_rows = 2 * inter_local if activation != "relu2" else inter_local
-        for name, (rows, cols) in {"gate_up_proj": (up_rows, hidden), "down_proj": (hidden, inter_local)}.items():
-            if fp8 is not None:  # "fp8" (a scale per row) or "fp8_block" (per 128 x 128 block)
-                setattr(self, name, _parameter(experts, rows, cols, dtype=FP8_DTYPE, device=device))
-                scale = (rows,) if fp8 == "fp8" else (blocks(rows), blocks(cols))
-                setattr(self, name + "_scale", _parameter(experts, *scale, dtype=torch.float32, device=device))
-                continue
-            if weight_only is None:
-                setattr(self, name, _parameter(experts, rows, cols, dtype=dtype, device=device))
-                continue
-            groups = weight_only.groups(cols)
-            setattr(self, name, _parameter(experts, rows, stored_columns(cols, weight_only.bits), dtype=torch.uint8,
-                                           device=device))
-            setattr(self, name + "_scale", _parameter(experts, rows, groups, dtype=torch.float32, device=device))
-            setattr(self, name + "_zero", _parameter(experts, rows, groups, dtype=torch.uint8, device=device))
+        declare_expert_stacks(self, experts, up_rows, hidden, inter_local, dtype=dtype, device=device, fp8=fp8,
+                              weight_only=weight_only)
 
     @torch.no_grad()
     def prepare_weights(self) -> None:
@@ -194,6 +182,44 @@ def _parameter(*shape: int, dtype: torch.dtype, device) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
 
 
+def declare_expert_stacks(block: nn.Module, experts: int, up_rows: int, hidden: int, inter_local: int, *, dtype,
+                          device, fp8: str | None = None, weight_only: WeightOnlyScheme | None = None) -> None:
+    """``block.gate_up_proj`` (experts, up_rows, hidden) and ``block.down_proj`` (experts, hidden, inter_local) as
+    the scheme stores them: in ``dtype``; FP8 with ``_scale`` per row (``fp8`` "fp8") or per 128 x 128 block
+    ("fp8_block"); or integer codes (``weight_only``: uint8, stored_columns wide) with ``_scale`` float32 and
+    ``_zero`` uint8 per group. SparseMoeBlock's and Llama 4's experts alike (prepare_integer_experts, the
+    expert kernels and the converters read these names)."""
+    for name, (rows, cols) in {"gate_up_proj": (up_rows, hidden), "down_proj": (hidden, inter_local)}.items():
+        if fp8 is not None:  # "fp8" (a scale per row) or "fp8_block" (per 128 x 128 block)
+            setattr(block, name, _parameter(experts, rows, cols, dtype=FP8_DTYPE, device=device))
+            scale = (rows,) if fp8 == "fp8" else (blocks(rows), blocks(cols))
+            setattr(block, name + "_scale", _parameter(experts, *scale, dtype=torch.float32, device=device))
+            continue
+        if weight_only is None:
+            setattr(block, name, _parameter(experts, rows, cols, dtype=dtype, device=device))
+            continue
+        groups = weight_only.groups(cols)
+        setattr(block, name, _parameter(experts, rows, stored_columns(cols, weight_only.bits), dtype=torch.uint8,
+                                        device=device))
+        setattr(block, name + "_scale", _parameter(experts, rows, groups, dtype=torch.float32, device=device))
+        setattr(block, name + "_zero", _parameter(experts, rows, groups, dtype=torch.uint8, device=device))
+
+
+def gemv_experts_of(block: nn.Module, top_k: int) -> GemvExperts | None:
+    """A block's experts (declare_expert_stacks' tensors, ``weight_only``, ``experts``, ``dtype``) as the runner's
+    decode choice times them, ``top_k`` experts a row: integer ones once in the kernels' layout and 4-bit (the
+    GEMV takes no other), else None; model-dtype and FP8 ones as stored."""
+    if block.weight_only is not None:
+        if block.experts is None or not block.experts[0].kernel or block.weight_only.bits != 4:
+            return None
+        gate_up, down = block.experts
+        return GemvExperts(gate_up.kernel["weight"], down.kernel["weight"], top_k, block.dtype,
+                           **gemv_quantization(gate_up, down), wna16=block.experts)
+    fp8 = block.gate_up_proj.dtype == FP8_DTYPE
+    return GemvExperts(block.gate_up_proj, block.down_proj, top_k, block.dtype,
+                       block.gate_up_proj_scale if fp8 else None, block.down_proj_scale if fp8 else None)
+
+
 @torch.no_grad()
 def prepare_integer_experts(block: nn.Module) -> None:
     """A block of integer experts (SparseMoeBlock's stored tensors: gate_up_proj / down_proj with _scale and
@@ -269,21 +295,9 @@ class MoeForCausalLM(LlamaForCausalLM):
         routing; 4-bit ones once in the kernels' layout): the runner's load-time choice
         (kernels/moe_decode_tiles.py) times the one-token grouped tiles (model dtype) and, per decode token
         count, the grouped path against kernels/moe_gemv.py's GEMV launches, and marks gate_up with what won."""
-        found = []
-        for layer in self.layers:
-            moe = layer.moe
-            if moe is None or moe.grouped or moe.activation != "silu":
-                continue
-            if moe.weight_only is not None:
-                if moe.experts is not None and moe.experts[0].kernel and moe.weight_only.bits == 4:
-                    gate_up, down = moe.experts
-                    found.append(GemvExperts(gate_up.kernel["weight"], down.kernel["weight"], moe.top_k, moe.dtype,
-                                             **gemv_quantization(gate_up, down), wna16=moe.experts))
-                continue
-            fp8 = moe.gate_up_proj.dtype == FP8_DTYPE
-            found.append(GemvExperts(moe.gate_up_proj, moe.down_proj, moe.top_k, moe.dtype,
-                                     moe.gate_up_proj_scale if fp8 else None, moe.down_proj_scale if fp8 else None))
-        return found
+        found = [gemv_experts_of(layer.moe, layer.moe.top_k) for layer in self.layers
+                 if layer.moe is not None and not layer.moe.grouped and layer.moe.activation == "silu"]
+        return [experts for experts in found if experts is not None]
 
 
 @torch.inference_mode()
