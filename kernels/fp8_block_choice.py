@@ -18,7 +18,7 @@ from kernels.fp8 import FP8_DTYPE, l2_defeating_copies
 from kernels.fp8_block import fp8_block_linear_triton
 from kernels.fp8_block_skinny import (SCALE_BLOCK, SKINNY_BLOCK_VARIANTS, VARIANT_ATTR, fp8_block_skinny_triton,
                                       skinny_options)
-from kernels.linear import graph_time_ms
+from kernels.linear import _TOO_LARGE, graph_time_ms
 
 # The margin, as kernels/linear.py's: both paths are timed from graph replays, so 1% only absorbs noise.
 WIN_MARGIN = 0.99
@@ -85,8 +85,3 @@ def _time_shape(shape: tuple[int, int], dtype: torch.dtype, device, rows: tuple[
     return {"block_gemm_us": block_gemm, "best_variant": best, "best_us": variants[best],
             "variant": best if wins else False}
 
-
-try:
-    from triton.runtime.errors import OutOfResources as _TOO_LARGE
-except ImportError:  # no Triton: nothing is timed
-    _TOO_LARGE = RuntimeError

@@ -28,8 +28,8 @@ from __future__ import annotations
 import torch
 
 from kernels._triton import dense, jit, num_sms, pdl_options, pdl_prologue, tl, triton, use_triton
-from kernels.linear import (MAX_SKINNY_ROWS, _arrival_counters, last_arrival, output_columns, padded_rows,
-                            product_epilogue, split_k_layout, variant_options)
+from kernels.linear import (MAX_SKINNY_ROWS, _arrival_counters, _skinny_sum_splits_and_finish, last_arrival,
+                            output_columns, padded_rows, product_epilogue, split_k_layout, variant_options)
 
 SCALE_BLOCK = 128  # the checkpoints' 128 x 128 weight blocks (kernels/fp8_block.py's BLOCK is this one: it imports us)
 # On a weight: the tiling kernels/fp8_block_choice.py chose for it (a SKINNY_BLOCK_VARIANTS tuple), or False (keep
@@ -107,13 +107,9 @@ def _fp8_block_skinny_kernel(
     mask = row_ok[:, None] & col_ok[None, :]
     if SPLIT_K > 1:
         tl.store(part_ptr + (tl.program_id(1) * M + rows)[:, None] * N + cols[None, :], acc, mask=mask)
-        if last_arrival(arrivals_ptr, tl.program_id(0), SPLIT_K):
-            total = tl.zeros([M_PAD, BLOCK_N], dtype=tl.float32)
-            for split in range(SPLIT_K):  # split order: the result does not depend on which program came last
-                total += tl.load(part_ptr + (split * M + rows)[:, None] * N + cols[None, :], mask=mask, other=0.0,
-                                 cache_modifier=".cg")  # (from L2: other programs wrote them in this kernel)
-            product_epilogue(total, total, rows, cols, row_ok, col_ok, mask, bias_ptr, bias_ptr, bias_ptr, out_ptr, N,
-                             stride_om, HAS_BIAS, False, False, False, 0)
+        if last_arrival(arrivals_ptr, tl.program_id(0), SPLIT_K):  # the splits' sums in split order, the epilogue
+            _skinny_sum_splits_and_finish(part_ptr, bias_ptr, bias_ptr, bias_ptr, out_ptr, rows, cols, col_ok, mask, M,
+                                          N, stride_om, HAS_BIAS, False, False, False, M_PAD, BLOCK_N, SPLIT_K, 0)
     else:
         product_epilogue(acc, acc, rows, cols, row_ok, col_ok, mask, bias_ptr, bias_ptr, bias_ptr, out_ptr, N,
                          stride_om, HAS_BIAS, False, False, False, 0)
