@@ -69,7 +69,8 @@ class StepStats:
         after it, so the latest stats read no active or scheduled requests. ``end_ns``: the step's end
         (now_ns's clock; default now), the stats' timestamp_ns."""
         self.iteration += 1
-        now = datetime.now(timezone.utc)
+        end_ns = now_ns() if end_ns is None else end_ns
+        now = datetime.fromtimestamp(end_ns / 1e9, timezone.utc)  # (the same instant as timestamp_ns)
         kv_bytes = self.runner.kv_cache.numel() * self.runner.kv_cache.element_size()
         on_gpu = self.runner.device.type == "cuda"
         # Each count is a pass over the batch (~12 us at 256 sequences): each once, none in a decode-only step.
@@ -77,7 +78,7 @@ class StepStats:
         num_ctx_tokens = plan.num_context_tokens if num_context else 0
         num_tokens = plan.num_tokens
         stats = IterationStats(
-            timestamp=now.strftime(STATS_TIME_FORMAT), timestamp_ns=end_ns if end_ns is not None else now_ns(), iter=self.iteration,
+            timestamp=now.strftime(STATS_TIME_FORMAT), timestamp_ns=end_ns, iter=self.iteration,
             iter_latency_ms=latency_ms,
             num_active_requests=num_active, max_num_active_requests=self.max_batch_size,
             num_queued_requests=num_queued,

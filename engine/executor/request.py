@@ -661,22 +661,21 @@ def prompt_keys_settled(state: "RequestState") -> bool:
     """Whether ``prompt_keys_error(state)`` is None for good: the table's keys made at enqueue are known and are
     not a PromptKeysError. Its sequences' keys are that same result (or made at admission, never an error), so
     none of them can set ``Sequence.prompt_keys_error`` later; the executor stops checking the request."""
+    return not isinstance(_enqueued_keys(state), (Future, PromptKeysError))
+
+
+def _enqueued_keys(state: "RequestState"):
+    """The table keys normalize_all made for ``state`` at enqueue: the keys, a PromptKeysError, None (none made),
+    or the Future while it is still running (a finished one is read)."""
     made = state.prompt_cache_keys
     keys = made[2] if made is not None else None
-    if isinstance(keys, Future):
-        if not keys.done():
-            return False
-        keys = keys.result()
-    return not isinstance(keys, PromptKeysError)
+    return keys.result() if isinstance(keys, Future) and keys.done() else keys
 
 
 def prompt_keys_error(state: "RequestState") -> str | None:
     """The error ``state``'s request must end with when hashing its table failed (PromptKeysError), once known;
     None while its keys are pending or when they were made."""
-    made = state.prompt_cache_keys
-    keys = made[2] if made is not None else None
-    if isinstance(keys, Future) and keys.done():
-        keys = keys.result()
+    keys = _enqueued_keys(state)
     if isinstance(keys, PromptKeysError):
         return keys.message
     return next((seq.prompt_keys_error for seq in state.sequences if seq.prompt_keys_error is not None), None)
