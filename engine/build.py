@@ -90,6 +90,11 @@ AWQ_UNCALIBRATED = ("Llama4ForCausalLM",)
 FLOAT_LINEAR_FAMILIES = ("Llama4ForCausalLM",)
 
 
+def _first_names(names: list[str], shown: int = 4) -> str:
+    """The first ``shown`` of ``names`` for a build note, then ", ..." where there are more."""
+    return ", ".join(names[:shown]) + (", ..." if len(names) > shown else "")
+
+
 def with_float_linears(build: BuildConfig, model: ModelConfig, stand_ins: CheckpointStandIns) -> BuildConfig:
     """``build`` with ``quant_float_linears``: the Linear weights the integer checkpoint left wholly unquantized
     (its ignore list: Llama 4 W4A16's attention), which the engine then holds in --dtype as the checkpoint has
@@ -98,7 +103,7 @@ def with_float_linears(build: BuildConfig, model: ModelConfig, stand_ins: Checkp
     if not floats:
         return build
     print(f"note: {len(floats)} linear weights the checkpoint leaves unquantized keep --dtype {build.dtype}: "
-          f"{', '.join(floats[:4])}{', ...' if len(floats) > 4 else ''}", file=sys.stderr)
+          f"{_first_names(floats)}", file=sys.stderr)
     return dataclasses.replace(build, quant_float_linears=floats).validate()
 
 
@@ -251,7 +256,7 @@ def write_engine(output_dir: str, model: ModelConfig, build: BuildConfig, get: T
             kept = _expert_pairs_kept_alike(kept & set(fp8_weight_names(names)))
             if kept and rank == 0:
                 print(f"note: {len(kept)} weights the checkpoint leaves unquantized keep --dtype {build.dtype}: "
-                      f"{', '.join(sorted(kept)[:4])}{', ...' if len(kept) > 4 else ''}", file=sys.stderr)
+                      f"{_first_names(sorted(kept))}", file=sys.stderr)
             weights = quantize_rank_weights(weights, names, source_scales, kept=kept)
         elif build.quantization == INT8_SQ:
             source_scales = rank_row_scales(fp8_source, model, rank, build.tp_size) if fp8_source else None

@@ -77,7 +77,6 @@ def llama4_rank_weights(get: TensorGetter, cfg: ModelConfig, rank: int, tp_size:
         yield "lm_head.weight", shard(get("lm_head.weight"), 0, rank, tp_size)
 
 
-
 def _experts(get: TensorGetter, ff: str, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """gate (E, I, hidden), up (E, I, hidden), down (E, hidden, I) of one MoE layer, from either layout:
     per-expert Linears ``experts.{e}.gate_proj.weight`` (I, hidden) ... (the compressed-tensors FP8 checkpoints,
