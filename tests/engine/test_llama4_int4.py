@@ -286,7 +286,19 @@ def test_stacked_unquantized_experts_are_quantized_at_build(tmp_path, capsys):
     for suffix, tensor in (("", codes), ("_scale", scale), ("_zero", zero)):
         assert torch.equal(engine["layers.1.moe.down_proj" + suffix], tensor), suffix
     got = all_logits(str(tmp_path / "engine"), IDS)
+    if transformers_release() < (5, 24):
+        pytest.skip("transformers 5.17 (the GPU machine's) cannot decompress a checkpoint whose stacked experts "
+                    "stayed unquantized (compressed-tensors' dequantize meets an empty packed weight); the engine "
+                    "side above ran, the logits' reference needs transformers >= 5.24 (make test)")
     assert relative_rms(got, decompressed_logits(str(tmp_path / "ckpt"), IDS)) < 0.12
+
+
+def transformers_release() -> tuple[int, int]:
+    """The installed transformers' (major, minor)."""
+    import transformers
+
+    major, minor = transformers.__version__.split(".")[:2]
+    return int(major), int(minor)
 
 
 def test_conditional_generation_w4a16_checkpoint_builds_the_same_text_engine(w4a16_checkpoint, tmp_path):
