@@ -44,6 +44,11 @@ def sweep_configs():
                                                 (128, 64, 8, 4), (32, 128, 4, 4), (64, 256, 4, 2),
                                                 (128, 128, 4, 3), (256, 64, 8, 3), (64, 128, 4, 4)):
             yield block_m, {"BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": warps, "num_stages": stages}
+    # 128-row blocks for prefill sizes (>= 64 rows an expert): SGLang's H200 table for these experts takes 128 x 256
+    # x 64 tiles over 8 warps from 1,024 tokens (its 256 columns span gate and up; this kernel's BLOCK_N covers each).
+    for block_n, block_k, warps, stages in ((128, 64, 8, 3), (128, 64, 8, 4), (64, 64, 8, 4), (64, 64, 4, 4),
+                                            (128, 32, 8, 4), (64, 128, 8, 3), (256, 64, 8, 2)):
+        yield 128, {"BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": warps, "num_stages": stages}
 
 
 def print_tiling_time(label: str, fn, inputs) -> None:
