@@ -389,13 +389,17 @@ def decode_batch(token: int, position: int, table: list[int], page: int) -> Forw
 
 
 def decode_synchronous(runner: ModelRunner, token: int, position: int, table: list[int], page: int,
-                       steps: int) -> tuple[list[int], list[float]]:
+                       steps: int, forward_times: list[float] | None = None) -> tuple[list[int], list[float]]:
     """Greedy batch-1 decode from ``token`` at ``position``, each step's token read on the host before
-    the next step starts (the executor's synchronous path): (tokens, seconds a step)."""
+    the next step starts (the executor's synchronous path): (tokens, seconds a step). ``forward_times``: gets
+    each step's host seconds in runner.forward (inputs packed and copied, graph and LM head launched: the
+    host's part of the step before the replay and the launches behind it)."""
     tokens, step_times = [], []
     for i in range(steps):
         started = time.perf_counter()
         logits = runner.forward(decode_batch(token, position + i, table, page))
+        if forward_times is not None:
+            forward_times.append(time.perf_counter() - started)
         token = int(logits.argmax(-1).item())  # the sampler's sync: the next input needs this token
         tokens.append(token)
         step_times.append(time.perf_counter() - started)
@@ -435,6 +439,52 @@ def decode_overlapped(runner: ModelRunner, token: int, position: int, table: lis
     return tokens, step_times
 
 
+def decode_input_copies_ab(runner: ModelRunner, token: int, position: int, table: list[int], page: int,
+                           steps: int = 128, rounds: int = 2) -> dict | None:
+    """decode_synchronous and decode_overlapped with the decode graphs' inputs copied one by one (as before their
+    staging buffer: DecodeGraphs.separate_copies) and in one copy, in turns, ``rounds`` times: per way, the median
+    step of each loop and the median host time in runner.forward (ms; the first 16 steps of each loop left out).
+    None without decode graphs. The tokens are the same either way (``same_tokens``)."""
+    graphs = getattr(runner, "decode_graphs", None)
+    if graphs is None or not hasattr(graphs, "separate_copies"):
+        return None
+    was, out, tokens = graphs.separate_copies, {}, set()
+    series = {(way, part): [] for way in ("separate", "one") for part in ("sync", "forward", "overlapped")}
+    try:
+        for _ in range(rounds):
+            for way in ("separate", "one"):
+                graphs.separate_copies = way == "separate"
+                forward: list[float] = []
+                ids, times = decode_synchronous(runner, token, position, table, page, steps, forward)
+                series[way, "sync"] += times[16:]
+                series[way, "forward"] += forward[16:]
+                again, times = decode_overlapped(runner, token, position, table, page, steps)
+                series[way, "overlapped"] += times[16:]
+                tokens.update((tuple(ids), tuple(again)))
+    finally:
+        graphs.separate_copies = was
+    for (way, part), values in series.items():
+        out[f"{way}_{part}_ms"] = statistics.median(values) * 1e3
+    out["same_tokens"] = len(tokens) == 1
+    return out
+
+
+def decode_outside_graph_text(d: dict) -> str:
+    """The decode entry's parts outside the graph as one clause: LM head, argmax, host in forward, and the
+    A/B of the inputs' copies ("" where they were not measured)."""
+    parts, ab = d.get("step_parts"), d.get("input_copies_ab")
+    text = f"host in forward {d['host_forward_ms_median']:.3f} ms" if "host_forward_ms_median" in d else ""
+    if parts:
+        text += (f"; alone: graph {parts['graph_ms']:.3f}, LM head {parts['lm_head_ms']:.3f}, argmax "
+                 f"{parts['argmax_ms']:.3f} ms; graph + LM head + argmax back to back {parts['step_sustained_ms']:.3f} ms")
+    if ab:
+        text += (f"; inputs copied one by one -> in one copy: step {ab['separate_sync_ms']:.3f} -> "
+                 f"{ab['one_sync_ms']:.3f} ms, host in forward {ab['separate_forward_ms']:.3f} -> "
+                 f"{ab['one_forward_ms']:.3f}, overlapped {ab['separate_overlapped_ms']:.3f} -> "
+                 f"{ab['one_overlapped_ms']:.3f} (same tokens: {ab['same_tokens']})")
+    return text
+
+
 def bench_decode(results: dict, runner: ModelRunner, prompt_len: int = 128, steps: int = 256) -> None:
     """Greedy batch-1 decode through runner.forward, with the host sync a sampler makes per token; and
     overlapped as the executor runs it by default (decode_overlapped), the same tokens."""
@@ -444,11 +494,13 @@ def bench_decode(results: dict, runner: ModelRunner, prompt_len: int = 128, step
     logits = runner.forward(ForwardBatch(prompt, list(range(prompt_len)), [prompt_len], [prompt_len],
                                          [table[: -(-prompt_len // page)]], [prompt_len - 1]))
     token = int(logits.argmax(-1).item())
-    tokens, step_times = decode_synchronous(runner, token, prompt_len, table, page, steps)
+    forward_times: list[float] = []
+    tokens, step_times = decode_synchronous(runner, token, prompt_len, table, page, steps, forward_times)
     steady = step_times[16:]
     tok_s = len(steady) / sum(steady)
     entry = {"prompt_len": prompt_len, "steps": steps, "tok_s": tok_s,
-             "step_ms_median": statistics.median(steady) * 1e3, "step_ms_p99": percentile(steady, 99) * 1e3}
+             "step_ms_median": statistics.median(steady) * 1e3, "step_ms_p99": percentile(steady, 99) * 1e3,
+             "host_forward_ms_median": statistics.median(forward_times[16:]) * 1e3}
     overlapped_tokens, overlapped_times = decode_overlapped(runner, token, prompt_len, table, page, steps)
     overlapped = overlapped_times[16:]
     entry.update(overlapped_tok_s=len(overlapped) / sum(overlapped),
@@ -462,6 +514,11 @@ def bench_decode(results: dict, runner: ModelRunner, prompt_len: int = 128, step
             entry["graph_step_kernels"], entry["graph_step_profile"] = profile_graph_step(graph)
         except Exception as error:  # noqa: BLE001
             entry["graph_step_profile"] = f"failed: {type(error).__name__}: {error}"
+        try:  # (diagnostics: a failure must not cost the run its figures)
+            entry["step_parts"] = decode_step_parts(runner, 1)  # what a step runs on the device outside its graph
+            entry["input_copies_ab"] = decode_input_copies_ab(runner, token, prompt_len, table, page)
+        except Exception as error:  # noqa: BLE001
+            entry["step_parts_error"] = f"{type(error).__name__}: {error}"
     if runner.device.type == "cuda":
         entry["eager_step_profile"] = profile_eager_step(runner, token, prompt_len + steps, table, page)
     roof = results.get("bandwidth")
@@ -1041,6 +1098,8 @@ def markdown(results: dict) -> str:
             lines.append(f"| batch-1 decode overlapped as the executor runs it (next step launched before the "
                          f"token reaches the host) | {d['overlapped_tok_s']:.1f} tok/s{over} (step "
                          f"{d['overlapped_step_ms_median']:.2f} ms; same tokens: {d['overlapped_same_tokens']}) | |")
+        if decode_outside_graph_text(d):
+            lines.append(f"| batch-1 decode step outside its graph | {decode_outside_graph_text(d)} | |")
     hf_best = max((r["output_tok_s"] for r in results.get("hf", [])), default=None)
     e = results.get("engine_offline")
     if e:

@@ -2,11 +2,12 @@
 
 A decode step of an 8B model is ~300 small kernel launches; launched from Python they cost
 more than the GPU work at small batches. Captured once per bucket and replayed, a step is one
-graph launch plus a few small host-to-device copies.
+graph launch plus one small host-to-device copy.
 
 How a step runs (``run``): the batch's ids, positions, slots, context lengths and block tables
-are written into pinned host buffers, copied without blocking into static device buffers, and
-the graph of the smallest bucket >= batch size is replayed. Rows past the batch are padding:
+are written into views of one pinned host staging buffer, copied in one span without blocking
+into its device twin (whose views the graphs read), and the graph of the smallest bucket >=
+batch size is replayed. Rows past the batch are padding:
 slot -1 (the KV write skips it), context length 1 over block 0 (a harmless read), and their
 outputs are ignored. Token ids may be placeholders for tokens the previous step sampled and the
 host has not seen yet: the graph itself replaces them from the ``sampled_tokens`` ring
@@ -38,6 +39,10 @@ from kernels.attention_metadata import AttentionMetadata
 from kernels.linear import graph_capture, replay_time_ms, side_stream
 from kernels.lora import LoraBatchBuffers
 from kernels.triton_attention import MAX_DECODE_SPLITS, decode_active_splits
+
+
+# "0": DecodeGraphs copy a step's inputs one by one as before their staging buffer (a benchmark's A/B switch)
+DECODE_ONE_COPY_ENV = "TRITONLLM_DECODE_ONE_COPY"
 
 
 def default_buckets(max_batch_size: int) -> list[int]:
@@ -84,31 +89,59 @@ class DecodeGraphs:
         # Replays per bucket since load (benchmarks compare them with the decode steps they timed: a step
         # that missed its graph ran eagerly, ~300 launches from Python).
         self.replays: collections.Counter = collections.Counter()
+        # $TRITONLLM_DECODE_ONE_COPY=0: a step's inputs go over as before the staging buffer, one copy each
+        # (_copy_separately), so that a benchmark can time both ways in one lease; the same values either way.
+        self.separate_copies = os.environ.get(DECODE_ONE_COPY_ENV, "1") == "0"
         self._allocate_buffers()
 
     def _allocate_buffers(self) -> None:
+        """One int32 staging buffer on the host (pinned) and its device twin hold every input of a step, each
+        input a view of it at its own offset (16-byte aligned), ``host_NAME`` / ``dev_NAME``: the rows' ids,
+        positions and slots (``i64``: int64, 3 x n), the context lengths (``ctx``, n), the key splits of decode
+        attention (``splits``, 1: kernels/triton_attention.py decode_active_splits; the warm-ups and captures see
+        the most, each launch clamps it to its grid's splits), the Mamba state slots (``state_slots``, n: -1
+        skips a row) and last the block tables (``tables``, n x max_blocks), so that a step copies one
+        contiguous span, up to its bucket's last table row. Why one copy: each copy is a cudaMemcpyAsync and a
+        pinned-block event record from Python, and a tensor item write costs as much; at batch 1 the host does
+        them while the GPU waits for the step (the encoder-decoder graphs' six copies and two item writes:
+        ~0.2 ms of a Whisper step on an H200, engine/encoder_decoder/decode_graphs.py). Rows past a step are
+        padding: slot -1 (the KV write skips it), context 1 over block 0, state slot -1."""
         n, dev = self.max_batch_size, self.device
-        # Host staging (pinned) and their device twins: rows ids, positions, slots.
-        self.host_i64 = torch.zeros(3, n, dtype=torch.int64).pin_memory()
-        self.host_ctx = torch.ones(n, dtype=torch.int32).pin_memory()
-        self.host_tables = torch.zeros(n, self.max_blocks, dtype=torch.int32).pin_memory()
-        self.dev_i64 = torch.zeros(3, n, dtype=torch.int64, device=dev)
-        self.dev_ctx = torch.ones(n, dtype=torch.int32, device=dev)
-        self.dev_tables = torch.zeros(n, self.max_blocks, dtype=torch.int32, device=dev)
-        self.cu_seqlens = torch.arange(n + 1, dtype=torch.int32, device=dev)
-        # Key splits of decode attention a replay uses (kernels/triton_attention.py decode_active_splits);
-        # the warm-ups and captures see the most (each launch clamps it to its grid's splits).
-        self.host_splits = torch.full((1,), MAX_DECODE_SPLITS, dtype=torch.int32).pin_memory()
-        self.dev_splits = torch.full((1,), MAX_DECODE_SPLITS, dtype=torch.int32, device=dev)
-        self.metas: dict[int, AttentionMetadata] = {}
-        self.host_state_slots = torch.full((n,), -1, dtype=torch.int32).pin_memory()
-        self.dev_state_slots = torch.full((n,), -1, dtype=torch.int32, device=dev)
-        self._np_state_slots = self.host_state_slots.numpy()
+        shapes = {"i64": (6 * n,), "ctx": (n,), "splits": (1,), "state_slots": (n,), "tables": (n, self.max_blocks)}
+        offsets, end = {}, 0
+        for name, shape in shapes.items():
+            offsets[name] = end
+            end += -(-int(np.prod(shape)) // 4) * 4
+        self.host_staging = torch.zeros(end, dtype=torch.int32).pin_memory()  # pinned: the copy does not block
+        for name, shape in shapes.items():
+            view = self.host_staging[offsets[name]:offsets[name] + int(np.prod(shape))]
+            setattr(self, f"host_{name}", view.view(torch.int64).view(3, n) if name == "i64" else view.view(shape))
+        self._tables_at = offsets["tables"]
         self.host_i64[2].fill_(-1)
-        self.dev_i64[2].fill_(-1)
+        self.host_ctx.fill_(1)
+        self.host_splits.fill_(MAX_DECODE_SPLITS)
+        self.host_state_slots.fill_(-1)
+        self.dev_staging = torch.zeros(end, dtype=torch.int32, device=dev)
+        self.dev_staging.copy_(self.host_staging)
+        for name, shape in shapes.items():
+            view = self.dev_staging[offsets[name]:offsets[name] + int(np.prod(shape))]
+            setattr(self, f"dev_{name}", view.view(torch.int64).view(3, n) if name == "i64" else view.view(shape))
+        self.cu_seqlens = torch.arange(n + 1, dtype=torch.int32, device=dev)
+        self.metas: dict[int, AttentionMetadata] = {}
         self._np_i64, self._np_ctx, self._np_tables = self.host_i64.numpy(), self.host_ctx.numpy(), self.host_tables.numpy()
+        self._np_splits, self._np_state_slots = self.host_splits.numpy(), self.host_state_slots.numpy()
         self._copied = torch.cuda.Event()
         self._copied.record()
+
+    def _copy_separately(self, bucket: int, splits: int) -> None:
+        """A step's inputs as they went before the staging buffer: the key splits by a tensor item write, then
+        one copy each of the ids, positions and slots, the bucket's context lengths and tables, the splits and
+        (Mamba) the bucket's state slots."""
+        self.host_splits[0] = splits
+        self.dev_i64.copy_(self.host_i64, non_blocking=True)
+        for name in ("ctx", "tables") + (("state_slots",) if self.state_slots else ()):
+            getattr(self, f"dev_{name}")[:bucket].copy_(getattr(self, f"host_{name}")[:bucket], non_blocking=True)
+        self.dev_splits.copy_(self.host_splits, non_blocking=True)
 
     def _meta(self, bs: int, lora: bool = False) -> AttentionMetadata:
         meta = AttentionMetadata(
@@ -188,16 +221,16 @@ class DecodeGraphs:
         if rotary_positions is not None:  # after the slots, which the true positions gave
             self._np_i64[1, :bs] = rotary_positions
         plan = self.metas[bucket].decode_split_plan
-        self.host_splits[0] = MAX_DECODE_SPLITS if plan is None else decode_active_splits(plan, bs, max(context_lens))
-        # Contiguous spans only: a strided pinned source would make torch stage it synchronously.
-        self.dev_i64.copy_(self.host_i64, non_blocking=True)
-        self.dev_ctx[:bucket].copy_(self.host_ctx[:bucket], non_blocking=True)
-        self.dev_tables[:bucket].copy_(self.host_tables[:bucket], non_blocking=True)
-        self.dev_splits.copy_(self.host_splits, non_blocking=True)
+        splits = MAX_DECODE_SPLITS if plan is None else decode_active_splits(plan, bs, max(context_lens))
         if self.state_slots:
             self._np_state_slots[:bs] = state_slots if state_slots is not None else -1
             self._np_state_slots[bs:bucket] = -1
-            self.dev_state_slots[:bucket].copy_(self.host_state_slots[:bucket], non_blocking=True)
+        if self.separate_copies:
+            self._copy_separately(bucket, splits)
+        else:  # one contiguous span (a strided pinned source would make torch stage it synchronously)
+            self._np_splits[0] = splits
+            end = self._tables_at + bucket * self.max_blocks
+            self.dev_staging[:end].copy_(self.host_staging[:end], non_blocking=True)
         self._copied.record()
         self.replays[bucket] += 1
         if lora_slots is not None:

@@ -130,6 +130,51 @@ def test_fill_decode_inputs_packs_ragged_tables_slots_and_padding(repeat):
 
 
 
+
+@pytest.mark.parametrize("one_copy", [True, False])
+def test_emulated_decode_graphs_read_each_step_and_give_the_eager_logits(tmp_path, monkeypatch, one_copy):
+    """CUDA graphs emulated on the CPU (graph_emulation.py: a replay reruns the forward over the graphs' device
+    buffers): each decode step's ids, positions, slots, context lengths and tables reach those buffers, in one
+    staged copy (or one copy each with $TRITONLLM_DECODE_ONE_COPY=0), padding rows up to the bucket included,
+    and the replayed steps give the eager steps' logits; 9 rows in bucket 16, then 3 in bucket 4 over them."""
+    from graph_emulation import emulate_cuda_graphs
+
+    from engine.executor.cuda_graphs import DECODE_ONE_COPY_ENV
+
+    monkeypatch.setenv(DECODE_ONE_COPY_ENV, "1" if one_copy else "0")
+    emulate_cuda_graphs(monkeypatch)
+    runner = ModelRunner(config_only_engine(tmp_path, "float32"), device="cpu")
+    runner.allocate_kv_cache(400)
+    prompt_lens = [13 + 7 * i % 29 for i in range(9)]
+    prefill, decode = prefill_then_decode_batches(9, prompt_lens, steps=4, page=16)
+    runner.forward(prefill)
+    runner.capture_cuda_graphs()
+    graphs = runner.decode_graphs
+    assert graphs.separate_copies is not one_copy
+    for step in range(4):
+        batch = decode(step)
+        if step >= 2:  # the first 3 rows only: a smaller bucket over the buffers the wider steps left
+            batch = ForwardBatch(batch.token_ids[:3], batch.positions[:3], [1] * 3, batch.context_lens[:3],
+                                 batch.block_tables[:3], [0, 1, 2])
+        bs = len(batch.token_ids)
+        bucket = graphs.bucket_for(bs)
+        replays = graphs.replays[bucket]
+        graphed = runner.forward(batch)
+        assert graphs.replays[bucket] == replays + 1
+        ids, positions, slots = graphs.dev_i64[:, :bucket].tolist()
+        assert ids[:bs] == batch.token_ids and positions[:bs] == batch.positions
+        assert slots == [table[p // 16] * 16 + p % 16 for table, p in zip(batch.block_tables, batch.positions)] + \
+            [-1] * (bucket - bs)
+        assert graphs.dev_ctx[:bucket].tolist() == batch.context_lens + [1] * (bucket - bs)
+        for row, table in enumerate(batch.block_tables):
+            assert graphs.dev_tables[row, :len(table)].tolist() == table
+        assert graphs.dev_tables[bs:bucket, 0].tolist() == [0] * (bucket - bs)
+        runner.decode_graphs = None  # the same step eagerly (rewrites the same K/V slots)
+        eager = runner.forward(batch)
+        runner.decode_graphs = graphs
+        torch.testing.assert_close(graphed, eager, rtol=1e-5, atol=1e-5)
+
+
 # A 16-wide-head Llama as small as the draft engine "small_limits" of test_speculative_draft_model.py.
 SMALL = dict(TINY, vocab_size=128, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128,
              max_position_embeddings=64)

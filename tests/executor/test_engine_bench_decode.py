@@ -84,3 +84,30 @@ def test_decode_step_parts_time_the_graph_the_lm_head_and_the_argmax(tiny_engine
     assert parts["logits_mb"] == rows * runner.vocab_size * 4 / 1e6 and len(parts["sm_clock_mhz"]) == 3
     assert parts["step_sustained_ms"] > 0.5 * parts["graph_sustained_ms"]
     assert decode_step_parts(runner, runner.decode_graphs.max_batch_size + 1) is None
+
+
+def test_input_copies_ab_decodes_the_same_tokens_both_ways(tiny_engine, monkeypatch):
+    """decode_input_copies_ab (the decode section's A/B of the decode graphs' inputs copied one by one against one
+    staged copy) on the tiny engine with CUDA graphs emulated on the CPU (tests/engine/graph_emulation.py): every
+    step of both loops replays a graph both ways, the tokens are the same, and the switch is left as it was."""
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "engine"))
+    from graph_emulation import emulate_cuda_graphs
+
+    from benchmarks.engine.engine_bench import decode_input_copies_ab, decode_outside_graph_text
+
+    replays = emulate_cuda_graphs(monkeypatch)
+    runner = ModelRunner(tiny_engine)
+    runner.allocate_kv_cache(16)
+    assert decode_input_copies_ab(runner, 3, 5, list(range(1, 16)), runner.tokens_per_block) is None  # no graphs
+    runner.capture_cuda_graphs()
+    prompt = [5, 9, 2, 7, 11]
+    runner.forward(decode_batch_of(prompt, runner.tokens_per_block, list(range(1, 16))))
+    before = replays.copy()
+    ab = decode_input_copies_ab(runner, 3, len(prompt), list(range(1, 16)), runner.tokens_per_block, steps=18,
+                                rounds=1)
+    assert ab["same_tokens"] and runner.decode_graphs.separate_copies is False
+    assert sum(replays.values()) - sum(before.values()) == 2 * 2 * 18
+    assert all(ab[f"{way}_{part}_ms"] > 0 for way in ("separate", "one") for part in ("sync", "forward", "overlapped"))
+    assert "in one copy: step" in decode_outside_graph_text({"input_copies_ab": ab})
