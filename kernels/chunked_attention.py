@@ -9,9 +9,12 @@ chunk boundary makes them unreadable, but the pool keeps them: prefix caching ma
 
 Same call shape as kernels/attention.py ``paged_attention`` (q (tokens, heads, D), the layer's K and
 V caches (blocks, tokens_per_block, kv_heads, D) with any strides, AttentionMetadata), plus C.
-``chunked_attention`` dispatches: the Triton kernel on CUDA (one program per token and KV head,
-that head's query group at once, online softmax; no host sync, so decode CUDA graphs may hold it),
-the plain-torch reference elsewhere and as the tests' oracle.
+``chunked_attention`` dispatches: a decode-only batch on CUDA to kernels/triton_attention.py's paged
+kernel with the chunk as its walk's start (split-K over the chunk's keys, as a global layer's decode: the
+kernel below has one program per token and KV head, 8 programs at batch 1, and took 19.9 us a call against
+the paged kernel's 5.9 on Scout's shape, H200, 2026-12-01); other batches on CUDA to the Triton kernel below
+(one program per token and KV head, that head's query group at once, online softmax; no host sync, so
+CUDA graphs may hold it); the plain-torch reference elsewhere and as the tests' oracle.
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ from kernels._triton import dense, jit, tl, triton, use_triton
 from kernels.attention import paged_attention_ref
 from kernels.attention_metadata import AttentionMetadata
 from kernels.online_softmax import online_softmax_step
+from kernels.triton_attention import paged_attention_triton
 
 
 def chunked_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
@@ -99,7 +103,10 @@ def chunked_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
 
 def chunked_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                       scale: float, chunk_size: int) -> torch.Tensor:
-    """Chunked local attention (module docstring): Triton on CUDA, else the reference."""
+    """Chunked local attention (module docstring): Triton on CUDA (decode-only batches through the paged
+    kernel), else the reference."""
+    if use_triton(q) and meta.is_decode_only:
+        return paged_attention_triton(q, k_cache, v_cache, meta, scale, chunk_size=chunk_size)
     if use_triton(q):
         return chunked_attention_triton(q, k_cache, v_cache, meta, scale, chunk_size)
     return chunked_attention_ref(q, k_cache, v_cache, meta, scale, chunk_size)

@@ -20,6 +20,11 @@ and each row masks the keys of the walk that are older than its own window. Logi
 (Gemma 2) maps the base-2 scores z to ``C * tanh(z / C)`` with ``C = cap * log2(e)``, which is
 ``cap * tanh(s / cap)`` of the natural-base scores s, before the mask.
 
+Chunked local attention (Llama 4's rope layers, CHUNK = C, decode tiles only): a row at p sees the keys
+``p // C * C .. p``, so the walk starts at its chunk's first key; every key of it is visible to the tile's one
+token, so the walk stays unmasked but for its last tile. With ``new_kv`` the decode kernel also takes Llama 4's
+q/k L2 norm (QK_L2: after the rotation, no weight) and its NoPE layers' attention temperature (TEMPERATURE).
+
 Attention sinks (gpt-oss): a row's sink logit joins its softmax denominator only. The online
 softmax starts from it instead of from nothing (running max ``sink * log2(e)``, running sum 1,
 accumulator 0), which is the softmax over [scores..., sink] without the sink's column. With
@@ -331,6 +336,10 @@ def _paged_attention_kernel(
     APPEND_ROWS: tl.constexpr = False,  # ROTARY_APPEND's work for a short step whose sequences are one tile each
     q_norm_ptr=None, k_norm_ptr=None, qk_eps=0.0,  # (head_dim,) per-head RMSNorm weights and eps (read when QK_NORM)
     QK_NORM: tl.constexpr = False,  # with ROTARY_APPEND: q and the new k come unnormalized (Qwen3's q/k norms)
+    CHUNK: tl.constexpr = 0,  # > 0, decode tiles only: chunked local attention (Llama 4), keys p // CHUNK * CHUNK .. p
+    QK_L2: tl.constexpr = False,  # with ROTARY_APPEND: q and the new k divided by their RMS after the rotation
+    temp_floor=1, temp_scale=0.0,  # read when TEMPERATURE
+    TEMPERATURE: tl.constexpr = False,  # with ROTARY_APPEND: q times 1 + temp_scale * log1p((p + 1) // temp_floor)
 ):
     pdl_prologue(PDL)  # before the early returns too: every program must wait (kernels/_triton.py)
     TOKENS_PER_TILE: tl.constexpr = BLOCK_M // GROUP
@@ -408,6 +417,11 @@ def _paged_attention_kernel(
             if not QK_NORM:
                 q_partner = tl.load(q_rows + partner[None, :], mask=q_mask, other=0.0)
             q = rotate_neox(q, q_partner, cos[None, :], sin[None, :], first_half[None, :])
+        if QK_L2:  # Llama 4's q/k L2 norm: each rotated head (rounded) over its RMS in float32, no weight
+            q = (q.to(tl.float32) * _head_inv_rms(q, HEAD_DIM, qk_eps, 1)).to(q.dtype)
+        if TEMPERATURE:  # Llama 4's NoPE layers (kernels/chunked_attention.py attention_temperature)
+            floors = (tl.load(positions_ptr + q_start).to(tl.int64) + 1) // temp_floor
+            q = (q.to(tl.float32) * (tl.log(1.0 + floors.to(tl.float32)) * temp_scale + 1.0)).to(q.dtype)
     if APPEND_ROWS:
         # A short step of one query tile a sequence (short_step_appends): each row rotated at its own
         # token's position; the new keys are written below, by the split holding each.
@@ -437,6 +451,8 @@ def _paged_attention_kernel(
     kv_start = 0
     if HAS_WINDOW:
         kv_start = tl.maximum(prefix_len + first_token - window + 1, 0)
+    if CHUNK > 0:  # a decode tile's one token: every key of its chunk up to it is visible (unmasked walk)
+        kv_start = (prefix_len + first_token) // CHUNK * CHUNK
     tiles_per_split = tl.cdiv(tl.cdiv(kv_end - kv_start, BLOCK_N), active_splits)
     kv_lo = kv_start + split * tiles_per_split * BLOCK_N
     kv_hi = tl.minimum(kv_end, kv_lo + tiles_per_split * BLOCK_N)
@@ -456,6 +472,8 @@ def _paged_attention_kernel(
                 if not QK_NORM:
                     k_partner = tl.load(k_row + partner)
                 k_new = rotate_neox(k_new, k_partner, cos, sin, first_half)
+            if QK_L2:
+                k_new = (k_new.to(tl.float32) * _head_inv_rms(k_new, HEAD_DIM, qk_eps, 0)).to(k_new.dtype)
             v_new = tl.load(v_new_ptr + new_row * stride_vnt + kv_head * stride_vnh + dims)
             tl.store(slot_row(k_cache_ptr, slot, stride_kb, stride_ks, PAGE_SIZE) + kv_head * stride_kh + dims,
                      cache_value(k_new, k_cache_ptr))
@@ -871,7 +889,8 @@ def paged_attention_triton(
     *, num_splits: int | None = None, sliding_window: int | None = None, logit_softcap: float | None = None,
     new_kv: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     sinks: torch.Tensor | None = None, alibi_slopes: torch.Tensor | None = None,
-    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None, chunk_size: int | None = None,
+    qk_l2_eps: float | None = None, temperature: tuple[int, float] | None = None,
 ) -> torch.Tensor:
     """q: (num_tokens, num_heads, head_dim), last dim contiguous -> out: (num_tokens, num_heads, head_dim).
 
@@ -890,6 +909,12 @@ def paged_attention_triton(
     ``qk_norm = (q_weight, k_weight, eps)`` (with ``new_kv``, decode-only batches): q and k arrive before their
     per-head RMSNorms (Qwen3, Gemma 3: (head_dim,) weights), which the kernel applies before the rotation as
     kernels/rmsnorm.py ``qk_rms_norm`` does: that launch folded into this one.
+
+    Llama 4 (kernels/chunked_attention.py), decode-only batches: ``chunk_size`` C, chunked local attention (a
+    token at p sees keys p // C * C .. p: the decode walk starts at its chunk's first key); ``qk_l2_eps`` (with
+    ``new_kv`` rotating): q and the new k, once rotated and rounded, divided by their heads' RMS (no weight);
+    ``temperature = (floor_scale, attn_scale)`` (with ``new_kv``; an integral floor_scale): q times
+    1 + attn_scale * log1p((p + 1) // floor_scale) at its position p (``new_kv``'s positions).
     """
     num_tokens, num_heads, head_dim = q.shape
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=q.dtype, device=q.device)
@@ -908,9 +933,10 @@ def paged_attention_triton(
         assert fuses_new_kv(head_dim) and new_k.stride(-1) == 1 and new_v.stride(-1) == 1
         assert not rotate or (cos_sin_cache.shape[1] == head_dim and cos_sin_cache.dtype == torch.float32)
         if not rotate:
-            positions = cos_sin_cache = q  # unread
-        else:
-            positions, = dense(positions)  # read at positions_ptr + sequence (rotary.py says why a view must not be)
+            cos_sin_cache = q  # unread
+        # read at positions_ptr + sequence (rotary.py says why a view must not be); unread without a rotation or
+        # a temperature (then possibly None)
+        positions = q if positions is None else dense(positions)[0]
         new_kv_strides = (new_k.stride(0), new_k.stride(1), new_v.stride(0), new_v.stride(1))
     else:
         new_k = new_v = positions = cos_sin_cache = q  # unused
@@ -924,6 +950,17 @@ def paged_attention_triton(
         q_weight, k_weight, eps = qk_norm
         assert q_weight.shape == k_weight.shape == (head_dim,) and q_weight.is_contiguous() and k_weight.is_contiguous()
         norm_args = dict(q_norm_ptr=q_weight, k_norm_ptr=k_weight, qk_eps=float(eps), QK_NORM=True)
+    if chunk_size is not None:
+        assert meta.is_decode_only and chunk_size > 0, "chunk_size: decode-only batches (one token a tile)"
+        norm_args["CHUNK"] = int(chunk_size)
+    if qk_l2_eps is not None:
+        assert qk_norm is None and rotate and meta.is_decode_only, "qk_l2_eps: decode-only batches rotating new_kv"
+        norm_args.update(qk_eps=float(qk_l2_eps), QK_L2=True)
+    if temperature is not None:
+        floor_scale, attn_scale = temperature
+        assert new_kv is not None and meta.is_decode_only and floor_scale == int(floor_scale) >= 1, (
+            "temperature: decode-only batches with new_kv, an integral floor_scale")
+        norm_args.update(temp_floor=int(floor_scale), temp_scale=float(attn_scale), TEMPERATURE=True)
     # Token trees (tree verification): the mask as bits where the step's producer packed them
     # (meta.tree_bits) and $TRITONLLM_TREE_BITS is not 0, else as bytes; the decode launch's rows are
     # one token each (a root alone sees all its keys), so only the prefill launch reads it.
@@ -956,6 +993,8 @@ def paged_attention_triton(
         dynamic = decode_tiles and num_splits > 1 and meta.decode_split_plan is not None
         wants_tma = decode_tiles and (
             (len(config) > 5 and config[5]) or os.environ.get(DECODE_TMA_ENV) == "all")
+        # A chunk's walk starts at its first key: TMA boxes (block_n rows within a page) need it tile-aligned.
+        wants_tma = wants_tma and (chunk_size is None or chunk_size % block_n == 0)
         if num_splits > 1:
             rows = num_seqs if seq_kind == ONE_TOKEN else num_tokens  # (see the kernel's part_row)
             part_out = torch.empty(num_splits, rows, num_heads, dim_pad, dtype=torch.float32, device=q.device)
@@ -1010,8 +1049,9 @@ def paged_attention_triton(
                 **pdl_options(q),
             )
 
-    decode_config = _decode_config(meta, group, num_kv_heads, q.device, num_splits, sliding_window, dim_pad,
-                                   kv_itemsize, tma_pages=kv_itemsize == 1 and _tma_readable(k_cache, v_cache, 32))
+    keys_bound = sliding_window if chunk_size is None else chunk_size  # the most keys a decode row reads
+    decode_config = _decode_config(meta, group, num_kv_heads, q.device, num_splits, keys_bound, dim_pad, kv_itemsize,
+                                   tma_pages=kv_itemsize == 1 and _tma_readable(k_cache, v_cache, 32))
     if meta.is_decode_only:
         launch(decode_config, (1, num_seqs, num_kv_heads), ALL_SEQS, tile_map=False)
         return out

@@ -5,7 +5,7 @@ Maverick), following transformers' Llama4TextModel: the Llama block with
   each head by its RMS (no weight), and attend within chunks of ``attention_chunk_size`` positions
   (kernels/chunked_attention.py); NoPE layers (``layers_without_rope``, every fourth in Scout) attend
   to the whole context, their q scaled by 1 + attn_scale * log1p(floor((p + 1) / floor_scale))
-  (attention temperature tuning);
+  (attention temperature tuning); at decode either is one kernel (kernels/llama4_attention.py);
 - MLP: dense SwiGLU layers of width intermediate_size_mlp and, every ``decoder_sparse_step``
   layers, a MoE block: the router's top-k logits through a sigmoid scale each chosen expert's
   *input* (x * s, not the output: the experts are nonlinear), the routed experts' outputs summed,
@@ -54,16 +54,14 @@ from engine.models.layers import Linear, qkv_heads, tp_all_reduce
 from engine.models.llama import LlamaForCausalLM
 from engine.models.moe import MoeLayer, declare_expert_stacks, gemv_experts_of, prepare_integer_experts
 from kernels._triton import use_triton
-from kernels.activation import silu_and_mul
-from kernels.attention import paged_attention, write_kv_cache
 from kernels.attention_metadata import AttentionMetadata
-from kernels.chunked_attention import chunked_attention
 from kernels.fp8 import FP8_DTYPE
 from kernels.fused_moe import fused_moe, warm_up_token_counts
 from kernels.fused_moe_fp8 import fused_moe_fp8
 from kernels.fused_moe_wna16 import WNA16Experts, fused_moe_wna16_triton, gemv_quantization
+from kernels.llama4_attention import nope_attention, rope_chunked_attention
+from kernels.llama4_router import ROUTE_ROWS, route_top1_triton
 from kernels.moe_gemv import GemvExperts, gemv_tiles, moe_gemv_triton
-from kernels.rotary import apply_rotary
 
 
 class Llama4Experts(nn.Module):
@@ -99,44 +97,57 @@ class Llama4Experts(nn.Module):
         prepare_integer_experts(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x (T, hidden) -> (T, hidden), all-reduced over ranks."""
+        """x (T, hidden) -> (T, hidden), all-reduced over ranks. Top-1 decode steps on CUDA route in one launch
+        (kernels/llama4_router.py), which also quantizes x for a per-channel FP8 shared expert."""
         num_tokens, hidden = x.shape
-        top_logits, ids = self.router(x).topk(self.top_k, dim=-1)
-        scores = torch.sigmoid(top_logits.float()).to(x.dtype)  # (T, K), transformers' rounding
-        routed_in = (x[:, None, :] * scores[..., None]).reshape(-1, hidden)  # (T * K, hidden): row t*K + k
-        routed = self.routed_experts(routed_in, ids.reshape(-1, 1).to(torch.int32))
-        out = routed.view(num_tokens, self.top_k, hidden).sum(dim=1)
-        out = out + self.shared_down_proj(silu_and_mul(self.shared_gate_up_proj(x)))
+        shared_in = x
+        if self.top_k == 1 and use_triton(x) and num_tokens <= ROUTE_ROWS and x.stride(1) == 1:
+            routed_in, ids, ones, quantized = route_top1_triton(
+                x, self.router.weight, quantize=self.shared_gate_up_proj.takes_quantized_rows(x))
+            shared_in = x if quantized is None else quantized
+            routed = self.routed_experts(routed_in, ids, ones)
+        else:
+            top_logits, ids = self.router(x).topk(self.top_k, dim=-1)
+            scores = torch.sigmoid(top_logits.float()).to(x.dtype)  # (T, K), transformers' rounding
+            routed_in = (x[:, None, :] * scores[..., None]).reshape(-1, hidden)  # (T * K, hidden): row t*K + k
+            routed = self.routed_experts(routed_in, ids.reshape(-1, 1).to(torch.int32))
+        # top-1: the rows are the tokens' outputs (no sum over one expert)
+        out = routed if self.top_k == 1 else routed.view(num_tokens, self.top_k, hidden).sum(dim=1)
+        quantize = self.shared_down_proj.takes_quantized_rows(x)  # SiLU-and-mul quantizes for an FP8 down
+        out = out + self.shared_down_proj(self.shared_gate_up_proj.gated(shared_in, quantize_output=quantize))
         return out if self.tp_group is None else tp_all_reduce(out, self.tp_group)
 
-    def routed_experts(self, rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """rows (R, hidden), each for the one expert of ids (R, 1) with weight 1 -> (R, hidden): the GEMV pair at
-        the row counts the load-time choice marked on gate_up (decode steps), else the grouped kernels."""
+    def routed_experts(self, rows: torch.Tensor, ids: torch.Tensor, ones: torch.Tensor | None = None) -> torch.Tensor:
+        """rows (R, hidden), each for the one expert of ids (R, 1) with weight 1 (``ones`` (R, 1) float32, or made
+        here) -> (R, hidden): the GEMV pair at the row counts the load-time choice marked on gate_up (decode
+        steps), else the grouped kernels; unsummed (``sum_experts=False``: a row's one expert needs no sum)."""
+        if ones is None:
+            ones = torch.ones(rows.shape[0], 1, dtype=torch.float32, device=rows.device)
         if self.weight_only is not None:
-            return self._integer_experts(rows, ids)
+            return self._integer_experts(rows, ids, ones).reshape(rows.shape[0], -1)
         fp8 = self.gate_up_proj.dtype == FP8_DTYPE
         scales = dict(gate_up_scale=self.gate_up_proj_scale, down_scale=self.down_proj_scale) if fp8 else {}
-        ones = torch.ones(rows.shape[0], 1, dtype=torch.float32, device=rows.device)
         if use_triton(rows) and (tiles := gemv_tiles(self.gate_up_proj, rows.shape[0])) is not None:
-            return moe_gemv_triton(rows, self.gate_up_proj, self.down_proj, top_k=1, topk_weights=ones, topk_ids=ids,
-                                   tiles=tiles, **scales)
-        if fp8:
-            return fused_moe_fp8(rows, self.gate_up_proj, self.gate_up_proj_scale, self.down_proj,
-                                 self.down_proj_scale, ones, ids)
-        return fused_moe(rows, self.gate_up_proj, self.down_proj, ones, ids)
+            out = moe_gemv_triton(rows, self.gate_up_proj, self.down_proj, top_k=1, topk_weights=ones, topk_ids=ids,
+                                  tiles=tiles, sum_experts=False, **scales)
+        elif fp8:
+            out = fused_moe_fp8(rows, self.gate_up_proj, self.gate_up_proj_scale, self.down_proj,
+                                self.down_proj_scale, ones, ids, sum_experts=False)
+        else:
+            out = fused_moe(rows, self.gate_up_proj, self.down_proj, ones, ids, sum_experts=False)
+        return out.reshape(rows.shape[0], -1)
 
-    def _integer_experts(self, rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def _integer_experts(self, rows: torch.Tensor, ids: torch.Tensor, ones: torch.Tensor) -> torch.Tensor:
         """routed_experts for integer experts: the dequantized experts through kernels/fused_moe.py's reference
         where the kernels' layout is absent (CPU), else (4 bits, decode row counts the load-time choice marked)
         the GEMV pair or kernels/fused_moe_wna16.py's grouped kernels, with the routing given."""
         self.prepare_weights()
         gate_up, down = self.experts
-        ones = torch.ones(rows.shape[0], 1, dtype=torch.float32, device=rows.device)
         if not (use_triton(rows) and gate_up.kernel):
-            return fused_moe(rows, gate_up.dense, down.dense, ones, ids)
+            return fused_moe(rows, gate_up.dense, down.dense, ones, ids, sum_experts=False)
         if gate_up.bits == 4 and (tiles := gemv_tiles(gate_up.kernel["weight"], rows.shape[0])) is not None:
             return moe_gemv_triton(rows, gate_up.kernel["weight"], down.kernel["weight"], top_k=1, topk_weights=ones,
-                                   topk_ids=ids, tiles=tiles, **gemv_quantization(gate_up, down))
+                                   topk_ids=ids, tiles=tiles, sum_experts=False, **gemv_quantization(gate_up, down))
         return fused_moe_wna16_triton(rows, gate_up, down, ones, ids)
 
     def gemv_experts(self) -> GemvExperts | None:
@@ -168,26 +179,15 @@ class Llama4Layer(MoeLayer):
         self.moe = Llama4Experts(config, tp_size=tp_size, tp_group=tp_group, dtype=dtype, device=device, fp8=fp8,
                                  weight_only=weight_only)
 
-    def _l2_normed(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
-
     def attention(self, x, positions, cos_sin_cache, kv_cache, meta: AttentionMetadata) -> torch.Tensor:
+        # Between the qkv product and o_proj: one kernel at decode on CUDA (kernels/llama4_attention.py).
         q, k, v = qkv_heads(self.qkv_proj(x), self.num_heads, self.num_kv_heads, self.head_dim)
-        if self.use_rope:
-            q, k = apply_rotary(q.contiguous(), k.contiguous(), positions, cos_sin_cache)
-            if self.l2_norm:
-                q, k = self._l2_normed(q), self._l2_normed(k)
-        elif self.temperature is not None:
-            floor_scale, attn_scale = self.temperature
-            factor = torch.log1p(torch.floor((positions.float() + 1.0) / floor_scale)) * attn_scale + 1.0
-            q = (q * factor[:, None, None]).to(q.dtype)
         k_cache, v_cache = kv_cache[self.layer_index, 0], kv_cache[self.layer_index, 1]
-        write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-        if self.chunk_size is not None:
-            out = chunked_attention(q, k_cache, v_cache, meta, self.scale, self.chunk_size)
+        if self.use_rope:
+            out = rope_chunked_attention(q, k, v, positions, cos_sin_cache, k_cache, v_cache, meta, self.scale,
+                                         self.chunk_size, self.eps if self.l2_norm else None)
         else:
-            out = paged_attention(q, k_cache, v_cache, meta, self.scale)
+            out = nope_attention(q, k, v, positions, k_cache, v_cache, meta, self.scale, self.temperature)
         return self.o_proj(out.reshape(out.shape[0], -1))
 
 
