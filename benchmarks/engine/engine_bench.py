@@ -55,6 +55,7 @@ from engine.config import ModelConfig  # noqa: E402
 from engine.executor.load_phases import LOAD_LOG_ENV, load_phase  # noqa: E402
 from engine.executor.overlap import placeholder  # noqa: E402
 from engine.executor.runner import ForwardBatch, ModelRunner  # noqa: E402
+from kernels.sampling import greedy_tokens  # noqa: E402
 
 SECTIONS = ["bandwidth", "kernels", "gemm", "fp8_gemm", "sampling", "moe_kernel", "decode", "engine_offline", "offline", "executor_decode", "latency", "hf"]
 GOALS = {
@@ -391,7 +392,9 @@ def decode_batch(token: int, position: int, table: list[int], page: int) -> Forw
 def decode_synchronous(runner: ModelRunner, token: int, position: int, table: list[int], page: int,
                        steps: int, forward_times: list[float] | None = None) -> tuple[list[int], list[float]]:
     """Greedy batch-1 decode from ``token`` at ``position``, each step's token read on the host before
-    the next step starts (the executor's synchronous path): (tokens, seconds a step). ``forward_times``: gets
+    the next step starts (the executor's synchronous path): (tokens, seconds a step). The token is the sampler's
+    greedy pick (kernels/sampling.greedy_tokens, as the executor's greedy rows), not torch.argmax: one program per
+    row, ~26 us for one row of 128k logits on an H100 against 3.4 (kernels/sampling.py), would add its own time. ``forward_times``: gets
     each step's host seconds in runner.forward (inputs packed and copied, graph and LM head launched: the
     host's part of the step before the replay and the launches behind it)."""
     tokens, step_times = [], []
@@ -400,7 +403,7 @@ def decode_synchronous(runner: ModelRunner, token: int, position: int, table: li
         logits = runner.forward(decode_batch(token, position + i, table, page))
         if forward_times is not None:
             forward_times.append(time.perf_counter() - started)
-        token = int(logits.argmax(-1).item())  # the sampler's sync: the next input needs this token
+        token = int(greedy_tokens(logits).item())  # the sampler's sync: the next input needs this token
         tokens.append(token)
         step_times.append(time.perf_counter() - started)
     return tokens, step_times
@@ -425,7 +428,7 @@ def decode_overlapped(runner: ModelRunner, token: int, position: int, table: lis
     for i in range(steps):
         batch = decode_batch(token if i == 0 else placeholder(0), position + i, table, page)
         batch = dataclasses.replace(batch, sampled_tokens_slot=0)
-        sampled = runner.forward(batch).argmax(-1)
+        sampled = greedy_tokens(runner.forward(batch))
         runner.store_sampled_tokens(sampled, batch)
         host[i % 2].copy_(sampled, non_blocking=pinned)
         if pinned:
@@ -822,7 +825,6 @@ def decode_step_parts(runner, rows: int) -> dict | None:
     through torch, where it is installed). None off CUDA, for tensor-parallel ranks (their graphs all-reduce) and
     where no decode graph holds ``rows``. The graph's inputs are those of its last replay in the run."""
     from kernels.linear import replay_time_ms
-    from kernels.sampling import greedy_tokens
 
     graphs = getattr(runner, "decode_graphs", None)
     if graphs is None or runner.build_config.tp_size != 1 or not 0 < rows <= graphs.max_batch_size:
