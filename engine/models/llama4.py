@@ -50,17 +50,17 @@ import torch
 from torch import nn
 
 from engine.config import FP8_QUANTIZATIONS, ConfigError, ModelConfig, WeightOnlyScheme
-from engine.models.layers import Linear, qkv_heads, tp_all_reduce
+from engine.models.layers import Linear, qkv_heads, rms_norm_into, tp_all_reduce
 from engine.models.llama import LlamaForCausalLM
 from engine.models.moe import MoeLayer, declare_expert_stacks, gemv_experts_of, prepare_integer_experts
 from kernels._triton import use_triton
 from kernels.attention_metadata import AttentionMetadata
-from kernels.fp8 import FP8_DTYPE
+from kernels.fp8 import FP8_DTYPE, QuantizedRows
 from kernels.fused_moe import fused_moe, warm_up_token_counts
 from kernels.fused_moe_fp8 import fused_moe_fp8
 from kernels.fused_moe_wna16 import WNA16Experts, fused_moe_wna16_triton, gemv_quantization
 from kernels.llama4_attention import nope_attention, rope_chunked_attention
-from kernels.llama4_router import ROUTE_ROWS, route_top1_triton
+from kernels.llama4_router import ROUTE_ROWS, Top1Routing, route_top1_triton
 from kernels.moe_gemv import GemvExperts, gemv_tiles, moe_gemv_triton
 
 
@@ -99,22 +99,39 @@ class Llama4Experts(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (T, hidden) -> (T, hidden), all-reduced over ranks. Top-1 decode steps on CUDA route in one launch
         (kernels/llama4_router.py), which also quantizes x for a per-channel FP8 shared expert."""
+        if self.routes_in_one_launch(x.shape[0]) and x.stride(1) == 1:
+            quantize = self.shared_gate_up_proj.takes_quantized_rows(x)
+            return self._experts_and_shared(route_top1_triton(x, self.router.weight, quantize=quantize))
         num_tokens, hidden = x.shape
-        shared_in = x
-        if self.top_k == 1 and use_triton(x) and num_tokens <= ROUTE_ROWS and x.stride(1) == 1:
-            routed_in, ids, ones, quantized = route_top1_triton(
-                x, self.router.weight, quantize=self.shared_gate_up_proj.takes_quantized_rows(x))
-            shared_in = x if quantized is None else quantized
-            routed = self.routed_experts(routed_in, ids, ones)
-        else:
-            top_logits, ids = self.router(x).topk(self.top_k, dim=-1)
-            scores = torch.sigmoid(top_logits.float()).to(x.dtype)  # (T, K), transformers' rounding
-            routed_in = (x[:, None, :] * scores[..., None]).reshape(-1, hidden)  # (T * K, hidden): row t*K + k
-            routed = self.routed_experts(routed_in, ids.reshape(-1, 1).to(torch.int32))
+        top_logits, ids = self.router(x).topk(self.top_k, dim=-1)
+        scores = torch.sigmoid(top_logits.float()).to(x.dtype)  # (T, K), transformers' rounding
+        routed_in = (x[:, None, :] * scores[..., None]).reshape(-1, hidden)  # (T * K, hidden): row t*K + k
+        routed = self.routed_experts(routed_in, ids.reshape(-1, 1).to(torch.int32))
         # top-1: the rows are the tokens' outputs (no sum over one expert)
         out = routed if self.top_k == 1 else routed.view(num_tokens, self.top_k, hidden).sum(dim=1)
-        quantize = self.shared_down_proj.takes_quantized_rows(x)  # SiLU-and-mul quantizes for an FP8 down
-        out = out + self.shared_down_proj(self.shared_gate_up_proj.gated(shared_in, quantize_output=quantize))
+        return self._plus_shared(out, x)
+
+    def routes_in_one_launch(self, num_tokens: int) -> bool:
+        """Whether kernels/llama4_router.py routes a batch of ``num_tokens``: top-1 on CUDA, at most ROUTE_ROWS."""
+        return self.top_k == 1 and use_triton(self.router.weight) and num_tokens <= ROUTE_ROWS
+
+    def forward_normed(self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
+                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(forward of rms_norm(x + residual), the new residual) with the post-attention norm inside the routing
+        launch; only where routes_in_one_launch(T)."""
+        routing = route_top1_triton(x, self.router.weight, quantize=self.shared_gate_up_proj.takes_quantized_rows(x),
+                                    norm=(residual, norm_weight, eps))
+        return self._experts_and_shared(routing), routing.residual
+
+    def _experts_and_shared(self, routing: Top1Routing) -> torch.Tensor:
+        """The routed rows through their experts, plus the shared expert of the routing's shared input."""
+        return self._plus_shared(self.routed_experts(routing.rows, routing.ids, routing.weights), routing.shared_input)
+
+    def _plus_shared(self, routed: torch.Tensor, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
+        """routed (T, hidden) + the shared expert of x, all-reduced over ranks."""
+        values = x.values if isinstance(x, QuantizedRows) else x
+        quantize = self.shared_down_proj.takes_quantized_rows(values)  # SiLU-and-mul quantizes for an FP8 down
+        out = routed + self.shared_down_proj(self.shared_gate_up_proj.gated(x, quantize_output=quantize))
         return out if self.tp_group is None else tp_all_reduce(out, self.tp_group)
 
     def routed_experts(self, rows: torch.Tensor, ids: torch.Tensor, ones: torch.Tensor | None = None) -> torch.Tensor:
@@ -189,6 +206,16 @@ class Llama4Layer(MoeLayer):
         else:
             out = nope_attention(q, k, v, positions, k_cache, v_cache, meta, self.scale, self.temperature)
         return self.o_proj(out.reshape(out.shape[0], -1))
+
+
+    def forward(self, x, residual, positions, cos_sin_cache, kv_cache, meta):
+        """MoeLayer's, except that a MoE layer whose routing takes one launch (Llama4Experts.routes_in_one_launch:
+        top-1 decode steps on CUDA) runs its post-attention norm inside that launch."""
+        if not isinstance(self.moe, Llama4Experts) or not self.moe.routes_in_one_launch(positions.shape[0]):
+            return super().forward(x, residual, positions, cos_sin_cache, kv_cache, meta)
+        h, residual = rms_norm_into(self.qkv_proj, x, self.input_norm.weight, self.eps, residual)
+        h = self.attention(h, positions, cos_sin_cache, kv_cache, meta)
+        return self.moe.forward_normed(h, residual, self.post_attn_norm.weight, self.eps)
 
 
 class Llama4ForCausalLM(LlamaForCausalLM):

@@ -98,3 +98,29 @@ def test_engine_on_cuda_equals_transformers(llama4):
     decode steps replayed from CUDA graphs (the chunked-attention kernel, the NoPE layers' paged attention and the experts inside them), then a packed mixed step."""
     hf, engine_dir = llama4
     assert_cuda_steps_equal_transformers(hf, engine_dir)
+
+
+def test_one_launch_routing_with_the_norm_equals_the_unfused_moe_block(llama4):
+    """Llama4Experts.forward_normed (kernels/llama4_router.py: the post-attention residual add and norm, the router,
+    top-1, sigmoid and input scaling in one launch, as decode steps on CUDA run it) against the norm, then the
+    router Linear, topk, sigmoid and scaling in torch, on the tiny model's first MoE layer. GPU, or
+    TRITON_INTERPRET=1 on CPU (the experts then on their references)."""
+    import os
+
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs a CUDA device (or TRITON_INTERPRET=1)")
+    from kernels.rmsnorm import rms_norm_ref
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    layer = ModelRunner(llama4[1], device=device).model.layers[1]
+    moe, norm_weight = layer.moe, layer.post_attn_norm.weight
+    gen = torch.Generator().manual_seed(9)
+    x, residual = (torch.randn(3, norm_weight.shape[0], generator=gen).to(device) for _ in range(2))
+    with torch.inference_mode():
+        got, got_residual = moe.forward_normed(x, residual, norm_weight, layer.eps)
+        h, want_residual = rms_norm_ref(x, norm_weight, layer.eps, residual)
+        top, ids = moe.router(h).topk(1, dim=-1)
+        want = moe._plus_shared(moe.routed_experts(h * torch.sigmoid(top), ids.to(torch.int32)), h)
+    assert torch.equal(got_residual, want_residual)
+    assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
+    assert len(set(ids.flatten().tolist())) > 1  # (the tokens go to different experts)

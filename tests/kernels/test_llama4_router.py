@@ -1,53 +1,73 @@
-"""Llama 4's one-launch top-1 routing (kernels/llama4_router.py) against its plain-torch reference, and the
-reference against the unfused torch path engine/models/llama4.py runs for other batches (the router's
-product, topk, sigmoid, the scaled rows). Triton: GPU, or TRITON_INTERPRET=1 on CPU.
+"""Llama 4's one-launch top-1 routing (kernels/llama4_router.py) against its plain-torch reference, with and without
+the post-attention norm inside it and the E4M3 rows of the shared expert's input; and the reference against the
+unfused torch path engine/models/llama4.py runs for other batches (the router's product, topk, sigmoid, the
+scaled rows). Triton: GPU, or TRITON_INTERPRET=1 on CPU.
 """
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kernels.fp8 import quantize_rows, quantize_rows_triton
+from kernels.fp8 import QuantizedRows, quantize_rows, quantize_rows_triton
 from kernels.llama4_router import route_top1_ref, route_top1_triton
+from kernels.rmsnorm import rms_norm_ref
 
 
 def _inputs(tokens, experts, hidden, dtype, device, seed=0):
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(tokens, hidden, generator=gen).to(dtype).to(device)
     weight = (0.05 * torch.randn(experts, hidden, generator=gen)).to(dtype).to(device)
-    return x, weight
+    residual = torch.randn(tokens, hidden, generator=gen).to(dtype).to(device)
+    norm_weight = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(dtype).to(device)
+    return x, weight, (residual, norm_weight, 1e-5)
 
 
 def test_reference_is_the_unfused_top1_path():
-    x, weight = _inputs(5, 16, 96, torch.float32, "cpu")
+    x, weight, norm = _inputs(5, 16, 96, torch.float32, "cpu")
     top, ids = torch.nn.functional.linear(x, weight).topk(1, dim=-1)
-    want = x * torch.sigmoid(top)
-    rows, got_ids, ones, quantized = route_top1_ref(x, weight, quantize=True)
-    assert torch.equal(got_ids, ids.to(torch.int32)) and torch.equal(ones, torch.ones(5, 1))
-    torch.testing.assert_close(rows, want, rtol=1e-6, atol=1e-6)
+    routing = route_top1_ref(x, weight, quantize=True)
+    assert torch.equal(routing.ids, ids.to(torch.int32)) and torch.equal(routing.weights, torch.ones(5, 1))
+    torch.testing.assert_close(routing.rows, x * torch.sigmoid(top), rtol=1e-6, atol=1e-6)
     codes, scale = quantize_rows(x)
-    assert torch.equal(quantized.values.view(torch.uint8), codes.view(torch.uint8))
-    assert torch.equal(quantized.scale, scale)
+    assert torch.equal(routing.shared_input.values.view(torch.uint8), codes.view(torch.uint8))
+    assert torch.equal(routing.shared_input.scale, scale) and routing.residual is None
+    h, residual = rms_norm_ref(x, norm[1], norm[2], norm[0])
+    normed = route_top1_ref(x, weight, norm=norm)
+    assert torch.equal(normed.shared_input, h) and torch.equal(normed.residual, residual)
+    assert torch.equal(normed.rows, route_top1_ref(h, weight).rows)
     tied = torch.zeros(2, 96)  # every logit 0: the lowest expert
-    assert route_top1_ref(tied, weight)[1].flatten().tolist() == [0, 0]
+    assert route_top1_ref(tied, weight).ids.flatten().tolist() == [0, 0]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens,experts,hidden", [(1, 16, 512), (3, 5, 200), (16, 16, 1100)])
 @pytest.mark.parametrize("quantize", [False, True])
-def test_kernel_equals_the_reference(device, tokens, experts, hidden, quantize):
+@pytest.mark.parametrize("with_norm", [False, True])
+def test_kernel_equals_the_reference(device, tokens, experts, hidden, quantize, with_norm):
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    x, weight = _inputs(tokens, experts, hidden, dtype, device, seed=tokens)
-    rows, ids, ones, quantized = route_top1_triton(x, weight, quantize=quantize)
-    want_rows, want_ids, _, want_q = route_top1_ref(x.cpu(), weight.cpu(), quantize=quantize)
-    assert torch.equal(ids.cpu(), want_ids) and torch.equal(ones.cpu(), torch.ones(tokens, 1))
-    # the logits' sums in another order: the score may move by a rounding of the model dtype
-    tolerance = 1e-2 if dtype == torch.bfloat16 else 1e-5
-    torch.testing.assert_close(rows.cpu(), want_rows, rtol=tolerance, atol=tolerance)
-    assert (quantized is None) == (not quantize)
-    if quantize:  # the unfused path's quantize kernel, bit for bit (on the GPU also the reference's codes;
-        # Triton 3.9's interpreter rounds some values to E4M3 wrongly, alike in both kernels: test_fp8_block.py)
-        codes, scale = quantize_rows_triton(x)
-        assert torch.equal(quantized.values.view(torch.uint8), codes.view(torch.uint8))
-        assert torch.equal(quantized.scale, scale) and quantized.dtype == dtype
-        torch.testing.assert_close(quantized.scale.cpu(), want_q.scale)
+    x, weight, norm = _inputs(tokens, experts, hidden, dtype, device, seed=tokens)
+    norm = norm if with_norm else None
+    got = route_top1_triton(x, weight, quantize=quantize, norm=norm)
+    cpu_norm = None if norm is None else (norm[0].cpu(), norm[1].cpu(), norm[2])
+    want = route_top1_ref(x.cpu(), weight.cpu(), quantize=quantize, norm=cpu_norm)
+    assert torch.equal(got.ids.cpu(), want.ids) and torch.equal(got.weights.cpu(), torch.ones(tokens, 1))
+    # the sums (logits, the norm's) in another order: a value may move by a rounding of the model dtype
+    tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(got.rows.cpu(), want.rows, rtol=tolerance, atol=tolerance)
+    if with_norm:
+        assert torch.equal(got.residual.cpu(), want.residual)
+    else:
+        assert got.residual is None
+    assert isinstance(got.shared_input, QuantizedRows) == quantize
+    if not quantize:
+        assert got.shared_input is x or torch.allclose(got.shared_input.cpu().float(), want.shared_input.float(),
+                                                       rtol=tolerance, atol=tolerance)
+        assert (got.shared_input is x) == (not with_norm)
+        return
+    # The E4M3 rows of h: the unfused path's quantize kernel on the kernel's own h, bit for bit (Triton 3.9's
+    # interpreter rounds some values to E4M3 wrongly, alike in both kernels: test_fp8_block.py).
+    h = route_top1_triton(x, weight, norm=norm).shared_input
+    codes, scale = quantize_rows_triton(h)
+    assert torch.equal(got.shared_input.values.view(torch.uint8), codes.view(torch.uint8))
+    assert torch.equal(got.shared_input.scale, scale) and got.shared_input.dtype == dtype
+    torch.testing.assert_close(got.shared_input.scale.cpu(), want.shared_input.scale, rtol=tolerance, atol=0)
