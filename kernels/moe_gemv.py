@@ -53,6 +53,7 @@ import torch.nn.functional as F
 from kernels._triton import jit, pdl_options, pdl_prologue, tl, triton
 from kernels.fp8 import FP8_DTYPE
 from kernels.fp8_block import BLOCK as SCALE_BLOCK
+from kernels.linear import _arrival_counters, last_arrival
 from kernels.moe_decode import _dequantized  # (one expert's weight in float32: codes times scales)
 from kernels.moe_epilogue import ACTIVATIONS, PLAIN_SILU, ExpertEpilogue, swiglu_clamped, swiglu_clamped_ref
 from kernels.moe_routing import _top_k_of_row
@@ -100,8 +101,30 @@ AHEAD_TILES = ((16, 128, 2, 1, AHEAD), (32, 128, 8, 1, AHEAD),
                (16, 128, 2, 1, AHEAD + STEP_SUMS), (32, 128, 4, 1, AHEAD + STEP_SUMS),
                (16, 1024, 8, 1, ONE_LOAD), (8, 1024, 4, 1, ONE_LOAD), (32, 512, 8, 1, ONE_LOAD),
                (64, 256, 8, 1, ONE_LOAD))
+# DOT ("d"; model-dtype and FP8 experts): each step's (BLOCK_N, BLOCK_K) weights widened to x's dtype (FP8 exactly:
+# E4M3 values lie in bfloat16 and float16) and multiplied on the tensor cores, tl.dot against a (BLOCK_K, DOT_COLS)
+# tile whose column 0 is x's slice and whose other columns are 0 (masked off, never loaded), so acc (BLOCK_N,
+# DOT_COLS) holds the row sums in column 0; blocked scales multiply each step's (BLOCK_K <= 128: one scale block)
+# float32 product. Why: with a dot in the loop Triton software-pipelines the loop's loads (num_stages shared-memory
+# stages filled by cp.async), so later steps' weights stream while this step's products run, where the plain loop
+# issues a step's loads only after the previous step's arithmetic (H200, 2026-12-01, Qwen3-30B-A3B block-FP8 at one
+# token: gate_up 14.6 us a layer, ~1.7 TB/s, down ~1.9 TB/s); and the CUDA cores keep only the widening (the plain
+# loop's FMUL and FFMA a weight go to the tensor cores). A digit S in the options (DOT tiles only) splits K over S
+# programs (grid (..., S)): each stores its float32 row sums, and the tile's last arrival (kernels/linear.py's
+# self-resetting arrival counters) adds them in split order (deterministic) and finishes the tile: S times the
+# programs (Qwen3-30B-A3B's gate_up at one token: 8 x 48 programs of 16 rows without a split).
+# The load-time choice times them only with $TRITONLLM_MOE_GEMV_DOT=1 until an H200 has measured them.
+DOT = "d"
+DOT_ENV = "TRITONLLM_MOE_GEMV_DOT"
+DOT_COLS = 16  # tl.dot's smallest N
+# One warp a 16 rows: the mma's warps lie along the rows, so no warp widens another's weights (16 rows on 2 warps:
+# each warp widened all 16). sm_90, Triton 3.9, Qwen3-30B-A3B block-FP8 gate_up: (16, 128, 1, 4) mma.sync, 128
+# registers, 24 KB of shared memory (three stages in flight: 12 KB of weights a program); (64, 128, 4, 3) wgmma,
+# 168 registers. Every step widens a weight in ~2.5 SASS instructions (FP8 -> float16 pairs, then each to bfloat16).
+DOT_TILES = ((16, 128, 1, 4, DOT), (32, 128, 2, 4, DOT), (64, 128, 4, 3, DOT), (16, 128, 1, 4, DOT + "2"),
+             (32, 128, 2, 4, DOT + "2"), (16, 128, 1, 4, DOT + "4"), (16, 128, 1, 3, DOT + "8"))
 GEMV_TILES = ((16, 512, 4, 2), (16, 256, 4, 2), (8, 512, 2, 2), (8, 1024, 4, 2), (16, 1024, 8, 2), (32, 256, 4, 2),
-              (32, 512, 8, 2), (64, 256, 8, 2)) + AHEAD_TILES
+              (32, 512, 8, 2), (64, 256, 8, 2)) + AHEAD_TILES + DOT_TILES
 DEFAULT_TILES = ((16, 512, 4, 2), (16, 256, 4, 2))
 assert all(t in GEMV_TILES for t in DEFAULT_TILES)
 
@@ -116,6 +139,17 @@ def one_load(tile: tuple) -> bool:
     return any(ONE_LOAD in option for option in tile[4:])
 
 
+def dot_tile(tile: tuple) -> bool:
+    """Whether a GEMV tile multiplies on the tensor cores (DOT)."""
+    return any(DOT in option for option in tile[4:])
+
+
+def tile_split(tile: tuple) -> int:
+    """The programs a DOT tile splits K over (the digits of its options), 1 without digits."""
+    digits = "".join(c for option in tile[4:] for c in option if c.isdigit())
+    return int(digits) if digits else 1
+
+
 def step_sums(tile: tuple) -> bool:
     """Whether an AHEAD tile scales each step's row sums (STEP_SUMS) rather than x."""
     return any(STEP_SUMS in option for option in tile[4:])
@@ -124,10 +158,14 @@ def step_sums(tile: tuple) -> bool:
 def candidate_tiles(kind: int) -> tuple:
     """GEMV_TILES a weight kind compiles without spills (sm_90, Triton 3.9): 4-bit steps of at most 512 bytes
     (1,024 unrolls eight pieces of two activation slices each: 255 registers and a 184-byte stack); AHEAD tiles for
-    model-dtype and FP8 experts, blocked scales at BLOCK_K <= 128, with $TRITONLLM_MOE_GEMV_AHEAD=1."""
+    model-dtype and FP8 experts, blocked scales at BLOCK_K <= 128, with $TRITONLLM_MOE_GEMV_AHEAD=1; DOT tiles for
+    model-dtype and FP8 experts (blocked scales: BLOCK_K <= 128) with $TRITONLLM_MOE_GEMV_DOT=1."""
     packed = kind in (INT4_GROUPS, MXFP4_GROUPS)
     timed_ahead = os.environ.get(AHEAD_ENV, "0").strip() == "1"
+    timed_dot = os.environ.get(DOT_ENV, "0").strip() == "1"
     return tuple(t for t in GEMV_TILES if (not packed or t[1] <= 512)
+                 and not (dot_tile(t) and (packed or not timed_dot
+                                           or (kind == BLOCK_SCALES and t[1] > SCALE_BLOCK)))
                  and not (ahead(t) and (packed or not timed_ahead
                                         or (kind == BLOCK_SCALES and t[1] > SCALE_BLOCK and not one_load(t))))
                  and not (step_sums(t) and kind != BLOCK_SCALES))
@@ -204,7 +242,8 @@ def gemv_supported(x: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: torch.
     if gate_up.dtype != FP8_DTYPE:
         return False
     return gate_up_scale.dim() == 2 or (inter % SCALE_BLOCK == 0 and all(SCALE_BLOCK % t[0] == 0 for t in tiles)
-                                        and all(t[1] <= SCALE_BLOCK for t in tiles if ahead(t) and not one_load(t)))
+                                        and all(t[1] <= SCALE_BLOCK for t in tiles
+                                                if (ahead(t) and not one_load(t)) or dot_tile(t)))
 
 
 # ---- reference -------------------------------------------------------------------------------
@@ -374,6 +413,55 @@ def _stream_rows_at_once(acc, acc_2, x_ptr, w_rows, w_rows_2, rows_ok, s_row, s_
 
 
 @jit
+def _dot_product(w, xt):
+    """(BLOCK_N, DOT_COLS) float32 w @ xt on the tensor cores, w widened to xt's dtype (exact for FP8 weights);
+    float32 activations (the interpreter's tests) in IEEE float32, not TF32."""
+    if xt.dtype == tl.float32:
+        return tl.dot(w.to(tl.float32), xt, input_precision="ieee")
+    else:
+        return tl.dot(w.to(xt.dtype), xt)
+
+
+@jit
+def _stream_rows_dot(acc, acc_2, x_ptr, w_rows, w_rows_2, rows_ok, s_row, s_row_2, K, k_begin, k_end,
+                     TWO: tl.constexpr, BLOCK_SCALED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     COLS: tl.constexpr):
+    """_stream_rows for DOT tiles over columns [k_begin, k_end) (k_begin a multiple of BLOCK_K; k_end a multiple
+    of it or K): acc (BLOCK_N, COLS) += (w_rows' BLOCK_K columns) @ (x's slice in column 0 of a (BLOCK_K, COLS)
+    tile, 0 in the others), and likewise acc_2 with TWO; blocked scales (BLOCK_K divides 128) multiply each step's
+    float32 product by its block's scale. Column 0 of acc ends as the rows' sums, the others 0."""
+    col = tl.arange(0, COLS)[None, :]
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < K
+        xt = tl.load(x_ptr + k[:, None] + col * 0, mask=k_ok[:, None] & (col == 0), other=0.0)
+        w = tl.load(w_rows + k[None, :], mask=rows_ok[:, None] & k_ok[None, :], other=0.0)
+        if TWO:
+            w_2 = tl.load(w_rows_2 + k[None, :], mask=rows_ok[:, None] & k_ok[None, :], other=0.0)
+        if BLOCK_SCALED:
+            acc += _dot_product(w, xt) * tl.load(s_row + k0 // 128)
+            if TWO:
+                acc_2 += _dot_product(w_2, xt) * tl.load(s_row_2 + k0 // 128)
+        else:
+            acc += _dot_product(w, xt)
+            if TWO:
+                acc_2 += _dot_product(w_2, xt)
+    return acc, acc_2
+
+
+@jit
+def _split_columns(K, SPLIT: tl.constexpr, BLOCK_K: tl.constexpr):
+    """[k_begin, k_end) of this program's share of K (program_id(2) of SPLIT): whole BLOCK_K steps, the last
+    share shorter (or empty)."""
+    if SPLIT == 1:
+        return 0, K
+    else:
+        per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT) * BLOCK_K
+        k_begin = tl.program_id(2) * per_split
+        return k_begin, tl.minimum(k_begin + per_split, K)
+
+
+@jit
 def _stream_int4_rows(acc, acc_2, x_ptr, w_rows, w_rows_2, rows, rows_2, rows_ok, s_ptr, z_ptr, stride_sg, KS, group,
                       TWO: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr,
                       MXFP4: tl.constexpr):
@@ -443,15 +531,17 @@ def _activated(gate, up, ACTIVATION: tl.constexpr, SWIGLU_LIMIT: tl.constexpr):
 
 @jit
 def _gemv_gate_up_kernel(
-    x_ptr, logits_ptr, ids_ptr, weights_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, act_ptr, num_experts, H, I, group,
-    stride_x, stride_l, stride_we, stride_wn, stride_se, stride_sn, stride_be, stride_act,
+    x_ptr, logits_ptr, ids_ptr, weights_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, act_ptr, part_ptr, arrivals_ptr,
+    num_experts, H, I, group, stride_x, stride_l, stride_we, stride_wn, stride_se, stride_sn, stride_be, stride_act,
     TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, ROUTE_IN_KERNEL: tl.constexpr,
     RENORMALIZE: tl.constexpr, SCALES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, SWIGLU_LIMIT: tl.constexpr, PDL: tl.constexpr,
-    AHEAD: tl.constexpr = False, ONE_LOAD: tl.constexpr = False,
+    AHEAD: tl.constexpr = False, ONE_LOAD: tl.constexpr = False, DOT: tl.constexpr = False, SPLIT: tl.constexpr = 1,
 ):
     """act[a, rows] = SiLU(gate_e . x[t]) * (up_e . x[t]) for assignment a = program_id(0) (token t = a // TOP_K,
-    expert e its slot's) and the BLOCK_N rows of tile program_id(1) (module docstring, step 1)."""
+    expert e its slot's) and the BLOCK_N rows of tile program_id(1) (module docstring, step 1). DOT tiles with
+    SPLIT > 1: program_id(2)'s share of H, its sums in part_ptr ((T * K * SPLIT, 2I) float32), the tile's last
+    arrival finishing (DOT_TILES)."""
     pdl_prologue(PDL)
     a = tl.program_id(0)
     tile = tl.program_id(1)
@@ -461,7 +551,7 @@ def _gemv_gate_up_kernel(
                                             E_PAD, RENORMALIZE)
         is_slot = tl.arange(0, K_PAD) == a % TOP_K
         expert = tl.sum(tl.where(is_slot, chosen_id, 0), 0)
-        if tile == 0:  # for the down launch
+        if (tile == 0) & (tl.program_id(2) == 0):  # for the down launch
             tl.store(ids_ptr + a, expert)
             tl.store(weights_ptr + a, tl.sum(tl.where(is_slot, chosen_w, 0.0), 0))
     else:
@@ -479,6 +569,10 @@ def _gemv_gate_up_kernel(
         acc, acc_up = _stream_int4_rows(acc, acc, x_row, gate_rows, gate_rows + I * stride_wn, rows, rows + I, rows_ok,
                                         s_ptr + e64 * stride_se, z_ptr + e64 * stride_se, stride_sn, H, group, True,
                                         BLOCK_N, BLOCK_K, SUB_K, SCALES == 4)
+    elif DOT:  # SUB_K == DOT_COLS
+        k_begin, k_end = _split_columns(H, SPLIT, BLOCK_K)
+        acc, acc_up = _stream_rows_dot(acc, acc, x_row, gate_rows, gate_rows + I * stride_wn, rows_ok, s_gate, s_up,
+                                       H, k_begin, k_end, True, SCALES == 2, BLOCK_N, BLOCK_K, SUB_K)
     elif ONE_LOAD:  # SUB_K == 1
         acc, acc_up = _stream_rows_at_once(acc, acc, x_row, gate_rows, gate_rows + I * stride_wn, rows_ok, s_gate,
                                            s_up, H, True, SCALES == 2, BLOCK_N, BLOCK_K)
@@ -490,6 +584,29 @@ def _gemv_gate_up_kernel(
                                    True, SCALES == 2, BLOCK_N, BLOCK_K, SUB_K)
     gate = tl.sum(acc, 1)
     up = tl.sum(acc_up, 1)
+    if SPLIT > 1:
+        part = part_ptr + (a * SPLIT + tl.program_id(2)).to(tl.int64) * (2 * I)
+        tl.store(part + rows, gate, mask=rows_ok)
+        tl.store(part + I + rows, up, mask=rows_ok)
+        if last_arrival(arrivals_ptr, a * tl.num_programs(1) + tile, SPLIT):
+            gate = tl.zeros([BLOCK_N], dtype=tl.float32)
+            up = tl.zeros([BLOCK_N], dtype=tl.float32)
+            for split in tl.static_range(SPLIT):  # (in split order: deterministic)
+                part = part_ptr + (a * SPLIT + split).to(tl.int64) * (2 * I)
+                gate += tl.load(part + rows, mask=rows_ok, other=0.0, cache_modifier=".cg")
+                up += tl.load(part + I + rows, mask=rows_ok, other=0.0, cache_modifier=".cg")
+            _finish_gate_up(gate, up, s_ptr, bias_ptr, act_ptr, a, e64, rows, rows_ok, I, stride_se, stride_be,
+                            stride_act, SCALES, HAS_BIAS, ACTIVATION, SWIGLU_LIMIT)
+    else:
+        _finish_gate_up(gate, up, s_ptr, bias_ptr, act_ptr, a, e64, rows, rows_ok, I, stride_se, stride_be,
+                        stride_act, SCALES, HAS_BIAS, ACTIVATION, SWIGLU_LIMIT)
+
+
+@jit
+def _finish_gate_up(gate, up, s_ptr, bias_ptr, act_ptr, a, e64, rows, rows_ok, I, stride_se, stride_be, stride_act,
+                    SCALES: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
+                    SWIGLU_LIMIT: tl.constexpr):
+    """gate and up sums (BLOCK_N,) float32 -> per-channel scales, bias, activation, rounded: act[a, rows]."""
     if SCALES == 1:
         gate *= tl.load(s_ptr + e64 * stride_se + rows, mask=rows_ok, other=0.0)
         up *= tl.load(s_ptr + e64 * stride_se + I + rows, mask=rows_ok, other=0.0)
@@ -502,13 +619,15 @@ def _gemv_gate_up_kernel(
 
 @jit
 def _gemv_down_kernel(
-    act_ptr, ids_ptr, weights_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, H, I, group,
+    act_ptr, ids_ptr, weights_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, arrivals_ptr, H, I, group,
     stride_act, stride_we, stride_wn, stride_se, stride_sn, stride_be, stride_o,
     SCALES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-    PDL: tl.constexpr, AHEAD: tl.constexpr = False, ONE_LOAD: tl.constexpr = False,
+    PDL: tl.constexpr, AHEAD: tl.constexpr = False, ONE_LOAD: tl.constexpr = False, DOT: tl.constexpr = False,
+    SPLIT: tl.constexpr = 1,
 ):
     """out_k[a, rows] = w_a * (down_e[rows] . act[a]) for assignment a = program_id(0) and the BLOCK_N rows of
-    tile program_id(1) (module docstring, step 2)."""
+    tile program_id(1) (module docstring, step 2). DOT tiles with SPLIT > 1: program_id(2)'s share of I, its sums
+    in part_ptr ((T * K * SPLIT, H) float32), the tile's last arrival finishing (DOT_TILES)."""
     pdl_prologue(PDL)
     a = tl.program_id(0)
     tile = tl.program_id(1)
@@ -523,6 +642,10 @@ def _gemv_down_kernel(
         acc, _ = _stream_int4_rows(acc, acc, act_row, w_rows, w_rows, rows, rows, rows_ok, s_ptr + e64 * stride_se,
                                    z_ptr + e64 * stride_se, stride_sn, I, group, False, BLOCK_N, BLOCK_K, SUB_K,
                                    SCALES == 4)
+    elif DOT:  # SUB_K == DOT_COLS
+        k_begin, k_end = _split_columns(I, SPLIT, BLOCK_K)
+        acc, _ = _stream_rows_dot(acc, acc, act_row, w_rows, w_rows, rows_ok, s_rows, s_rows, I, k_begin, k_end, False,
+                                  SCALES == 2, BLOCK_N, BLOCK_K, SUB_K)
     elif ONE_LOAD:  # SUB_K == 1
         acc, _ = _stream_rows_at_once(acc, acc, act_row, w_rows, w_rows, rows_ok, s_rows, s_rows, I, False,
                                       SCALES == 2, BLOCK_N, BLOCK_K)
@@ -533,6 +656,24 @@ def _gemv_down_kernel(
         acc, _ = _stream_rows(acc, acc, act_row, w_rows, w_rows, rows_ok, s_rows, s_rows, I, False, SCALES == 2,
                               BLOCK_N, BLOCK_K, SUB_K)
     y = tl.sum(acc, 1)
+    if SPLIT > 1:
+        tl.store(part_ptr + (a * SPLIT + tl.program_id(2)).to(tl.int64) * H + rows, y, mask=rows_ok)
+        if last_arrival(arrivals_ptr, a * tl.num_programs(1) + tile, SPLIT):
+            y = tl.zeros([BLOCK_N], dtype=tl.float32)
+            for split in tl.static_range(SPLIT):  # (in split order: deterministic)
+                y += tl.load(part_ptr + (a * SPLIT + split).to(tl.int64) * H + rows, mask=rows_ok, other=0.0,
+                             cache_modifier=".cg")
+            _finish_down(y, s_ptr, bias_ptr, weights_ptr, out_ptr, a, e64, rows, rows_ok, stride_se, stride_be,
+                         stride_o, SCALES, HAS_BIAS)
+    else:
+        _finish_down(y, s_ptr, bias_ptr, weights_ptr, out_ptr, a, e64, rows, rows_ok, stride_se, stride_be, stride_o,
+                     SCALES, HAS_BIAS)
+
+
+@jit
+def _finish_down(y, s_ptr, bias_ptr, weights_ptr, out_ptr, a, e64, rows, rows_ok, stride_se, stride_be, stride_o,
+                 SCALES: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """Row sums y (BLOCK_N,) float32 -> per-channel scales, bias, routing weight, rounded: out_k[a, rows]."""
     if SCALES == 1:
         y *= tl.load(s_ptr + e64 * stride_se + rows, mask=rows_ok, other=0.0)
     if HAS_BIAS:  # (E, H): the expert's row joins before its routing weight scales it
@@ -551,7 +692,9 @@ def moe_gemv_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, 
     """The two launches: out_k (T, K, H), or summed over K (T, H) with ``sum_experts`` (in x's dtype, accumulated in
     float32). Routing from ``router_logits`` (T, E) inside gate_up's launch, or ``topk_weights`` / ``topk_ids``
     (T, K) given.
-    ``tiles``: (gate_up's, down's) (BLOCK_N, BLOCK_K, num_warps, num_stages), else DEFAULT_TILES. 4-bit experts:
+    ``tiles``: (gate_up's, down's) (BLOCK_N, BLOCK_K, num_warps, num_stages[, options]: AHEAD, ONE_LOAD,
+    STEP_SUMS, DOT with its split), else DEFAULT_TILES; split DOT tiles use kernels/linear.py's arrival counters
+    (allocated at the first such call: an eager one, as the load-time choice's, before any graph capture). 4-bit experts:
     gate_up / down uint8 (E, 2I, H / 2) / (E, H, I / 2), scales float32 and zeros uint8 (E, K / G, N)
     (kernels/fused_moe_wna16.py's kernel layout); MXFP4 experts: the same codes' shapes, E8M0 exponents uint8
     (E, K / 32, N) (kernels/fused_moe_mxfp4.py's kernel layout), no zeros; BLOCK_K counts stored bytes.
@@ -568,10 +711,14 @@ def moe_gemv_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, 
     (gn, gk, gw, gs), (dn, dk, dw, ds) = tiles[0][:4], tiles[1][:4]
     gate_up_ahead, down_ahead = (ahead(t) and not one_load(t) and not packed for t in tiles)
     gate_up_once, down_once = (one_load(t) and not packed for t in tiles)
+    gate_up_dot, down_dot = (dot_tile(t) and not packed for t in tiles)
+    g_split, d_split = (tile_split(t) if on else 1 for t, on in zip(tiles, (gate_up_dot, down_dot)))
     group = group_down = 0
     gate_up_piece, down_piece = (
-        1 if once else (1 if step_sums(t) and kind == BLOCK_SCALES else k) if ahead_t else min(k, 128)
-        for t, k, ahead_t, once in ((tiles[0], gk, gate_up_ahead, gate_up_once), (tiles[1], dk, down_ahead, down_once)))
+        DOT_COLS if on_dot else 1 if once else (1 if step_sums(t) and kind == BLOCK_SCALES else k) if ahead_t
+        else min(k, 128)
+        for t, k, ahead_t, once, on_dot in ((tiles[0], gk, gate_up_ahead, gate_up_once, gate_up_dot),
+                                            (tiles[1], dk, down_ahead, down_once, down_dot)))
     if packed:
         assert gate_up_scale.is_contiguous() and down_scale.is_contiguous()
         assert kind == MXFP4_GROUPS or (gate_up_zero.shape == gate_up_scale.shape and down_zero.shape == down_scale.shape)
@@ -593,22 +740,33 @@ def moe_gemv_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, 
     d_s3 = d_s[..., None] if kind == ROW_SCALES else d_s
     act = torch.empty(num_tokens * top_k, inter, dtype=x.dtype, device=x.device)
     pdl = pdl_options(x)
-    _gemv_gate_up_kernel[(num_tokens * top_k, triton.cdiv(inter, gn))](
+    gu_tiles, d_tiles = triton.cdiv(inter, gn), triton.cdiv(hidden, dn)
+    arrivals = weights  # (unread without splits)
+    if g_split > 1 or d_split > 1:
+        arrivals = _arrival_counters(x.device, num_tokens * top_k * max(gu_tiles, d_tiles))
+    gu_part = torch.empty(num_tokens * top_k * g_split, two_inter, dtype=torch.float32, device=x.device) \
+        if g_split > 1 else weights
+    _gemv_gate_up_kernel[(num_tokens * top_k, gu_tiles, g_split)](
         x, router_logits if route else x, ids, weights, gate_up, gu_s, gu_z, x if gu_b is None else gu_b, act,
+        gu_part, arrivals,
         num_experts, k_gate_up, inter, group, x.stride(0), router_logits.stride(0) if route else 0, gate_up.stride(0),
         gate_up.stride(1), gu_s3.stride(0) if kind else 0, gu_s3.stride(1) if kind else 0,
         0 if gu_b is None else gu_b.stride(0), act.stride(0),
         TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), E_PAD=triton.next_power_of_2(num_experts),
         ROUTE_IN_KERNEL=route, RENORMALIZE=renormalize, SCALES=kind, BLOCK_N=gn, BLOCK_K=gk, SUB_K=gate_up_piece,
         HAS_BIAS=gu_b is not None, ACTIVATION=ACTIVATIONS[epilogue.activation], SWIGLU_LIMIT=limit,
-        AHEAD=gate_up_ahead, ONE_LOAD=gate_up_once, num_warps=gw, num_stages=gs, **pdl)
+        AHEAD=gate_up_ahead, ONE_LOAD=gate_up_once, DOT=gate_up_dot, SPLIT=g_split, num_warps=gw, num_stages=gs,
+        **pdl)
     out_k = torch.empty(num_tokens * top_k, hidden, dtype=x.dtype, device=x.device)
-    _gemv_down_kernel[(num_tokens * top_k, triton.cdiv(hidden, dn))](
-        act, ids, weights, down, d_s, d_z, act if d_b is None else d_b, out_k, hidden, k_down, group_down,
+    d_part = torch.empty(num_tokens * top_k * d_split, hidden, dtype=torch.float32, device=x.device) \
+        if d_split > 1 else weights
+    _gemv_down_kernel[(num_tokens * top_k, d_tiles, d_split)](
+        act, ids, weights, down, d_s, d_z, act if d_b is None else d_b, out_k, d_part, arrivals, hidden, k_down,
+        group_down,
         act.stride(0), down.stride(0), down.stride(1), d_s3.stride(0) if kind else 0, d_s3.stride(1) if kind else 0,
         0 if d_b is None else d_b.stride(0), out_k.stride(0),
         SCALES=kind, BLOCK_N=dn, BLOCK_K=dk, SUB_K=down_piece, HAS_BIAS=d_b is not None, AHEAD=down_ahead,
-        ONE_LOAD=down_once, num_warps=dw, num_stages=ds, **pdl)
+        ONE_LOAD=down_once, DOT=down_dot, SPLIT=d_split, num_warps=dw, num_stages=ds, **pdl)
     out_k = out_k.view(num_tokens, top_k, hidden)
     return out_k.sum(dim=1) if sum_experts else out_k  # (torch sums half types in float32, rounds once)
 

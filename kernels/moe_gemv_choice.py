@@ -75,8 +75,10 @@ def choose_gemv(experts: GemvExperts) -> dict | None:
         candidates=(tiles, WORD_TILES if words_enabled(experts) else ()),
         valid=lambda r: set(r.get("tiles", {})) == set(TIMED_TOKENS))
     mark_gemv(gate_up, report["tiles"])
-    if words_enabled(experts):  # (split / "r" word tiles count arrivals: the counters allocated now, eagerly, even
-        _arrival_counters(gate_up.device, 1)  # when the report came from the cache: never in a graph's capture)
+    if words_enabled(experts) or any(moe_gemv.tile_split(t) > 1 for t in tiles):
+        # (split / "r" word tiles and split DOT tiles count arrivals: the counters allocated now, eagerly, even
+        # when the report came from the cache: never in a graph's capture)
+        _arrival_counters(gate_up.device, 1)
     return report
 
 

@@ -174,6 +174,68 @@ def test_given_routing_other_tiles_and_the_sum(device, kind, tiles, num_tokens):
     assert out.shape == (num_tokens, HIDDEN) and relative_error(out, ref) < TOLERANCES[torch.float32]
 
 
+# (num_tokens, kind, layout, (gate_up tiles, down tiles)): block FP8 at every timed count; "qwen3": routed in the
+# gate_up launch from the logits (softmax top-4 of 12, renormalized), "deepseek": top-6 ids and unnormalized weights
+# given (a K that is no power of two). Hidden 200: a partial 128-column scale block and a partial last step; inter 96
+# (per channel, the model dtype): a partial row tile at 64 rows. Splits of 2 and 4 over K (4 over down's one or two
+# steps: empty shares).
+DOT_CASES = [
+    (1, "fp8_block", "deepseek", ((16, 128, 1, 4, "d4"), (16, 128, 1, 4, "d"))),
+    (2, "fp8_block", "qwen3", ((16, 128, 1, 4, "d2"), (32, 128, 2, 4, "d"))),
+    (4, "fp8_block", "deepseek", ((64, 128, 4, 3, "d"), (64, 128, 4, 3, "d2"))),
+    (8, "fp8_block", "qwen3", ((32, 128, 2, 4, "d2"), (64, 128, 4, 3, "d"))),
+    (1, "fp8_channel", "deepseek", ((64, 128, 4, 3, "d2"), (16, 64, 1, 4, "d4"))),
+    (3, "model", "qwen3", ((64, 64, 4, 3, "d"), (32, 128, 2, 4, "d2"))),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens, kind, layout, tiles", DOT_CASES)
+def test_dot_tiles_equal_the_reference(device, num_tokens, kind, layout, tiles):
+    """DOT tiles (tensor-core steps, split K with the last arrival summing): the reference at 1-8 tokens, in
+    bfloat16 on the GPU (float32 on the interpreter), routed in the kernel (Qwen3) or given (DeepSeek)."""
+    hidden, inter = 200, 128 if kind == "fp8_block" else 96
+    num_experts, top_k = (12, 4) if layout == "qwen3" else (16, 6)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    gate_up, gu_s, down, d_s = moe_decode_experts(kind, hidden, inter, num_experts, seed=90)
+    if kind == "model":
+        gate_up, down = gate_up.to(dtype), down.to(dtype)
+    x = randn(num_tokens, hidden, seed=91).to(dtype)
+    logits = distinct_logits(num_tokens, num_experts, seed=92).to(dtype)
+    weights, ids = route_tokens_ref(logits, top_k, layout == "qwen3")
+    ref = moe_gemv_ref(x, gate_up, down, weights, ids, gu_s, d_s)
+    on = [t.to(device) if t is not None else None for t in (x, logits, gate_up, gu_s, down, d_s, weights, ids)]
+    assert gemv_supported(on[0], on[2], on[3], on[5], tiles=tiles)
+    routing = (dict(router_logits=on[1], renormalize=True) if layout == "qwen3" else
+               dict(topk_weights=on[6], topk_ids=on[7]))
+    out = moe_gemv_triton(on[0], on[2], on[4], top_k=top_k, gate_up_scale=on[3], down_scale=on[5], tiles=tiles,
+                          sum_experts=False, **routing)
+    assert out.shape == (num_tokens, top_k, hidden) and relative_error(out, ref) < TOLERANCES[dtype]
+    if device == "cuda":  # (the counters were reset by the last arrivals: a second call agrees exactly)
+        again = moe_gemv_triton(on[0], on[2], on[4], top_k=top_k, gate_up_scale=on[3], down_scale=on[5],
+                                tiles=tiles, sum_experts=False, **routing)
+        assert torch.equal(again, out)
+
+
+def test_dot_tiles_are_candidates_of_the_model_dtype_and_fp8_alone(monkeypatch):
+    """DOT tiles: candidates of model-dtype and FP8 experts with $TRITONLLM_MOE_GEMV_DOT=1 (none without), not of
+    4-bit codes; blocked scales need BLOCK_K <= 128 (one scale block a step); the split is the options' digits."""
+    from kernels.moe_gemv import DOT_ENV, DOT_TILES, dot_tile, tile_split
+
+    monkeypatch.delenv(DOT_ENV, raising=False)
+    assert not any(dot_tile(t) for t in candidate_tiles(BLOCK_SCALES))
+    monkeypatch.setenv(DOT_ENV, "1")
+    for kind in (NO_SCALES, ROW_SCALES, BLOCK_SCALES):
+        assert set(DOT_TILES) <= set(candidate_tiles(kind))
+    for kind in (INT4_GROUPS, MXFP4_GROUPS):
+        assert not any(dot_tile(t) for t in candidate_tiles(kind))
+    assert [tile_split(t) for t in ((16, 128, 1, 4, "d"), (16, 128, 1, 4, "d4"), (16, 512, 4, 2))] == [1, 4, 1]
+    gate_up, gu_s, _, d_s = experts("fp8_block", seed=93)
+    x = torch.zeros(1, HIDDEN)
+    assert gemv_supported(x, gate_up, gu_s, d_s, tiles=((16, 128, 1, 4, "d"), (32, 64, 2, 4, "d2")))
+    assert not gemv_supported(x, gate_up, gu_s, d_s, tiles=((16, 256, 1, 4, "d"), (32, 64, 2, 4, "d")))
+
+
 def test_marks_and_support():
     """mark_gemv fills the counts between timed ones from the next larger; a losing count stays unmarked;
     blocked scales need I % 128 == 0; more than MAX_TOKENS tokens are never taken."""
@@ -314,11 +376,13 @@ AOT = AOT_SM90
 @pytest.mark.parametrize("tiles", GEMV_TILES)
 def test_compiles_for_sm90_without_spills(kind, which, tiles, tmp_path, monkeypatch):
     """Triton's compiler and ptxas (no GPU) on the Qwen3-30B-A3B shape's kernels for every candidate (MXFP4:
-    gpt-oss's, with its biases and clamped SwiGLU; AHEAD tiles as $TRITONLLM_MOE_GEMV_AHEAD=1 has them timed): no
-    local memory (spills)."""
-    from kernels.moe_gemv import AHEAD_ENV, _gemv_down_kernel, _gemv_gate_up_kernel, ahead, one_load, step_sums
+    gpt-oss's, with its biases and clamped SwiGLU; AHEAD and DOT tiles as $TRITONLLM_MOE_GEMV_AHEAD=1 and
+    $TRITONLLM_MOE_GEMV_DOT=1 have them timed): no local memory (spills)."""
+    from kernels.moe_gemv import (AHEAD_ENV, DOT_COLS, DOT_ENV, _gemv_down_kernel, _gemv_gate_up_kernel, ahead,
+                                  dot_tile, one_load, step_sums, tile_split)
 
     monkeypatch.setenv(AHEAD_ENV, "1")
+    monkeypatch.setenv(DOT_ENV, "1")
     fn = _gemv_gate_up_kernel if which == "gate_up" else _gemv_down_kernel
     if tiles not in candidate_tiles(kind):
         pytest.skip("not a candidate of this weight kind (candidate_tiles)")
@@ -326,12 +390,15 @@ def test_compiles_for_sm90_without_spills(kind, which, tiles, tmp_path, monkeypa
     w = {NO_SCALES: "*bf16", INT4_GROUPS: "*u8", MXFP4_GROUPS: "*u8"}.get(kind, "*fp8e4nv")
     mxfp4 = kind == MXFP4_GROUPS
     pointers = dict(x_ptr="*bf16", logits_ptr="*bf16", ids_ptr="*i32", weights_ptr="*fp32", w_ptr=w,
-                    s_ptr="*u8" if mxfp4 else "*fp32", z_ptr="*u8", bias_ptr="*bf16", act_ptr="*bf16", out_ptr="*bf16")
+                    s_ptr="*u8" if mxfp4 else "*fp32", z_ptr="*u8", bias_ptr="*bf16", act_ptr="*bf16", out_ptr="*bf16",
+                    part_ptr="*fp32", arrivals_ptr="*i32")
     const = dict(TOP_K=4 if mxfp4 else 8, K_PAD=4 if mxfp4 else 8, E_PAD=32 if mxfp4 else 128, ROUTE_IN_KERNEL=True,
                  RENORMALIZE=True, SCALES=kind, BLOCK_N=block_n, BLOCK_K=block_k,
-                 SUB_K=32 if mxfp4 else (1 if step_sums(tiles) or one_load(tiles) else block_k) if ahead(tiles)
+                 SUB_K=32 if mxfp4 else DOT_COLS if dot_tile(tiles)
+                 else (1 if step_sums(tiles) or one_load(tiles) else block_k) if ahead(tiles)
                  else min(block_k, 128), HAS_BIAS=mxfp4, ACTIVATION=int(mxfp4), SWIGLU_LIMIT=7.0 if mxfp4 else 0.0,
-                 PDL=True, AHEAD=ahead(tiles) and not one_load(tiles), ONE_LOAD=one_load(tiles))
+                 PDL=True, AHEAD=ahead(tiles) and not one_load(tiles), ONE_LOAD=one_load(tiles), DOT=dot_tile(tiles),
+                 SPLIT=tile_split(tiles))
     aligned = ("H", "I", "group", "stride_x", "stride_l", "stride_we", "stride_wn", "stride_act", "stride_o", "stride_se",
                "stride_sn", "stride_be")
     compiled = compile_for_sm90(fn, pointers, const, warps=warps, stages=stages, aligned_int=lambda name: name in aligned)
