@@ -4,8 +4,8 @@ Why: a step that carries prompt tokens used to run eagerly, ~12 kernel launches 
 Python. On the H100 host that cost 15-25 ms of CPU per step for SmolLM2 (30 layers), whatever
 the number of tokens, while the GPU work of a few hundred prompt tokens is a few milliseconds;
 every decoding stream of the batch waits for that step, and so does each new request's first
-token. Captured once per token-count bucket and replayed, such a step costs a graph launch and a
-few host-to-device copies.
+token. Captured once per token-count bucket and replayed, such a step costs a graph launch and two
+host-to-device copies (its bucket's inputs, its table rows: _allocate_buffers).
 
 How a step runs (``try_run``): the batch is padded to the smallest bucket >= its token count.
 Padding tokens have id 0, position 0 and slot -1 (the KV write skips them); their outputs are
@@ -146,51 +146,65 @@ class PrefillGraphs:
         return -(-bucket // self.tokens_per_tile) + min(self.max_seqs, bucket)
 
     def _allocate_buffers(self) -> None:
-        tokens, seqs, dev = self.buckets[-1], self.max_seqs, self.device
-        tiles = self.num_tiles(tokens)
-        # Host staging (pinned) and device twins. i64 rows: ids, positions, slots; i32 rows of
-        # `seq`: cu_seqlens (seqs + 1 used), context lengths; tiles: tile_seq, tile_m.
-        self.host_i64 = torch.zeros(3, tokens, dtype=torch.int64).pin_memory()
-        self.host_seq = torch.zeros(2, seqs + 1, dtype=torch.int32).pin_memory()
-        self.host_tables = torch.zeros(seqs, self.max_blocks, dtype=torch.int32).pin_memory()
-        self.host_tiles = torch.full((2, tiles), -1, dtype=torch.int32).pin_memory()
-        self.dev_i64 = torch.zeros(3, tokens, dtype=torch.int64, device=dev)
-        self.dev_seq = torch.zeros(2, seqs + 1, dtype=torch.int32, device=dev)
-        self.dev_tables = torch.zeros(seqs, self.max_blocks, dtype=torch.int32, device=dev)
-        self.dev_tiles = torch.full((2, tiles), -1, dtype=torch.int32, device=dev)
-        self.host_i64[2].fill_(-1)
-        self.dev_i64[2].fill_(-1)
-        self._np_i64, self._np_seq = self.host_i64.numpy(), self.host_seq.numpy()
-        self._np_tables, self._np_tiles = self.host_tables.numpy(), self.host_tiles.numpy()
-        tree_rows = self.tree_buckets[-1] if self.tree_buckets else 0  # each token's ancestors among its row's
-        # The hidden rows a step scores (its logits_indices), copied before the replay like the rest: a pinned
-        # tensor made per step would be an allocation the caching host allocator may have to make (engine/vision/
-        # encode_queue.py says why that is to be avoided while other streams work)
-        self.host_rows = torch.zeros(tokens, dtype=torch.int64).pin_memory()
-        self.dev_rows = torch.zeros(tokens, dtype=torch.int64, device=dev)
-        self._np_rows = self.host_rows.numpy()
-        self.host_tree = torch.zeros(tree_rows, max(self.tree_width, 1), dtype=torch.int8).pin_memory()
-        self.dev_tree = torch.zeros(tree_rows, max(self.tree_width, 1), dtype=torch.int8, device=self.device)
-        # The same mask as bits (AttentionMetadata.tree_bits), what the attention kernel reads.
-        tree_words = -(-max(self.tree_width, 1) // 32)
-        self.host_tree_bits = torch.zeros(tree_rows, tree_words, dtype=torch.int32).pin_memory()
-        self.dev_tree_bits = torch.zeros(tree_rows, tree_words, dtype=torch.int32, device=self.device)
-        self._np_tree_bits = self.host_tree_bits.numpy()
+        """The graphs' static inputs: views of one pinned host staging buffer (bytes) and of its device twin, at
+        16-byte-aligned offsets. Each bucket of T tokens has a region of its own (``BucketInputs``): the sequence
+        rows ``seq`` (2, max_batch_size + 1) int32 (cu_seqlens, context lengths), ``i64`` (3, T) int64 (ids,
+        positions, slots), the tile map ``tiles`` (2, num_tiles(T)) int32 (tile_seq, tile_m), the scored rows
+        ``rows`` (T,) int64 (the gather after the replay) and, for a tree bucket, the ancestor mask ``tree``
+        (T, W) int8 and its bits ``tree_bits`` (T, cdiv(W, 32)) int32; after every region, the block tables
+        ``tables`` (max_batch_size, max_blocks) int32 that all buckets share. So a step copies two contiguous
+        spans: its bucket's region and its sequences' table rows. Why: it made four to seven copies, two of
+        them strided (i64[:, :T] and the tile map's two rows), which torch stages through a pageable temporary
+        copied synchronously, each copy a cudaMemcpyAsync and a pinned-block event record from Python (the
+        decode graphs' copies: engine/executor/cuda_graphs.py). A region holds only its bucket's steps, as the
+        shared buffers did every step's: whatever a step leaves unwritten (columns past a table or mask width,
+        sequence rows past the batch) is what an earlier step of the bucket wrote there, or the initial values
+        (slots and tiles -1: no KV write, no tile of work; zeros elsewhere). Extra memory: the regions of ~45
+        token buckets to 8,192 tokens hold ~100k tokens' rows, a few MB pinned and as much on the device."""
+        seqs, dev = self.max_seqs, self.device
+        width, words = max(self.tree_width, 1), -(-max(self.tree_width, 1) // 32)
+        layouts, end = {}, 0
+
+        def place(shape: tuple, dtype: torch.dtype) -> tuple:
+            nonlocal end
+            at = end
+            end += -(-int(np.prod(shape)) * dtype.itemsize // 16) * 16
+            return at, shape, dtype
+
+        for bucket in self.buckets:
+            start, tree_rows = end, bucket if bucket in self.tree_buckets else 0
+            layouts[bucket] = start, {
+                "seq": place((2, seqs + 1), torch.int32), "i64": place((3, bucket), torch.int64),
+                "tiles": place((2, self.num_tiles(bucket)), torch.int32), "rows": place((bucket,), torch.int64),
+                "tree": place((tree_rows, width), torch.int8), "tree_bits": place((tree_rows, words), torch.int32)}
+            layouts[bucket] += (end,)
+        tables = place((seqs, self.max_blocks), torch.int32)
+        self.host_staging = torch.zeros(end, dtype=torch.uint8).pin_memory()  # pinned: the copies do not block
+        self.dev_staging = torch.zeros(end, dtype=torch.uint8, device=dev)
+        self.inputs = {bucket: BucketInputs(self.host_staging, self.dev_staging, start, stop, views)
+                       for bucket, (start, views, stop) in layouts.items()}
+        self.host_tables, self.dev_tables = (_view(staging, *tables) for staging in (self.host_staging, self.dev_staging))
+        self._np_tables = self.host_tables.numpy()
+        self._tables_at, self._table_row_bytes = tables[0], self.max_blocks * 4
+        for inputs in self.inputs.values():  # idle until a step: no KV write (slot -1), no tile of work (-1)
+            inputs.host_i64[2].fill_(-1)
+            inputs.host_tiles.fill_(-1)
+        self.dev_staging.copy_(self.host_staging)
         self._copied = torch.cuda.Event()
         self._copied.record()
 
     def _meta(self, bucket: int, lora: bool = False, tree: bool = False) -> AttentionMetadata:
-        tiles = self.num_tiles(bucket)
+        inputs = self.inputs[bucket]
         meta = AttentionMetadata(
-            slot_mapping=self.dev_i64[2, :bucket], block_tables=self.dev_tables,
-            cu_seqlens_q=self.dev_seq[0], context_lens=self.dev_seq[1, :self.max_seqs],
+            slot_mapping=inputs.dev_i64[2], block_tables=self.dev_tables,
+            cu_seqlens_q=inputs.dev_seq[0], context_lens=inputs.dev_seq[1, :self.max_seqs],
             max_seqlen_q=bucket, max_context_len=self.max_seq_len, is_decode_only=False,
-            tile_seq=self.dev_tiles[0, :tiles], tile_m=self.dev_tiles[1, :tiles],
+            tile_seq=inputs.dev_tiles[0], tile_m=inputs.dev_tiles[1],
             lora=self.lora_buffers.batch(bucket) if lora else None,  # this bucket's view: kernels/lora.py
         )
         if tree:  # int8 already, so the kernel wrapper's .to(torch.int8) is this buffer itself
-            meta.tree_mask = self.dev_tree[:bucket]
-            meta.tree_bits = self.dev_tree_bits[:bucket]
+            meta.tree_mask = inputs.dev_tree
+            meta.tree_bits = inputs.dev_tree_bits
         return meta
 
     @torch.inference_mode()
@@ -199,7 +213,8 @@ class PrefillGraphs:
         map is empty and every slot -1, so the warm-up runs neither read nor write the pool."""
         pool = torch.cuda.graph_pool_handle()
         for bucket in reversed(self.buckets):
-            args = (self.dev_i64[0, :bucket], self.dev_i64[1, :bucket], self.kv_cache, self._meta(bucket))
+            inputs = self.inputs[bucket]
+            args = (inputs.dev_i64[0], inputs.dev_i64[1], self.kv_cache, self._meta(bucket))
             self.graphs[bucket], self.hidden[bucket] = capture_forward(self.model, args, self.sampled_tokens, pool)
             self._keep_taps("plain", bucket)
             if self.lora_buffers is not None:
@@ -255,22 +270,18 @@ class PrefillGraphs:
         tabled = prompt_embeds is not None or rotary is not None
         tree = batch.tree_parents is not None
         bucket = self.bucket_for(num_tokens)
+        inputs = self.inputs[bucket]
         self._copied.synchronize()  # the previous step's copies have left the pinned buffers
-        self._fill(batch, bucket)
+        self._fill(batch, inputs, bucket)
         if tabled:
-            self.table.fill_host(self._np_i64[0, :num_tokens], self._np_i64[1, :num_tokens], rotary)
-        tiles = self.num_tiles(bucket)
-        # Contiguous spans only: a strided pinned source would make torch stage it synchronously.
-        self.dev_i64[:, :bucket].copy_(self.host_i64[:, :bucket], non_blocking=True)
-        self.dev_seq.copy_(self.host_seq, non_blocking=True)
-        self.dev_tables[:num_seqs].copy_(self.host_tables[:num_seqs], non_blocking=True)
-        self.dev_tiles[:, :tiles].copy_(self.host_tiles[:, :tiles], non_blocking=True)
-        if tree:
-            self.dev_tree[:num_tokens].copy_(self.host_tree[:num_tokens], non_blocking=True)
-            self.dev_tree_bits[:num_tokens].copy_(self.host_tree_bits[:num_tokens], non_blocking=True)
+            self.table.fill_host(inputs.np_i64[0, :num_tokens], inputs.np_i64[1, :num_tokens], rotary)
         num_rows = len(batch.logits_indices)  # (<= num_tokens: one row per scored token)
-        self._np_rows[:num_rows] = batch.logits_indices
-        self.dev_rows[:num_rows].copy_(self.host_rows[:num_rows], non_blocking=True)
+        inputs.np_rows[:num_rows] = batch.logits_indices
+        # Two contiguous spans (_allocate_buffers): the bucket's region, the step's table rows.
+        self.dev_staging[inputs.start:inputs.end].copy_(self.host_staging[inputs.start:inputs.end], non_blocking=True)
+        tables_end = self._tables_at + num_seqs * self._table_row_bytes
+        self.dev_staging[self._tables_at:tables_end].copy_(self.host_staging[self._tables_at:tables_end],
+                                                          non_blocking=True)
         if tabled:  # (its pinned staging is covered by the event too)
             self.table.fill_device(prompt_embeds, rotary, bucket)
         self._copied.record()
@@ -286,12 +297,13 @@ class PrefillGraphs:
         graph.replay()
         if self.taps is not None:
             self.taps.replayed(self.tapped[kind, bucket], num_tokens)
-        return hidden[self.dev_rows[:num_rows]]  # (read in stream order, before the next step's copy)
+        return hidden[inputs.dev_rows[:num_rows]]  # (read in stream order, before the next step's copy)
 
-    def _fill(self, batch, bucket: int) -> None:
-        """The batch into the host buffers; tokens [n, bucket) become padding (slot -1)."""
+    def _fill(self, batch, inputs: "BucketInputs", bucket: int) -> None:
+        """The batch into the host views of its bucket's ``inputs`` and the shared tables; tokens [n, bucket)
+        become padding (slot -1)."""
         n, page = len(batch.token_ids), self.tokens_per_block
-        i64, tables = self._np_i64, self._np_tables
+        i64, tables = inputs.np_i64, self._np_tables
         for row, table in enumerate(batch.block_tables):
             tables[row, :len(table)] = table
         q_lens = np.asarray(batch.seq_lens_q, dtype=np.int64)
@@ -302,20 +314,38 @@ class PrefillGraphs:
             slots = np.asarray(tree_batch.slot_positions(batch.positions, batch.seq_lens_q, batch.context_lens,
                                                          batch.tree_parents), dtype=np.int64)
             mask = tree_batch.tree_mask(batch.seq_lens_q, batch.tree_parents)
-            self.host_tree[:n, :mask.shape[1]] = mask.to(torch.int8)
+            inputs.host_tree[:n, :mask.shape[1]] = mask.to(torch.int8)
             bits = pack_tree_mask_numpy(mask.numpy())
-            self._np_tree_bits[:n, :bits.shape[1]] = bits
+            inputs.np_tree_bits[:n, :bits.shape[1]] = bits
         i64[0, :n] = batch.token_ids
         i64[1, :n] = positions
         i64[2, :n] = tables[seq_of_token, slots // page].astype(np.int64) * page + slots % page
         i64[0, n:bucket] = 0
         i64[1, n:bucket] = 0
         i64[2, n:bucket] = -1
-        cu = self._np_seq[0]
+        cu = inputs.np_seq[0]
         cu[0] = 0
         np.cumsum(q_lens, out=cu[1:len(q_lens) + 1])
         cu[len(q_lens) + 1:] = cu[len(q_lens)]  # sequences past the batch: no new tokens
-        self._np_seq[1, :len(q_lens)] = batch.context_lens
+        inputs.np_seq[1, :len(q_lens)] = batch.context_lens
         tile_seq, tile_m = tile_map(batch.seq_lens_q, self.tokens_per_tile, self.num_tiles(bucket))
-        self._np_tiles[0, :len(tile_seq)] = tile_seq
-        self._np_tiles[1, :len(tile_m)] = tile_m
+        inputs.np_tiles[0, :len(tile_seq)] = tile_seq
+        inputs.np_tiles[1, :len(tile_m)] = tile_m
+
+
+def _view(staging: torch.Tensor, at: int, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+    """The ``shape`` tensor of ``dtype`` at byte ``at`` of a uint8 staging buffer (``at`` 16-byte aligned)."""
+    return staging[at:at + int(np.prod(shape)) * dtype.itemsize].view(dtype).view(shape)
+
+
+class BucketInputs:
+    """One token bucket's region of PrefillGraphs' staging: bytes [start, end) of the host and device buffers,
+    and in it ``host_NAME`` / ``dev_NAME`` views (``np_NAME``: the host view as numpy) of seq, i64, tiles, rows,
+    tree and tree_bits (shapes in PrefillGraphs._allocate_buffers)."""
+
+    def __init__(self, host: torch.Tensor, dev: torch.Tensor, start: int, end: int, views: dict):
+        self.start, self.end = start, end
+        for name, placed in views.items():
+            setattr(self, f"host_{name}", _view(host, *placed))
+            setattr(self, f"dev_{name}", _view(dev, *placed))
+            setattr(self, f"np_{name}", getattr(self, f"host_{name}").numpy())

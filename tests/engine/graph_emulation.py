@@ -73,7 +73,7 @@ def emulate_cuda_graphs(monkeypatch) -> collections.Counter:
                 runner.graph_model, runner.kv_cache, tokens_per_block=runner.tokens_per_block,
                 max_seq_len=build.max_seq_len, max_batch_size=build.max_batch_size,
                 max_num_tokens=build.max_num_tokens, sampled_tokens=runner.sampled_tokens, buckets=buckets,
-                taps=runner.layer_taps,
+                taps=runner.layer_taps, tree_width=runner.tree_graph_width,
                 tokens_per_tile=prefill_tokens_per_tile(cfg.num_heads // cfg.num_kv_heads, cfg.head_dim,
                                                         runner.kv_cache.element_size()))
             runner.prefill_graphs.capture()

@@ -38,9 +38,9 @@ TINY_DECODERS = {
 
 
 def config_only_engine(tmp_path, dtype: str, max_batch_size: int = 24, quantization: str | None = None,
-                       model: dict = TINY) -> str:
+                       model: dict = TINY, max_num_tokens: int = 1024) -> str:
     build = BuildConfig(dtype=dtype, max_batch_size=max_batch_size, max_input_len=128, max_seq_len=256,
-                        max_num_tokens=1024, tokens_per_block=16, quantization=quantization)
+                        max_num_tokens=max_num_tokens, tokens_per_block=16, quantization=quantization)
     EngineConfig(model=ModelConfig(**model), build=build, extra={"random_weights_seed": 3}).validate().save(str(tmp_path))
     return str(tmp_path)
 
@@ -142,8 +142,8 @@ def test_emulated_decode_graphs_read_each_step_and_give_the_eager_logits(tmp_pat
     from engine.executor.cuda_graphs import DECODE_ONE_COPY_ENV
 
     monkeypatch.setenv(DECODE_ONE_COPY_ENV, "1" if one_copy else "0")
-    emulate_cuda_graphs(monkeypatch)
-    runner = ModelRunner(config_only_engine(tmp_path, "float32"), device="cpu")
+    emulate_cuda_graphs(monkeypatch)  # (buckets to 16 rows, 128 tokens: each bucket's "capture" runs the forward)
+    runner = ModelRunner(config_only_engine(tmp_path, "float32", max_batch_size=16, max_num_tokens=128), device="cpu")
     runner.allocate_kv_cache(400)
     prompt_lens = [13 + 7 * i % 29 for i in range(9)]
     prefill, decode = prefill_then_decode_batches(9, prompt_lens, steps=4, page=16)
@@ -381,6 +381,52 @@ def test_tree_graph_steps_and_layer_taps_match_eager(tmp_path, quantization):
     for got, want in zip(graphed_taps, taps.streams):
         assert got.shape == want.shape == (len(step.token_ids), 256)
         assert ((got.float() - want.float()).norm() / want.float().norm()).item() < 2e-2
+
+
+
+def test_emulated_prefill_graphs_give_the_eager_logits_and_tree_inputs(tmp_path, monkeypatch):
+    """Steps with prompt tokens through the prefill graphs emulated on the CPU (graph_emulation.py: a replay
+    reruns the forward over the graphs' device buffers), across buckets (each bucket's inputs a region of one
+    staging buffer, the table rows shared: prefill_graphs.py _allocate_buffers): prompt chunks and a mixed step
+    give the logits of the same steps run eagerly; a tree verify step's device inputs (slots, rotary positions,
+    sequence rows, tables, ancestor mask and its bits) are the eager step's. (Its logits are compared on the GPU,
+    test_tree_graph_steps_and_layer_taps_match_eager: the graph's int8 mask is the Triton kernel's, and the torch
+    reference negates a mask with ``~``, right for the eager bool mask only.)"""
+    from graph_emulation import emulate_cuda_graphs
+
+    from kernels.attention_metadata import pack_tree_mask
+
+    replays = emulate_cuda_graphs(monkeypatch)  # (token buckets to 256: each bucket's "capture" runs the forward)
+    runner = ModelRunner(config_only_engine(tmp_path, "float32", max_batch_size=8, max_num_tokens=256), device="cpu")
+    runner.tree_graph_width = 9
+    runner.allocate_kv_cache(400)
+    runner.capture_cuda_graphs()
+    graphs = runner.prefill_graphs
+    assert graphs is not None and graphs.tree_graphs
+    prompt, tree_step = tree_steps(5, page=16, nodes=8)
+    steps = [b for b in prompt_chunk_batches(5, page=16) if len(b.token_ids) != len(b.seq_lens_q)] + [prompt]
+    assert len({graphs.bucket_for(len(b.token_ids)) for b in steps}) >= 3
+    for step, batch in enumerate(steps + [tree_step]):
+        before = replays["LlamaForCausalLM-prefill"]
+        graphed = runner.forward(batch)
+        assert replays["LlamaForCausalLM-prefill"] == before + 1, f"step {step} did not replay a graph"
+        runner.prefill_graphs = None  # the same step eagerly (rewrites the same K/V slots)
+        eager = runner.forward(batch)
+        runner.prefill_graphs = graphs
+        if batch is not tree_step:
+            torch.testing.assert_close(graphed, eager, rtol=1e-4, atol=1e-4, msg=lambda m: f"step {step}: {m}")
+    n, seqs = len(tree_step.token_ids), len(tree_step.seq_lens_q)
+    inputs = graphs.inputs[graphs.bucket_for(n)]
+    _, positions, meta = runner.attention_inputs(tree_step)
+    assert inputs.dev_i64[1, :n].tolist() == positions.tolist()
+    assert inputs.dev_i64[2].tolist() == meta.slot_mapping.tolist() + [-1] * (len(inputs.dev_i64[2]) - n)
+    assert inputs.dev_seq[0, :seqs + 2].tolist() == meta.cu_seqlens_q.tolist() + [n]
+    assert inputs.dev_seq[1, :seqs].tolist() == meta.context_lens.tolist()
+    for row, table in enumerate(tree_step.block_tables):
+        assert graphs.dev_tables[row, :len(table)].tolist() == table
+    width = meta.tree_mask.shape[1]
+    assert torch.equal(inputs.dev_tree[:n, :width].bool(), meta.tree_mask)
+    assert torch.equal(inputs.dev_tree_bits[:n, :meta.tree_bits.shape[1]], pack_tree_mask(meta.tree_mask))
 
 
 def test_prefill_tile_map_and_token_buckets():
