@@ -11,7 +11,10 @@ Shapes (T tokens, H hidden, E experts; top-1 only):
        weights (T, 1) float32: ones (the experts' kernels take a weight a row; the score is in the input)
        shared_input: the shared expert's input: h, or (``quantize``) kernels/fp8.py QuantizedRows of h
        residual: x + residual (``norm``), else None
-with the roundings of the unfused torch path: the logits rounded to the model dtype (the router Linear's
+``shared_slot`` S (a shared expert stacked as expert S of the routed experts' stacks: engine/models/llama4.py):
+rows, ids and weights hold 2T rows, the T routed ones then the shared expert's: rows[T + t] = h[t], ids[T + t] = S,
+and shared_input is that half of rows (the experts' one launch pair then runs both, and nothing is quantized).
+All with the roundings of the unfused torch path: the logits rounded to the model dtype (the router Linear's
 output), the sigmoid in float32 rounded to the model dtype, h * s in float32 rounded to the model dtype.
 
 Why: at batch 1 the unfused path was the post-attention norm, the router's skinny product, torch's top-k, a
@@ -45,15 +48,16 @@ ROUTE_ROWS = 16
 class Top1Routing(NamedTuple):
     """route_top1's outputs (module docstring)."""
 
-    rows: torch.Tensor  # (T, H) model dtype: h * s
-    ids: torch.Tensor  # (T, 1) int32
-    weights: torch.Tensor  # (T, 1) float32 ones
-    shared_input: torch.Tensor | QuantizedRows  # h, or its E4M3 rows
+    rows: torch.Tensor  # (T, H) model dtype: h * s; with a shared slot (2T, H): then h
+    ids: torch.Tensor  # (T, 1) int32; with a shared slot (2T, 1): then the slot
+    weights: torch.Tensor  # (T, 1) float32 ones; with a shared slot (2T, 1)
+    shared_input: torch.Tensor | QuantizedRows  # h (with a shared slot: rows' second half), or its E4M3 rows
     residual: torch.Tensor | None  # x + residual (with a norm)
 
 
 def route_top1_ref(x: torch.Tensor, router_weight: torch.Tensor, quantize: bool = False,
-                   norm: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> Top1Routing:
+                   norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+                   shared_slot: int | None = None) -> Top1Routing:
     """The module docstring's outputs in plain torch: the engine's unfused path (kernels/rmsnorm.py's reference,
     a float32 product rounded to the model dtype, argmax with ties to the lowest index)."""
     residual = None
@@ -64,18 +68,25 @@ def route_top1_ref(x: torch.Tensor, router_weight: torch.Tensor, quantize: bool 
     score = torch.sigmoid(top).to(x.dtype)
     rows = (x * score).to(x.dtype)
     ones = torch.ones(x.shape[0], 1, dtype=torch.float32, device=x.device)
+    ids = ids.to(torch.int32)
+    if shared_slot is not None:
+        assert not quantize
+        rows, ids = torch.cat([rows, x]), torch.cat([ids, torch.full_like(ids, shared_slot)])
+        return Top1Routing(rows, ids, torch.cat([ones, ones]), rows[x.shape[0]:], residual)
     shared = QuantizedRows(*quantize_rows(x), x.dtype) if quantize else x
-    return Top1Routing(rows, ids.to(torch.int32), ones, shared, residual)
+    return Top1Routing(rows, ids, ones, shared, residual)
 
 
 @jit
 def _route_top1_kernel(x_ptr, res_ptr, norm_w_ptr, h_ptr, res_out_ptr, w_ptr, rows_ptr, ids_ptr, weights_ptr,
                        q_ptr, scale_ptr, H, E, eps, stride_x, stride_res, stride_h, stride_ro, stride_w, stride_r,
-                       stride_q, E_PAD: tl.constexpr, BLOCK_H: tl.constexpr, ROW_BLOCK: tl.constexpr,
-                       HAS_NORM: tl.constexpr, QUANTIZE: tl.constexpr, PDL: tl.constexpr):
+                       stride_q, shared_slot, E_PAD: tl.constexpr, BLOCK_H: tl.constexpr, ROW_BLOCK: tl.constexpr,
+                       HAS_NORM: tl.constexpr, QUANTIZE: tl.constexpr, STACKED: tl.constexpr, PDL: tl.constexpr):
     """Program t: (HAS_NORM) token t's residual add and norm into h_ptr, then its logits over the E experts, its
-    top-1 and score, its scaled (and quantized) row. Without HAS_NORM, h_ptr is x."""
+    top-1 and score, its scaled (and quantized) row. Without HAS_NORM, h_ptr is x. STACKED: row T + t of rows (and
+    of ids, weights) is h's own for expert ``shared_slot`` (with HAS_NORM, h_ptr is that row already)."""
     token = tl.program_id(0).to(tl.int64)
+    num_tokens = tl.num_programs(0)
     experts = tl.arange(0, E_PAD)
     e_ok = experts < E
     cols = tl.arange(0, BLOCK_H)
@@ -108,6 +119,9 @@ def _route_top1_kernel(x_ptr, res_ptr, norm_w_ptr, h_ptr, res_out_ptr, w_ptr, ro
     score = (1.0 / (1.0 + tl.exp(-top))).to(h_ptr.dtype.element_ty).to(tl.float32)
     tl.store(ids_ptr + token, chosen.to(tl.int32))
     tl.store(weights_ptr + token, 1.0)
+    if STACKED:
+        tl.store(ids_ptr + num_tokens + token, shared_slot)
+        tl.store(weights_ptr + num_tokens + token, 1.0)
     if QUANTIZE:
         scale = e4m3_row_scale(tl.max(peak, 0))
         tl.store(scale_ptr + token, scale)
@@ -116,26 +130,33 @@ def _route_top1_kernel(x_ptr, res_ptr, norm_w_ptr, h_ptr, res_out_ptr, w_ptr, ro
         col_ok = col < H
         x = tl.load(h_ptr + token * stride_h + col, mask=col_ok, other=0.0).to(tl.float32)
         tl.store(rows_ptr + token * stride_r + col, (x * score).to(rows_ptr.dtype.element_ty), mask=col_ok)
+        if STACKED and not HAS_NORM:  # h is x: copied into the shared expert's row
+            tl.store(rows_ptr + (num_tokens + token) * stride_r + col, x.to(rows_ptr.dtype.element_ty), mask=col_ok)
         if QUANTIZE:
             tl.store(q_ptr + token * stride_q + col, to_e4m3(x, scale), mask=col_ok)
 
 
 def route_top1_triton(x: torch.Tensor, router_weight: torch.Tensor, quantize: bool = False,
-                      norm: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> Top1Routing:
+                      norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+                      shared_slot: int | None = None) -> Top1Routing:
     """route_top1_ref's outputs in one launch (x's, the residual's and the weights' last dims contiguous,
     T <= ROUTE_ROWS)."""
     num_tokens, hidden = x.shape
     num_experts = router_weight.shape[0]
     assert x.stride(1) == 1 and router_weight.stride(1) == 1 and router_weight.shape[1] == hidden
-    rows = torch.empty_like(x)
-    ids = torch.empty(num_tokens, 1, dtype=torch.int32, device=x.device)
-    weights = torch.empty(num_tokens, 1, dtype=torch.float32, device=x.device)
+    assert shared_slot is None or not quantize
+    stacked_rows = num_tokens if shared_slot is None else 2 * num_tokens
+    all_rows = torch.empty(stacked_rows, hidden, dtype=x.dtype, device=x.device)
+    rows = all_rows[:num_tokens]
+    ids = torch.empty(stacked_rows, 1, dtype=torch.int32, device=x.device)
+    weights = torch.empty(stacked_rows, 1, dtype=torch.float32, device=x.device)
     values = torch.empty(num_tokens, hidden, dtype=FP8_DTYPE, device=x.device) if quantize else rows
     scale = torch.empty(num_tokens, dtype=torch.float32, device=x.device) if quantize else weights
     if norm is not None:
         residual, norm_weight, eps = norm
         assert residual.shape == x.shape and residual.stride(1) == 1 and norm_weight.is_contiguous()
-        h, residual_out = torch.empty_like(x), torch.empty_like(x)
+        h = torch.empty_like(x) if shared_slot is None else all_rows[num_tokens:]
+        residual_out = torch.empty_like(x)
     else:
         residual = norm_weight = h = residual_out = x  # unread (h: read as x)
         eps = 0.0
@@ -144,8 +165,12 @@ def route_top1_triton(x: torch.Tensor, router_weight: torch.Tensor, quantize: bo
         _route_top1_kernel[(num_tokens,)](
             x, residual, norm_weight, h, residual_out, router_weight, rows, ids, weights, values, scale, hidden,
             num_experts, float(eps), x.stride(0), residual.stride(0), h.stride(0), residual_out.stride(0),
-            router_weight.stride(0), rows.stride(0), values.stride(0), E_PAD=e_pad,
-            BLOCK_H=max(64, min(1024, 8192 // e_pad)), ROW_BLOCK=triton.next_power_of_2(hidden),
-            HAS_NORM=norm is not None, QUANTIZE=quantize, num_warps=8 if norm is not None else 4, **pdl_options(x))
+            router_weight.stride(0), rows.stride(0), values.stride(0), -1 if shared_slot is None else shared_slot,
+            E_PAD=e_pad, BLOCK_H=max(64, min(1024, 8192 // e_pad)), ROW_BLOCK=triton.next_power_of_2(hidden),
+            HAS_NORM=norm is not None, QUANTIZE=quantize, STACKED=shared_slot is not None,
+            num_warps=8 if norm is not None else 4, **pdl_options(x))
+    residual_out = residual_out if norm is not None else None
+    if shared_slot is not None:
+        return Top1Routing(all_rows, ids, weights, all_rows[num_tokens:], residual_out)
     shared = QuantizedRows(values, scale, x.dtype) if quantize else h
-    return Top1Routing(rows, ids, weights, shared, residual_out if norm is not None else None)
+    return Top1Routing(rows, ids, weights, shared, residual_out)

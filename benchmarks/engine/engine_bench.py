@@ -86,8 +86,10 @@ def make_runner(engine_dir: str, device: str, max_tokens: int) -> ModelRunner:
 
 
 def param_bytes(model: torch.nn.Module) -> tuple[int, int]:
-    """(all parameter bytes, embedding-table bytes) of the model."""
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    """(all parameter bytes, embedding-table bytes) of the model; parameters that are views of one storage (Llama 4's
+    shared expert, a slot of its expert stacks) counted once."""
+    storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in model.parameters()}
+    total = sum(storages.values())
     embed = model.embed_tokens.weight
     return total, embed.numel() * embed.element_size()
 

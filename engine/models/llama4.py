@@ -15,7 +15,11 @@ Maverick), following transformers' Llama4TextModel: the Llama block with
       out      = shared(x) + sum_k expert_{e_k}(s_k x)
 
   The fused expert kernels (kernels/fused_moe.py) run it as T * K rows x * s_k each routed to one
-  expert with weight 1.
+  expert with weight 1. Where the shared expert has a routed expert's shape and storage (Scout, Maverick),
+  it is stacked at load as expert E beside the routed ones (its Linears read views of that slot), and
+  decode steps on CUDA run it as a second row of the experts' launches: rows [x * s; x], ids [e; E]
+  (kernels/llama4_router.py, which also holds the post-attention norm), the two outputs left unsummed
+  for the next norm.
 
 Tensor parallelism: as the Llama block (heads) and engine/models/moe.py (experts sliced along
 their width); the shared expert's down projection is a partial sum that joins the routed part in
@@ -89,6 +93,34 @@ class Llama4Experts(nn.Module):
                                           quantization=quantization)
         self.shared_down_proj = Linear(shared_local, hidden, bias=False, dtype=dtype, device=device,
                                        quantization=quantization)  # partial sum
+        self.shared_slot: int | None = None  # stack_shared_expert(): the shared expert's index in the stacks
+
+    @torch.no_grad()
+    def stack_shared_expert(self) -> None:
+        """Once after loading: where the shared expert has a routed expert's shape and storage (Scout and Maverick:
+        one shared expert of the routed width; model-dtype or FP8 experts with its Linears in the same scheme), append
+        it to the expert stacks as expert E and make its Linears' weights and scales views of that slot (one copy).
+        Decode steps then run it as a second row of the experts' launches (forward_normed) instead of its own two
+        products, their activation quantizations and the add. A no-op otherwise, or when done."""
+        if self.shared_slot is not None or self.weight_only is not None:
+            return
+        pairs = {"gate_up_proj": self.shared_gate_up_proj, "down_proj": self.shared_down_proj}
+        fp8 = self.gate_up_proj.dtype == FP8_DTYPE
+        for name, linear in pairs.items():
+            stack = getattr(self, name)
+            if linear.weight.dtype != stack.dtype or linear.weight.shape != stack.shape[1:] or linear.int8:
+                return
+            scale = getattr(self, name + "_scale", None)
+            if fp8 and (linear.weight_scale is None or linear.weight_scale.shape != scale.shape[1:]
+                        or linear.block_scales != (scale.dim() == 3)):
+                return
+        slot = self.gate_up_proj.shape[0]
+        for name, linear in pairs.items():
+            for suffix, source in (("", "weight"), ("_scale", "weight_scale")) if fp8 else (("", "weight"),):
+                stacked = torch.cat([getattr(self, name + suffix), getattr(linear, source)[None]])
+                setattr(self, name + suffix, nn.Parameter(stacked, requires_grad=False))
+                setattr(linear, source, nn.Parameter(stacked[slot], requires_grad=False))
+        self.shared_slot = slot
 
     @torch.no_grad()
     def prepare_weights(self) -> None:
@@ -98,10 +130,10 @@ class Llama4Experts(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (T, hidden) -> (T, hidden), all-reduced over ranks. Top-1 decode steps on CUDA route in one launch
-        (kernels/llama4_router.py), which also quantizes x for a per-channel FP8 shared expert."""
+        (kernels/llama4_router.py), which also quantizes x for a per-channel FP8 shared expert; with the shared
+        expert stacked they return (T, 2, hidden) unsummed on one rank (_experts_and_shared)."""
         if self.routes_in_one_launch(x.shape[0]) and x.stride(1) == 1:
-            quantize = self.shared_gate_up_proj.takes_quantized_rows(x)
-            return self._experts_and_shared(route_top1_triton(x, self.router.weight, quantize=quantize))
+            return self._experts_and_shared(self._route(x, None))
         num_tokens, hidden = x.shape
         top_logits, ids = self.router(x).topk(self.top_k, dim=-1)
         scores = torch.sigmoid(top_logits.float()).to(x.dtype)  # (T, K), transformers' rounding
@@ -118,14 +150,28 @@ class Llama4Experts(nn.Module):
     def forward_normed(self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         """(forward of rms_norm(x + residual), the new residual) with the post-attention norm inside the routing
-        launch; only where routes_in_one_launch(T)."""
-        routing = route_top1_triton(x, self.router.weight, quantize=self.shared_gate_up_proj.takes_quantized_rows(x),
-                                    norm=(residual, norm_weight, eps))
+        launch; only where routes_in_one_launch(T). The output may be (T, 2, hidden) unsummed (forward's)."""
+        routing = self._route(x, (residual, norm_weight, eps))
         return self._experts_and_shared(routing), routing.residual
 
+    def _route(self, x: torch.Tensor, norm: tuple | None) -> Top1Routing:
+        """kernels/llama4_router.py's one launch: the shared expert's rows beside the routed ones where it is
+        stacked, else its input quantized for per-channel FP8 Linears."""
+        if self.shared_slot is not None:
+            return route_top1_triton(x, self.router.weight, norm=norm, shared_slot=self.shared_slot)
+        quantize = self.shared_gate_up_proj.takes_quantized_rows(x)
+        return route_top1_triton(x, self.router.weight, quantize=quantize, norm=norm)
+
     def _experts_and_shared(self, routing: Top1Routing) -> torch.Tensor:
-        """The routed rows through their experts, plus the shared expert of the routing's shared input."""
-        return self._plus_shared(self.routed_experts(routing.rows, routing.ids, routing.weights), routing.shared_input)
+        """The routed rows through their experts, plus the shared expert of the routing's shared input: with the
+        shared expert stacked, both in the experts' launches, returned unsummed on one rank ((T, 2, hidden), a
+        view of the (2T, hidden) rows: the next residual-add norm sums the two in its own pass, as
+        SparseMoeBlock's unsummed experts)."""
+        out = self.routed_experts(routing.rows, routing.ids, routing.weights)
+        if self.shared_slot is None:
+            return self._plus_shared(out, routing.shared_input)
+        both = out.view(2, -1, out.shape[1]).transpose(0, 1)  # (T, [routed, shared], hidden)
+        return both if self.tp_group is None else tp_all_reduce(both.sum(dim=1), self.tp_group)
 
     def _plus_shared(self, routed: torch.Tensor, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
         """routed (T, hidden) + the shared expert of x, all-reduced over ranks."""
@@ -245,6 +291,20 @@ class Llama4ForCausalLM(LlamaForCausalLM):
                 setattr(self.get_submodule(owner), attribute,
                         Linear(integer.in_features, integer.out_features, bias=integer.bias is not None, dtype=dtype,
                                device=device))
+
+    def init_buffers(self, device: torch.device) -> None:
+        """LlamaForCausalLM's, and each MoE layer's shared expert stacked beside its routed ones (once, after
+        loading: Llama4Experts.stack_shared_expert)."""
+        super().init_buffers(device)
+        stacked = False
+        for layer in self.layers:
+            if isinstance(layer.moe, Llama4Experts) and layer.moe.shared_slot is None:
+                layer.moe.stack_shared_expert()
+                stacked = stacked or layer.moe.shared_slot is not None
+        if stacked and torch.device(device).type == "cuda":
+            # Each layer's old stacks (a slot shorter than the new ones: never reused by the next layer's) went back
+            # to the caching allocator; hand them to the driver before the KV pool is sized from what is free.
+            torch.cuda.empty_cache()
 
     @torch.inference_mode()
     def warm_up_kernels(self, max_tokens: int = 8192) -> None:

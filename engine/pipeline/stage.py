@@ -84,7 +84,10 @@ def stage_forward(model: nn.Module, stage: Stage, input_ids: torch.Tensor | None
         x, residual = layer(x, residual, positions, cos_sin_cache, kv_cache, meta)
     if stage.is_last:
         return rms_norm(apply_scales(x), model.norm.weight, model.config.norm_eps, residual)[0]
-    return torch.stack((apply_scales(x), residual), dim=1)
+    x = apply_scales(x)
+    if x.dim() == 3:  # unsummed expert rows (T, parts, hidden) that the next stage's first norm cannot see as such
+        x = x.sum(dim=1)
+    return torch.stack((x, residual), dim=1)
 
 
 class StageStep(nn.Module):

@@ -102,9 +102,10 @@ def test_engine_on_cuda_equals_transformers(llama4):
 
 def test_one_launch_routing_with_the_norm_equals_the_unfused_moe_block(llama4):
     """Llama4Experts.forward_normed (kernels/llama4_router.py: the post-attention residual add and norm, the router,
-    top-1, sigmoid and input scaling in one launch, as decode steps on CUDA run it) against the norm, then the
-    router Linear, topk, sigmoid and scaling in torch, on the tiny model's first MoE layer. GPU, or
-    TRITON_INTERPRET=1 on CPU (the experts then on their references)."""
+    top-1, sigmoid and input scaling in one launch, as decode steps on CUDA run it; the shared expert stacked as
+    expert 4, a second row of the experts' launches, its Linears views of that slot) against the norm, then the
+    router Linear, topk, sigmoid and scaling in torch and the shared expert's Linears, on the tiny model's first MoE
+    layer. GPU, or TRITON_INTERPRET=1 on CPU (the experts then on their references)."""
     import os
 
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
@@ -116,8 +117,13 @@ def test_one_launch_routing_with_the_norm_equals_the_unfused_moe_block(llama4):
     moe, norm_weight = layer.moe, layer.post_attn_norm.weight
     gen = torch.Generator().manual_seed(9)
     x, residual = (torch.randn(3, norm_weight.shape[0], generator=gen).to(device) for _ in range(2))
+    assert moe.shared_slot == 4 and moe.gate_up_proj.shape[0] == 5 and moe.down_proj.shape[0] == 5
+    assert moe.shared_gate_up_proj.weight.data_ptr() == moe.gate_up_proj[4].data_ptr()
+    assert moe.shared_down_proj.weight.data_ptr() == moe.down_proj[4].data_ptr()
     with torch.inference_mode():
         got, got_residual = moe.forward_normed(x, residual, norm_weight, layer.eps)
+        assert got.shape == (3, 2, x.shape[1])  # [routed, shared] unsummed: the next norm sums them
+        got = got.sum(dim=1)
         h, want_residual = rms_norm_ref(x, norm_weight, layer.eps, residual)
         top, ids = moe.router(h).topk(1, dim=-1)
         want = moe._plus_shared(moe.routed_experts(h * torch.sigmoid(top), ids.to(torch.int32)), h)

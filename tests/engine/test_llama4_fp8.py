@@ -90,6 +90,22 @@ def test_fp8_logits_are_the_dequantized_weights_within_activation_rounding(engin
     assert ((quantized - unquantized).norm() / unquantized.norm()).item() < 0.10
 
 
+@pytest.mark.parametrize("quantization", ["fp8", "fp8_block"])
+def test_shared_expert_is_stacked_beside_the_routed_ones_as_views(engines, quantization):
+    """Llama4Experts.stack_shared_expert at load: the shared expert's E4M3 codes and scales become expert 4 of the
+    stacks (per channel or per block), and its Linears read views of that slot (one copy)."""
+    from engine.executor.runner import ModelRunner
+
+    moe = ModelRunner(engines[quantization]).model.layers[1].moe
+    assert moe.shared_slot == 4
+    for name, linear in (("gate_up_proj", moe.shared_gate_up_proj), ("down_proj", moe.shared_down_proj)):
+        stack, scales = getattr(moe, name), getattr(moe, name + "_scale")
+        assert stack.shape[0] == scales.shape[0] == 5 and stack.dtype == torch.float8_e4m3fn
+        assert linear.weight.data_ptr() == stack[4].data_ptr() and linear.weight.shape == stack.shape[1:]
+        assert linear.weight_scale.data_ptr() == scales[4].data_ptr()
+        assert scales.dim() == (3 if quantization == "fp8_block" else 2)
+
+
 def test_int8_sq_is_refused_by_name(engines, tmp_path, capsys):
     """SmoothQuant is not Llama 4's: engine.build names the family and the ones that take the scheme
     (integer weight-only schemes are: tests/engine/test_llama4_int4.py)."""

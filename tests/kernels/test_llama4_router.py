@@ -71,3 +71,27 @@ def test_kernel_equals_the_reference(device, tokens, experts, hidden, quantize, 
     assert torch.equal(got.shared_input.values.view(torch.uint8), codes.view(torch.uint8))
     assert torch.equal(got.shared_input.scale, scale) and got.shared_input.dtype == dtype
     torch.testing.assert_close(got.shared_input.scale.cpu(), want.shared_input.scale, rtol=tolerance, atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("with_norm", [False, True])
+def test_stacked_shared_expert_rows_follow_the_routed_ones(device, with_norm):
+    """shared_slot: rows [h * s; h], ids [top-1; slot], weights ones, as the reference (and its first half as
+    without the slot)."""
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    x, weight, norm = _inputs(4, 16, 300, dtype, device, seed=8)
+    norm = norm if with_norm else None
+    got = route_top1_triton(x, weight, norm=norm, shared_slot=16)
+    cpu_norm = None if norm is None else (norm[0].cpu(), norm[1].cpu(), norm[2])
+    want = route_top1_ref(x.cpu(), weight.cpu(), norm=cpu_norm, shared_slot=16)
+    alone = route_top1_ref(x.cpu(), weight.cpu(), norm=cpu_norm)
+    assert torch.equal(want.rows[:4], alone.rows) and torch.equal(want.rows[4:], alone.shared_input)
+    assert torch.equal(got.ids.cpu(), want.ids) and want.ids[4:].flatten().tolist() == [16] * 4
+    assert torch.equal(got.weights.cpu(), torch.ones(8, 1)) and got.rows.shape == (8, 300)
+    tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(got.rows.cpu(), want.rows, rtol=tolerance, atol=tolerance)
+    assert got.shared_input.data_ptr() == got.rows[4:].data_ptr()
+    if with_norm:
+        assert torch.equal(got.residual.cpu(), want.residual)
+    else:
+        assert torch.equal(got.rows[4:], x)
