@@ -145,8 +145,11 @@ SINGLE_TOKEN_TILES = (gemm_config(16), gemm_config(16))
 # BLOCK_N, BLOCK_K, warps, stages). From benchmarks/kernels/moe_kernel_bench.py --sweep on an H200
 # (2026-11-26, Qwen3-30B-A3B's experts): 256 tokens (16 rows an expert) 377 us against 400 with
 # the (16, 32, 128) tiles; 512 tokens (32) 417 against 434; 768 tokens (48) 445 against 521.
+# 128-row blocks from 97 rows an expert: 2,048 tokens (128 rows) 565 us against 618 for the 64-row row's
+# tiles (H200, 2026-12-01, --sweep with 128-row candidates; SGLang's H200 table takes 128-row blocks there too).
 # Past GROUPED_MM_MIN_ROWS_PER_EXPERT the grouped-GEMM path runs instead where it can.
-MODEL_DTYPE_TILINGS = ((8, 16, 32, 128, 4, 4), (24, 32, 64, 128, 4, 3), (None, 64, 128, 64, 8, 4))
+MODEL_DTYPE_TILINGS = ((8, 16, 32, 128, 4, 4), (24, 32, 64, 128, 4, 3), (96, 64, 128, 64, 8, 4),
+                       (None, 128, 128, 64, 8, 3))
 
 
 def model_dtype_tiling(num_assignments: int, num_experts: int) -> tuple[int, dict]:
@@ -168,7 +171,8 @@ def warm_up_token_counts(num_experts: int, top_k: int, max_tokens: int) -> list[
     A warm-up runs each once, so no request waits for a kernel to compile."""
     counts = {1, 2, -(-ALIGN_KERNEL_MAX_ASSIGNMENTS // top_k) + 1,
               -(-SCALED_GROUPED_MM_MIN_ASSIGNMENTS // top_k)}
-    rows_per_expert = (1, 9, 17, 25, 65, GROUPED_MM_MIN_ROWS_PER_EXPERT + 1)
+    tiling_starts = {most_rows + 1 for most_rows, *_ in MODEL_DTYPE_TILINGS if most_rows is not None}
+    rows_per_expert = {1, 17, 65, GROUPED_MM_MIN_ROWS_PER_EXPERT + 1} | tiling_starts  # 17, 65: choose_block_m's
     counts |= {-(-rows * num_experts // top_k) for rows in rows_per_expert}
     return sorted(count for count in counts if count <= max_tokens)
 

@@ -444,8 +444,11 @@ def test_warm_up_covers_every_variant_a_forward_may_pick():
     assert counts == sorted(set(counts)) and counts[0] == 1 and counts[-1] <= 8192
     assert any(n * 8 <= ALIGN_KERNEL_MAX_ASSIGNMENTS for n in counts[1:])  # the one-program alignment
     assert any(n * 8 > ALIGN_KERNEL_MAX_ASSIGNMENTS for n in counts)  # the parallel alignment
-    for most_rows, *_ in MODEL_DTYPE_TILINGS[:-1]:  # each tiling: some count at or under its limit, some over
-        assert any(n * 8 / 128 <= most_rows for n in counts) and any(n * 8 / 128 > most_rows for n in counts)
+    fewest = 0  # each tiling's rows an expert: (the previous row's limit, its own]; the last row's up to the grouped path
+    for most_rows, *_ in MODEL_DTYPE_TILINGS:
+        most = GROUPED_MM_MIN_ROWS_PER_EXPERT if most_rows is None else most_rows
+        assert any(fewest < n * 8 / 128 <= most for n in counts), (fewest, most)
+        fewest = most
     assert any(n * 8 / 128 >= GROUPED_MM_MIN_ROWS_PER_EXPERT for n in counts)
     assert SCALED_GROUPED_MM_MIN_ASSIGNMENTS // 8 in counts  # FP8's torch._scaled_grouped_mm from its first count
     assert warm_up_token_counts(128, 8, max_tokens=64)[-1] <= 64
