@@ -16,6 +16,7 @@ from kernels.chunked_attention import chunked_attention_ref
 from kernels.llama4_attention import attention_temperature, l2_normed_heads
 from kernels.rotary import apply_rotary_ref, build_cos_sin_cache
 from kernels.triton_attention import paged_attention_triton
+from sm90_compile import AOT_SM90, compile_for_sm90, resource_usage_or_skip, strides_but_block_table
 from test_kernel_attention import make_batch
 
 HEADS, KV_HEADS, HEAD_DIM, PAGE, CHUNK = 8, 2, 32, 8, 16
@@ -107,3 +108,32 @@ def _cpu(meta):
 
     return replace(meta, slot_mapping=meta.slot_mapping.cpu(), block_tables=meta.block_tables.cpu(),
                    cu_seqlens_q=meta.cu_seqlens_q.cpu(), context_lens=meta.context_lens.cpu())
+
+
+@AOT_SM90
+@pytest.mark.parametrize("variant", [dict(CHUNK=8192, QK_L2=True), dict(ROTATE=False, TEMPERATURE=True),
+                                     dict(ROTARY_APPEND=False, CHUNK=8192)])
+def test_decode_kernel_compiles_for_sm90_without_spills(variant, tmp_path):
+    """Triton's compiler and ptxas (no GPU) on the paged kernel's Llama 4 decode variants at Scout's shape (40 query
+    heads over 8 KV heads of 128, bf16 pool, 16 splits): the rope layer's (chunk and L2 norm), the NoPE layer's
+    (temperature), the plain chunked decode; no local memory (spills)."""
+    from kernels.triton_attention import _paged_attention_kernel
+
+    pointers = {name: "*bf16" for name in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr", "k_desc", "v_desc",
+                                           "k_new_ptr", "v_new_ptr", "q_norm_ptr", "k_norm_ptr", "sinks_ptr",
+                                           "alibi_ptr")}
+    pointers.update({name: "*fp32" for name in ("part_out_ptr", "part_lse_ptr", "cos_sin_ptr")})
+    pointers.update({name: "*i32" for name in ("block_tables_ptr", "cu_seqlens_q_ptr", "context_lens_ptr",
+                                               "tile_seq_ptr", "tile_m_ptr", "active_splits_ptr", "span_ptr",
+                                               "tree_ptr")})
+    pointers.update(positions_ptr="*i64", slot_ptr="*i64")
+    const = dict(GROUP=5, HEAD_DIM=128, DIM_PAD=128, PAGE_SIZE=16, BLOCK_M=16, BLOCK_N=64, NUM_SPLITS=16,
+                 PRECISION="tf32", FP16_MATH=False, ROTARY_APPEND=True, ROTATE=True, HAS_WINDOW=False,
+                 HAS_SOFTCAP=False, HAS_TILE_MAP=False, HAS_SINKS=False, HAS_ALIBI=False, SEQ_KIND=0, TMA=False,
+                 DYNAMIC_SPLITS=False, PDL=False, HAS_TREE=False, TREE_AS_BITS=False, HAS_SPANS=False,
+                 APPEND_ROWS=False, QK_NORM=False) | variant
+    compiled = compile_for_sm90(_paged_attention_kernel, pointers, const, warps=4, stages=3,
+                                floats=("qk_scale", "softcap_log2", "qk_eps", "temp_scale"),
+                                aligned_int=strides_but_block_table)
+    usage = resource_usage_or_skip(compiled, tmp_path)
+    assert "LOCAL:0 " in usage, usage

@@ -11,6 +11,7 @@ import torch
 from kernels.fp8 import QuantizedRows, quantize_rows, quantize_rows_triton
 from kernels.llama4_router import route_top1_ref, route_top1_triton
 from kernels.rmsnorm import rms_norm_ref
+from sm90_compile import AOT_SM90, compile_for_sm90, resource_usage_or_skip
 
 
 def _inputs(tokens, experts, hidden, dtype, device, seed=0):
@@ -95,3 +96,22 @@ def test_stacked_shared_expert_rows_follow_the_routed_ones(device, with_norm):
         assert torch.equal(got.residual.cpu(), want.residual)
     else:
         assert torch.equal(got.rows[4:], x)
+
+
+@AOT_SM90
+@pytest.mark.parametrize("with_norm,quantize,stacked", [(False, False, False), (False, True, False),
+                                                        (True, False, True), (True, True, False)])
+def test_kernel_compiles_for_sm90_without_spills(with_norm, quantize, stacked, tmp_path):
+    """Triton's compiler and ptxas (no GPU) on the kernel at Scout's shape (16 experts, hidden 5,120, bf16): no local
+    memory (spills)."""
+    from kernels.llama4_router import _route_top1_kernel
+
+    pointers = {name: "*bf16" for name in ("x_ptr", "res_ptr", "norm_w_ptr", "h_ptr", "res_out_ptr", "w_ptr",
+                                           "rows_ptr")}
+    pointers.update(ids_ptr="*i32", weights_ptr="*fp32", q_ptr="*fp8e4nv", scale_ptr="*fp32")
+    const = dict(E_PAD=16, BLOCK_H=512, ROW_BLOCK=8192, HAS_NORM=with_norm, QUANTIZE=quantize, STACKED=stacked,
+                 PDL=True)
+    compiled = compile_for_sm90(_route_top1_kernel, pointers, const, warps=8 if with_norm else 4, floats=("eps",),
+                                aligned_int=lambda name: name.startswith("stride") or name == "H")
+    usage = resource_usage_or_skip(compiled, tmp_path)
+    assert "LOCAL:0 " in usage, usage
