@@ -48,8 +48,8 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: engine, kernels, benchmarks
 
 from benchmarks.common import (MODELS, add_model_arguments, command_line, copy_bandwidth, cuda_time_ms,  # noqa: E402
-                               device_name, free_device_memory, git_commit, insert_before_marker, percentile,
-                               utc_now, write_config_only_engine)
+                               device_name, free_device_memory, git_commit, graph_call_us, insert_before_marker,
+                               percentile, utc_now, write_config_only_engine)
 from benchmarks.engine.step_timeline import profile_device, reset, summarize, timed  # noqa: E402
 from engine.config import ModelConfig  # noqa: E402
 from engine.executor.load_phases import LOAD_LOG_ENV, load_phase  # noqa: E402
@@ -474,14 +474,62 @@ def decode_input_copies_ab(runner: ModelRunner, token: int, position: int, table
     return out
 
 
+def decode_host_parts(runner: ModelRunner, token: int, position: int, table: list[int], page: int,
+                      steps: int = 128) -> dict | None:
+    """Where the host time of a synchronous batch-1 step goes (decode_synchronous's loop, timed part by part; ms,
+    medians past the first 16 steps): ``to_replay_ms`` from runner.forward's call to the graph's replay() (the
+    inputs packed and copied), ``replay_ms`` the replay() call (cudaGraphLaunch), ``after_replay_ms`` the rest of
+    runner.forward (the LM head's launch), ``pick_ms`` the token pick's launches (greedy_tokens), ``wait_ms`` the
+    token's .item() (the device's graph, LM head and pick, less what the host spent after the replay), ``step_ms``
+    the whole step. The GPU idles from a step's .item() to its next replay reaching the device: ``to_replay_ms``
+    plus the loop's own work and the launch's latency. None without decode graphs."""
+    graphs = getattr(runner, "decode_graphs", None)
+    if graphs is None:
+        return None
+    graph = graphs.graphs[graphs.bucket_for(1)]
+    replay, marks = graph.replay, [0.0, 0.0]
+
+    def timed_replay() -> None:
+        marks[0] = time.perf_counter()
+        replay()
+        marks[1] = time.perf_counter()
+
+    series = {name: [] for name in ("to_replay", "replay", "after_replay", "pick", "wait", "step")}
+    graph.replay = timed_replay  # (an instance attribute: DecodeGraphs.run calls it)
+    try:
+        for i in range(steps):
+            began = time.perf_counter()
+            batch = decode_batch(token, position + i, table, page)
+            called = time.perf_counter()
+            logits = runner.forward(batch)
+            returned = time.perf_counter()
+            picked = greedy_tokens(logits)
+            launched = time.perf_counter()
+            token = int(picked.item())
+            ended = time.perf_counter()
+            for name, value in (("to_replay", marks[0] - called), ("replay", marks[1] - marks[0]),
+                                ("after_replay", returned - marks[1]), ("pick", launched - returned),
+                                ("wait", ended - launched), ("step", ended - began)):
+                series[name].append(value)
+    finally:
+        del graph.replay
+    return {f"{name}_ms": statistics.median(values[16:]) * 1e3 for name, values in series.items()}
+
+
 def decode_outside_graph_text(d: dict) -> str:
     """The decode entry's parts outside the graph as one clause: LM head, argmax, host in forward, and the
     A/B of the inputs' copies ("" where they were not measured)."""
-    parts, ab = d.get("step_parts"), d.get("input_copies_ab")
+    parts, ab, host = d.get("step_parts"), d.get("input_copies_ab"), d.get("host_parts")
     text = f"host in forward {d['host_forward_ms_median']:.3f} ms" if "host_forward_ms_median" in d else ""
+    if host:
+        text += (f" (synchronous step's host: to the replay {host['to_replay_ms']:.3f}, replay() "
+                 f"{host['replay_ms']:.3f}, after it {host['after_replay_ms']:.3f}, pick {host['pick_ms']:.3f}, "
+                 f".item() {host['wait_ms']:.3f}, step {host['step_ms']:.3f} ms)")
     if parts:
         text += (f"; alone: graph {parts['graph_ms']:.3f}, LM head {parts['lm_head_ms']:.3f}, argmax "
-                 f"{parts['argmax_ms']:.3f} ms; graph + LM head + argmax back to back {parts['step_sustained_ms']:.3f} ms")
+                 f"{parts['argmax_ms']:.3f} ms (device only: LM head {parts.get('lm_head_device_ms', float('nan')):.3f}, "
+                 f"argmax {parts.get('argmax_device_ms', float('nan')):.3f}); graph + LM head + argmax back to back "
+                 f"{parts['step_sustained_ms']:.3f} ms")
     if ab:
         text += (f"; inputs copied one by one -> in one copy: step {ab['separate_sync_ms']:.3f} -> "
                  f"{ab['one_sync_ms']:.3f} ms, host in forward {ab['separate_forward_ms']:.3f} -> "
@@ -515,15 +563,18 @@ def bench_decode(results: dict, runner: ModelRunner, prompt_len: int = 128, step
     if graphs is not None and runner.device.type == "cuda":
         graph = graphs.graphs[graphs.bucket_for(1)]
         entry["graph_replay_ms"] = cuda_time_ms(graph.replay, repeat=50)
-        try:  # (a profiler failure must not cost the run its figures)
-            entry["graph_step_kernels"], entry["graph_step_profile"] = profile_graph_step(graph)
-        except Exception as error:  # noqa: BLE001
-            entry["graph_step_profile"] = f"failed: {type(error).__name__}: {error}"
+        # Before the profiler: its window leaves CUPTI attached for good, which slows every launch (session 28's
+        # first run had them after it: the graph alone 2.93 ms there against 2.62 before it)
         try:  # (diagnostics: a failure must not cost the run its figures)
+            entry["host_parts"] = decode_host_parts(runner, token, prompt_len, table, page)
             entry["step_parts"] = decode_step_parts(runner, 1)  # what a step runs on the device outside its graph
             entry["input_copies_ab"] = decode_input_copies_ab(runner, token, prompt_len, table, page)
         except Exception as error:  # noqa: BLE001
             entry["step_parts_error"] = f"{type(error).__name__}: {error}"
+        try:  # (a profiler failure must not cost the run its figures)
+            entry["graph_step_kernels"], entry["graph_step_profile"] = profile_graph_step(graph)
+        except Exception as error:  # noqa: BLE001
+            entry["graph_step_profile"] = f"failed: {type(error).__name__}: {error}"
     if runner.device.type == "cuda":
         entry["eager_step_profile"] = profile_eager_step(runner, token, prompt_len + steps, table, page)
     roof = results.get("bandwidth")
@@ -813,6 +864,13 @@ SUSTAINED_REPLAYS, SUSTAINED_MS = 200, 1500.0
 STEP_PARTS_ENV = "TRITONLLM_BENCH_STEP_PARTS"
 
 
+# decode_step_parts: up to this many rows, the LM head and the pick are also timed on the device alone (CUDA-graph
+# replays). Why: timed eagerly with events, a part whose launch takes longer than its kernels runs shows the launch
+# (session 28, Qwen3-30B-A3B on the H200: the batch-1 pick at 151,936 logits "0.152 ms"); past it, a graph's
+# (rows, vocab) float32 logits would take hundreds of MB beside a KV pool sized to the limit.
+DEVICE_ONLY_PARTS_MAX_ROWS = 64
+
+
 def decode_step_parts(runner, rows: int) -> dict | None:
     """A decode step of ``rows`` sequences on the device, part by part, each timed alone with CUDA events (ms), to
     split the executor's step period (step_timeline, iteration_breakdown) into its graph and what runs outside it:
@@ -821,6 +879,8 @@ def decode_step_parts(runner, rows: int) -> dict | None:
     sustained load);
     ``lm_head_ms``: the float32 logits of the graph's ``rows`` hidden rows (runner._logits, outside the graph);
     ``argmax_ms``: the greedy tokens of those logits (kernels/sampling.greedy_tokens, the sampler's greedy path);
+    up to DEVICE_ONLY_PARTS_MAX_ROWS rows ``lm_head_device_ms`` and ``argmax_device_ms``: the same two from CUDA-graph
+    replays (device time, no launch overhead: the two above hold it where a launch outlasts its kernels);
     ``step_sustained_ms``: graph, LM head and argmax back to back, as many times as the sustained replays (a step's
     device work without the executor: against the run's period, what the run adds); ``logits_mb``: the logits'
     size; ``sm_clock_mhz``: the SM clock before and after the sustained replays and after the sustained steps (NVML
@@ -849,6 +909,12 @@ def decode_step_parts(runner, rows: int) -> dict | None:
         logits = runner._logits(hidden)
         parts["lm_head_ms"] = cuda_time_ms(lambda: runner._logits(hidden), repeat=10)
         parts["argmax_ms"] = cuda_time_ms(lambda: greedy_tokens(logits), repeat=10)
+        if rows <= DEVICE_ONLY_PARTS_MAX_ROWS:  # the same two on the device alone
+            try:
+                parts["lm_head_device_ms"] = graph_call_us(runner._logits, [(hidden,)]) / 1e3
+                parts["argmax_device_ms"] = graph_call_us(greedy_tokens, [(logits,)]) / 1e3
+            except Exception as error:  # noqa: BLE001
+                parts["device_only_error"] = repr(error)[:300]
 
         def step() -> None:  # the device work of a greedy decode step but its input and token copies
             graph.replay()
@@ -874,8 +940,10 @@ def decode_step_parts_text(parts: dict | None) -> str:
     return (f"; alone at {parts['rows']} rows (bucket {parts['bucket']}): graph {parts['graph_ms']:.3f} ms "
             f"({parts['graph_sustained_ms']:.3f} over {parts['sustained_replays']} back to back, SM clock "
             f"{parts['sm_clock_mhz'][0]} -> {parts['sm_clock_mhz'][1]} MHz), LM head {parts['lm_head_ms']:.3f} ms "
-            f"({parts['logits_mb']:.0f} MB of float32 logits), argmax {parts['argmax_ms']:.3f} ms; graph + LM head + "
-            f"argmax {parts['step_sustained_ms']:.3f} ms a step back to back (SM clock then "
+            f"({parts['logits_mb']:.0f} MB of float32 logits), argmax {parts['argmax_ms']:.3f} ms"
+            + (f" (device only: LM head {parts['lm_head_device_ms']:.3f}, argmax {parts['argmax_device_ms']:.3f})"
+               if "argmax_device_ms" in parts else "")
+            + f"; graph + LM head + argmax {parts['step_sustained_ms']:.3f} ms a step back to back (SM clock then "
             f"{parts['sm_clock_mhz'][2]} MHz)")
 
 

@@ -80,22 +80,24 @@ def test_decode_step_parts_time_the_graph_the_lm_head_and_the_argmax(tiny_engine
     assert runner.decode_graphs.run([3] * rows, [9] * rows, [10] * rows, [t[:-(-10 // page)] for t in tables]) is not None
     parts = decode_step_parts(runner, rows)
     assert parts["rows"] == rows and parts["bucket"] == runner.decode_graphs.bucket_for(rows)
-    assert all(parts[k] > 0 for k in ("graph_ms", "graph_sustained_ms", "lm_head_ms", "argmax_ms", "step_sustained_ms"))
+    assert all(parts[k] > 0 for k in ("graph_ms", "graph_sustained_ms", "lm_head_ms", "argmax_ms", "step_sustained_ms",
+                                      "lm_head_device_ms", "argmax_device_ms"))
     assert parts["logits_mb"] == rows * runner.vocab_size * 4 / 1e6 and len(parts["sm_clock_mhz"]) == 3
     assert parts["step_sustained_ms"] > 0.5 * parts["graph_sustained_ms"]
     assert decode_step_parts(runner, runner.decode_graphs.max_batch_size + 1) is None
 
 
-def test_input_copies_ab_decodes_the_same_tokens_both_ways(tiny_engine, monkeypatch):
+def test_input_copies_ab_and_host_parts_replay_every_step(tiny_engine, monkeypatch):
     """decode_input_copies_ab (the decode section's A/B of the decode graphs' inputs copied one by one against one
     staged copy) on the tiny engine with CUDA graphs emulated on the CPU (tests/engine/graph_emulation.py): every
-    step of both loops replays a graph both ways, the tokens are the same, and the switch is left as it was."""
+    step of both loops replays a graph both ways, the tokens are the same, and the switch is left as it was; and
+    decode_host_parts times each synchronous step's parts around its replay, then leaves the graph as it was."""
     from pathlib import Path
 
     monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "engine"))
     from graph_emulation import emulate_cuda_graphs
 
-    from benchmarks.engine.engine_bench import decode_input_copies_ab, decode_outside_graph_text
+    from benchmarks.engine.engine_bench import decode_host_parts, decode_input_copies_ab, decode_outside_graph_text
 
     replays = emulate_cuda_graphs(monkeypatch)
     runner = ModelRunner(tiny_engine)
@@ -111,3 +113,10 @@ def test_input_copies_ab_decodes_the_same_tokens_both_ways(tiny_engine, monkeypa
     assert sum(replays.values()) - sum(before.values()) == 2 * 2 * 18
     assert all(ab[f"{way}_{part}_ms"] > 0 for way in ("separate", "one") for part in ("sync", "forward", "overlapped"))
     assert "in one copy: step" in decode_outside_graph_text({"input_copies_ab": ab})
+    # decode_host_parts: the synchronous loop part by part, its replays timed through the graph's replay()
+    before, graph = replays.copy(), runner.decode_graphs.graphs[1]
+    host = decode_host_parts(runner, 3, len(prompt), list(range(1, 16)), runner.tokens_per_block, steps=18)
+    assert sum(replays.values()) - sum(before.values()) == 18 and "replay" not in vars(graph)  # its own again
+    assert set(host) == {f"{part}_ms" for part in ("to_replay", "replay", "after_replay", "pick", "wait", "step")}
+    assert all(value >= 0 for value in host.values()) and host["step_ms"] > 0
+    assert decode_host_parts(ModelRunner(tiny_engine), 3, 5, [1], runner.tokens_per_block) is None  # no graphs
