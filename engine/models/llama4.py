@@ -64,7 +64,7 @@ from kernels.fused_moe import fused_moe, warm_up_token_counts
 from kernels.fused_moe_fp8 import fused_moe_fp8
 from kernels.fused_moe_wna16 import WNA16Experts, fused_moe_wna16_triton, gemv_quantization
 from kernels.llama4_attention import nope_attention, rope_chunked_attention
-from kernels.llama4_router import ROUTE_ROWS, Top1Routing, route_top1_triton
+from kernels.llama4_router import ROUTE_ROWS, Top1Routing, reserve_route_workspace, route_top1_triton
 from kernels.moe_gemv import GemvExperts, gemv_tiles, moe_gemv_triton
 
 
@@ -301,10 +301,15 @@ class Llama4ForCausalLM(LlamaForCausalLM):
             if isinstance(layer.moe, Llama4Experts) and layer.moe.shared_slot is None:
                 layer.moe.stack_shared_expert()
                 stacked = stacked or layer.moe.shared_slot is not None
-        if stacked and torch.device(device).type == "cuda":
+        if torch.device(device).type != "cuda":
+            return
+        if stacked:
             # Each layer's old stacks (a slot shorter than the new ones: never reused by the next layer's) went back
             # to the caching allocator; hand them to the driver before the KV pool is sized from what is free.
             torch.cuda.empty_cache()
+        routers = {layer.moe.router.out_features for layer in self.layers if isinstance(layer.moe, Llama4Experts)}
+        for num_experts in routers:  # the one-launch routing's workspace, before any graph captures it
+            reserve_route_workspace(device, num_experts)
 
     @torch.inference_mode()
     def warm_up_kernels(self, max_tokens: int = 8192) -> None:

@@ -108,10 +108,11 @@ def test_kernel_compiles_for_sm90_without_spills(with_norm, quantize, stacked, t
 
     pointers = {name: "*bf16" for name in ("x_ptr", "res_ptr", "norm_w_ptr", "h_ptr", "res_out_ptr", "w_ptr",
                                            "rows_ptr")}
-    pointers.update(ids_ptr="*i32", weights_ptr="*fp32", q_ptr="*fp8e4nv", scale_ptr="*fp32")
-    const = dict(E_PAD=16, BLOCK_H=512, ROW_BLOCK=8192, HAS_NORM=with_norm, QUANTIZE=quantize, STACKED=stacked,
-                 PDL=True)
-    compiled = compile_for_sm90(_route_top1_kernel, pointers, const, warps=8 if with_norm else 4, floats=("eps",),
+    pointers.update(ids_ptr="*i32", weights_ptr="*fp32", q_ptr="*fp8e4nv", scale_ptr="*fp32", part_ptr="*fp32",
+                    peak_ptr="*fp32", count_ptr="*i32")
+    const = dict(E_PAD=16, BLOCK_T=16, BLOCK_H=256, ROW_BLOCK=8192, S_PAD=32, HAS_NORM=with_norm, QUANTIZE=quantize,
+                 STACKED=stacked, PRECISION="tf32", PDL=True)
+    compiled = compile_for_sm90(_route_top1_kernel, pointers, const, warps=8, floats=("eps",),
                                 aligned_int=lambda name: name.startswith("stride") or name == "H")
     usage = resource_usage_or_skip(compiled, tmp_path)
     assert "LOCAL:0 " in usage, usage
