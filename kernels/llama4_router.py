@@ -175,7 +175,10 @@ def reserve_route_workspace(device: torch.device, num_experts: int) -> tuple[tor
     calls: the kernel leaves it so) of ``device``, made once: call it before a CUDA graph captures the router (the
     model's init_buffers does). The layers of a step run one after another on one stream, so they share it."""
     e_pad = _experts_pad(num_experts)
-    key = (torch.device(device), e_pad)
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:  # one key for "cuda" and the tensors' "cuda:i"
+        device = torch.device("cuda", torch.cuda.current_device())
+    key = (device, e_pad)
     if key not in _WORKSPACES:
         _WORKSPACES[key] = (torch.empty(MAX_SPLITS, ROUTE_ROWS, e_pad, dtype=torch.float32, device=device),
                             torch.empty(MAX_SPLITS, ROUTE_ROWS, dtype=torch.float32, device=device),
