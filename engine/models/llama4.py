@@ -253,7 +253,6 @@ class Llama4Layer(MoeLayer):
             out = nope_attention(q, k, v, positions, k_cache, v_cache, meta, self.scale, self.temperature)
         return self.o_proj(out.reshape(out.shape[0], -1))
 
-
     def forward(self, x, residual, positions, cos_sin_cache, kv_cache, meta):
         """MoeLayer's, except that a MoE layer whose routing takes one launch (Llama4Experts.routes_in_one_launch:
         top-1 decode steps on CUDA) runs its post-attention norm inside that launch."""
