@@ -149,18 +149,19 @@ class PrefillGraphs:
         """The graphs' static inputs: views of one pinned host staging buffer (bytes) and of its device twin, at
         16-byte-aligned offsets. Each bucket of T tokens has a region of its own (``BucketInputs``): the sequence
         rows ``seq`` (2, max_batch_size + 1) int32 (cu_seqlens, context lengths), ``i64`` (3, T) int64 (ids,
-        positions, slots), the tile map ``tiles`` (2, num_tiles(T)) int32 (tile_seq, tile_m), the scored rows
-        ``rows`` (T,) int64 (the gather after the replay) and, for a tree bucket, the ancestor mask ``tree``
-        (T, W) int8 and its bits ``tree_bits`` (T, cdiv(W, 32)) int32; after every region, the block tables
-        ``tables`` (max_batch_size, max_blocks) int32 that all buckets share. So a step copies two contiguous
-        spans: its bucket's region and its sequences' table rows. Why: it made four to seven copies, two of
-        them strided (i64[:, :T] and the tile map's two rows), which torch stages through a pageable temporary
-        copied synchronously, each copy a cudaMemcpyAsync and a pinned-block event record from Python (the
-        decode graphs' copies: engine/executor/cuda_graphs.py). A region holds only its bucket's steps, as the
-        shared buffers did every step's: whatever a step leaves unwritten (columns past a table or mask width,
-        sequence rows past the batch) is what an earlier step of the bucket wrote there, or the initial values
-        (slots and tiles -1: no KV write, no tile of work; zeros elsewhere). Extra memory: the regions of ~45
-        token buckets to 8,192 tokens hold ~100k tokens' rows, a few MB pinned and as much on the device."""
+        positions, slots; rows 16-byte aligned), the tile map ``tiles`` (2, num_tiles(T)) int32 (tile_seq,
+        tile_m), the scored rows ``rows`` (T,) int64 (the gather after the replay) and, for a tree bucket, the
+        ancestor mask ``tree`` (T, W) int8 and its bits ``tree_bits`` (T, cdiv(W, 32)) int32; after every region,
+        the block tables ``tables`` (max_batch_size, max_blocks) int32 that all buckets share. So a step copies
+        two contiguous spans: its bucket's region and its sequences' table rows. Why: it made four to seven
+        copies, two of them strided (i64[:, :T] and the tile map's two rows), which torch stages through a
+        pageable temporary copied synchronously, each copy a cudaMemcpyAsync and a pinned-block event record from
+        Python (the decode graphs' copies: engine/executor/cuda_graphs.py). A region holds only its bucket's
+        steps, as the shared buffers did every step's: whatever a step leaves unwritten (columns past a table or
+        mask width, sequence rows past the batch) is what an earlier step of the bucket wrote there, or the
+        initial values (slots and tiles -1: no KV write, no tile of work; zeros elsewhere). Extra memory: the
+        regions of ~45 token buckets to 8,192 tokens hold ~100k tokens' rows, ~3.6 MB pinned and as much on the
+        device."""
         seqs, dev = self.max_seqs, self.device
         width, words = max(self.tree_width, 1), -(-max(self.tree_width, 1) // 32)
         layouts, end = {}, 0
@@ -174,16 +175,17 @@ class PrefillGraphs:
         for bucket in self.buckets:
             start, tree_rows = end, bucket if bucket in self.tree_buckets else 0
             layouts[bucket] = start, {
-                "seq": place((2, seqs + 1), torch.int32), "i64": place((3, bucket), torch.int64),
+                "seq": place((2, seqs + 1), torch.int32), "i64": place((3, -(-bucket // 2) * 2), torch.int64),
                 "tiles": place((2, self.num_tiles(bucket)), torch.int32), "rows": place((bucket,), torch.int64),
                 "tree": place((tree_rows, width), torch.int8), "tree_bits": place((tree_rows, words), torch.int32)}
             layouts[bucket] += (end,)
         tables = place((seqs, self.max_blocks), torch.int32)
         self.host_staging = torch.zeros(end, dtype=torch.uint8).pin_memory()  # pinned: the copies do not block
         self.dev_staging = torch.zeros(end, dtype=torch.uint8, device=dev)
-        self.inputs = {bucket: BucketInputs(self.host_staging, self.dev_staging, start, stop, views)
+        self.inputs = {bucket: BucketInputs(self.host_staging, self.dev_staging, start, stop, views, bucket)
                        for bucket, (start, views, stop) in layouts.items()}
-        self.host_tables, self.dev_tables = (_view(staging, *tables) for staging in (self.host_staging, self.dev_staging))
+        self.host_tables, self.dev_tables = (_view(staging, *tables)
+                                             for staging in (self.host_staging, self.dev_staging))
         self._np_tables = self.host_tables.numpy()
         self._tables_at, self._table_row_bytes = tables[0], self.max_blocks * 4
         for inputs in self.inputs.values():  # idle until a step: no KV write (slot -1), no tile of work (-1)
@@ -341,11 +343,14 @@ def _view(staging: torch.Tensor, at: int, shape: tuple, dtype: torch.dtype) -> t
 class BucketInputs:
     """One token bucket's region of PrefillGraphs' staging: bytes [start, end) of the host and device buffers,
     and in it ``host_NAME`` / ``dev_NAME`` views (``np_NAME``: the host view as numpy) of seq, i64, tiles, rows,
-    tree and tree_bits (shapes in PrefillGraphs._allocate_buffers)."""
+    tree and tree_bits (shapes in PrefillGraphs._allocate_buffers). i64's rows are ``bucket`` long in a row stride
+    rounded up to even, so that each row (the graph's ids, positions and slots) starts 16-byte aligned, as in the
+    shared buffers of before, also for the odd tree buckets (9, 27 tokens)."""
 
-    def __init__(self, host: torch.Tensor, dev: torch.Tensor, start: int, end: int, views: dict):
+    def __init__(self, host: torch.Tensor, dev: torch.Tensor, start: int, end: int, views: dict, bucket: int):
         self.start, self.end = start, end
         for name, placed in views.items():
-            setattr(self, f"host_{name}", _view(host, *placed))
-            setattr(self, f"dev_{name}", _view(dev, *placed))
+            for prefix, staging in (("host", host), ("dev", dev)):
+                view = _view(staging, *placed)
+                setattr(self, f"{prefix}_{name}", view[:, :bucket] if name == "i64" else view)
             setattr(self, f"np_{name}", getattr(self, f"host_{name}").numpy())

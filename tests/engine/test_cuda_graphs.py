@@ -402,7 +402,10 @@ def test_emulated_prefill_graphs_give_the_eager_logits_and_tree_inputs(tmp_path,
     runner.allocate_kv_cache(400)
     runner.capture_cuda_graphs()
     graphs = runner.prefill_graphs
-    assert graphs is not None and graphs.tree_graphs
+    assert graphs is not None and graphs.tree_graphs and 9 in graphs.buckets
+    base = graphs.dev_staging.data_ptr()  # each bucket's ids, positions and slots start 16-byte aligned (odd ones too)
+    assert all((inputs.dev_i64[row].data_ptr() - base) % 16 == 0
+               for inputs in graphs.inputs.values() for row in range(3))
     prompt, tree_step = tree_steps(5, page=16, nodes=8)
     steps = [b for b in prompt_chunk_batches(5, page=16) if len(b.token_ids) != len(b.seq_lens_q)] + [prompt]
     assert len({graphs.bucket_for(len(b.token_ids)) for b in steps}) >= 3
