@@ -130,3 +130,48 @@ def test_one_launch_routing_with_the_norm_equals_the_unfused_moe_block(llama4):
     assert torch.equal(got_residual, want_residual)
     assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()
     assert len(set(ids.flatten().tolist())) > 1  # (the tokens go to different experts)
+
+
+def test_cuda_decode_path_in_the_interpreter_equals_transformers(llama4, monkeypatch):
+    """The code decode steps run on CUDA, on CPU through Triton's interpreter (TRITON_INTERPRET=1; on a GPU
+    test_engine_on_cuda_equals_transformers covers it): the Llama 4 modules' kernel dispatch told it is on CUDA, so
+    each layer's attention is the one decode kernel (kernels/llama4_attention.py), each MoE layer's post-attention
+    norm and routing the one launch with the shared expert stacked as expert 4 (kernels/llama4_router.py), and the
+    unsummed [routed, shared] rows go to the next norm. A prompt, then decode steps across the chunk boundaries at
+    16 and 24: transformers' float32 logits within 1e-4."""
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("TRITON_INTERPRET=1 only (the GPU runs this path in test_engine_on_cuda_equals_transformers)")
+    import engine.models.llama4 as llama4_model
+    import kernels.chunked_attention
+    import kernels.llama4_attention
+    import kernels.rope_attention
+
+    calls = {"one-kernel attention": 0, "routing launch": 0}
+
+    def counted(name, function, counts=lambda kwargs: True):
+        def call(*args, **kwargs):
+            calls[name] += counts(kwargs)
+            return function(*args, **kwargs)
+        return call
+
+    for module in (llama4_model, kernels.rope_attention, kernels.chunked_attention):
+        monkeypatch.setattr(module, "use_triton", lambda tensor: True)
+    monkeypatch.setattr(kernels.llama4_attention, "paged_attention_triton",
+                        counted("one-kernel attention", kernels.llama4_attention.paged_attention_triton,
+                                lambda kwargs: kwargs.get("new_kv") is not None))
+    monkeypatch.setattr(llama4_model, "route_top1_triton",
+                        counted("routing launch", llama4_model.route_top1_triton))
+    hf, engine_dir = llama4
+    runner = ModelRunner(engine_dir)
+    assert [layer.moe.shared_slot for layer in runner.model.layers if layer.moe is not None] == [4, 4]
+    session = PagedSession(runner, num_blocks=64)
+    sequence = random_tokens(27, 4)
+    expected = hf_logits(hf, sequence)
+    (prefill,) = session.step([(0, sequence[:10])])
+    assert (prefill - expected[:10]).abs().max().item() <= 1e-4
+    for pos in range(10, 27):
+        (decode,) = session.step([(0, [sequence[pos]])])
+        assert (decode - expected[pos:pos + 1]).abs().max().item() <= 1e-4, pos
+    assert calls == {"one-kernel attention": 4 * 17, "routing launch": 2 * 18}
