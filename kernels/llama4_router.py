@@ -190,17 +190,29 @@ def _experts_pad(num_experts: int) -> int:
     return max(16, triton.next_power_of_2(num_experts))  # (a tl.dot's N is at least 16)
 
 
+# The last program's (splits, 16 tokens, experts) float32 partials, loaded at once, at most (32 a thread of 8 warps).
+MAX_PARTIALS = 8192
+
+
+def route_top1_fits(num_experts: int, hidden: int) -> bool:
+    """Whether the one launch takes a router of ``num_experts`` over ``hidden``: Scout's 16 experts over 5,120 (20
+    splits) fit; Maverick's 128 experts do not (their partials would spill), and keep the unfused path."""
+    splits = triton.cdiv(hidden, BLOCK_H)
+    return splits <= MAX_SPLITS and (
+        triton.next_power_of_2(splits) * ROUTE_ROWS * _experts_pad(num_experts) <= MAX_PARTIALS)
+
+
 def route_top1_triton(x: torch.Tensor, router_weight: torch.Tensor, quantize: bool = False,
                       norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
                       shared_slot: int | None = None) -> Top1Routing:
     """route_top1_ref's outputs in one launch (x's, the residual's and the weights' last dims contiguous,
-    T <= ROUTE_ROWS, hidden <= MAX_SPLITS * BLOCK_H)."""
+    T <= ROUTE_ROWS, route_top1_fits)."""
     num_tokens, hidden = x.shape
     num_experts = router_weight.shape[0]
     splits = triton.cdiv(hidden, BLOCK_H)
     assert x.stride(1) == 1 and router_weight.stride(1) == 1 and router_weight.shape[1] == hidden
     assert shared_slot is None or not quantize
-    assert num_tokens <= ROUTE_ROWS and splits <= MAX_SPLITS
+    assert num_tokens <= ROUTE_ROWS and route_top1_fits(num_experts, hidden)
     stacked_rows = num_tokens if shared_slot is None else 2 * num_tokens
     all_rows = torch.empty(stacked_rows, hidden, dtype=x.dtype, device=x.device)
     rows = all_rows[:num_tokens]

@@ -64,7 +64,8 @@ from kernels.fused_moe import fused_moe, warm_up_token_counts
 from kernels.fused_moe_fp8 import fused_moe_fp8
 from kernels.fused_moe_wna16 import WNA16Experts, fused_moe_wna16_triton, gemv_quantization
 from kernels.llama4_attention import nope_attention, rope_chunked_attention
-from kernels.llama4_router import ROUTE_ROWS, Top1Routing, reserve_route_workspace, route_top1_triton
+from kernels.llama4_router import (ROUTE_ROWS, Top1Routing, reserve_route_workspace, route_top1_fits,
+                                   route_top1_triton)
 from kernels.moe_gemv import GemvExperts, gemv_tiles, moe_gemv_triton
 
 
@@ -144,8 +145,10 @@ class Llama4Experts(nn.Module):
         return self._plus_shared(out, x)
 
     def routes_in_one_launch(self, num_tokens: int) -> bool:
-        """Whether kernels/llama4_router.py routes a batch of ``num_tokens``: top-1 on CUDA, at most ROUTE_ROWS."""
-        return self.top_k == 1 and use_triton(self.router.weight) and num_tokens <= ROUTE_ROWS
+        """Whether kernels/llama4_router.py routes a batch of ``num_tokens``: top-1 on CUDA, at most ROUTE_ROWS, a
+        router the launch fits (route_top1_fits: Scout's, not Maverick's 128 experts)."""
+        return (self.top_k == 1 and use_triton(self.router.weight) and num_tokens <= ROUTE_ROWS
+                and route_top1_fits(self.router.out_features, self.router.in_features))
 
     def forward_normed(self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -306,7 +309,8 @@ class Llama4ForCausalLM(LlamaForCausalLM):
             # Each layer's old stacks (a slot shorter than the new ones: never reused by the next layer's) went back
             # to the caching allocator; hand them to the driver before the KV pool is sized from what is free.
             torch.cuda.empty_cache()
-        routers = {layer.moe.router.out_features for layer in self.layers if isinstance(layer.moe, Llama4Experts)}
+        routers = {layer.moe.router.out_features for layer in self.layers
+                   if isinstance(layer.moe, Llama4Experts) and layer.moe.routes_in_one_launch(1)}
         for num_experts in routers:  # the one-launch routing's workspace, before any graph captures it
             reserve_route_workspace(device, num_experts)
 

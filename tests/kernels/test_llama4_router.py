@@ -116,3 +116,11 @@ def test_kernel_compiles_for_sm90_without_spills(with_norm, quantize, stacked, t
                                 aligned_int=lambda name: name.startswith("stride") or name == "H")
     usage = resource_usage_or_skip(compiled, tmp_path)
     assert "LOCAL:0 " in usage, usage
+
+
+def test_the_launch_takes_scouts_router_not_mavericks():
+    """Maverick's 128 experts' partials would not fit the last program's registers: it keeps the unfused path."""
+    from kernels.llama4_router import route_top1_fits
+
+    assert route_top1_fits(16, 5120) and route_top1_fits(4, 64)
+    assert not route_top1_fits(128, 5120)
