@@ -50,6 +50,8 @@ router and the lm_head stay in the model dtype, and so do the Linears an integer
 """
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
@@ -67,6 +69,13 @@ from kernels.llama4_attention import nope_attention, rope_chunked_attention
 from kernels.llama4_router import (ROUTE_ROWS, Top1Routing, reserve_route_workspace, route_top1_fits,
                                    route_top1_triton)
 from kernels.moe_gemv import GemvExperts, gemv_tiles, moe_gemv_triton
+
+
+# "0": Llama 4's MoE layers route as the unfused torch path at every batch (the post-attention norm, the router
+# Linear, topk, sigmoid, the scaling; the shared expert through its Linears and added), not in the one launch of
+# kernels/llama4_router.py with the shared expert as the experts' second row. An A/B switch, read at every call (a
+# CUDA graph keeps what its capture saw).
+ONE_LAUNCH_ROUTING_ENV = "TRITONLLM_LLAMA4_ONE_LAUNCH_ROUTING"
 
 
 class Llama4Experts(nn.Module):
@@ -148,7 +157,8 @@ class Llama4Experts(nn.Module):
         """Whether kernels/llama4_router.py routes a batch of ``num_tokens``: top-1 on CUDA, at most ROUTE_ROWS, a
         router the launch fits (route_top1_fits: Scout's, not Maverick's 128 experts)."""
         return (self.top_k == 1 and use_triton(self.router.weight) and num_tokens <= ROUTE_ROWS
-                and route_top1_fits(self.router.out_features, self.router.in_features))
+                and route_top1_fits(self.router.out_features, self.router.in_features)
+                and os.environ.get(ONE_LAUNCH_ROUTING_ENV, "1").strip() != "0")
 
     def forward_normed(self, x: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor,
                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:

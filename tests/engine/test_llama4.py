@@ -175,3 +175,16 @@ def test_cuda_decode_path_in_the_interpreter_equals_transformers(llama4, monkeyp
         (decode,) = session.step([(0, [sequence[pos]])])
         assert (decode - expected[pos:pos + 1]).abs().max().item() <= 1e-4, pos
     assert calls == {"one-kernel attention": 4 * 17, "routing launch": 2 * 18}
+
+
+def test_one_launch_routing_switch(llama4, monkeypatch):
+    """$TRITONLLM_LLAMA4_ONE_LAUNCH_ROUTING=0 keeps every batch on the unfused routing (an A/B switch); the launch
+    is for top-1 batches of at most 16 tokens on CUDA only."""
+    from engine.models.llama4 import ONE_LAUNCH_ROUTING_ENV
+
+    moe = ModelRunner(llama4[1]).model.layers[1].moe
+    assert not moe.routes_in_one_launch(1)  # (CPU)
+    monkeypatch.setattr("engine.models.llama4.use_triton", lambda tensor: True)
+    assert moe.routes_in_one_launch(1) and moe.routes_in_one_launch(16) and not moe.routes_in_one_launch(17)
+    monkeypatch.setenv(ONE_LAUNCH_ROUTING_ENV, "0")
+    assert not moe.routes_in_one_launch(1)
