@@ -45,7 +45,7 @@ from kernels.e4m3_rows import e4m3_row_scale, to_e4m3
 from kernels.fp8 import FP8_DTYPE, QuantizedRows, quantize_rows
 from kernels.rmsnorm import rms_norm_ref
 
-# Tokens a launch routes (one program each, each reading the whole router weight): decode steps.
+# Tokens a launch routes at most (decode steps): every program takes them all as one 16-row tensor-core tile.
 ROUTE_ROWS = 16
 
 
