@@ -21,6 +21,11 @@ with MXFP4 experts (gpt-oss) keeps them as MXFP4 codes and scales (engine/mxfp4.
 ``--mxfp4_experts widen`` widens them to --dtype instead. A vision-language checkpoint
 (engine/vision/registry.py: LLaVA) builds its language model as above and writes its image encoder
 to ``vision_encoder/`` inside the engine directory (engine/vision/encoder_dir.py).
+
+Host memory: a tensor at a time goes from the checkpoint (read lazily, engine/safetensors_stream.py) through
+conversion and quantization into its rank file, so a build holds about one decoder layer's tensors, whatever the
+layer count (a checkpoint larger than host memory builds). Calibrated schemes (int4_awq, int8_sq without a W8A8
+checkpoint) and GGUF files load the whole model first.
 """
 from __future__ import annotations
 
@@ -32,7 +37,6 @@ import sys
 import time
 
 import torch
-from safetensors.torch import save_file
 from tqdm import tqdm
 
 from engine.config import (
@@ -66,13 +70,14 @@ from engine.fp8_checkpoint import (dequantizing_getter, fp8_checkpoint_strategy,
                                    rank_source_rows)
 from engine.models import MODEL_FAMILIES, get_family, get_model_class
 from engine.mxfp4 import MXFP4_EXPERTS, is_mxfp4_checkpoint, mxfp4_checkpoint
-from engine.pipeline.layout import balanced_pp_layers, parse_pp_layers, split_rank_weights, stages_of
+from engine.pipeline.layout import balanced_pp_layers, parse_pp_layers, stage_tensor_name, stages_of
 from engine.pipeline.stage import check_pipeline_supported
 from engine.vision.encoder_dir import VISION_ENCODER_DIR, write_vision_encoder
 from engine.vision.registry import vision_family
 from engine.weight_only.checkpoint_formats import QuantizedLinearReader, checkpoint_weight_quant
-from engine.weight_only.convert import (CheckpointStandIns, build_time_quantize, checkpoint_integer_weights,
-                                       resolve_group_size, unquantized_linears)
+from engine.safetensors_stream import StreamingSafetensorsWriter
+from engine.weight_only.convert import (CheckpointStandIns, build_time_quantized, carried_integer_tensors,
+                                       integer_tensor_names, resolve_group_size, unquantized_linears)
 from kernels.fp8 import quantize_weight
 from kernels.int8_sq import quantize_weight_int8
 from kernels.fp8_block import blocks, quantize_blocks
@@ -146,31 +151,31 @@ def fp8_weight_names(names) -> list[str]:
     return sorted(name[:-len("_scale")] for name in names if name.endswith("_scale") and name[:-len("_scale")] in names)
 
 
-def quantize_rank_weights(weights: dict[str, torch.Tensor], names: list[str],
-                          source_scales: dict[str, torch.Tensor] | None = None, *, int8: bool = False,
-                          kept: set[str] = frozenset()) -> dict[str, torch.Tensor]:
-    """FP8: every weight the model declares a ``<name>_scale`` for becomes E4M3 with per-output-channel
-    scales (kernels/fp8.py; experts (E, N, K): per row of each expert), quantized from this rank's
-    shard; the rest is left as converted. ``source_scales``: row scales of weights that were FP8 in the
+def quantized_rank_tensors(converted, names: list[str], source_scales: dict[str, torch.Tensor] | None = None, *,
+                           int8: bool = False, kept: set[str] = frozenset()):
+    """FP8: yield (name, tensor) for one rank from ``converted`` (its (name, tensor) pairs as converted), one
+    weight at a time: every weight the model declares a ``<name>_scale`` for becomes E4M3 with
+    per-output-channel scales (kernels/fp8.py; experts (E, N, K): per row of each expert), quantized from this
+    rank's shard; the rest is left as converted. ``source_scales``: row scales of weights that were FP8 in the
     checkpoint (engine/fp8_checkpoint.py), kept as they are so those weights' values are not rounded a
     second time. ``kept``: weights an FP8 checkpoint left unquantized, which stay as converted (the model
     dtype) with ones as their unread scales (the model runs them unquantized: their dtype says so).
     ``int8``: int8 codes per output channel instead (int8_sq, kernels/int8_sq.py)."""
     scaled = set(fp8_weight_names(names))
     source_scales = source_scales or {}
-    out = {}
-    for name, tensor in weights.items():
+    for name, tensor in converted:
         if name in scaled and name in kept:
-            out[name], out[name + "_scale"] = tensor, torch.ones(tensor.shape[:-1])
+            yield name, tensor
+            yield name + "_scale", torch.ones(tensor.shape[:-1])
         elif name in scaled:
             scale = source_scales.get(name)
             rows = tensor.reshape(-1, tensor.shape[-1])
             scale = None if scale is None else scale.reshape(-1)
             codes, row_scales = quantize_weight_int8(rows, scale) if int8 else quantize_weight(rows, scale)
-            out[name], out[name + "_scale"] = codes.view(tensor.shape), row_scales.view(tensor.shape[:-1])
+            yield name, codes.view(tensor.shape)
+            yield name + "_scale", row_scales.view(tensor.shape[:-1])
         else:
-            out[name] = tensor
-    return out
+            yield name, tensor
 
 
 def block_quantized_rank_weights(converted, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype,
@@ -239,35 +244,19 @@ def write_engine(output_dir: str, model: ModelConfig, build: BuildConfig, get: T
     _clear_old_engine(output_dir)
     bar = tqdm(total=len(names) * build.tp_size, unit="tensor", desc="converting", disable=not progress)
     for rank in range(build.tp_size):
-        weights = {}
-        if build.quantization == "fp8_block":
-            converted = iter_rank_weights(get, model, rank, build.tp_size, torch.float32)
-            source_scales = None if block_scales is None else block_scales[rank]
-            for name, tensor in block_quantized_rank_weights(converted, shapes, TORCH_DTYPES[build.dtype],
-                                                             source_scales, model.architecture):
-                weights[name] = tensor
+        # One tensor at a time from the checkpoint to the rank's files: the build holds what the converter
+        # and the quantizer hold for the tensor at hand (a layer's stacked experts at most), whatever the
+        # model's size (tests/engine/test_streaming_build.py bounds it).
+        files = _RankFiles(output_dir, rank, model, build, names)
+        try:
+            for name, tensor in _rank_tensors(get, model, build, rank, names, shapes, fp8_source, integer_source,
+                                              None if block_scales is None else block_scales[rank]):
+                files.add(name, tensor)
                 bar.update(1)
-        else:
-            for name, tensor in iter_rank_weights(get, model, rank, build.tp_size, TORCH_DTYPES[build.dtype]):
-                weights[name] = tensor
-                bar.update(1)
-        if build.quantization == "fp8":
-            source_scales, kept = rank_source_rows(fp8_source, model, rank, build.tp_size) if fp8_source else ({}, set())
-            kept = _expert_pairs_kept_alike(kept & set(fp8_weight_names(names)))
-            if kept and rank == 0:
-                print(f"note: {len(kept)} weights the checkpoint leaves unquantized keep --dtype {build.dtype}: "
-                      f"{_first_names(sorted(kept))}", file=sys.stderr)
-            weights = quantize_rank_weights(weights, names, source_scales, kept=kept)
-        elif build.quantization == INT8_SQ:
-            source_scales = rank_row_scales(fp8_source, model, rank, build.tp_size) if fp8_source else None
-            weights = quantize_rank_weights(weights, names, source_scales, int8=True)
-        elif build.weight_only is not None:
-            carried = checkpoint_integer_weights(integer_source, model, build, rank, names) if integer_source else {}
-            weights = build_time_quantize(weights, names, build.weight_only, skip=set(carried))
-            weights.update(carried)
-        if sorted(weights) != sorted(names):  # a converter bug, never a user error
-            raise AssertionError(f"converter produced {sorted(set(weights) ^ set(names))[:5]} mismatching the model")
-        _save_rank_files(output_dir, weights, rank, model, build)
+            files.close()
+        except BaseException:
+            files.abort()
+            raise
     bar.close()
     if tokenizer is not None:
         tokenizer.save_pretrained(output_dir)
@@ -275,17 +264,88 @@ def write_engine(output_dir: str, model: ModelConfig, build: BuildConfig, get: T
     return engine_config
 
 
-def _save_rank_files(output_dir: str, weights: dict[str, torch.Tensor], tp_rank: int, model: ModelConfig,
-                     build: BuildConfig) -> None:
-    """Tensor-parallel rank ``tp_rank``'s weights as its files: one, or with pipeline stages one
-    per stage, rank{stage * tp_size + tp_rank} (engine/pipeline/layout.py)."""
-    if build.pp_size == 1:
-        save_file(weights, os.path.join(output_dir, f"rank{tp_rank}.safetensors"), metadata={"format": "pt"})
+def _rank_tensors(get: TensorGetter, model: ModelConfig, build: BuildConfig, rank: int, names: list[str],
+                  shapes: dict[str, tuple[int, ...]], fp8_source: TensorGetter | None,
+                  integer_source: CheckpointStandIns | None, block_scales: dict | None):
+    """Yield (engine name, tensor) of tensor-parallel rank ``rank``, each converted and quantized as the build's
+    scheme says, one weight at a time (write_engine's arguments)."""
+    dtype = TORCH_DTYPES[build.dtype]
+    if build.quantization == "fp8_block":
+        converted = iter_rank_weights(get, model, rank, build.tp_size, torch.float32)
+        yield from block_quantized_rank_weights(converted, shapes, dtype, block_scales, model.architecture)
         return
-    all_stages = stages_of(model, build)
-    for stage, held in zip(all_stages, split_rank_weights(weights, all_stages, model.tie_word_embeddings)):
-        rank = stage.index * build.tp_size + tp_rank
-        save_file(held, os.path.join(output_dir, f"rank{rank}.safetensors"), metadata={"format": "pt"})
+    converted = iter_rank_weights(get, model, rank, build.tp_size, dtype)
+    if build.quantization == "fp8":
+        source_scales, kept = rank_source_rows(fp8_source, model, rank, build.tp_size) if fp8_source else ({}, set())
+        kept = _expert_pairs_kept_alike(kept & set(fp8_weight_names(names)))
+        if kept and rank == 0:
+            print(f"note: {len(kept)} weights the checkpoint leaves unquantized keep --dtype {build.dtype}: "
+                  f"{_first_names(sorted(kept))}", file=sys.stderr)
+        yield from quantized_rank_tensors(converted, names, source_scales, kept=kept)
+    elif build.quantization == INT8_SQ:
+        source_scales = rank_row_scales(fp8_source, model, rank, build.tp_size) if fp8_source else None
+        yield from quantized_rank_tensors(converted, names, source_scales, int8=True)
+    elif build.weight_only is not None:
+        yield from _weight_only_tensors(converted, model, build, rank, names, integer_source)
+    else:
+        yield from converted
+
+
+def _weight_only_tensors(converted, model: ModelConfig, build: BuildConfig, rank: int, names: list[str],
+                         integer_source: CheckpointStandIns | None):
+    """Integer weight-only: each integer weight's codes, scales and zeros carried from the checkpoint where it
+    quantized all of the weight's parts, else quantized at build from ``converted``'s tensor; the rest as
+    converted. The carried stand-ins are converted beside ``converted``, in the same order."""
+    integer = set(integer_tensor_names(names))
+    carried = (carried_integer_tensors(integer_source, model, build, rank, names) if integer_source is not None
+               else None)
+    for name, tensor in converted:
+        held = None
+        if carried is not None:
+            carried_name, held = next(carried)
+            if carried_name != name:  # the same conversion over two getters: a converter bug, never a user error
+                raise AssertionError(f"stand-in conversion yielded {carried_name} beside {name}")
+        if held is not None:
+            yield from held.items()
+        elif name in integer:
+            yield from build_time_quantized(name, tensor, build.weight_only).items()
+        else:
+            yield name, tensor
+
+
+class _RankFiles:
+    """Tensor-parallel rank ``tp_rank``'s files, written a tensor at a time: one, rank{tp_rank}, or with
+    pipeline stages one per stage, rank{stage * tp_size + tp_rank}, each holding its stage's tensors under
+    their stage-local names (engine/pipeline/layout.py; a tied embedding goes to the first and the last)."""
+
+    def __init__(self, output_dir: str, tp_rank: int, model: ModelConfig, build: BuildConfig, names: list[str]):
+        self._names = set(names)
+        if build.pp_size == 1:
+            stages, local_names = [0], [{name: name for name in names}]
+        else:
+            stages = [stage.index for stage in stages_of(model, build)]
+            local_names = [{name: local for name in names
+                            if (local := stage_tensor_name(name, stage, model.tie_word_embeddings)) is not None}
+                           for stage in stages_of(model, build)]
+        self._files = []
+        for stage, local in zip(stages, local_names):
+            path = os.path.join(output_dir, f"rank{stage * build.tp_size + tp_rank}.safetensors")
+            self._files.append((local, StreamingSafetensorsWriter(path, local.values(), {"format": "pt"})))
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        if name not in self._names:  # a converter bug, never a user error
+            raise AssertionError(f"converter produced {name}, which the model does not declare")
+        for local, writer in self._files:
+            if name in local:
+                writer.add(local[name], tensor)
+
+    def close(self) -> None:
+        for _, writer in self._files:
+            writer.close()
+
+    def abort(self) -> None:
+        for _, writer in self._files:
+            writer.abort()
 
 
 def _clear_old_engine(output_dir: str) -> None:

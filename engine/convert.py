@@ -37,6 +37,7 @@ from engine.convert_llama4 import llama4_config_from_hf, llama4_rank_weights
 from engine.hf_checkpoint import (CheckpointError, TensorGetter, first_present, has_tensor, read_rope, shard,
                                   sliding_window_fields, stacked_experts, decoder_shape)
 from engine.models import SUPPORTED_ARCHITECTURES, UnsupportedArchitectureError
+from engine.safetensors_stream import SafetensorsFormatError, SafetensorsReader
 from kernels.moe_epilogue import SWIGLU_ALPHA
 from kernels.rotary import partial_rotary_order
 
@@ -519,7 +520,10 @@ def getter_from_state_dict(state_dict: Mapping[str, torch.Tensor], source: str) 
 
 
 class _SafetensorsIndex(Mapping):
-    """Read-only name -> tensor view over several safetensors files; tensors load on access."""
+    """Read-only name -> tensor view over several safetensors files; each tensor is read on access into
+    memory of its own (engine/safetensors_stream.py: a mapped file would keep every tensor read resident), so a
+    conversion holds only the tensors it still uses. A file the reader does not take (a dtype it does not
+    know) is read through safetensors' ``safe_open``, which says what is wrong with a corrupt one."""
 
     def __init__(self, paths: list[str]):
         from safetensors import SafetensorError, safe_open
@@ -527,9 +531,12 @@ class _SafetensorsIndex(Mapping):
         self._handles = {}
         for path in paths:
             try:
-                handle = safe_open(path, framework="pt")
-            except (SafetensorError, OSError) as err:
-                raise CheckpointError(f"cannot read {path} (corrupt or truncated safetensors file): {err}") from None
+                handle = SafetensorsReader(path)
+            except (SafetensorsFormatError, OSError):
+                try:
+                    handle = safe_open(path, framework="pt")
+                except (SafetensorError, OSError) as err:
+                    raise CheckpointError(f"cannot read {path} (corrupt or truncated safetensors file): {err}") from None
             self._handles.update(dict.fromkeys(handle.keys(), handle))
 
     def __getitem__(self, name: str) -> torch.Tensor:

@@ -40,7 +40,7 @@ import math
 import torch
 
 from engine.config import ConfigError, ModelConfig
-from engine.convert import CheckpointError, TensorGetter, rank_weights
+from engine.convert import CheckpointError, TensorGetter, iter_rank_weights
 from kernels.fp8_block import BLOCK, blocks, dequantize_blocks
 
 FP8_DTYPES = (torch.float8_e4m3fn,)
@@ -169,10 +169,13 @@ def rank_source_rows(get: TensorGetter, cfg: ModelConfig, rank: int, tp_size: in
             return column[:, None].expand(rows, tp_size)
         return torch.full((tp_size, tp_size), float("nan"))  # biases, norms: never a linear weight's part
 
-    stand_ins = rank_weights(widened_scales, cfg, rank, tp_size, torch.float32)
-    scales = {name: t[..., 0].contiguous() for name, t in stand_ins.items()
-              if t.dim() >= 2 and not torch.isnan(t[..., 0]).any()}  # 3-D: stacked experts (E, rows)
-    return scales, {name for name, t in stand_ins.items() if torch.isnan(t).all()}
+    scales, unquantized = {}, set()
+    for name, t in iter_rank_weights(widened_scales, cfg, rank, tp_size, torch.float32):  # one stand-in at a time
+        if t.dim() >= 2 and not torch.isnan(t[..., 0]).any():  # 3-D: stacked experts (E, rows)
+            scales[name] = t[..., 0].contiguous()
+        if torch.isnan(t).all():
+            unquantized.add(name)
+    return scales, unquantized
 
 
 # ---- block-wise checkpoints ------------------------------------------------------------------
@@ -252,9 +255,13 @@ def rank_block_scales(get: TensorGetter, cfg: ModelConfig, rank: int, tp_size: i
         numbers = numbers.repeat_interleave(BLOCK, dim=-2)[..., :rows, :]
         return numbers.repeat_interleave(BLOCK // step, dim=-1)[..., :cols // step]
 
-    stand_ins = rank_weights(stand_in, cfg, rank, tp_size, torch.float64)
-    return {name: _engine_block_scales(name, stand_ins[name], shapes[name], ids, rank, tp_size)
-            for name in shapes}
+    # One stand-in at a time (float64, a number per row and per _column_step columns: 1/32 of the bf16 weight's
+    # bytes, too many to hold for a whole rank of DeepSeek-V3); only each weight's block scales are kept.
+    out = {}
+    for name, numbers in iter_rank_weights(stand_in, cfg, rank, tp_size, torch.float64):
+        if name in shapes:
+            out[name] = _engine_block_scales(name, numbers, shapes[name], ids, rank, tp_size)
+    return {name: out[name] for name in shapes}
 
 
 def _engine_block_scales(name: str, numbers: torch.Tensor, shape: tuple[int, ...], ids: _BlockIds, rank: int,

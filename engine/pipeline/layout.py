@@ -154,14 +154,3 @@ def stage_tensor_name(name: str, stage: Stage, tied_embeddings: bool) -> str | N
     if name.startswith(LAST_STAGE_PREFIXES):
         return name if stage.is_last else None
     return name  # nothing else in the supported families; kept on every stage if a family adds one
-
-
-def split_rank_weights(weights: dict, all_stages: list[Stage], tied_embeddings: bool) -> list[dict]:
-    """One tensor-parallel rank's whole-model weights -> one dict per stage (renamed; tensors shared)."""
-    out: list[dict] = [{} for _ in all_stages]
-    for name, tensor in weights.items():
-        for stage, held in zip(all_stages, out):
-            local = stage_tensor_name(name, stage, tied_embeddings)
-            if local is not None:
-                held[local] = tensor
-    return out

@@ -32,11 +32,12 @@ from __future__ import annotations
 
 import sys
 from dataclasses import replace
+from typing import Iterator
 
 import torch
 
 from engine.config import BuildConfig, ConfigError, ModelConfig, WeightOnlyScheme
-from engine.convert import TensorGetter, rank_weights
+from engine.convert import TensorGetter, iter_rank_weights
 from kernels.wna16 import pack_codes, quantize
 
 
@@ -58,21 +59,15 @@ def _perm_name(weight_name: str) -> str:
     return weight_name[: -len("weight")] + "input_perm"
 
 
-def build_time_quantize(weights: dict[str, torch.Tensor], names: list[str], scheme: WeightOnlyScheme,
-                        *, skip: set[str] = frozenset()) -> dict[str, torch.Tensor]:
-    """Round-to-nearest quantization of this rank's float weights into the scheme (module docstring).
-    ``skip``: integer names already carried from a checkpoint."""
-    out = dict(weights)
-    for name in integer_tensor_names(names):
-        if name in skip:
-            continue
-        tensor = weights[name]
-        group = tensor.shape[-1] if scheme.group_size == 0 else scheme.group_size
-        check_groups(name, tensor.shape[-1], group)
-        codes, scale, zero = quantize(tensor, scheme.bits, group, symmetric=scheme.bits == 8)
-        out[name], out[_scale_name(name)], out[_zero_name(name)] = codes, scale, zero
-        if scheme.act_order and name.endswith(".weight"):
-            out[_perm_name(name)] = torch.arange(tensor.shape[-1], dtype=torch.int32)
+def build_time_quantized(name: str, tensor: torch.Tensor, scheme: WeightOnlyScheme) -> dict[str, torch.Tensor]:
+    """The engine tensors of one integer weight quantized at build: its codes, scale, zero (and with act-order an
+    identity input_perm), round to nearest per group (module docstring)."""
+    group = tensor.shape[-1] if scheme.group_size == 0 else scheme.group_size
+    check_groups(name, tensor.shape[-1], group)
+    codes, scale, zero = quantize(tensor, scheme.bits, group, symmetric=scheme.bits == 8)
+    out = {name: codes, _scale_name(name): scale, _zero_name(name): zero}
+    if scheme.act_order and name.endswith(".weight"):
+        out[_perm_name(name)] = torch.arange(tensor.shape[-1], dtype=torch.int32)
     return out
 
 
@@ -186,35 +181,41 @@ class CheckpointStandIns:
         return self.tp_size if self.scheme.group_size == 0 else columns // self.scheme.group_size
 
 
-def checkpoint_integer_weights(stand_ins: CheckpointStandIns, model: ModelConfig, build: BuildConfig, rank: int,
-                               names: list[str]) -> dict[str, torch.Tensor]:
-    """This rank's integer tensors carried from the checkpoint: for each integer engine name whose
-    parts the checkpoint all quantized, its codes (stored), scale, zero and (act-order) input_perm.
-    Names missing from the result are to be quantized afresh (``build_time_quantize``)."""
+def carried_integer_tensors(stand_ins: CheckpointStandIns, model: ModelConfig, build: BuildConfig, rank: int,
+                            names: list[str]) -> Iterator[tuple[str, dict[str, torch.Tensor] | None]]:
+    """Yield (engine name, carried) for every tensor of this rank in the order the conversion yields them: for
+    an integer engine name whose parts the checkpoint all quantized, ``carried`` holds its codes (stored), scale,
+    zero and (act-order) input_perm; None for every other name, whose tensor is the conversion's, to be
+    quantized afresh (``build_time_quantized``) where it is an integer one. The stand-ins are converted side by
+    side, one tensor of each at a time."""
     scheme, tp = stand_ins.scheme, build.tp_size
-    integer = integer_tensor_names(names)
-    codes = _converted(stand_ins.codes, model, rank, tp, integer)
-    scales = _converted(stand_ins.scale, model, rank, tp, integer)
-    zeros = _converted(stand_ins.zero, model, rank, tp, integer)
-    perms = _converted(stand_ins.perm, model, rank, tp, integer) if scheme.act_order else {}
-    out: dict[str, torch.Tensor] = {}
-    for name in integer:
-        c, s, z = codes[name], scales[name], zeros[name]
-        if torch.isnan(c).any() or torch.isnan(s).any():
-            print(f"note: {name} is not quantized (or only in part) in the checkpoint; quantizing it to "
-                  f"{scheme.bits} bits with round-to-nearest", file=sys.stderr)
-            continue
-        if scheme.group_size == 0:
-            s, z = s[..., :1], z[..., :1]
-        group = c.shape[-1] // s.shape[-1]
-        if s.shape[-1] * group != c.shape[-1] or (scheme.group_size and group != scheme.group_size):
-            raise ConfigError(f"{name}: {c.shape[-1]} input columns on rank {rank} hold {s.shape[-1]} scale groups; "
-                              f"the checkpoint's group size {scheme.group_size or 'per channel'} must divide each "
-                              f"rank's columns (tp_size {tp})")
-        out[name] = pack_codes(c.to(torch.uint8), scheme.bits)
-        out[_scale_name(name)], out[_zero_name(name)] = s.contiguous(), z.to(torch.uint8).contiguous()
-        if name in perms:
-            _add_input_perm(out, name, perms[name], c.shape[-1], rank)
+    integer = set(integer_tensor_names(names))
+    parts = [stand_ins.codes, stand_ins.scale, stand_ins.zero] + ([stand_ins.perm] if scheme.act_order else [])
+    for converted in zip(*(iter_rank_weights(getter, model, rank, tp, torch.float32) for getter in parts)):
+        name = converted[0][0]
+        yield name, (_carried(name, [t for _, t in converted], scheme, rank, tp) if name in integer else None)
+
+
+def _carried(name: str, parts: list[torch.Tensor], scheme: WeightOnlyScheme, rank: int, tp: int
+             ) -> dict[str, torch.Tensor] | None:
+    """One integer engine tensor's carried codes, scale, zero (and input_perm) from its converted stand-ins
+    (codes, scale, zero[, perm]); None (said on stderr) when the checkpoint left any part of it unquantized."""
+    c, s, z = parts[:3]
+    if torch.isnan(c).any() or torch.isnan(s).any():
+        print(f"note: {name} is not quantized (or only in part) in the checkpoint; quantizing it to "
+              f"{scheme.bits} bits with round-to-nearest", file=sys.stderr)
+        return None
+    if scheme.group_size == 0:
+        s, z = s[..., :1], z[..., :1]
+    group = c.shape[-1] // s.shape[-1]
+    if s.shape[-1] * group != c.shape[-1] or (scheme.group_size and group != scheme.group_size):
+        raise ConfigError(f"{name}: {c.shape[-1]} input columns on rank {rank} hold {s.shape[-1]} scale groups; "
+                          f"the checkpoint's group size {scheme.group_size or 'per channel'} must divide each "
+                          f"rank's columns (tp_size {tp})")
+    out = {name: pack_codes(c.to(torch.uint8), scheme.bits)}
+    out[_scale_name(name)], out[_zero_name(name)] = s.contiguous(), z.to(torch.uint8).contiguous()
+    if len(parts) > 3:
+        _add_input_perm(out, name, parts[3], c.shape[-1], rank)
     return out
 
 
@@ -224,8 +225,10 @@ def unquantized_linears(stand_ins: CheckpointStandIns, model: ModelConfig, tp_si
     checkpoint quantized: their code stand-ins are NaN throughout (on rank 0, so on every rank: the same
     modules split). A fused weight of quantized and unquantized parts is not among them."""
     linears = [name for name in integer_tensor_names(names) if name.endswith(".weight")]
-    codes = _converted(stand_ins.codes, model, 0, tp_size, linears)
-    return [name for name in linears if bool(torch.isnan(codes[name]).all())]
+    wanted = set(linears)
+    floats = {name for name, codes in iter_rank_weights(stand_ins.codes, model, 0, tp_size, torch.float32)
+              if name in wanted and bool(torch.isnan(codes).all())}  # one stand-in at a time
+    return [name for name in linears if name in floats]
 
 
 def _nan(rows: int, columns: int) -> torch.Tensor:
@@ -235,11 +238,6 @@ def _nan(rows: int, columns: int) -> torch.Tensor:
 
 # Engine linears split along their input columns (the Llama-family names; engine/models/layers.py).
 ROW_PARALLEL_SUFFIXES = ("o_proj.weight", "down_proj.weight")
-
-
-def _converted(getter: TensorGetter, model: ModelConfig, rank: int, tp_size: int, keep: list[str]) -> dict:
-    tensors = rank_weights(getter, model, rank, tp_size, torch.float32)
-    return {name: tensors[name] for name in keep}
 
 
 def _add_input_perm(out: dict, name: str, perm_rows: torch.Tensor, columns: int, rank: int) -> None:

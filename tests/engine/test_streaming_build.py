@@ -1,0 +1,153 @@
+"""engine.build writes a checkpoint larger than host memory: safetensors read and written a tensor at a time
+(engine/safetensors_stream.py), and write_engine holding at most about a decoder layer's tensors whatever the
+layer count, for every scheme and split. benchmarks/build_peak_rss.py measures the RSS itself."""
+from __future__ import annotations
+
+import json
+import struct
+import weakref
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+import engine.build
+from engine.build import build_engine
+from engine.config import BuildConfig
+from engine.safetensors_stream import (DTYPE_NAMES, SafetensorsFormatError, SafetensorsReader,
+                                       StreamingSafetensorsWriter)
+from quantized_checkpoints import write_gptq
+
+SHAPES = [(3, 5), (7,), (), (2, 0, 3), (1, 3, 3)]
+
+
+def _every_dtype() -> dict[str, torch.Tensor]:
+    """One random tensor of every storable dtype, scalar and empty shapes among them."""
+    torch.manual_seed(0)
+    out = {}
+    for i, dtype in enumerate(DTYPE_NAMES):
+        values = torch.randn(SHAPES[i % len(SHAPES)]) * 10
+        out[f"t{i}.{str(dtype).removeprefix('torch.')}"] = values > 0 if dtype == torch.bool else values.to(dtype)
+    return out
+
+
+def _same(got: torch.Tensor, expected: torch.Tensor) -> bool:
+    """Same dtype, shape and bytes (NaN-safe, and defined for the FP8 and unsigned dtypes)."""
+    return (got.dtype == expected.dtype and got.shape == expected.shape
+            and torch.equal(got.reshape(-1).view(torch.uint8), expected.reshape(-1).view(torch.uint8)))
+
+
+def test_streamed_file_loads_as_save_file_wrote_it(tmp_path):
+    tensors = _every_dtype()
+    writer = StreamingSafetensorsWriter(str(tmp_path / "s.safetensors"), list(tensors), {"format": "pt"})
+    for name, tensor in tensors.items():
+        writer.add(name, tensor)
+    writer.close()
+    save_file(tensors, tmp_path / "reference.safetensors", metadata={"format": "pt"})
+    streamed, reference = load_file(tmp_path / "s.safetensors"), load_file(tmp_path / "reference.safetensors")
+    assert sorted(streamed) == sorted(reference) == sorted(tensors)
+    assert all(_same(streamed[name], reference[name]) for name in tensors)
+    raw = (tmp_path / "s.safetensors").read_bytes()
+    (header_len,) = struct.unpack("<Q", raw[:8])
+    header = raw[8:8 + header_len]
+    assert header_len % 8 == 0 and header.startswith(b"{") and header.endswith(b" ")  # padded, as the spec allows
+    assert json.loads(header)["__metadata__"] == {"format": "pt"}
+    for path in (tmp_path / "s.safetensors", tmp_path / "reference.safetensors"):  # the reader takes both
+        reader = SafetensorsReader(str(path))
+        assert reader.metadata == {"format": "pt"}
+        assert all(_same(reader.get_tensor(name), tensors[name]) for name in tensors)
+
+
+def test_writer_refuses_names_it_was_not_told_of(tmp_path):
+    writer = StreamingSafetensorsWriter(str(tmp_path / "a.safetensors"), ["a", "b"])
+    writer.add("a", torch.ones(2))
+    writer.add("c", torch.ones(2))
+    with pytest.raises(AssertionError, match=r"missing \['b'\], not declared \['c'\]"):
+        writer.close()
+
+
+def test_reader_names_a_truncated_file(tmp_path):
+    save_file({"w": torch.ones(64, 64)}, tmp_path / "w.safetensors")
+    data = (tmp_path / "w.safetensors").read_bytes()
+    (tmp_path / "cut.safetensors").write_bytes(data[:-100])
+    with pytest.raises(SafetensorsFormatError, match=r"cut.safetensors: w spans bytes \[0, 16384\)"):
+        SafetensorsReader(str(tmp_path / "cut.safetensors"))
+
+
+# ---- write_engine holds a layer, not a model ---------------------------------------------------
+
+LAYERS = 12
+
+
+@pytest.fixture(scope="module")
+def deep_checkpoints(tmp_path_factory) -> dict[bool, str]:
+    """Tiny Llama checkpoints of LAYERS layers on disk (read lazily, as a large one is), untied and tied."""
+    out = {}
+    for tied in (False, True):
+        config = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128,
+                                          num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2,
+                                          max_position_embeddings=128, tie_word_embeddings=tied)
+        torch.manual_seed(0)
+        path = tmp_path_factory.mktemp("deep_tied" if tied else "deep")
+        transformers.LlamaForCausalLM(config).save_pretrained(path)
+        out[tied] = str(path)
+    return out
+
+
+@pytest.fixture(scope="module")
+def deep_gptq_moe(tmp_path_factory) -> str:
+    """A GPTQ checkpoint (4-bit codes carried into the engine) of a tiny Qwen3-MoE of LAYERS sparse layers."""
+    config = transformers.Qwen3MoeConfig(vocab_size=96, hidden_size=128, intermediate_size=256,
+                                         moe_intermediate_size=128, num_hidden_layers=LAYERS, num_attention_heads=4,
+                                         num_key_value_heads=2, head_dim=32, num_experts=4, num_experts_per_tok=2,
+                                         max_position_embeddings=128)
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("deep_gptq_moe")
+    write_gptq(str(path), transformers.Qwen3MoeForCausalLM(config).eval())
+    return str(path)
+
+
+def _held_while_writing(monkeypatch) -> list[int]:
+    """Record, at every tensor the build hands its rank files, the bytes of the tensors it handed before that are
+    still alive (the tensor or the tensor it views): what the build holds besides the tensor at hand."""
+    held, handed = [], []
+    original = engine.build._RankFiles.add
+
+    def add(self, name, tensor):
+        held.append(sum(t.nbytes for ref in handed if (t := ref()) is not None))
+        handed.extend(weakref.ref(t) for t in (tensor, tensor._base) if t is not None)
+        original(self, name, tensor)
+
+    monkeypatch.setattr(engine.build._RankFiles, "add", add)
+    return held
+
+
+@pytest.mark.parametrize("tied,overrides", [
+    (False, {}),
+    (False, {"quantization": "fp8"}),
+    (False, {"quantization": "fp8_block"}),
+    (False, {"quantization": "int4_wo", "quant_group_size": 32}),
+    (False, {"quantization": "int8_wo", "tp_size": 2}),
+    (True, {"pp_size": 2}),
+], ids=["plain", "fp8", "fp8_block", "int4_wo", "int8_wo-tp2", "tied-pp2"])
+def test_build_holds_about_one_layer(deep_checkpoints, tmp_path, monkeypatch, tied, overrides):
+    _assert_holds_about_one_layer(deep_checkpoints[tied], tmp_path, monkeypatch,
+                                  BuildConfig(dtype="float32", max_seq_len=128, max_input_len=64, **overrides))
+
+
+def test_carried_integer_codes_hold_about_one_layer(deep_gptq_moe, tmp_path, monkeypatch):
+    _assert_holds_about_one_layer(deep_gptq_moe, tmp_path, monkeypatch,
+                                  BuildConfig(dtype="float32", max_seq_len=128, max_input_len=64))
+
+
+def _assert_holds_about_one_layer(checkpoint: str, tmp_path, monkeypatch, build: BuildConfig) -> None:
+    held = _held_while_writing(monkeypatch)
+    build_engine(checkpoint, str(tmp_path / "engine"), build, progress=False)
+    files = sorted(tmp_path.joinpath("engine").glob("rank*.safetensors"))
+    assert len(files) == build.tp_size * build.pp_size
+    written = [load_file(f) for f in files]
+    layer = max(sum(t.nbytes for name, t in w.items() if name.startswith("layers.0.")) for w in written)
+    total = sum(t.nbytes for w in written for t in w.values())
+    assert total > 8 * layer  # the bound below means something: the model is many layers
+    assert max(held) <= layer, (max(held), layer)  # one file's first layer (a stage's, a rank's)
