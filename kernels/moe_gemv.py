@@ -117,14 +117,22 @@ AHEAD_TILES = ((16, 128, 2, 1, AHEAD), (32, 128, 8, 1, AHEAD),
 DOT = "d"
 DOT_ENV = "TRITONLLM_MOE_GEMV_DOT"
 DOT_COLS = 16  # tl.dot's smallest N
+BITS = "b"  # (FP8 DOT tiles: the codes widened by bits, see _widened_bits)
 # One warp a 16 rows: the mma's warps lie along the rows, so no warp widens another's weights (16 rows on 2 warps:
 # each warp widened all 16). sm_90, Triton 3.9, Qwen3-30B-A3B block-FP8 gate_up: (16, 128, 1, 4) mma.sync, 128
 # registers, 24 KB of shared memory (three stages in flight: 12 KB of weights a program); (64, 128, 4, 3) wgmma,
-# 168 registers. Every step widens a weight in ~2.5 SASS instructions (FP8 -> float16 pairs, then each to bfloat16).
+# 168 registers. Triton widens an FP8 weight to bfloat16 in 1.5 conversion-unit instructions (F2FP a float16 pair,
+# F2F a value) and a PRMT: BITS_TILES widen by bits instead (loop of (16, 128, 1, 4): 423 SASS instructions a step,
+# 128 weights a thread, none of them conversions).
 DOT_TILES = ((16, 128, 1, 4, DOT), (32, 128, 2, 4, DOT), (64, 128, 4, 3, DOT), (16, 128, 1, 4, DOT + "2"),
              (32, 128, 2, 4, DOT + "2"), (16, 128, 1, 4, DOT + "4"), (16, 128, 1, 3, DOT + "8"))
+# FP8 experts' DOT tiles: these two widen as Triton does (the reference for BITS_TILES, which widen by bits:
+# _widened_bits); model-dtype experts take DOT_TILES whole (nothing to widen).
+FP8_WIDENED_DOT_TILES = ((32, 128, 2, 4, DOT + "2"), (16, 128, 1, 4, DOT + "4"))
+BITS_TILES = ((16, 128, 1, 4, DOT + BITS), (16, 128, 1, 4, DOT + BITS + "2"), (32, 128, 2, 4, DOT + BITS + "2"),
+              (16, 128, 1, 4, DOT + BITS + "4"), (64, 128, 4, 3, DOT + BITS))
 GEMV_TILES = ((16, 512, 4, 2), (16, 256, 4, 2), (8, 512, 2, 2), (8, 1024, 4, 2), (16, 1024, 8, 2), (32, 256, 4, 2),
-              (32, 512, 8, 2), (64, 256, 8, 2)) + AHEAD_TILES + DOT_TILES
+              (32, 512, 8, 2), (64, 256, 8, 2)) + AHEAD_TILES + DOT_TILES + BITS_TILES
 DEFAULT_TILES = ((16, 512, 4, 2), (16, 256, 4, 2))
 assert all(t in GEMV_TILES for t in DEFAULT_TILES)
 
@@ -144,6 +152,24 @@ def dot_tile(tile: tuple) -> bool:
     return any(DOT in option for option in tile[4:])
 
 
+def bits_tile(tile: tuple) -> bool:
+    """Whether a DOT tile widens FP8 codes by bits (BITS)."""
+    return dot_tile(tile) and any(BITS in option for option in tile[4:])
+
+
+def _dot_candidate(tile: tuple, kind: int) -> bool:
+    """Whether candidate_tiles keeps ``tile`` for weights of ``kind`` as far as DOT goes (every other tile: yes)."""
+    if not dot_tile(tile):
+        return True
+    if kind in (INT4_GROUPS, MXFP4_GROUPS) or os.environ.get(DOT_ENV, "0").strip() != "1":
+        return False
+    if kind == NO_SCALES:
+        return not bits_tile(tile)
+    if kind == BLOCK_SCALES and tile[1] > SCALE_BLOCK:
+        return False
+    return bits_tile(tile) or tile in FP8_WIDENED_DOT_TILES
+
+
 def tile_split(tile: tuple) -> int:
     """The programs a DOT tile splits K over (the digits of its options), 1 without digits."""
     digits = "".join(c for option in tile[4:] for c in option if c.isdigit())
@@ -158,14 +184,12 @@ def step_sums(tile: tuple) -> bool:
 def candidate_tiles(kind: int) -> tuple:
     """GEMV_TILES a weight kind compiles without spills (sm_90, Triton 3.9): 4-bit steps of at most 512 bytes
     (1,024 unrolls eight pieces of two activation slices each: 255 registers and a 184-byte stack); AHEAD tiles for
-    model-dtype and FP8 experts, blocked scales at BLOCK_K <= 128, with $TRITONLLM_MOE_GEMV_AHEAD=1; DOT tiles for
-    model-dtype and FP8 experts (blocked scales: BLOCK_K <= 128) with $TRITONLLM_MOE_GEMV_DOT=1."""
+    model-dtype and FP8 experts, blocked scales at BLOCK_K <= 128, with $TRITONLLM_MOE_GEMV_AHEAD=1; with
+    $TRITONLLM_MOE_GEMV_DOT=1, DOT_TILES for model-dtype experts, BITS_TILES and FP8_WIDENED_DOT_TILES for FP8 ones
+    (blocked scales: BLOCK_K <= 128)."""
     packed = kind in (INT4_GROUPS, MXFP4_GROUPS)
     timed_ahead = os.environ.get(AHEAD_ENV, "0").strip() == "1"
-    timed_dot = os.environ.get(DOT_ENV, "0").strip() == "1"
-    return tuple(t for t in GEMV_TILES if (not packed or t[1] <= 512)
-                 and not (dot_tile(t) and (packed or not timed_dot
-                                           or (kind == BLOCK_SCALES and t[1] > SCALE_BLOCK)))
+    return tuple(t for t in GEMV_TILES if (not packed or t[1] <= 512) and _dot_candidate(t, kind)
                  and not (ahead(t) and (packed or not timed_ahead
                                         or (kind == BLOCK_SCALES and t[1] > SCALE_BLOCK and not one_load(t))))
                  and not (step_sums(t) and kind != BLOCK_SCALES))
@@ -422,14 +446,81 @@ def _dot_product(w, xt):
         return tl.dot(w.to(xt.dtype), xt)
 
 
+# BITS (FP8 experts' DOT tiles): E4M3 codes widened by bit moves alone, no conversion-unit instruction: per
+# 4-byte word two PRMTs (each code's byte and its sign byte into a 16-bit lane), shifts and masks (PTX below): a code
+# becomes the bfloat16 of its value times 2^-120 (the exponent field 0000eeee: E4M3's bias 7 read with bfloat16's
+# 127; subnormal codes become bfloat16 subnormals alike), or for float16 activations the float16 of its value times
+# 2^-8 (0eeee: bias 7 read with 15); each step's float32 product is multiplied back by 2^120 / 2^8 (exact) with its
+# block scale. Why: Triton widens E4M3 to bfloat16 as F2FP (a float16 pair) then F2F a value, and the H200's
+# conversion unit issues 16 lanes a clock an SM (the FMA and ALU pipes 64-128): 1.5 conversions a weight bound a
+# Qwen3-30B-A3B block-FP8 gate_up at one token (25 MB) to ~9 us of conversions alone; here 1.5 ALU instructions a
+# weight (~2 us). Numerics: the bfloat16 products are exact, summed in float32 at 2^-120 times their value: a
+# product below 2^-6 (in code x activation units) is a float32 subnormal there, within 2^-149 (x 2^120: 2^-29) of
+# its value. Triton's interpreter runs no assembly: ASM=False builds the same bits as float32 (code << 20: the
+# bfloat16 pattern in a float32's upper half, the same value) for the interpreter's tests.
+_BF16_BITS_ASM = tl.constexpr("""{
+.reg .b32 t;
+prmt.b32 t, $2, 0, 0x9180;
+shl.b32 t, t, 4;
+and.b32 $0, t, 0x87F087F0;
+prmt.b32 t, $2, 0, 0xB3A2;
+shl.b32 t, t, 4;
+and.b32 $1, t, 0x87F087F0;
+}""")
+_FP16_BITS_ASM = tl.constexpr("""{
+.reg .b32 t;
+prmt.b32 t, $2, 0, 0x9180;
+shl.b32 t, t, 7;
+and.b32 $0, t, 0xBF80BF80;
+prmt.b32 t, $2, 0, 0xB3A2;
+shl.b32 t, t, 7;
+and.b32 $1, t, 0xBF80BF80;
+}""")
+
+
+@jit
+def _widened_bits(w, dtype: tl.constexpr, ASM: tl.constexpr):
+    """E4M3 codes w as ``dtype`` by bits (BITS): bfloat16 (or float32) of value * 2^-120, float16 of value * 2^-8.
+    ASM: prmt.b32 replicates a selected byte's sign through the byte above it (selectors 8-11), so lane i of
+    ``prmt t, word, 0, 0x9180`` holds (sign byte, code) of byte i (bytes 0, 1; 0xB3A2: bytes 2, 3); shifted left
+    by 4 (7) the code's sign lands in bit 15 and its exponent and mantissa in bits 10-4 (13-7), and the mask clears
+    the rest (the neighbour lane's spill included)."""
+    if ASM:
+        if dtype == tl.float16:
+            return tl.inline_asm_elementwise(_FP16_BITS_ASM, "=r,=r,r", [w.to(tl.uint8, bitcast=True)],
+                                             dtype=tl.float16, is_pure=True, pack=4)
+        else:
+            return tl.inline_asm_elementwise(_BF16_BITS_ASM, "=r,=r,r", [w.to(tl.uint8, bitcast=True)],
+                                             dtype=tl.bfloat16, is_pure=True, pack=4)
+    else:  # (sign-extended code << 20) & 0x87F00000: bfloat16's pattern in a float32's upper half
+        code = w.to(tl.int8, bitcast=True).to(tl.int32)
+        return ((code << 20) & -2014314496).to(tl.float32, bitcast=True).to(dtype)
+
+
+@jit
+def _step_product(w, xt, BITS: tl.constexpr, ASM: tl.constexpr):
+    """One step's (BLOCK_N, COLS) float32 w @ xt: _dot_product, or with BITS the codes widened by _widened_bits and
+    the product multiplied back (exact powers of two)."""
+    if BITS:
+        if xt.dtype == tl.float16:
+            return tl.dot(_widened_bits(w, tl.float16, ASM), xt) * 256.0
+        elif xt.dtype == tl.float32:
+            return tl.dot(_widened_bits(w, tl.float32, ASM), xt, input_precision="ieee") * 1.329227995784916e+36
+        else:
+            return tl.dot(_widened_bits(w, xt.dtype, ASM), xt) * 1.329227995784916e+36
+    else:
+        return _dot_product(w, xt)
+
+
 @jit
 def _stream_rows_dot(acc, acc_2, x_ptr, w_rows, w_rows_2, rows_ok, s_row, s_row_2, K, k_begin, k_end,
                      TWO: tl.constexpr, BLOCK_SCALED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     COLS: tl.constexpr):
+                     COLS: tl.constexpr, BITS: tl.constexpr = False, ASM: tl.constexpr = False):
     """_stream_rows for DOT tiles over columns [k_begin, k_end) (k_begin a multiple of BLOCK_K; k_end a multiple
     of it or K): acc (BLOCK_N, COLS) += (w_rows' BLOCK_K columns) @ (x's slice in column 0 of a (BLOCK_K, COLS)
     tile, 0 in the others), and likewise acc_2 with TWO; blocked scales (BLOCK_K divides 128) multiply each step's
-    float32 product by its block's scale. Column 0 of acc ends as the rows' sums, the others 0."""
+    float32 product by its block's scale. Column 0 of acc ends as the rows' sums, the others 0. BITS: FP8 codes
+    widened by bits (_step_product)."""
     col = tl.arange(0, COLS)[None, :]
     for k0 in range(k_begin, k_end, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
@@ -439,13 +530,13 @@ def _stream_rows_dot(acc, acc_2, x_ptr, w_rows, w_rows_2, rows_ok, s_row, s_row_
         if TWO:
             w_2 = tl.load(w_rows_2 + k[None, :], mask=rows_ok[:, None] & k_ok[None, :], other=0.0)
         if BLOCK_SCALED:
-            acc += _dot_product(w, xt) * tl.load(s_row + k0 // 128)
+            acc += _step_product(w, xt, BITS, ASM) * tl.load(s_row + k0 // 128)
             if TWO:
-                acc_2 += _dot_product(w_2, xt) * tl.load(s_row_2 + k0 // 128)
+                acc_2 += _step_product(w_2, xt, BITS, ASM) * tl.load(s_row_2 + k0 // 128)
         else:
-            acc += _dot_product(w, xt)
+            acc += _step_product(w, xt, BITS, ASM)
             if TWO:
-                acc_2 += _dot_product(w_2, xt)
+                acc_2 += _step_product(w_2, xt, BITS, ASM)
     return acc, acc_2
 
 
@@ -537,6 +628,7 @@ def _gemv_gate_up_kernel(
     RENORMALIZE: tl.constexpr, SCALES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, SWIGLU_LIMIT: tl.constexpr, PDL: tl.constexpr,
     AHEAD: tl.constexpr = False, ONE_LOAD: tl.constexpr = False, DOT: tl.constexpr = False, SPLIT: tl.constexpr = 1,
+    BITS: tl.constexpr = False, ASM: tl.constexpr = False,
 ):
     """act[a, rows] = SiLU(gate_e . x[t]) * (up_e . x[t]) for assignment a = program_id(0) (token t = a // TOP_K,
     expert e its slot's) and the BLOCK_N rows of tile program_id(1) (module docstring, step 1). DOT tiles with
@@ -572,7 +664,7 @@ def _gemv_gate_up_kernel(
     elif DOT:  # SUB_K == DOT_COLS
         k_begin, k_end = _split_columns(H, SPLIT, BLOCK_K)
         acc, acc_up = _stream_rows_dot(acc, acc, x_row, gate_rows, gate_rows + I * stride_wn, rows_ok, s_gate, s_up,
-                                       H, k_begin, k_end, True, SCALES == 2, BLOCK_N, BLOCK_K, SUB_K)
+                                       H, k_begin, k_end, True, SCALES == 2, BLOCK_N, BLOCK_K, SUB_K, BITS, ASM)
     elif ONE_LOAD:  # SUB_K == 1
         acc, acc_up = _stream_rows_at_once(acc, acc, x_row, gate_rows, gate_rows + I * stride_wn, rows_ok, s_gate,
                                            s_up, H, True, SCALES == 2, BLOCK_N, BLOCK_K)
@@ -623,7 +715,7 @@ def _gemv_down_kernel(
     stride_act, stride_we, stride_wn, stride_se, stride_sn, stride_be, stride_o,
     SCALES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, HAS_BIAS: tl.constexpr,
     PDL: tl.constexpr, AHEAD: tl.constexpr = False, ONE_LOAD: tl.constexpr = False, DOT: tl.constexpr = False,
-    SPLIT: tl.constexpr = 1,
+    SPLIT: tl.constexpr = 1, BITS: tl.constexpr = False, ASM: tl.constexpr = False,
 ):
     """out_k[a, rows] = w_a * (down_e[rows] . act[a]) for assignment a = program_id(0) and the BLOCK_N rows of
     tile program_id(1) (module docstring, step 2). DOT tiles with SPLIT > 1: program_id(2)'s share of I, its sums
@@ -645,7 +737,7 @@ def _gemv_down_kernel(
     elif DOT:  # SUB_K == DOT_COLS
         k_begin, k_end = _split_columns(I, SPLIT, BLOCK_K)
         acc, _ = _stream_rows_dot(acc, acc, act_row, w_rows, w_rows, rows_ok, s_rows, s_rows, I, k_begin, k_end, False,
-                                  SCALES == 2, BLOCK_N, BLOCK_K, SUB_K)
+                                  SCALES == 2, BLOCK_N, BLOCK_K, SUB_K, BITS, ASM)
     elif ONE_LOAD:  # SUB_K == 1
         acc, _ = _stream_rows_at_once(acc, acc, act_row, w_rows, w_rows, rows_ok, s_rows, s_rows, I, False,
                                       SCALES == 2, BLOCK_N, BLOCK_K)
@@ -712,6 +804,7 @@ def moe_gemv_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, 
     gate_up_ahead, down_ahead = (ahead(t) and not one_load(t) and not packed for t in tiles)
     gate_up_once, down_once = (one_load(t) and not packed for t in tiles)
     gate_up_dot, down_dot = (dot_tile(t) and not packed for t in tiles)
+    gate_up_bits, down_bits = (bits_tile(t) and kind in (ROW_SCALES, BLOCK_SCALES) for t in tiles)
     g_split, d_split = (tile_split(t) if on else 1 for t, on in zip(tiles, (gate_up_dot, down_dot)))
     group = group_down = 0
     gate_up_piece, down_piece = (
@@ -755,8 +848,8 @@ def moe_gemv_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, 
         TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), E_PAD=triton.next_power_of_2(num_experts),
         ROUTE_IN_KERNEL=route, RENORMALIZE=renormalize, SCALES=kind, BLOCK_N=gn, BLOCK_K=gk, SUB_K=gate_up_piece,
         HAS_BIAS=gu_b is not None, ACTIVATION=ACTIVATIONS[epilogue.activation], SWIGLU_LIMIT=limit,
-        AHEAD=gate_up_ahead, ONE_LOAD=gate_up_once, DOT=gate_up_dot, SPLIT=g_split, num_warps=gw, num_stages=gs,
-        **pdl)
+        AHEAD=gate_up_ahead, ONE_LOAD=gate_up_once, DOT=gate_up_dot, SPLIT=g_split, BITS=gate_up_bits,
+        ASM=x.is_cuda, num_warps=gw, num_stages=gs, **pdl)
     out_k = torch.empty(num_tokens * top_k, hidden, dtype=x.dtype, device=x.device)
     d_part = torch.empty(num_tokens * top_k * d_split, hidden, dtype=torch.float32, device=x.device) \
         if d_split > 1 else weights
@@ -766,7 +859,8 @@ def moe_gemv_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, 
         act.stride(0), down.stride(0), down.stride(1), d_s3.stride(0) if kind else 0, d_s3.stride(1) if kind else 0,
         0 if d_b is None else d_b.stride(0), out_k.stride(0),
         SCALES=kind, BLOCK_N=dn, BLOCK_K=dk, SUB_K=down_piece, HAS_BIAS=d_b is not None, AHEAD=down_ahead,
-        ONE_LOAD=down_once, DOT=down_dot, SPLIT=d_split, num_warps=dw, num_stages=ds, **pdl)
+        ONE_LOAD=down_once, DOT=down_dot, SPLIT=d_split, BITS=down_bits, ASM=x.is_cuda, num_warps=dw, num_stages=ds,
+        **pdl)
     out_k = out_k.view(num_tokens, top_k, hidden)
     return out_k.sum(dim=1) if sum_experts else out_k  # (torch sums half types in float32, rounds once)
 

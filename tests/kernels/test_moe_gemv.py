@@ -26,7 +26,7 @@ from kernels.moe_gemv import (AHEAD, BLOCK_SCALES, ONE_LOAD, STEP_SUMS, GEMV_ATT
 
 HIDDEN, INTER, EXPERTS, TOP_K = 256, 128, 8, 2
 TILES = ((64, 128, 8, 2), (64, 128, 8, 2))  # few programs: the interpreter's time
-TOLERANCES = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+TOLERANCES = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
 
 def experts(kind: str, *, seed: int):
@@ -186,17 +186,24 @@ DOT_CASES = [
     (8, "fp8_block", "qwen3", ((32, 128, 2, 4, "d2"), (64, 128, 4, 3, "d"))),
     (1, "fp8_channel", "deepseek", ((64, 128, 4, 3, "d2"), (16, 64, 1, 4, "d4"))),
     (3, "model", "qwen3", ((64, 64, 4, 3, "d"), (32, 128, 2, 4, "d2"))),
+    # BITS (the codes widened by bits; on the GPU also with float16 activations: its own bit pattern)
+    (1, "fp8_block", "qwen3", ((16, 128, 1, 4, "db2"), (16, 128, 1, 4, "db"))),
+    (4, "fp8_channel", "deepseek", ((32, 128, 2, 4, "db2"), (64, 128, 4, 3, "db"))),
+    (8, "fp8_block", "deepseek", ((64, 128, 4, 3, "db"), (64, 128, 4, 3, "db2"))),
+    (2, "fp8_block", "qwen3-fp16", ((16, 128, 1, 4, "db4"), (32, 128, 2, 4, "db2"))),
 ]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_tokens, kind, layout, tiles", DOT_CASES)
 def test_dot_tiles_equal_the_reference(device, num_tokens, kind, layout, tiles):
-    """DOT tiles (tensor-core steps, split K with the last arrival summing): the reference at 1-8 tokens, in
-    bfloat16 on the GPU (float32 on the interpreter), routed in the kernel (Qwen3) or given (DeepSeek)."""
+    """DOT tiles (tensor-core steps, split K with the last arrival summing; BITS: FP8 codes widened by bits, in PTX
+    on the GPU, the same bits in float32 on the interpreter): the reference at 1-8 tokens, in bfloat16 on the GPU
+    ("-fp16": float16) and float32 on the interpreter, routed in the kernel (Qwen3) or given (DeepSeek)."""
     hidden, inter = 200, 128 if kind == "fp8_block" else 96
+    layout, _, x_dtype = layout.partition("-")
     num_experts, top_k = (12, 4) if layout == "qwen3" else (16, 6)
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    dtype = (torch.float16 if x_dtype == "fp16" else torch.bfloat16) if device == "cuda" else torch.float32
     gate_up, gu_s, down, d_s = moe_decode_experts(kind, hidden, inter, num_experts, seed=90)
     if kind == "model":
         gate_up, down = gate_up.to(dtype), down.to(dtype)
@@ -220,16 +227,18 @@ def test_dot_tiles_equal_the_reference(device, num_tokens, kind, layout, tiles):
 def test_dot_tiles_are_candidates_of_the_model_dtype_and_fp8_alone(monkeypatch):
     """DOT tiles: candidates of model-dtype and FP8 experts with $TRITONLLM_MOE_GEMV_DOT=1 (none without), not of
     4-bit codes; blocked scales need BLOCK_K <= 128 (one scale block a step); the split is the options' digits."""
-    from kernels.moe_gemv import DOT_ENV, DOT_TILES, dot_tile, tile_split
+    from kernels.moe_gemv import BITS_TILES, DOT_ENV, DOT_TILES, FP8_WIDENED_DOT_TILES, bits_tile, dot_tile, tile_split
 
     monkeypatch.delenv(DOT_ENV, raising=False)
     assert not any(dot_tile(t) for t in candidate_tiles(BLOCK_SCALES))
     monkeypatch.setenv(DOT_ENV, "1")
-    for kind in (NO_SCALES, ROW_SCALES, BLOCK_SCALES):
-        assert set(DOT_TILES) <= set(candidate_tiles(kind))
+    assert [t for t in candidate_tiles(NO_SCALES) if dot_tile(t)] == list(DOT_TILES)
+    for kind in (ROW_SCALES, BLOCK_SCALES):
+        assert {t for t in candidate_tiles(kind) if dot_tile(t)} == set(BITS_TILES + FP8_WIDENED_DOT_TILES)
+    assert all(bits_tile(t) for t in BITS_TILES) and not any(bits_tile(t) for t in DOT_TILES)
     for kind in (INT4_GROUPS, MXFP4_GROUPS):
         assert not any(dot_tile(t) for t in candidate_tiles(kind))
-    assert [tile_split(t) for t in ((16, 128, 1, 4, "d"), (16, 128, 1, 4, "d4"), (16, 512, 4, 2))] == [1, 4, 1]
+    assert [tile_split(t) for t in ((16, 128, 1, 4, "d"), (16, 128, 1, 4, "db4"), (16, 512, 4, 2))] == [1, 4, 1]
     gate_up, gu_s, _, d_s = experts("fp8_block", seed=93)
     x = torch.zeros(1, HIDDEN)
     assert gemv_supported(x, gate_up, gu_s, d_s, tiles=((16, 128, 1, 4, "d"), (32, 64, 2, 4, "d2")))
@@ -379,7 +388,7 @@ def test_compiles_for_sm90_without_spills(kind, which, tiles, tmp_path, monkeypa
     gpt-oss's, with its biases and clamped SwiGLU; AHEAD and DOT tiles as $TRITONLLM_MOE_GEMV_AHEAD=1 and
     $TRITONLLM_MOE_GEMV_DOT=1 have them timed): no local memory (spills)."""
     from kernels.moe_gemv import (AHEAD_ENV, DOT_COLS, DOT_ENV, _gemv_down_kernel, _gemv_gate_up_kernel, ahead,
-                                  dot_tile, one_load, step_sums, tile_split)
+                                  bits_tile, dot_tile, one_load, step_sums, tile_split)
 
     monkeypatch.setenv(AHEAD_ENV, "1")
     monkeypatch.setenv(DOT_ENV, "1")
@@ -398,7 +407,7 @@ def test_compiles_for_sm90_without_spills(kind, which, tiles, tmp_path, monkeypa
                  else (1 if step_sums(tiles) or one_load(tiles) else block_k) if ahead(tiles)
                  else min(block_k, 128), HAS_BIAS=mxfp4, ACTIVATION=int(mxfp4), SWIGLU_LIMIT=7.0 if mxfp4 else 0.0,
                  PDL=True, AHEAD=ahead(tiles) and not one_load(tiles), ONE_LOAD=one_load(tiles), DOT=dot_tile(tiles),
-                 SPLIT=tile_split(tiles))
+                 SPLIT=tile_split(tiles), BITS=bits_tile(tiles), ASM=True)
     aligned = ("H", "I", "group", "stride_x", "stride_l", "stride_we", "stride_wn", "stride_act", "stride_o", "stride_se",
                "stride_sn", "stride_be")
     compiled = compile_for_sm90(fn, pointers, const, warps=warps, stages=stages, aligned_int=lambda name: name in aligned)
