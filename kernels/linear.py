@@ -316,6 +316,30 @@ def last_arrival(arrivals_ptr, index, expected):
     return last
 
 
+@jit
+def last_split_pair(first, second, part_ptr, arrivals_ptr, row, counter, cols, cols_ok, N, SPLIT: tl.constexpr):
+    """Split-K of a tile's two (BLOCK,) float32 sums (a gated product's gate and up, kernels/moe_gemv.py and
+    kernels/mxfp4_gemv.py): this program's, split program_id(2) of SPLIT, into row ``row * SPLIT + split`` of
+    part_ptr ((rows * SPLIT, 2N) float32, columns [first | second]); returns (last, first, second): whether this
+    program is the last of the SPLIT to arrive at counter ``counter`` (last_arrival), and in that one the SPLIT
+    sums added in split order (deterministic; from L2, ``.cg``: other programs wrote them during this kernel),
+    zeros in the others. SPLIT 1: (True, first, second), nothing stored."""
+    if SPLIT == 1:
+        return True, first, second
+    part = part_ptr + (row * SPLIT + tl.program_id(2)).to(tl.int64) * (2 * N)
+    tl.store(part + cols, first, mask=cols_ok)
+    tl.store(part + N + cols, second, mask=cols_ok)
+    last = last_arrival(arrivals_ptr, counter, SPLIT)
+    first = tl.zeros_like(first)
+    second = tl.zeros_like(second)
+    if last:
+        for split in tl.static_range(SPLIT):
+            part = part_ptr + (row * SPLIT + split).to(tl.int64) * (2 * N)
+            first += tl.load(part + cols, mask=cols_ok, other=0.0, cache_modifier=".cg")
+            second += tl.load(part + N + cols, mask=cols_ok, other=0.0, cache_modifier=".cg")
+    return last, first, second
+
+
 def skinny_linear_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
                          *, block_n: int = 16, block_k: int = 512, num_warps: int = 4, num_stages: int = 4,
                          split_k: int = 1, swap_ab: bool = False, waves: int = 0, gated: bool = False,

@@ -53,7 +53,7 @@ import torch.nn.functional as F
 from kernels._triton import jit, pdl_options, pdl_prologue, tl, triton
 from kernels.fp8 import FP8_DTYPE
 from kernels.fp8_block import BLOCK as SCALE_BLOCK
-from kernels.linear import _arrival_counters, last_arrival
+from kernels.linear import _arrival_counters, last_arrival, last_split_pair
 from kernels.moe_decode import _dequantized  # (one expert's weight in float32: codes times scales)
 from kernels.moe_epilogue import ACTIVATIONS, PLAIN_SILU, ExpertEpilogue, swiglu_clamped, swiglu_clamped_ref
 from kernels.moe_routing import _top_k_of_row
@@ -458,24 +458,18 @@ def _dot_product(w, xt):
 # product below 2^-6 (in code x activation units) is a float32 subnormal there, within 2^-149 (x 2^120: 2^-29) of
 # its value. Triton's interpreter runs no assembly: ASM=False builds the same bits as float32 (code << 20: the
 # bfloat16 pattern in a float32's upper half, the same value) for the interpreter's tests.
-_BF16_BITS_ASM = tl.constexpr("""{
-.reg .b32 t;
-prmt.b32 t, $2, 0, 0x9180;
-shl.b32 t, t, 4;
-and.b32 $0, t, 0x87F087F0;
-prmt.b32 t, $2, 0, 0xB3A2;
-shl.b32 t, t, 4;
-and.b32 $1, t, 0x87F087F0;
-}""")
-_FP16_BITS_ASM = tl.constexpr("""{
-.reg .b32 t;
-prmt.b32 t, $2, 0, 0x9180;
-shl.b32 t, t, 7;
-and.b32 $0, t, 0xBF80BF80;
-prmt.b32 t, $2, 0, 0xB3A2;
-shl.b32 t, t, 7;
-and.b32 $1, t, 0xBF80BF80;
-}""")
+
+
+def _bits_asm(shift: int, mask: str) -> str:
+    """PTX widening a 4-byte word of E4M3 codes ($2) into two registers of 16-bit values ($0: bytes 0 and 1, $1: 2
+    and 3): each lane (sign byte, code) by prmt, shifted left by ``shift``, masked (_widened_bits)."""
+    lanes = "\n".join(f"prmt.b32 t, $2, 0, {selector};\nshl.b32 t, t, {shift};\nand.b32 ${out}, t, {mask};"
+                      for out, selector in ((0, "0x9180"), (1, "0xB3A2")))
+    return "{\n.reg .b32 t;\n" + lanes + "\n}"
+
+
+_BF16_BITS_ASM = tl.constexpr(_bits_asm(4, "0x87F087F0"))  # bfloat16: s 0000 eeee mmm 0000 (value * 2^-120)
+_FP16_BITS_ASM = tl.constexpr(_bits_asm(7, "0xBF80BF80"))  # float16: s 0 eeee mmm 0000000 (value * 2^-8)
 
 
 @jit
@@ -676,37 +670,17 @@ def _gemv_gate_up_kernel(
                                    True, SCALES == 2, BLOCK_N, BLOCK_K, SUB_K)
     gate = tl.sum(acc, 1)
     up = tl.sum(acc_up, 1)
-    if SPLIT > 1:
-        part = part_ptr + (a * SPLIT + tl.program_id(2)).to(tl.int64) * (2 * I)
-        tl.store(part + rows, gate, mask=rows_ok)
-        tl.store(part + I + rows, up, mask=rows_ok)
-        if last_arrival(arrivals_ptr, a * tl.num_programs(1) + tile, SPLIT):
-            gate = tl.zeros([BLOCK_N], dtype=tl.float32)
-            up = tl.zeros([BLOCK_N], dtype=tl.float32)
-            for split in tl.static_range(SPLIT):  # (in split order: deterministic)
-                part = part_ptr + (a * SPLIT + split).to(tl.int64) * (2 * I)
-                gate += tl.load(part + rows, mask=rows_ok, other=0.0, cache_modifier=".cg")
-                up += tl.load(part + I + rows, mask=rows_ok, other=0.0, cache_modifier=".cg")
-            _finish_gate_up(gate, up, s_ptr, bias_ptr, act_ptr, a, e64, rows, rows_ok, I, stride_se, stride_be,
-                            stride_act, SCALES, HAS_BIAS, ACTIVATION, SWIGLU_LIMIT)
-    else:
-        _finish_gate_up(gate, up, s_ptr, bias_ptr, act_ptr, a, e64, rows, rows_ok, I, stride_se, stride_be,
-                        stride_act, SCALES, HAS_BIAS, ACTIVATION, SWIGLU_LIMIT)
-
-
-@jit
-def _finish_gate_up(gate, up, s_ptr, bias_ptr, act_ptr, a, e64, rows, rows_ok, I, stride_se, stride_be, stride_act,
-                    SCALES: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
-                    SWIGLU_LIMIT: tl.constexpr):
-    """gate and up sums (BLOCK_N,) float32 -> per-channel scales, bias, activation, rounded: act[a, rows]."""
-    if SCALES == 1:
-        gate *= tl.load(s_ptr + e64 * stride_se + rows, mask=rows_ok, other=0.0)
-        up *= tl.load(s_ptr + e64 * stride_se + I + rows, mask=rows_ok, other=0.0)
-    if HAS_BIAS:  # (E, 2I) rows [gate | up]
-        gate += tl.load(bias_ptr + e64 * stride_be + rows, mask=rows_ok, other=0.0).to(tl.float32)
-        up += tl.load(bias_ptr + e64 * stride_be + I + rows, mask=rows_ok, other=0.0).to(tl.float32)
-    act = _activated(gate, up, ACTIVATION, SWIGLU_LIMIT)
-    tl.store(act_ptr + a.to(tl.int64) * stride_act + rows, act.to(act_ptr.dtype.element_ty), mask=rows_ok)
+    last, gate, up = last_split_pair(gate, up, part_ptr, arrivals_ptr, a, a * tl.num_programs(1) + tile, rows, rows_ok,
+                                     I, SPLIT)
+    if last:  # (SPLIT 1: every program)
+        if SCALES == 1:
+            gate *= tl.load(s_ptr + e64 * stride_se + rows, mask=rows_ok, other=0.0)
+            up *= tl.load(s_ptr + e64 * stride_se + I + rows, mask=rows_ok, other=0.0)
+        if HAS_BIAS:  # (E, 2I) rows [gate | up]
+            gate += tl.load(bias_ptr + e64 * stride_be + rows, mask=rows_ok, other=0.0).to(tl.float32)
+            up += tl.load(bias_ptr + e64 * stride_be + I + rows, mask=rows_ok, other=0.0).to(tl.float32)
+        act = _activated(gate, up, ACTIVATION, SWIGLU_LIMIT)
+        tl.store(act_ptr + a.to(tl.int64) * stride_act + rows, act.to(act_ptr.dtype.element_ty), mask=rows_ok)
 
 
 @jit

@@ -62,7 +62,7 @@ import math
 import torch
 
 from kernels._triton import jit, pdl_options, pdl_prologue, tl, triton
-from kernels.linear import _arrival_counters, last_arrival
+from kernels.linear import _arrival_counters, last_arrival, last_split_pair
 from kernels.moe_epilogue import ACTIVATIONS, ExpertEpilogue, swiglu_clamped
 from kernels.moe_routing import _top_k_of_row
 from kernels.mxfp4_codes import exponent_factor
@@ -393,20 +393,9 @@ def _words_gate_up_kernel(
                                 PREFETCH)
     gate = tl.sum(tl.sum(acc, 2), 1)
     up = tl.sum(tl.sum(acc_up, 2), 1)
-    if SPLIT > 1:
-        part = part_ptr + (a * SPLIT + tl.program_id(2)).to(tl.int64) * (2 * I)
-        tl.store(part + rows, gate, mask=rows_ok)
-        tl.store(part + I + rows, up, mask=rows_ok)
-        if last_arrival(arrivals_ptr, a * tl.num_programs(1) + tile, SPLIT):
-            gate = tl.zeros([BLOCK_N], dtype=tl.float32)
-            up = tl.zeros([BLOCK_N], dtype=tl.float32)
-            for split in tl.static_range(SPLIT):  # (in split order: deterministic)
-                part = part_ptr + (a * SPLIT + split).to(tl.int64) * (2 * I)
-                gate += tl.load(part + rows, mask=rows_ok, other=0.0, cache_modifier=".cg")
-                up += tl.load(part + I + rows, mask=rows_ok, other=0.0, cache_modifier=".cg")
-            _finish_gate_up(gate, up, inv, bias_ptr, act_pairs_ptr, x_ptr, a, token, e64, rows, rows_ok, I,
-                            stride_be, DOWN_SCALE, HAS_BIAS, ACTIVATION, SWIGLU_LIMIT)
-    else:
+    last, gate, up = last_split_pair(gate, up, part_ptr, arrivals_ptr, a, a * tl.num_programs(1) + tile, rows, rows_ok,
+                                     I, SPLIT)
+    if last:  # (SPLIT 1: every program)
         _finish_gate_up(gate, up, inv, bias_ptr, act_pairs_ptr, x_ptr, a, token, e64, rows, rows_ok, I,
                         stride_be, DOWN_SCALE, HAS_BIAS, ACTIVATION, SWIGLU_LIMIT)
 
