@@ -129,8 +129,10 @@ DOT_TILES = ((16, 128, 1, 4, DOT), (32, 128, 2, 4, DOT), (64, 128, 4, 3, DOT), (
 # FP8 experts' DOT tiles: these two widen as Triton does (the reference for BITS_TILES, which widen by bits:
 # _widened_bits); model-dtype experts take DOT_TILES whole (nothing to widen).
 FP8_WIDENED_DOT_TILES = ((32, 128, 2, 4, DOT + "2"), (16, 128, 1, 4, DOT + "4"))
+# (No 64-row wgmma BITS tile: its A operand from registers took 288 PRMTs a step, 5.3 SASS instructions a weight
+# against mma.sync's 3.3; sm_90, Triton 3.9.)
 BITS_TILES = ((16, 128, 1, 4, DOT + BITS), (16, 128, 1, 4, DOT + BITS + "2"), (32, 128, 2, 4, DOT + BITS + "2"),
-              (16, 128, 1, 4, DOT + BITS + "4"), (64, 128, 4, 3, DOT + BITS))
+              (16, 128, 1, 4, DOT + BITS + "4"), (16, 128, 1, 3, DOT + BITS + "8"))
 GEMV_TILES = ((16, 512, 4, 2), (16, 256, 4, 2), (8, 512, 2, 2), (8, 1024, 4, 2), (16, 1024, 8, 2), (32, 256, 4, 2),
               (32, 512, 8, 2), (64, 256, 8, 2)) + AHEAD_TILES + DOT_TILES + BITS_TILES
 DEFAULT_TILES = ((16, 512, 4, 2), (16, 256, 4, 2))
