@@ -23,6 +23,17 @@ def _inputs(tokens, experts, hidden, dtype, device, seed=0):
     return x, weight, (residual, norm_weight, 1e-5)
 
 
+def assert_top1(got_ids, want_ids, x, weight, norm):
+    """The kernel's experts are the reference's, but where the reference's best two logits lie within a rounding of
+    the model dtype (the kernel sums them in another order): there the one it took must be one of the two."""
+    h = x if norm is None else rms_norm_ref(x, norm[1], norm[2], norm[0])[0]
+    logits = (h.float() @ weight.float().T).to(x.dtype).float()
+    top2 = logits.topk(2, dim=-1).values
+    near = (top2[:, 0] - top2[:, 1]) <= 2 * torch.finfo(x.dtype).eps * top2[:, 0].abs()
+    taken = logits.gather(1, got_ids.long())[:, 0]
+    assert torch.equal(got_ids[~near], want_ids[~near]) and bool((taken[near] >= top2[near, 1]).all())
+
+
 def test_reference_is_the_unfused_top1_path():
     x, weight, norm = _inputs(5, 16, 96, torch.float32, "cpu")
     top, ids = torch.nn.functional.linear(x, weight).topk(1, dim=-1)
@@ -51,7 +62,8 @@ def test_kernel_equals_the_reference(device, tokens, experts, hidden, quantize, 
     got = route_top1_triton(x, weight, quantize=quantize, norm=norm)
     cpu_norm = None if norm is None else (norm[0].cpu(), norm[1].cpu(), norm[2])
     want = route_top1_ref(x.cpu(), weight.cpu(), quantize=quantize, norm=cpu_norm)
-    assert torch.equal(got.ids.cpu(), want.ids) and torch.equal(got.weights.cpu(), torch.ones(tokens, 1))
+    assert_top1(got.ids.cpu(), want.ids, x.cpu(), weight.cpu(), cpu_norm)
+    assert torch.equal(got.weights.cpu(), torch.ones(tokens, 1))
     # the sums (logits, the norm's) in another order: a value may move by a rounding of the model dtype
     tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-5
     torch.testing.assert_close(got.rows.cpu(), want.rows, rtol=tolerance, atol=tolerance)
@@ -87,7 +99,8 @@ def test_stacked_shared_expert_rows_follow_the_routed_ones(device, with_norm):
     want = route_top1_ref(x.cpu(), weight.cpu(), norm=cpu_norm, shared_slot=16)
     alone = route_top1_ref(x.cpu(), weight.cpu(), norm=cpu_norm)
     assert torch.equal(want.rows[:4], alone.rows) and torch.equal(want.rows[4:], alone.shared_input)
-    assert torch.equal(got.ids.cpu(), want.ids) and want.ids[4:].flatten().tolist() == [16] * 4
+    assert_top1(got.ids[:4].cpu(), want.ids[:4], x.cpu(), weight.cpu(), cpu_norm)
+    assert got.ids[4:].flatten().tolist() == want.ids[4:].flatten().tolist() == [16] * 4
     assert torch.equal(got.weights.cpu(), torch.ones(8, 1)) and got.rows.shape == (8, 300)
     tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-5
     torch.testing.assert_close(got.rows.cpu(), want.rows, rtol=tolerance, atol=tolerance)
