@@ -116,14 +116,17 @@ AHEAD_TILES = ((16, 128, 2, 1, AHEAD), (32, 128, 8, 1, AHEAD),
 # The load-time choice times them only with $TRITONLLM_MOE_GEMV_DOT=1 until an H200 has measured them.
 DOT = "d"
 DOT_ENV = "TRITONLLM_MOE_GEMV_DOT"
-DOT_COLS = 16  # tl.dot's smallest N
+# The x tile's columns: the mma's N (m16n8k16: Triton 3.9 takes N = 8 on sm_90). Against 16 (two n-tiles, the second
+# all zeros): (16, 128, 1, 4) BITS gate_up 360 SASS instructions a step against 422 (16 HMMAs, not 32, and fewer
+# moves into the B fragments), 78 registers against 128, half the x tile's shared memory (2 KB a stage).
+DOT_COLS = 8
 BITS = "b"  # (FP8 DOT tiles: the codes widened by bits, see _widened_bits)
 # One warp a 16 rows: the mma's warps lie along the rows, so no warp widens another's weights (16 rows on 2 warps:
-# each warp widened all 16). sm_90, Triton 3.9, Qwen3-30B-A3B block-FP8 gate_up: (16, 128, 1, 4) mma.sync, 128
-# registers, 24 KB of shared memory (three stages in flight: 12 KB of weights a program); (64, 128, 4, 3) wgmma,
-# 168 registers. Triton widens an FP8 weight to bfloat16 in 1.5 conversion-unit instructions (F2FP a float16 pair,
-# F2F a value) and a PRMT: BITS_TILES widen by bits instead (loop of (16, 128, 1, 4): 423 SASS instructions a step,
-# 128 weights a thread, none of them conversions).
+# each warp widened all 16). sm_90, Triton 3.9, Qwen3-30B-A3B block-FP8 gate_up: (16, 128, 1, 4) mma.sync, 18 KB
+# of shared memory (three stages in flight: 12 KB of weights a program); (64, 128, 4, 3) wgmma, 166 registers.
+# Triton widens an FP8 weight to bfloat16 in 1.5 conversion-unit instructions (F2FP a float16 pair, F2F a value) and
+# a PRMT: BITS_TILES widen by bits instead (loop of (16, 128, 1, 4): 360 SASS instructions a step, 128 weights a
+# thread, none of them conversions).
 DOT_TILES = ((16, 128, 1, 4, DOT), (32, 128, 2, 4, DOT), (64, 128, 4, 3, DOT), (16, 128, 1, 4, DOT + "2"),
              (32, 128, 2, 4, DOT + "2"), (16, 128, 1, 4, DOT + "4"), (16, 128, 1, 3, DOT + "8"))
 # FP8 experts' DOT tiles: these two widen as Triton does (the reference for BITS_TILES, which widen by bits:
