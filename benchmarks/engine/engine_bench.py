@@ -535,7 +535,8 @@ def decode_outside_graph_text(d: dict) -> str:
                  f"{ab['one_sync_ms']:.3f} ms, host in forward {ab['separate_forward_ms']:.3f} -> "
                  f"{ab['one_forward_ms']:.3f}, overlapped {ab['separate_overlapped_ms']:.3f} -> "
                  f"{ab['one_overlapped_ms']:.3f} (same tokens: {ab['same_tokens']})")
-    return text
+    errors = [f"{key}: {d[key]}" for key in ("host_parts_error", "step_parts_error", "input_copies_ab_error") if key in d]
+    return text + "".join(f"; FAILED {error}" for error in errors)
 
 
 def bench_decode(results: dict, runner: ModelRunner, prompt_len: int = 128, steps: int = 256) -> None:
@@ -565,12 +566,14 @@ def bench_decode(results: dict, runner: ModelRunner, prompt_len: int = 128, step
         entry["graph_replay_ms"] = cuda_time_ms(graph.replay, repeat=50)
         # Before the profiler: its window leaves CUPTI attached for good, which slows every launch (session 28's
         # first run had them after it: the graph alone 2.93 ms there against 2.62 before it)
-        try:  # (diagnostics: a failure must not cost the run its figures)
-            entry["host_parts"] = decode_host_parts(runner, token, prompt_len, table, page)
-            entry["step_parts"] = decode_step_parts(runner, 1)  # what a step runs on the device outside its graph
-            entry["input_copies_ab"] = decode_input_copies_ab(runner, token, prompt_len, table, page)
-        except Exception as error:  # noqa: BLE001
-            entry["step_parts_error"] = f"{type(error).__name__}: {error}"
+        parts = {"host_parts": lambda: decode_host_parts(runner, token, prompt_len, table, page),
+                 "step_parts": lambda: decode_step_parts(runner, 1),  # what a step runs on the device outside its graph
+                 "input_copies_ab": lambda: decode_input_copies_ab(runner, token, prompt_len, table, page)}
+        for name, measure in parts.items():
+            try:  # (diagnostics, each on its own: a failure must not cost the run the other figures)
+                entry[name] = measure()
+            except Exception as error:  # noqa: BLE001
+                entry[f"{name}_error"] = f"{type(error).__name__}: {error}"[:300]
         try:  # (a profiler failure must not cost the run its figures)
             entry["graph_step_kernels"], entry["graph_step_profile"] = profile_graph_step(graph)
         except Exception as error:  # noqa: BLE001
