@@ -133,6 +133,42 @@ def test_cancel_frees_state_slots_and_refusals(hybrid):
         Executor(engine_dir, ExecutorConfig(speculative=SpeculativeConfig("ngram")))
 
 
+
+def test_emulated_decode_graphs_carry_state_slots(tmp_path, monkeypatch):
+    """Bamba's decode steps through the decode graphs emulated on the CPU (graph_emulation.py: a replay reruns the
+    forward over the graphs' staged inputs) equal an eager runner's, step by step: each row's state slot rides in the
+    graphs' one staged copy (engine/executor/cuda_graphs.py), and the padding row of 3 rows in bucket 4 has slot -1
+    (a padding row on slot 0 would advance the third sequence's state twice a step)."""
+    from graph_emulation import emulate_cuda_graphs
+
+    replays = emulate_cuda_graphs(monkeypatch)
+    model = tiny_hybrid("bamba")
+    build = BuildConfig(dtype="float32", max_batch_size=4, max_input_len=64, max_seq_len=64, max_num_tokens=128,
+                        tokens_per_block=16)
+    build_from_hf(model.config, getter_from_state_dict(model.state_dict(), "bamba"), None, str(tmp_path), build,
+                  progress=False)
+    graphed, eager = (ModelRunner(str(tmp_path)) for _ in range(2))
+    for runner in (graphed, eager):
+        runner.allocate_state_cache(4)
+        runner.allocate_kv_cache(16)
+    graphed.capture_cuda_graphs()
+    prompts, slots, tables = [_tokens(n, n) for n in (30, 10, 12)], [1, 3, 0], [[5, 9, 1], [11, 12], [7, 8]]
+    for runner in (graphed, eager):
+        for prompt, slot, table in zip(prompts, slots, tables):
+            n = len(prompt) - 5
+            runner.forward(ForwardBatch(prompt[:n], list(range(n)), [n], [n], [table[:-(-n // 16)]], [n - 1],
+                                        state_slots=[slot]))
+    for step in range(5):
+        positions = [len(p) - 5 + step for p in prompts]
+        batch = ForwardBatch([p[i] for p, i in zip(prompts, positions)], positions, [1] * 3, [i + 1 for i in positions],
+                             [t[:-(-(i + 1) // 16)] for t, i in zip(tables, positions)], [0, 1, 2], state_slots=slots)
+        before = sum(replays.values())
+        logits = graphed.forward(batch)
+        assert sum(replays.values()) == before + 1 and graphed.decode_graphs.bucket_for(3) == 4
+        torch.testing.assert_close(logits, eager.forward(batch), rtol=1e-4, atol=1e-4,
+                                   msg=lambda m: f"step {step}: {m}")
+
+
 def test_scheduler_runs_no_more_sequences_than_state_slots():
     """Fewer slots than max_batch_size (a GPU's memory cap, state_cache.STATE_SHARE): the rest wait
     for a slot, and every slot is free once all have finished."""
