@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import torch
 
-from kernels import _triton, choice_cache, e4m3_rows, fp8_block, fp8_block_skinny, linear
+from kernels import _triton, choice_cache, e4m3_bits, e4m3_rows, fp8_block, fp8_block_skinny, linear
 from kernels._triton import triton, use_triton
 from kernels.fp8 import FP8_DTYPE, l2_defeating_copies
 from kernels.fp8_block import fp8_block_linear_triton
-from kernels.fp8_block_skinny import (SCALE_BLOCK, SKINNY_BLOCK_VARIANTS, VARIANT_ATTR, fp8_block_skinny_triton,
-                                      skinny_options)
+from kernels.fp8_block_skinny import (SCALE_BLOCK, SKINNY_BLOCK_VARIANTS, VARIANT_ATTR, bits_variants,
+                                      fp8_block_skinny_triton, skinny_options)
 from kernels.linear import _TOO_LARGE, graph_time_ms
 
 # The margin, as kernels/linear.py's: both paths are timed from graph replays, so 1% only absorbs noise.
@@ -28,7 +28,7 @@ WIN_MARGIN = 0.99
 def choose_fp8_block_skinny(weights: list[torch.Tensor], dtype: torch.dtype, rows: tuple[int, ...] = (1, 8)
                             ) -> dict[tuple[int, int], dict]:
     """Per distinct (N, K) of the block-FP8 CUDA ``weights`` (E4M3, their scales block-wise), the activations in
-    ``dtype``: kernels/fp8_block_skinny.py's SKINNY_BLOCK_VARIANTS and quantize + block GEMM
+    ``dtype``: kernels/fp8_block_skinny.py's SKINNY_BLOCK_VARIANTS (and bits_variants()) and quantize + block GEMM
     (fp8_block_linear_triton, the path it replaces) timed at each of ``rows`` from CUDA graphs over copies that
     defeat the L2 cache; each weight marked (VARIANT_ATTR) with the tiling of least summed time where it beats the
     block GEMM by WIN_MARGIN at every row count, else False. Through the persistent choice cache
@@ -45,8 +45,9 @@ def choose_fp8_block_skinny(weights: list[torch.Tensor], dtype: torch.dtype, row
             report[shape] = choice_cache.timed_report(
                 "fp8_block_skinny", (shape, str(dtype), tuple(rows)), weight.device,
                 lambda: _time_shape(shape, dtype, weight.device, rows), sources=_sources(),
-                candidates=SKINNY_BLOCK_VARIANTS,
-                valid=lambda r: r.get("variant", False) is False or r["variant"] in SKINNY_BLOCK_VARIANTS)
+                candidates=SKINNY_BLOCK_VARIANTS + bits_variants(),
+                valid=lambda r: (r.get("variant", False) is False
+                                 or r["variant"] in SKINNY_BLOCK_VARIANTS + bits_variants()))
         setattr(weight, VARIANT_ATTR, report[shape]["variant"])
     return report
 
@@ -54,7 +55,7 @@ def choose_fp8_block_skinny(weights: list[torch.Tensor], dtype: torch.dtype, row
 def _sources() -> tuple[str, ...]:
     """The files of the kernels the choice times (kernels/choice_cache.py's key)."""
     return (__file__, fp8_block_skinny.__file__, linear.__file__, fp8_block.__file__, _triton.__file__,
-            e4m3_rows.__file__)
+            e4m3_rows.__file__, e4m3_bits.__file__)
 
 
 def _time_shape(shape: tuple[int, int], dtype: torch.dtype, device, rows: tuple[int, ...]) -> dict:
@@ -67,11 +68,12 @@ def _time_shape(shape: tuple[int, int], dtype: torch.dtype, device, rows: tuple[
     def next_copy():
         return copies[next(turn) % len(copies)]
 
-    block_gemm, variants = {}, {v: {} for v in SKINNY_BLOCK_VARIANTS}
+    candidates = SKINNY_BLOCK_VARIANTS + bits_variants()
+    block_gemm, variants = {}, {v: {} for v in candidates}
     for m in rows:
         x = torch.randn(m, k, dtype=dtype, device=device)
         block_gemm[m] = graph_time_ms(lambda: fp8_block_linear_triton(x, *next_copy())) * 1e3
-        for v in SKINNY_BLOCK_VARIANTS:
+        for v in candidates:
             if v not in variants:
                 continue  # it did not fit at the first row count
             try:  # a tiling that outgrows shared memory on this device drops out

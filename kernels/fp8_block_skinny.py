@@ -25,9 +25,12 @@ Shapes: x (M, K) with unit column stride, M <= MAX_SKINNY_ROWS; weight (N, K) ro
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from kernels._triton import dense, jit, num_sms, pdl_options, pdl_prologue, tl, triton, use_triton
+from kernels.e4m3_bits import bits_factor, widened_bits
 from kernels.linear import (MAX_SKINNY_ROWS, _arrival_counters, _skinny_sum_splits_and_finish, last_arrival,
                             output_columns, padded_rows, product_epilogue, split_k_layout, variant_options)
 
@@ -47,6 +50,19 @@ SKINNY_BLOCK_VARIANTS = (
     (64, 256, 4, 4, 1, 1), (64, 128, 4, 6, 1, 1), (64, 256, 4, 4, 2, 1), (64, 128, 4, 6, 2, 1),
     (64, 128, 4, 6, 1, 1, 1), (64, 256, 4, 4, 2, 1, 1),
 )
+# BITS variants: an eighth element 1 widens the E4M3 tiles by bits (kernels/e4m3_bits.py: no conversion-unit
+# instruction, where Triton's widening takes 1.5 a weight and that unit issues 16 lanes a clock an SM on the H200),
+# the dot products multiplied back with the block scale. Timed by the load-time choice only with
+# $TRITONLLM_FP8_BLOCK_BITS=1 until a GPU has measured them.
+BITS_ENV = "TRITONLLM_FP8_BLOCK_BITS"
+# ((16, 256, 4, 4) without a split took a 16-byte stack in its BITS form: (16, 128, 4, 8) instead; sm_90, Triton 3.9.)
+BITS_VARIANTS = ((16, 128, 4, 8, 1, 0, 0, 1), (32, 128, 4, 6, 4, 0, 0, 1), (16, 256, 4, 4, 2, 0, 0, 1),
+                 (64, 128, 4, 6, 1, 1, 0, 1), (64, 256, 4, 4, 2, 1, 0, 1))
+
+
+def bits_variants() -> tuple:
+    """BITS_VARIANTS where $TRITONLLM_FP8_BLOCK_BITS=1 (read at every choice), else none."""
+    return BITS_VARIANTS if os.environ.get(BITS_ENV, "0").strip() == "1" else ()
 
 
 def fp8_block_skinny_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
@@ -67,7 +83,7 @@ def _fp8_block_skinny_kernel(
     stride_xm, stride_wn, stride_sn, stride_om, ROWS,
     HAS_BIAS: tl.constexpr, SWAP_AB: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
     SUB_BLOCKS: tl.constexpr, SCALE_K: tl.constexpr, SPLIT_K: tl.constexpr, BALANCED: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, BITS: tl.constexpr = False, ASM: tl.constexpr = False,
 ):
     """One program: BLOCK_N output features (output_columns: BALANCED as in kernels/linear.py) for all M rows over
     its K range, streaming its E4M3 weight rows once. A K step is SUB_BLOCKS blocks of SCALE_K (128) columns; each
@@ -75,7 +91,8 @@ def _fp8_block_skinny_kernel(
     block scale s[n // SCALE_K, k // SCALE_K] and added (a block's columns past the split's end are masked to
     zeros). SPLIT_K > 1: program (i, s) covers K from s * K_PER_SPLIT (a multiple of SUB_BLOCKS * SCALE_K, so
     splits never cut a block either), writes its float32 sums to part (SPLIT_K, M, N), and the last program to
-    arrive at output tile i adds them in split order (deterministic) and runs the epilogue (bias, rounding)."""
+    arrive at output tile i adds them in split order (deterministic) and runs the epilogue (bias, rounding). BITS: the
+    tiles widened by bits (kernels/e4m3_bits.py, inline PTX where ASM), the block scale times bits_factor."""
     cols, col_ok = output_columns(N, ROWS, BLOCK_N, BALANCED)
     rows = tl.arange(0, M_PAD)
     row_ok = rows < M
@@ -95,9 +112,14 @@ def _fp8_block_skinny_kernel(
             k = block_start + tl.arange(0, SCALE_K)
             k_ok = k < k_end
             x = tl.load(x_base + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(w_base + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0).to(x.dtype)
+            w = tl.load(w_base + k[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
             # (a block past K, whose tiles loaded zeros, reads the last block's scale: never out of bounds)
             scale = tl.load(s_base + tl.minimum(block_start, K - 1) // SCALE_K, mask=col_ok, other=0.0)
+            if BITS:
+                w = widened_bits(w, x.dtype, ASM)
+                scale = scale * bits_factor(x.dtype)
+            else:
+                w = w.to(x.dtype)
             if SWAP_AB:
                 acc += tl.dot(w, tl.trans(x)) * scale[:, None]
             else:
@@ -118,15 +140,16 @@ def _fp8_block_skinny_kernel(
 def fp8_block_skinny_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                             bias: torch.Tensor | None = None, *, block_n: int = 16, block_k: int = 256,
                             num_warps: int = 4, num_stages: int = 4, split_k: int = 1, swap_ab: bool = False,
-                            waves: int = 0) -> torch.Tensor:
+                            waves: int = 0, bits: bool = False) -> torch.Tensor:
     """fp8_block_skinny_ref on the kernel: x (M, K) bf16/fp16 with unit column stride, M <= MAX_SKINNY_ROWS;
     weight (N, K) E4M3 row-major; weight_scale (ceil(N / 128), ceil(K / 128)) float32. ``block_k``: a multiple of
-    128. ``split_k``, ``swap_ab``, ``waves``: kernels/linear.py skinny_linear_triton's."""
+    128. ``split_k``, ``swap_ab``, ``waves``: kernels/linear.py skinny_linear_triton's; ``bits``: BITS_VARIANTS'
+    widening (float32 x too, on the interpreter)."""
     m, k = x.shape
     n = weight.shape[0]
     assert m <= MAX_SKINNY_ROWS and x.stride(1) == 1 and weight.stride(1) == 1 and block_k % SCALE_BLOCK == 0
     assert weight_scale.shape == (triton.cdiv(n, SCALE_BLOCK), triton.cdiv(k, SCALE_BLOCK)), weight_scale.shape
-    assert weight_scale.dtype == torch.float32 and x.dtype in (torch.bfloat16, torch.float16)
+    assert weight_scale.dtype == torch.float32 and (x.dtype in (torch.bfloat16, torch.float16) or bits)
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return out
@@ -141,7 +164,7 @@ def fp8_block_skinny_triton(x: torch.Tensor, weight: torch.Tensor, weight_scale:
         x.stride(0), weight.stride(0), weight_scale.stride(0), out.stride(0), rows_per_program,
         HAS_BIAS=bias is not None, SWAP_AB=swap_ab, M_PAD=padded_rows(m), BLOCK_N=block_n,
         SUB_BLOCKS=block_k // SCALE_BLOCK, SCALE_K=SCALE_BLOCK, SPLIT_K=split_k, BALANCED=waves > 0,
-        num_warps=num_warps, num_stages=num_stages, **pdl_options(x))
+        BITS=bits, ASM=bits and x.is_cuda, num_warps=num_warps, num_stages=num_stages, **pdl_options(x))
     return out
 
 
@@ -156,5 +179,5 @@ def skinny_variant(x: torch.Tensor, weight: torch.Tensor) -> tuple | None:
 
 
 def skinny_options(variant: tuple) -> dict:
-    """fp8_block_skinny_triton's keyword arguments for a SKINNY_BLOCK_VARIANTS tuple."""
-    return variant_options(variant)
+    """fp8_block_skinny_triton's keyword arguments for a SKINNY_BLOCK_VARIANTS or BITS_VARIANTS tuple."""
+    return {**variant_options(variant), "bits": len(variant) > 7 and bool(variant[7])}

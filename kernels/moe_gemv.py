@@ -54,6 +54,7 @@ from kernels._triton import jit, pdl_options, pdl_prologue, tl, triton
 from kernels.fp8 import FP8_DTYPE
 from kernels.fp8_block import BLOCK as SCALE_BLOCK
 from kernels.linear import _arrival_counters, last_arrival, last_split_pair
+from kernels.e4m3_bits import bits_factor, widened_bits
 from kernels.moe_decode import _dequantized  # (one expert's weight in float32: codes times scales)
 from kernels.moe_epilogue import ACTIVATIONS, PLAIN_SILU, ExpertEpilogue, swiglu_clamped, swiglu_clamped_ref
 from kernels.moe_routing import _top_k_of_row
@@ -120,7 +121,7 @@ DOT_ENV = "TRITONLLM_MOE_GEMV_DOT"
 # all zeros): (16, 128, 1, 4) BITS gate_up 360 SASS instructions a step against 422 (16 HMMAs, not 32, and fewer
 # moves into the B fragments), 78 registers against 128, half the x tile's shared memory (2 KB a stage).
 DOT_COLS = 8
-BITS = "b"  # (FP8 DOT tiles: the codes widened by bits, see _widened_bits)
+BITS = "b"  # (FP8 DOT tiles: the codes widened by bits, kernels/e4m3_bits.py)
 # One warp a 16 rows: the mma's warps lie along the rows, so no warp widens another's weights (16 rows on 2 warps:
 # each warp widened all 16). sm_90, Triton 3.9, Qwen3-30B-A3B block-FP8 gate_up: (16, 128, 1, 4) mma.sync, 18 KB
 # of shared memory (three stages in flight: 12 KB of weights a program); (64, 128, 4, 3) wgmma, 166 registers.
@@ -130,7 +131,7 @@ BITS = "b"  # (FP8 DOT tiles: the codes widened by bits, see _widened_bits)
 DOT_TILES = ((16, 128, 1, 4, DOT), (32, 128, 2, 4, DOT), (64, 128, 4, 3, DOT), (16, 128, 1, 4, DOT + "2"),
              (32, 128, 2, 4, DOT + "2"), (16, 128, 1, 4, DOT + "4"), (16, 128, 1, 3, DOT + "8"))
 # FP8 experts' DOT tiles: these two widen as Triton does (the reference for BITS_TILES, which widen by bits:
-# _widened_bits); model-dtype experts take DOT_TILES whole (nothing to widen).
+# kernels/e4m3_bits.py); model-dtype experts take DOT_TILES whole (nothing to widen).
 FP8_WIDENED_DOT_TILES = ((32, 128, 2, 4, DOT + "2"), (16, 128, 1, 4, DOT + "4"))
 # (No 64-row wgmma BITS tile: its A operand from registers took 288 PRMTs a step, 5.3 SASS instructions a weight
 # against mma.sync's 3.3; sm_90, Triton 3.9.)
@@ -451,62 +452,17 @@ def _dot_product(w, xt):
         return tl.dot(w.to(xt.dtype), xt)
 
 
-# BITS (FP8 experts' DOT tiles): E4M3 codes widened by bit moves alone, no conversion-unit instruction: per
-# 4-byte word two PRMTs (each code's byte and its sign byte into a 16-bit lane), shifts and masks (PTX below): a code
-# becomes the bfloat16 of its value times 2^-120 (the exponent field 0000eeee: E4M3's bias 7 read with bfloat16's
-# 127; subnormal codes become bfloat16 subnormals alike), or for float16 activations the float16 of its value times
-# 2^-8 (0eeee: bias 7 read with 15); each step's float32 product is multiplied back by 2^120 / 2^8 (exact) with its
-# block scale. Why: Triton widens E4M3 to bfloat16 as F2FP (a float16 pair) then F2F a value, and the H200's
-# conversion unit issues 16 lanes a clock an SM (the FMA and ALU pipes 64-128): 1.5 conversions a weight bound a
-# Qwen3-30B-A3B block-FP8 gate_up at one token (25 MB) to ~9 us of conversions alone; here 1.5 ALU instructions a
-# weight (~2 us). Numerics: the bfloat16 products are exact, summed in float32 at 2^-120 times their value: a
-# product below 2^-6 (in code x activation units) is a float32 subnormal there, within 2^-149 (x 2^120: 2^-29) of
-# its value. Triton's interpreter runs no assembly: ASM=False builds the same bits as float32 (code << 20: the
-# bfloat16 pattern in a float32's upper half, the same value) for the interpreter's tests.
-
-
-def _bits_asm(shift: int, mask: str) -> str:
-    """PTX widening a 4-byte word of E4M3 codes ($2) into two registers of 16-bit values ($0: bytes 0 and 1, $1: 2
-    and 3): each lane (sign byte, code) by prmt, shifted left by ``shift``, masked (_widened_bits)."""
-    lanes = "\n".join(f"prmt.b32 t, $2, 0, {selector};\nshl.b32 t, t, {shift};\nand.b32 ${out}, t, {mask};"
-                      for out, selector in ((0, "0x9180"), (1, "0xB3A2")))
-    return "{\n.reg .b32 t;\n" + lanes + "\n}"
-
-
-_BF16_BITS_ASM = tl.constexpr(_bits_asm(4, "0x87F087F0"))  # bfloat16: s 0000 eeee mmm 0000 (value * 2^-120)
-_FP16_BITS_ASM = tl.constexpr(_bits_asm(7, "0xBF80BF80"))  # float16: s 0 eeee mmm 0000000 (value * 2^-8)
-
-
-@jit
-def _widened_bits(w, dtype: tl.constexpr, ASM: tl.constexpr):
-    """E4M3 codes w as ``dtype`` by bits (BITS): bfloat16 (or float32) of value * 2^-120, float16 of value * 2^-8.
-    ASM: prmt.b32 replicates a selected byte's sign through the byte above it (selectors 8-11), so lane i of
-    ``prmt t, word, 0, 0x9180`` holds (sign byte, code) of byte i (bytes 0, 1; 0xB3A2: bytes 2, 3); shifted left
-    by 4 (7) the code's sign lands in bit 15 and its exponent and mantissa in bits 10-4 (13-7), and the mask clears
-    the rest (the neighbour lane's spill included)."""
-    if ASM:
-        if dtype == tl.float16:
-            return tl.inline_asm_elementwise(_FP16_BITS_ASM, "=r,=r,r", [w.to(tl.uint8, bitcast=True)],
-                                             dtype=tl.float16, is_pure=True, pack=4)
-        else:
-            return tl.inline_asm_elementwise(_BF16_BITS_ASM, "=r,=r,r", [w.to(tl.uint8, bitcast=True)],
-                                             dtype=tl.bfloat16, is_pure=True, pack=4)
-    else:  # (sign-extended code << 20) & 0x87F00000: bfloat16's pattern in a float32's upper half
-        code = w.to(tl.int8, bitcast=True).to(tl.int32)
-        return ((code << 20) & -2014314496).to(tl.float32, bitcast=True).to(dtype)
-
-
 @jit
 def _step_product(w, xt, BITS: tl.constexpr, ASM: tl.constexpr):
-    """One step's (BLOCK_N, COLS) float32 w @ xt: _dot_product, or with BITS the codes widened by _widened_bits and
-    the product multiplied back (exact powers of two)."""
+    """One step's (BLOCK_N, COLS) float32 w @ xt: _dot_product, or with BITS the codes widened by bits
+    (kernels/e4m3_bits.py) and the product multiplied back (exact powers of two)."""
     if BITS:
         if xt.dtype == tl.float16:
-            return tl.dot(_widened_bits(w, tl.float16, ASM), xt) * 256.0
+            return tl.dot(widened_bits(w, tl.float16, ASM), xt) * bits_factor(tl.float16)
         elif xt.dtype == tl.float32:
-            return tl.dot(_widened_bits(w, tl.float32, ASM), xt, input_precision="ieee") * 1.329227995784916e+36
+            return tl.dot(widened_bits(w, tl.float32, ASM), xt, input_precision="ieee") * bits_factor(tl.float32)
         else:
-            return tl.dot(_widened_bits(w, xt.dtype, ASM), xt) * 1.329227995784916e+36
+            return tl.dot(widened_bits(w, xt.dtype, ASM), xt) * bits_factor(xt.dtype)
     else:
         return _dot_product(w, xt)
 

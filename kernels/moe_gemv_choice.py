@@ -19,7 +19,8 @@ import os
 
 import torch
 
-from kernels import choice_cache, fused_moe, fused_moe_fp8, fused_moe_mxfp4, fused_moe_wna16, moe_gemv, mxfp4_gemv
+from kernels import (choice_cache, e4m3_bits, fused_moe, fused_moe_fp8, fused_moe_mxfp4, fused_moe_wna16, moe_gemv,
+                     mxfp4_gemv)
 from kernels._triton import use_triton
 from kernels.linear import _arrival_counters
 from kernels.moe_gemv import (DEFAULT_TILES, GEMV_ATTR, GemvExperts, candidate_tiles, gemv_supported,
@@ -69,7 +70,7 @@ def choose_gemv(experts: GemvExperts) -> dict | None:
     report = choice_cache.timed_report(
         "moe_gemv", gemv_key(experts), gate_up.device, lambda: time_gemv(experts),
         sources=(__file__, moe_gemv.__file__, fused_moe.__file__, fused_moe_fp8.__file__, fused_moe_wna16.__file__,
-                 fused_moe_mxfp4.__file__, mxfp4_gemv.__file__),
+                 fused_moe_mxfp4.__file__, mxfp4_gemv.__file__, e4m3_bits.__file__),
         # the tiles time_gemv times (candidate_tiles: with $TRITONLLM_MOE_GEMV_AHEAD=1 the AHEAD ones too), so a
         # choice stored without them is not served to a run that asks for them (H200, 2026-12-01: it was)
         candidates=(tiles, WORD_TILES if words_enabled(experts) else ()),

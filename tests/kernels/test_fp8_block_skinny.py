@@ -12,10 +12,11 @@ from __future__ import annotations
 import pytest
 import torch
 from kernel_testing import TOLERANCE, relative_error
+from sm90_compile import AOT_SM90, compile_for_sm90, resource_usage, stack_bytes
 
 from kernels.fp8_block import BLOCK, dequantize_blocks, fp8_block_linear, fp8_block_linear_ref, quantize_blocks
-from kernels.fp8_block_skinny import (VARIANT_ATTR, fp8_block_skinny_ref, fp8_block_skinny_triton, skinny_options,
-                                      skinny_variant)
+from kernels.fp8_block_skinny import (BITS_VARIANTS, VARIANT_ATTR, fp8_block_skinny_ref, fp8_block_skinny_triton,
+                                      skinny_options, skinny_variant)
 
 # N = 300, K = 320: 3 x 3 scale blocks, the last row block 44 features and the last column block 64 columns.
 N, K = 300, 320
@@ -26,6 +27,10 @@ TILINGS = {
     # 3 features a program on 132 SMs (on more, fewer): programs start at program_id * 3, so one tile holds
     # features 126-128, two row blocks with their own scales
     "balanced": (64, 128, 4, 6, 1, 1, 1),
+    # BITS: the tiles widened by bits (kernels/e4m3_bits.py; PTX on the GPU, the same bits in float32 on the
+    # interpreter), split-K and swapped operands
+    "bits_split_k": (16, 256, 4, 4, 2, 0, 0, 1),
+    "bits_swap_ab": (64, 128, 4, 6, 1, 1, 0, 1),
 }
 
 
@@ -134,3 +139,27 @@ def test_every_load_time_tiling_is_correct():
         for variant in SKINNY_BLOCK_VARIANTS:
             out = fp8_block_skinny_triton(x, w_q, w_scale, bias, **skinny_options(variant))
             assert relative_error(out, expected) < TOLERANCE[torch.bfloat16], (variant, rows)
+
+
+# ---- ahead of time for sm_90 on the CPU (TRITONLLM_AOT_SM90=1) ---------------------------------
+
+@AOT_SM90
+@pytest.mark.parametrize("dtype", ["*bf16", "*fp16"])
+@pytest.mark.parametrize("variant", BITS_VARIANTS)
+def test_bits_variants_compile_for_sm90_without_spills(variant, dtype, tmp_path):
+    """Triton's compiler and ptxas (no GPU) on the kernel as a BITS variant's launch specializes it (Qwen3-30B-A3B's
+    qkv at one row): the PTX widening compiles, no local memory."""
+    from kernels.fp8_block_skinny import _fp8_block_skinny_kernel
+
+    options = skinny_options(variant)
+    pointers = dict(x_ptr=dtype, w_ptr="*fp8e4nv", s_ptr="*fp32", bias_ptr=dtype, out_ptr=dtype, part_ptr="*fp32",
+                    arrivals_ptr="*i32")
+    const = dict(HAS_BIAS=False, SWAP_AB=options["swap_ab"], M_PAD=16, BLOCK_N=options["block_n"],
+                 SUB_BLOCKS=options["block_k"] // BLOCK, SCALE_K=BLOCK, SPLIT_K=options["split_k"], BALANCED=False,
+                 PDL=True, BITS=True, ASM=True)
+    compiled = compile_for_sm90(_fp8_block_skinny_kernel, pointers, const, warps=options["num_warps"],
+                                stages=options["num_stages"], aligned_int=lambda name: name not in ("M", "ROWS"))
+    assert "prmt.b32" in compiled.asm["ptx"] and "cvt.rn.f16x2.e4m3x2" not in compiled.asm["ptx"]
+    usage = resource_usage(compiled, tmp_path)
+    if usage is not None:
+        assert "LOCAL:0 " in usage and stack_bytes(usage) <= 8, usage
