@@ -75,12 +75,13 @@ from engine.pipeline.stage import check_pipeline_supported
 from engine.vision.encoder_dir import VISION_ENCODER_DIR, write_vision_encoder
 from engine.vision.registry import vision_family
 from engine.weight_only.checkpoint_formats import QuantizedLinearReader, checkpoint_weight_quant
+from engine.row_chunks import by_rows
 from engine.safetensors_stream import StreamingSafetensorsWriter
 from engine.weight_only.convert import (CheckpointStandIns, build_time_quantized, carried_integer_tensors,
                                        integer_tensor_names, resolve_group_size, unquantized_linears)
 from kernels.fp8 import quantize_weight
 from kernels.int8_sq import quantize_weight_int8
-from kernels.fp8_block import blocks, quantize_blocks
+from kernels.fp8_block import BLOCK, blocks, quantize_blocks
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -163,19 +164,22 @@ def quantized_rank_tensors(converted, names: list[str], source_scales: dict[str,
     ``int8``: int8 codes per output channel instead (int8_sq, kernels/int8_sq.py)."""
     scaled = set(fp8_weight_names(names))
     source_scales = source_scales or {}
-    for name, tensor in converted:
+
+    def outputs(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         if name in scaled and name in kept:
-            yield name, tensor
-            yield name + "_scale", torch.ones(tensor.shape[:-1])
-        elif name in scaled:
-            scale = source_scales.get(name)
-            rows = tensor.reshape(-1, tensor.shape[-1])
-            scale = None if scale is None else scale.reshape(-1)
-            codes, row_scales = quantize_weight_int8(rows, scale) if int8 else quantize_weight(rows, scale)
-            yield name, codes.view(tensor.shape)
-            yield name + "_scale", row_scales.view(tensor.shape[:-1])
-        else:
-            yield name, tensor
+            return [(name, tensor), (name + "_scale", torch.ones(tensor.shape[:-1]))]
+        if name not in scaled:
+            return [(name, tensor)]
+        scale = source_scales.get(name)
+        scale = None if scale is None else scale.reshape(-1)
+        codes, row_scales = by_rows(quantize_weight_int8 if int8 else quantize_weight,
+                                    tensor.reshape(-1, tensor.shape[-1]), scale)
+        return [(name, codes.view(tensor.shape)), (name + "_scale", row_scales.view(tensor.shape[:-1]))]
+
+    for name, tensor in converted:
+        done = outputs(name, tensor)
+        del tensor  # not held while the next weight converts (handed_on)
+        yield from handed_on(done)
 
 
 def block_quantized_rank_weights(converted, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype,
@@ -187,16 +191,37 @@ def block_quantized_rank_weights(converted, shapes: dict[str, tuple[int, ...]], 
     in ``dtype`` with ones as its unread scales; the rest is cast to ``dtype`` (but engine/config.py's
     keeps_float32 tensors of ``architecture``)."""
     scaled = set(fp8_weight_names(shapes))
-    for name, tensor in converted:
+
+    def outputs(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         if name not in scaled:
-            yield name, tensor if keeps_float32(architecture, name) else tensor.to(dtype)
-        elif source_scales is not None and source_scales[name] is None:
-            yield name, tensor.to(dtype)
-            yield name + "_scale", torch.ones(shapes[name + "_scale"])
-        else:
-            codes, scale = quantize_blocks(tensor, None if source_scales is None else source_scales[name])
-            yield name, codes
-            yield name + "_scale", scale
+            return [(name, tensor if keeps_float32(architecture, name) else tensor.to(dtype))]
+        if source_scales is not None and source_scales[name] is None:
+            return [(name, tensor.to(dtype)), (name + "_scale", torch.ones(shapes[name + "_scale"]))]
+        codes, scale = _block_quantized(tensor, None if source_scales is None else source_scales[name])
+        return [(name, codes), (name + "_scale", scale)]
+
+    for name, tensor in converted:
+        done = outputs(name, tensor)
+        del tensor  # the float32 conversion is not held while the next weight converts (handed_on)
+        yield from handed_on(done)
+
+
+def handed_on(outputs: list[tuple[str, torch.Tensor]]):
+    """Yield ``outputs``' (name, tensor) pairs, dropping each from the list as it goes: a generator that yields
+    a tensor keeps it referenced until it resumes, so one that yielded the last tensor of a weight would hold
+    it while the next weight is read and converted (Scout's gate_up block in float32, 5.4 GB, beside its down
+    block's conversion). Callers drop their input before yielding from here."""
+    while outputs:
+        yield outputs.pop(0)
+
+
+def _block_quantized(weight: torch.Tensor, scale: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_blocks of a weight (..., N, K), one matrix of a stack (experts) at a time and each in chunks of
+    128-row blocks (engine/row_chunks.py: the same codes and scales, a chunk's temporaries)."""
+    if weight.dim() == 2:
+        return by_rows(quantize_blocks, weight, scale, align=BLOCK, arg_rows_per_row=BLOCK)
+    parts = [_block_quantized(weight[i], None if scale is None else scale[i]) for i in range(weight.shape[0])]
+    return torch.stack([codes for codes, _ in parts]), torch.stack([scales for _, scales in parts])
 
 
 def _with_expert_pairs_alike(scales: dict[str, torch.Tensor | None]) -> dict[str, torch.Tensor | None]:
@@ -252,6 +277,7 @@ def write_engine(output_dir: str, model: ModelConfig, build: BuildConfig, get: T
             for name, tensor in _rank_tensors(get, model, build, rank, names, shapes, fp8_source, integer_source,
                                               None if block_scales is None else block_scales[rank]):
                 files.add(name, tensor)
+                del tensor  # written: not held while the next one converts
                 bar.update(1)
             files.close()
         except BaseException:
@@ -306,11 +332,13 @@ def _weight_only_tensors(converted, model: ModelConfig, build: BuildConfig, rank
             if carried_name != name:  # the same conversion over two getters: a converter bug, never a user error
                 raise AssertionError(f"stand-in conversion yielded {carried_name} beside {name}")
         if held is not None:
-            yield from held.items()
+            done = list(held.items())
         elif name in integer:
-            yield from build_time_quantized(name, tensor, build.weight_only).items()
+            done = list(build_time_quantized(name, tensor, build.weight_only).items())
         else:
-            yield name, tensor
+            done = [(name, tensor)]
+        del tensor, held  # not held while the next weight converts (handed_on)
+        yield from handed_on(done)
 
 
 class _RankFiles:

@@ -476,7 +476,14 @@ def iter_rank_weights(get: TensorGetter, cfg: ModelConfig, rank: int, tp_size: i
         convert = llama4_rank_weights
     for name, tensor in convert(get, cfg, rank, tp_size):
         cast = torch.float32 if keeps_float32(cfg.architecture, name) else dtype
-        yield name, (tensor.to(cast) if tensor.is_floating_point() else tensor).contiguous()
+        # One copy at most, straight into the contiguous layout (a transposed view cast, then made contiguous,
+        # would be copied twice: Scout's experts' down block is one).
+        # (``to`` with the dtype unchanged returns the view as it is, hence ``contiguous`` after it.)
+        converted = (tensor.to(cast, memory_format=torch.contiguous_format) if tensor.is_floating_point()
+                     else tensor).contiguous()
+        del tensor  # the tensor before the cast is not held while the caller uses the cast one
+        yield name, converted
+        del converted  # nor the cast one while the next tensor converts
 
 
 def rank_weights(get: TensorGetter, cfg: ModelConfig, rank: int, tp_size: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:

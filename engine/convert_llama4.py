@@ -68,24 +68,37 @@ def llama4_rank_weights(get: TensorGetter, cfg: ModelConfig, rank: int, tp_size:
             yield from gate_up_down(get, ff, out, rank, tp_size)
             continue
         yield out + "moe.router.weight", get(ff + "router.weight")
-        gate, up, down = _experts(get, ff, cfg.num_experts)
-        yield out + "moe.gate_up_proj", torch.cat([shard(gate, 1, rank, tp_size), shard(up, 1, rank, tp_size)], dim=1)
-        yield out + "moe.down_proj", shard(down, 2, rank, tp_size)
+        # Each block of experts read as it is yielded and held by no local here while the build quantizes and
+        # writes it (Scout's on one rank: 2.7 GB and 1.3 GB in bf16).
+        yield out + "moe.gate_up_proj", _experts_gate_up(get, ff, cfg.num_experts, rank, tp_size)
+        yield out + "moe.down_proj", shard(_experts_down(get, ff, cfg.num_experts), 2, rank, tp_size)
         yield from gate_up_down(get, ff + "shared_expert.", out + "moe.shared_", rank, tp_size)
     yield "norm.weight", get("model.norm.weight")
     if not cfg.tie_word_embeddings:
         yield "lm_head.weight", shard(get("lm_head.weight"), 0, rank, tp_size)
 
 
-def _experts(get: TensorGetter, ff: str, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """gate (E, I, hidden), up (E, I, hidden), down (E, hidden, I) of one MoE layer, from either layout:
-    per-expert Linears ``experts.{e}.gate_proj.weight`` (I, hidden) ... (the compressed-tensors FP8 checkpoints,
-    Meta's Maverick FP8 among them, whose quantizer sees each expert as Linears: transformers'
-    SequentialLlama4TextExperts), or the stacked ``experts.gate_up_proj`` (E, hidden, 2I) [gate | up] and
-    ``experts.down_proj`` (E, I, hidden). The per-expert names are probed first: engine/fp8_checkpoint.py's
-    stand-in getters answer for ``.weight`` names only as the checkpoint does."""
-    if has_tensor(get, ff + "experts.0.gate_proj.weight"):
-        return tuple(torch.stack([get(ff + f"experts.{e}.{p}_proj.weight") for e in range(num_experts)])
-                     for p in ("gate", "up", "down"))
-    gate, up = get(ff + "experts.gate_up_proj").transpose(1, 2).chunk(2, dim=1)
-    return gate, up, get(ff + "experts.down_proj").transpose(1, 2)
+def _experts_gate_up(get: TensorGetter, ff: str, num_experts: int, rank: int, tp_size: int) -> torch.Tensor:
+    """This rank's [gate_r | up_r] (E, 2 * I_r, hidden) of one MoE layer, from either layout (_per_expert)."""
+    if _per_expert(get, ff):
+        gate, up = (torch.stack([get(ff + f"experts.{e}.{p}_proj.weight") for e in range(num_experts)])
+                    for p in ("gate", "up"))
+    else:
+        gate, up = get(ff + "experts.gate_up_proj").transpose(1, 2).chunk(2, dim=1)
+    return torch.cat([shard(gate, 1, rank, tp_size), shard(up, 1, rank, tp_size)], dim=1)
+
+
+def _experts_down(get: TensorGetter, ff: str, num_experts: int) -> torch.Tensor:
+    """down (E, hidden, I) of one MoE layer, from either layout (_per_expert)."""
+    if _per_expert(get, ff):
+        return torch.stack([get(ff + f"experts.{e}.down_proj.weight") for e in range(num_experts)])
+    return get(ff + "experts.down_proj").transpose(1, 2)
+
+
+def _per_expert(get: TensorGetter, ff: str) -> bool:
+    """Whether the layer's experts come as per-expert Linears ``experts.{e}.gate_proj.weight`` (I, hidden) ...
+    (the compressed-tensors FP8 checkpoints, Meta's Maverick FP8 among them, whose quantizer sees each expert as
+    Linears: transformers' SequentialLlama4TextExperts), else stacked: ``experts.gate_up_proj`` (E, hidden, 2I)
+    [gate | up] and ``experts.down_proj`` (E, I, hidden). The per-expert names are probed first:
+    engine/fp8_checkpoint.py's stand-in getters answer for ``.weight`` names only as the checkpoint does."""
+    return has_tensor(get, ff + "experts.0.gate_proj.weight")

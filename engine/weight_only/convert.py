@@ -38,6 +38,7 @@ import torch
 
 from engine.config import BuildConfig, ConfigError, ModelConfig, WeightOnlyScheme
 from engine.convert import TensorGetter, iter_rank_weights
+from engine.row_chunks import by_rows
 from kernels.wna16 import pack_codes, quantize
 
 
@@ -62,9 +63,13 @@ def _perm_name(weight_name: str) -> str:
 def build_time_quantized(name: str, tensor: torch.Tensor, scheme: WeightOnlyScheme) -> dict[str, torch.Tensor]:
     """The engine tensors of one integer weight quantized at build: its codes, scale, zero (and with act-order an
     identity input_perm), round to nearest per group (module docstring)."""
-    group = tensor.shape[-1] if scheme.group_size == 0 else scheme.group_size
-    check_groups(name, tensor.shape[-1], group)
-    codes, scale, zero = quantize(tensor, scheme.bits, group, symmetric=scheme.bits == 8)
+    *lead, n, k = tensor.shape
+    group = k if scheme.group_size == 0 else scheme.group_size
+    check_groups(name, k, group)
+    # A row chunk at a time (engine/row_chunks.py): groups lie along rows, so the codes are the same.
+    codes, scale, zero = by_rows(lambda rows: quantize(rows, scheme.bits, group, symmetric=scheme.bits == 8),
+                                 tensor.reshape(-1, k))
+    codes, scale, zero = (t.reshape(*lead, n, t.shape[-1]) for t in (codes, scale, zero))
     out = {name: codes, _scale_name(name): scale, _zero_name(name): zero}
     if scheme.act_order and name.endswith(".weight"):
         out[_perm_name(name)] = torch.arange(tensor.shape[-1], dtype=torch.int32)

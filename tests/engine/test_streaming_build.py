@@ -13,10 +13,16 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 import engine.build
-from engine.build import build_engine
-from engine.config import BuildConfig
+import engine.row_chunks
+from engine.build import _block_quantized, build_engine, quantized_rank_tensors
+from engine.config import BuildConfig, WeightOnlyScheme
 from engine.safetensors_stream import (DTYPE_NAMES, SafetensorsFormatError, SafetensorsReader,
                                        StreamingSafetensorsWriter)
+from engine.weight_only.convert import build_time_quantized
+from kernels.fp8 import quantize_weight
+from kernels.fp8_block import quantize_blocks
+from kernels.int8_sq import quantize_weight_int8
+from kernels.wna16 import quantize
 from quantized_checkpoints import write_gptq
 
 SHAPES = [(3, 5), (7,), (), (2, 0, 3), (1, 3, 3)]
@@ -75,6 +81,34 @@ def test_reader_names_a_truncated_file(tmp_path):
         SafetensorsReader(str(tmp_path / "cut.safetensors"))
 
 
+# ---- quantizers over row chunks give the whole weight's tensors ---------------------------------
+
+def test_quantizers_over_row_chunks_give_the_whole_weights_codes_and_scales(monkeypatch):
+    monkeypatch.setattr(engine.row_chunks, "VALUES_PER_CALL", 4096)  # chunks of 16 rows (128 for blocks)
+    torch.manual_seed(0)
+    experts = torch.randn(3, 300, 256)  # 300 rows: the last 128-row block of each expert is partial
+    source_blocks = torch.rand(3, 3, 2) + 0.1
+    codes, scales = _block_quantized(experts, None)
+    want = quantize_blocks(experts, None)
+    assert _same(codes, want[0]) and _same(scales, want[1])
+    codes, scales = _block_quantized(experts, source_blocks)
+    want = quantize_blocks(experts, source_blocks)
+    assert _same(codes, want[0]) and _same(scales, want[1])
+    rows, source_rows = experts.reshape(-1, 256), torch.rand(900) + 0.1
+    names = ["moe.gate_up_proj", "moe.gate_up_proj_scale"]
+    for int8, quantizer in ((False, quantize_weight), (True, quantize_weight_int8)):
+        for source in (None, {"moe.gate_up_proj": source_rows}):
+            got = dict(quantized_rank_tensors([("moe.gate_up_proj", experts)], names, source, int8=int8))
+            want = quantizer(rows, None if source is None else source_rows)
+            assert _same(got["moe.gate_up_proj"], want[0].view(experts.shape))
+            assert _same(got["moe.gate_up_proj_scale"], want[1].view(3, 300))
+    for bits, group in ((4, 32), (8, 256)):
+        got = build_time_quantized("moe.gate_up_proj", experts, WeightOnlyScheme(bits=bits, group_size=group))
+        want = quantize(experts, bits, group, symmetric=bits == 8)
+        assert all(_same(got[name], tensor) for name, tensor in
+                   zip(("moe.gate_up_proj", "moe.gate_up_proj_scale", "moe.gate_up_proj_zero"), want))
+
+
 # ---- write_engine holds a layer, not a model ---------------------------------------------------
 
 LAYERS = 12
@@ -105,6 +139,19 @@ def deep_gptq_moe(tmp_path_factory) -> str:
     torch.manual_seed(0)
     path = tmp_path_factory.mktemp("deep_gptq_moe")
     write_gptq(str(path), transformers.Qwen3MoeForCausalLM(config).eval())
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def deep_llama4(tmp_path_factory) -> str:
+    """A tiny Llama 4 text model of LAYERS layers, every one with 4 stacked experts (Scout's layout), on disk."""
+    config = transformers.Llama4TextConfig(vocab_size=96, hidden_size=64, intermediate_size=32, intermediate_size_mlp=96,
+                                           num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2,
+                                           head_dim=16, num_local_experts=4, num_experts_per_tok=1,
+                                           max_position_embeddings=128, attention_chunk_size=8)
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("deep_llama4")
+    transformers.Llama4ForCausalLM(config).save_pretrained(path)
     return str(path)
 
 
@@ -139,6 +186,13 @@ def test_build_holds_about_one_layer(deep_checkpoints, tmp_path, monkeypatch, ti
 def test_carried_integer_codes_hold_about_one_layer(deep_gptq_moe, tmp_path, monkeypatch):
     _assert_holds_about_one_layer(deep_gptq_moe, tmp_path, monkeypatch,
                                   BuildConfig(dtype="float32", max_seq_len=128, max_input_len=64))
+
+
+@pytest.mark.parametrize("quantization", [None, "fp8_block"])
+def test_llama4_experts_hold_about_one_layer(deep_llama4, tmp_path, monkeypatch, quantization):
+    _assert_holds_about_one_layer(deep_llama4, tmp_path, monkeypatch,
+                                  BuildConfig(dtype="float32", max_seq_len=128, max_input_len=64,
+                                              quantization=quantization))
 
 
 def _assert_holds_about_one_layer(checkpoint: str, tmp_path, monkeypatch, build: BuildConfig) -> None:
