@@ -84,7 +84,7 @@ def test_reader_names_a_truncated_file(tmp_path):
 # ---- quantizers over row chunks give the whole weight's tensors ---------------------------------
 
 def test_quantizers_over_row_chunks_give_the_whole_weights_codes_and_scales(monkeypatch):
-    monkeypatch.setattr(engine.row_chunks, "VALUES_PER_CALL", 4096)  # chunks of 16 rows (128 for blocks)
+    monkeypatch.setattr(engine.row_chunks, "VALUES_PER_CALL", 16384)  # chunks of 64 rows (128 for blocks)
     torch.manual_seed(0)
     experts = torch.randn(3, 300, 256)  # 300 rows: the last 128-row block of each expert is partial
     source_blocks = torch.rand(3, 3, 2) + 0.1
@@ -131,10 +131,10 @@ def deep_checkpoints(tmp_path_factory) -> dict[bool, str]:
 
 @pytest.fixture(scope="module")
 def deep_gptq_moe(tmp_path_factory) -> str:
-    """A GPTQ checkpoint (4-bit codes carried into the engine) of a tiny Qwen3-MoE of LAYERS sparse layers."""
-    config = transformers.Qwen3MoeConfig(vocab_size=96, hidden_size=128, intermediate_size=256,
-                                         moe_intermediate_size=128, num_hidden_layers=LAYERS, num_attention_heads=4,
-                                         num_key_value_heads=2, head_dim=32, num_experts=4, num_experts_per_tok=2,
+    """A GPTQ checkpoint (4-bit codes carried into the engine) of a tiny Qwen3-MoE of LAYERS sparse layers (2 experts)."""
+    config = transformers.Qwen3MoeConfig(vocab_size=96, hidden_size=64, intermediate_size=128,
+                                         moe_intermediate_size=64, num_hidden_layers=LAYERS, num_attention_heads=4,
+                                         num_key_value_heads=2, head_dim=16, num_experts=2, num_experts_per_tok=1,
                                          max_position_embeddings=128)
     torch.manual_seed(0)
     path = tmp_path_factory.mktemp("deep_gptq_moe")
@@ -183,9 +183,10 @@ def test_build_holds_about_one_layer(deep_checkpoints, tmp_path, monkeypatch, ti
                                   BuildConfig(dtype="float32", max_seq_len=128, max_input_len=64, **overrides))
 
 
-def test_carried_integer_codes_hold_about_one_layer(deep_gptq_moe, tmp_path, monkeypatch):
+def test_carried_integer_codes_hold_about_one_layer(deep_gptq_moe, tmp_path, monkeypatch, capsys):
     _assert_holds_about_one_layer(deep_gptq_moe, tmp_path, monkeypatch,
                                   BuildConfig(dtype="float32", max_seq_len=128, max_input_len=64))
+    assert "quantizing it to" not in capsys.readouterr().err  # every weight's codes carried, none quantized afresh
 
 
 @pytest.mark.parametrize("quantization", [None, "fp8_block"])
