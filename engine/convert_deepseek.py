@@ -23,7 +23,8 @@ from typing import Iterator
 import torch
 
 from engine.config import ModelConfig
-from engine.hf_checkpoint import CheckpointError, TensorGetter, decoder_shape, read_rope, shard, stacked_experts
+from engine.hf_checkpoint import (CheckpointError, TensorGetter, decoder_shape, has_tensor, read_rope, shard,
+                                  stacked_experts)
 
 
 def deepseek_config_from_hf(c, architecture: str) -> ModelConfig:
@@ -119,16 +120,39 @@ def _layer_weights(get: TensorGetter, cfg: ModelConfig, i: int, hf: str, out: st
     yield out + "moe.router.weight", get(hf + "mlp.gate.weight")
     if cfg.topk_method == "noaux_tc":
         yield out + "moe.score_bias", get(hf + "mlp.gate.e_score_correction_bias")
-    gate, up, down = stacked_experts(get, hf, cfg.num_experts)
-    if cfg.moe_ep_size > 1:  # whole experts, this rank's num_experts / moe_ep_size of them
-        gate, up, down = (shard(t, 0, rank, cfg.moe_ep_size) for t in (gate, up, down))
-        yield out + "moe.gate_up_proj", torch.cat([gate, up], dim=1)
-        yield out + "moe.down_proj", down
-    else:
-        yield out + "moe.gate_up_proj", torch.cat([shard(gate, 1, rank, tp_size), shard(up, 1, rank, tp_size)], dim=1)
-        yield out + "moe.down_proj", shard(down, 2, rank, tp_size)
+    if has_tensor(get, hf + "mlp.experts.gate_up_proj"):  # transformers 5's in-memory stacks
+        gate, up, down = stacked_experts(get, hf, cfg.num_experts)
+        if cfg.moe_ep_size > 1:  # whole experts, this rank's num_experts / moe_ep_size of them
+            gate, up, down = (shard(t, 0, rank, cfg.moe_ep_size) for t in (gate, up, down))
+            yield out + "moe.gate_up_proj", torch.cat([gate, up], dim=1)
+            yield out + "moe.down_proj", down
+        else:
+            yield out + "moe.gate_up_proj", torch.cat([shard(gate, 1, rank, tp_size), shard(up, 1, rank, tp_size)], dim=1)
+            yield out + "moe.down_proj", shard(down, 2, rank, tp_size)
+    else:  # a checkpoint's per-expert Linears: only this rank's part of each is read and stacked
+        yield out + "moe.gate_up_proj", torch.cat([_rank_expert_stack(get, hf, cfg, p, rank, tp_size)
+                                                   for p in ("gate", "up")], dim=1)
+        yield out + "moe.down_proj", _rank_expert_stack(get, hf, cfg, "down", rank, tp_size)
     if cfg.n_shared_experts:
         yield from gate_up_down(get, hf + "mlp.shared_experts.", out + "moe.shared_", rank, tp_size)
+
+
+def _rank_expert_stack(get: TensorGetter, hf: str, cfg: ModelConfig, proj: str, rank: int, tp_size: int
+                       ) -> torch.Tensor:
+    """This rank's stack of a layer's ``mlp.experts.{e}.{proj}_proj.weight``: with expert parallelism its
+    num_experts / moe_ep_size whole experts, else every expert's 1/tp_size (gate/up rows, down's input columns):
+    the stacks' slices the in-memory layout takes, read a rank's part at a time (DeepSeek-V3's 256 experts of a
+    layer are 11 GB in FP8: a rank of 8 reads an eighth)."""
+    names = [hf + f"mlp.experts.{e}.{proj}_proj.weight" for e in range(cfg.num_experts)]
+    if cfg.moe_ep_size > 1:
+        return torch.stack([get(name) for name in shard_list(names, rank, cfg.moe_ep_size)])
+    return torch.stack([shard(get(name), 1 if proj == "down" else 0, rank, tp_size) for name in names])
+
+
+def shard_list(items: list, rank: int, parts: int) -> list:
+    """Rank ``rank``'s run of ``items`` split into ``parts`` as ``shard`` splits a tensor's dim (torch.chunk)."""
+    step = -(-len(items) // parts)
+    return items[rank * step:(rank + 1) * step]
 
 
 def gate_up_down(get: TensorGetter, hf: str, out: str, rank: int, tp_size: int):
