@@ -52,8 +52,10 @@ SKINNY_BLOCK_VARIANTS = (
 )
 # BITS variants: an eighth element 1 widens the E4M3 tiles by bits (kernels/e4m3_bits.py: no conversion-unit
 # instruction, where Triton's widening takes 1.5 a weight and that unit issues 16 lanes a clock an SM on the H200),
-# the dot products multiplied back with the block scale. Timed by the load-time choice only with
-# $TRITONLLM_FP8_BLOCK_BITS=1 until a GPU has measured them.
+# the dot products multiplied back with the block scale. Timed by the load-time choice unless
+# $TRITONLLM_FP8_BLOCK_BITS=0 (H200, 2026-12-01, session 28 call 7: (32, 128, 4, 6, 4, 0, 0, 1) chosen for
+# Qwen3-30B-A3B's qkv and o_proj, 7.10 / 6.08 us at one row against the block GEMM's 9.14 / 12.58; 7.27 / 7.16 us a
+# call in the decode graph against 8.03 / 7.84 with Triton's widening).
 BITS_ENV = "TRITONLLM_FP8_BLOCK_BITS"
 # ((16, 256, 4, 4) without a split took a 16-byte stack in its BITS form: (16, 128, 4, 8) instead; sm_90, Triton 3.9.)
 BITS_VARIANTS = ((16, 128, 4, 8, 1, 0, 0, 1), (32, 128, 4, 6, 4, 0, 0, 1), (16, 256, 4, 4, 2, 0, 0, 1),
@@ -61,8 +63,8 @@ BITS_VARIANTS = ((16, 128, 4, 8, 1, 0, 0, 1), (32, 128, 4, 6, 4, 0, 0, 1), (16, 
 
 
 def bits_variants() -> tuple:
-    """BITS_VARIANTS where $TRITONLLM_FP8_BLOCK_BITS=1 (read at every choice), else none."""
-    return BITS_VARIANTS if os.environ.get(BITS_ENV, "0").strip() == "1" else ()
+    """BITS_VARIANTS unless $TRITONLLM_FP8_BLOCK_BITS=0 (read at every choice)."""
+    return () if os.environ.get(BITS_ENV, "1").strip() == "0" else BITS_VARIANTS
 
 
 def fp8_block_skinny_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,

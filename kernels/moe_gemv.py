@@ -114,7 +114,10 @@ AHEAD_TILES = ((16, 128, 2, 1, AHEAD), (32, 128, 8, 1, AHEAD),
 # programs (grid (..., S)): each stores its float32 row sums, and the tile's last arrival (kernels/linear.py's
 # self-resetting arrival counters) adds them in split order (deterministic) and finishes the tile: S times the
 # programs (Qwen3-30B-A3B's gate_up at one token: 8 x 48 programs of 16 rows without a split).
-# The load-time choice times them only with $TRITONLLM_MOE_GEMV_DOT=1 until an H200 has measured them.
+# The load-time choice times them unless $TRITONLLM_MOE_GEMV_DOT=0. (H200, 2026-12-01, Qwen3-30B-A3B block-FP8, call
+# 7 of session 28: the BITS tiles chosen at every count, the expert pair 17.7 / 28.3 / 47.2 / 85.4 us at 1 / 2 / 4 / 8
+# tokens against 21.5 / 30.8 / 57.8 / 95.2 (at 8: the grouped path) before; the Triton-widened FP8 DOT tiles behind
+# BITS; a cold load's choices 52.3 s against 12.1 with the dense BITS tilings: benchmarks/results/kernels.md.)
 DOT = "d"
 DOT_ENV = "TRITONLLM_MOE_GEMV_DOT"
 # The x tile's columns: the mma's N (m16n8k16: Triton 3.9 takes N = 8 on sm_90). Against 16 (two n-tiles, the second
@@ -167,7 +170,7 @@ def _dot_candidate(tile: tuple, kind: int) -> bool:
     """Whether candidate_tiles keeps ``tile`` for weights of ``kind`` as far as DOT goes (every other tile: yes)."""
     if not dot_tile(tile):
         return True
-    if kind in (INT4_GROUPS, MXFP4_GROUPS) or os.environ.get(DOT_ENV, "0").strip() != "1":
+    if kind in (INT4_GROUPS, MXFP4_GROUPS) or os.environ.get(DOT_ENV, "1").strip() == "0":
         return False
     if kind == NO_SCALES:
         return not bits_tile(tile)
@@ -190,8 +193,8 @@ def step_sums(tile: tuple) -> bool:
 def candidate_tiles(kind: int) -> tuple:
     """GEMV_TILES a weight kind compiles without spills (sm_90, Triton 3.9): 4-bit steps of at most 512 bytes
     (1,024 unrolls eight pieces of two activation slices each: 255 registers and a 184-byte stack); AHEAD tiles for
-    model-dtype and FP8 experts, blocked scales at BLOCK_K <= 128, with $TRITONLLM_MOE_GEMV_AHEAD=1; with
-    $TRITONLLM_MOE_GEMV_DOT=1, DOT_TILES for model-dtype experts, BITS_TILES and FP8_WIDENED_DOT_TILES for FP8 ones
+    model-dtype and FP8 experts, blocked scales at BLOCK_K <= 128, with $TRITONLLM_MOE_GEMV_AHEAD=1; unless
+    $TRITONLLM_MOE_GEMV_DOT=0, DOT_TILES for model-dtype experts, BITS_TILES and FP8_WIDENED_DOT_TILES for FP8 ones
     (blocked scales: BLOCK_K <= 128)."""
     packed = kind in (INT4_GROUPS, MXFP4_GROUPS)
     timed_ahead = os.environ.get(AHEAD_ENV, "0").strip() == "1"

@@ -112,7 +112,10 @@ def test_load_time_choice_marks_each_weight_with_its_report(monkeypatch):
     rows, and the weight carries the report's verdict (a candidate where it won at both, else False)."""
     from kernels import fp8_block_choice
 
+    from kernels.fp8_block_skinny import BITS_ENV
+
     monkeypatch.setenv("TRITONLLM_KERNEL_CHOICE_CACHE", "off")
+    monkeypatch.setenv(BITS_ENV, "0")  # (the two tilings alone)
     monkeypatch.setattr(fp8_block_choice, "SKINNY_BLOCK_VARIANTS", (TILINGS["plain"], TILINGS["split_k"]))
     w_q, _ = (t.cuda() for t in block_weight())
     report = fp8_block_choice.choose_fp8_block_skinny([w_q, w_q.clone()], torch.bfloat16)
@@ -139,6 +142,16 @@ def test_every_load_time_tiling_is_correct():
         for variant in SKINNY_BLOCK_VARIANTS:
             out = fp8_block_skinny_triton(x, w_q, w_scale, bias, **skinny_options(variant))
             assert relative_error(out, expected) < TOLERANCE[torch.bfloat16], (variant, rows)
+
+
+def test_bits_variants_are_candidates_unless_switched_off(monkeypatch):
+    """The load-time choice times the BITS tilings by default; $TRITONLLM_FP8_BLOCK_BITS=0 leaves them out."""
+    from kernels.fp8_block_skinny import BITS_ENV, bits_variants
+
+    monkeypatch.delenv(BITS_ENV, raising=False)
+    assert bits_variants() == BITS_VARIANTS and all(skinny_options(v)["bits"] for v in BITS_VARIANTS)
+    monkeypatch.setenv(BITS_ENV, "0")
+    assert bits_variants() == ()
 
 
 # ---- ahead of time for sm_90 on the CPU (TRITONLLM_AOT_SM90=1) ---------------------------------

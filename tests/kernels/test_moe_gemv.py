@@ -225,13 +225,13 @@ def test_dot_tiles_equal_the_reference(device, num_tokens, kind, layout, tiles):
 
 
 def test_dot_tiles_are_candidates_of_the_model_dtype_and_fp8_alone(monkeypatch):
-    """DOT tiles: candidates of model-dtype and FP8 experts with $TRITONLLM_MOE_GEMV_DOT=1 (none without), not of
+    """DOT tiles: candidates of model-dtype and FP8 experts by default (none with $TRITONLLM_MOE_GEMV_DOT=0), not of
     4-bit codes; blocked scales need BLOCK_K <= 128 (one scale block a step); the split is the options' digits."""
     from kernels.moe_gemv import BITS_TILES, DOT_ENV, DOT_TILES, FP8_WIDENED_DOT_TILES, bits_tile, dot_tile, tile_split
 
-    monkeypatch.delenv(DOT_ENV, raising=False)
+    monkeypatch.setenv(DOT_ENV, "0")
     assert not any(dot_tile(t) for t in candidate_tiles(BLOCK_SCALES))
-    monkeypatch.setenv(DOT_ENV, "1")
+    monkeypatch.delenv(DOT_ENV)
     assert [t for t in candidate_tiles(NO_SCALES) if dot_tile(t)] == list(DOT_TILES)
     for kind in (ROW_SCALES, BLOCK_SCALES):
         assert {t for t in candidate_tiles(kind) if dot_tile(t)} == set(BITS_TILES + FP8_WIDENED_DOT_TILES)
