@@ -159,7 +159,8 @@ def paged_attention_ref(
         if sliding_window is not None:
             hidden |= k_pos <= q_pos - sliding_window
         if meta.tree_mask is not None:  # the new tokens are a token tree: each sees its ancestors among them
-            hidden[:, context_len - q_len - first_key:] = ~meta.tree_mask[start:end, :q_len]
+            # == 0, not ~: the decode graphs stage the mask as int8 (1 = visible), where ~ gives -2 / -1 (all true)
+            hidden[:, context_len - q_len - first_key:] = meta.tree_mask[start:end, :q_len] == 0
         scores.masked_fill_(hidden, float("-inf"))
         probs = softmax_with_sinks(scores, None if sinks is None else sinks.view(num_heads, 1, 1))
         out[start:end] = torch.einsum("hqk,khd->qhd", probs, values).to(q.dtype)

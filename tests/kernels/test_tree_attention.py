@@ -77,6 +77,10 @@ def test_tree_mask_kernel_equals_reference(heads, mask_form, monkeypatch):
         q = torch.randn(meta.cu_seqlens_q_host[-1], num_heads, head_dim, generator=torch.Generator().manual_seed(1))
         q = q.to(dtype).to(DEVICE)
         want = paged_attention_ref(q, k_cache, v_cache, meta, head_dim ** -0.5)
+        if mask_form == "bytes":  # the reference reads the mask as the decode graphs stage it (int8) as the bool one
+            as_bool, meta.tree_mask = meta.tree_mask, meta.tree_mask.to(torch.int8)
+            assert torch.equal(paged_attention_ref(q, k_cache, v_cache, meta, head_dim ** -0.5), want)
+            meta.tree_mask = as_bool
         got = paged_attention_triton(q, k_cache, v_cache, meta, head_dim ** -0.5)
         assert relative_error(got, want) < TOLERANCE[dtype]
         if mask_form == "bits" and heads == (4, 2, 16):
