@@ -15,11 +15,11 @@ Maverick), following transformers' Llama4TextModel: the Llama block with
       out      = shared(x) + sum_k expert_{e_k}(s_k x)
 
   The fused expert kernels (kernels/fused_moe.py) run it as T * K rows x * s_k each routed to one
-  expert with weight 1. Where the shared expert has a routed expert's shape and storage (Scout, Maverick),
-  it is stacked at load as expert E beside the routed ones (its Linears read views of that slot), and
-  decode steps on CUDA run it as a second row of the experts' launches: rows [x * s; x], ids [e; E]
-  (kernels/llama4_router.py, which also holds the post-attention norm), the two outputs left unsummed
-  for the next norm.
+  expert with weight 1. With $TRITONLLM_LLAMA4_STACK_SHARED=1 (off by default), where the shared expert
+  has a routed expert's shape and storage (Scout, Maverick), it is stacked at load as expert E beside the
+  routed ones (its Linears read views of that slot), and decode steps on CUDA run it as a second row of the
+  experts' launches: rows [x * s; x], ids [e; E] (kernels/llama4_router.py, which also holds the
+  post-attention norm), the two outputs left unsummed for the next norm.
 
 Tensor parallelism: as the Llama block (heads) and engine/models/moe.py (experts sliced along
 their width); the shared expert's down projection is a partial sum that joins the routed part in
@@ -76,6 +76,12 @@ from kernels.moe_gemv import GemvExperts, gemv_tiles, moe_gemv_triton
 # kernels/llama4_router.py with the shared expert as the experts' second row. An A/B switch, read at every call (a
 # CUDA graph keeps what its capture saw).
 ONE_LAUNCH_ROUTING_ENV = "TRITONLLM_LLAMA4_ONE_LAUNCH_ROUTING"
+# "1": Llama4ForCausalLM.init_buffers stacks each MoE layer's shared expert beside its routed experts
+# (Llama4Experts.stack_shared_expert), so decode steps run it as the experts' second row. Default "0" (off): on an
+# H200 Scout's FP8 load then ran out of memory (call 7, 2026-12-01: 110 GiB allocated and 28 GiB reserved but
+# unallocated, the per-layer torch.cat's freed stacks left as fragments), until the stacks are declared with the
+# slot up front. Read once at load.
+STACK_SHARED_ENV = "TRITONLLM_LLAMA4_STACK_SHARED"
 
 
 class Llama4Experts(nn.Module):
@@ -305,12 +311,13 @@ class Llama4ForCausalLM(LlamaForCausalLM):
                                device=device))
 
     def init_buffers(self, device: torch.device) -> None:
-        """LlamaForCausalLM's, and each MoE layer's shared expert stacked beside its routed ones (once, after
-        loading: Llama4Experts.stack_shared_expert)."""
+        """LlamaForCausalLM's, the one routing launch's workspace, and (with $TRITONLLM_LLAMA4_STACK_SHARED=1) each
+        MoE layer's shared expert stacked beside its routed ones (once, after loading: stack_shared_expert)."""
         super().init_buffers(device)
         stacked = False
         for layer in self.layers:
-            if isinstance(layer.moe, Llama4Experts) and layer.moe.shared_slot is None:
+            if (isinstance(layer.moe, Llama4Experts) and layer.moe.shared_slot is None
+                    and os.environ.get(STACK_SHARED_ENV, "0").strip() == "1"):
                 layer.moe.stack_shared_expert()
                 stacked = stacked or layer.moe.shared_slot is not None
         if torch.device(device).type != "cuda":

@@ -100,7 +100,8 @@ def test_engine_on_cuda_equals_transformers(llama4):
     assert_cuda_steps_equal_transformers(hf, engine_dir)
 
 
-def test_one_launch_routing_with_the_norm_equals_the_unfused_moe_block(llama4):
+@pytest.mark.parametrize("stacked", [False, True])
+def test_one_launch_routing_with_the_norm_equals_the_unfused_moe_block(llama4, stacked, monkeypatch):
     """Llama4Experts.forward_normed (kernels/llama4_router.py: the post-attention residual add and norm, the router,
     top-1, sigmoid and input scaling in one launch, as decode steps on CUDA run it; the shared expert stacked as
     expert 4, a second row of the experts' launches, its Linears views of that slot) against the norm, then the
@@ -112,18 +113,25 @@ def test_one_launch_routing_with_the_norm_equals_the_unfused_moe_block(llama4):
         pytest.skip("needs a CUDA device (or TRITON_INTERPRET=1)")
     from kernels.rmsnorm import rms_norm_ref
 
+    from engine.models.llama4 import STACK_SHARED_ENV
+
+    monkeypatch.setenv(STACK_SHARED_ENV, "1" if stacked else "0")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     layer = ModelRunner(llama4[1], device=device).model.layers[1]
     moe, norm_weight = layer.moe, layer.post_attn_norm.weight
     gen = torch.Generator().manual_seed(9)
     x, residual = (torch.randn(3, norm_weight.shape[0], generator=gen).to(device) for _ in range(2))
-    assert moe.shared_slot == 4 and moe.gate_up_proj.shape[0] == 5 and moe.down_proj.shape[0] == 5
-    assert moe.shared_gate_up_proj.weight.data_ptr() == moe.gate_up_proj[4].data_ptr()
-    assert moe.shared_down_proj.weight.data_ptr() == moe.down_proj[4].data_ptr()
+    if stacked:
+        assert moe.shared_slot == 4 and moe.gate_up_proj.shape[0] == 5 and moe.down_proj.shape[0] == 5
+        assert moe.shared_gate_up_proj.weight.data_ptr() == moe.gate_up_proj[4].data_ptr()
+        assert moe.shared_down_proj.weight.data_ptr() == moe.down_proj[4].data_ptr()
+    else:
+        assert moe.shared_slot is None and moe.gate_up_proj.shape[0] == 4
     with torch.inference_mode():
         got, got_residual = moe.forward_normed(x, residual, norm_weight, layer.eps)
-        assert got.shape == (3, 2, x.shape[1])  # [routed, shared] unsummed: the next norm sums them
-        got = got.sum(dim=1)
+        if stacked:
+            assert got.shape == (3, 2, x.shape[1])  # [routed, shared] unsummed: the next norm sums them
+            got = got.sum(dim=1)
         h, want_residual = rms_norm_ref(x, norm_weight, layer.eps, residual)
         top, ids = moe.router(h).topk(1, dim=-1)
         want = moe._plus_shared(moe.routed_experts(h * torch.sigmoid(top), ids.to(torch.int32)), h)
@@ -132,7 +140,8 @@ def test_one_launch_routing_with_the_norm_equals_the_unfused_moe_block(llama4):
     assert len(set(ids.flatten().tolist())) > 1  # (the tokens go to different experts)
 
 
-def test_cuda_decode_path_in_the_interpreter_equals_transformers(llama4, monkeypatch):
+@pytest.mark.parametrize("stacked", [False, True])
+def test_cuda_decode_path_in_the_interpreter_equals_transformers(llama4, stacked, monkeypatch):
     """The code decode steps run on CUDA, on CPU through Triton's interpreter (TRITON_INTERPRET=1; on a GPU
     test_engine_on_cuda_equals_transformers covers it): the Llama 4 modules' kernel dispatch told it is on CUDA, so
     each layer's attention is the one decode kernel (kernels/llama4_attention.py), each MoE layer's post-attention
@@ -163,9 +172,11 @@ def test_cuda_decode_path_in_the_interpreter_equals_transformers(llama4, monkeyp
                                 lambda kwargs: kwargs.get("new_kv") is not None))
     monkeypatch.setattr(llama4_model, "route_top1_triton",
                         counted("routing launch", llama4_model.route_top1_triton))
+    monkeypatch.setenv(llama4_model.STACK_SHARED_ENV, "1" if stacked else "0")
     hf, engine_dir = llama4
     runner = ModelRunner(engine_dir)
-    assert [layer.moe.shared_slot for layer in runner.model.layers if layer.moe is not None] == [4, 4]
+    slots = [layer.moe.shared_slot for layer in runner.model.layers if layer.moe is not None]
+    assert slots == ([4, 4] if stacked else [None, None])
     session = PagedSession(runner, num_blocks=64)
     sequence = random_tokens(27, 4)
     expected = hf_logits(hf, sequence)

@@ -91,11 +91,14 @@ def test_fp8_logits_are_the_dequantized_weights_within_activation_rounding(engin
 
 
 @pytest.mark.parametrize("quantization", ["fp8", "fp8_block"])
-def test_shared_expert_is_stacked_beside_the_routed_ones_as_views(engines, quantization):
-    """Llama4Experts.stack_shared_expert at load: the shared expert's E4M3 codes and scales become expert 4 of the
-    stacks (per channel or per block), and its Linears read views of that slot (one copy)."""
+def test_shared_expert_is_stacked_beside_the_routed_ones_as_views(engines, quantization, monkeypatch):
+    """Llama4Experts.stack_shared_expert at load ($TRITONLLM_LLAMA4_STACK_SHARED=1): the shared expert's E4M3 codes
+    and scales become expert 4 of the stacks (per channel or per block), and its Linears read views of that slot (one copy)."""
     from engine.executor.runner import ModelRunner
+    from engine.models.llama4 import STACK_SHARED_ENV
 
+    assert ModelRunner(engines[quantization]).model.layers[1].moe.shared_slot is None  # (off by default)
+    monkeypatch.setenv(STACK_SHARED_ENV, "1")
     moe = ModelRunner(engines[quantization]).model.layers[1].moe
     assert moe.shared_slot == 4
     for name, linear in (("gate_up_proj", moe.shared_gate_up_proj), ("down_proj", moe.shared_down_proj)):
