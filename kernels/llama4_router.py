@@ -27,12 +27,13 @@ the router weight (loaded before its PDL wait: no kernel of the step writes them
 (16, BLOCK_H) x (BLOCK_H, E) product on the tensor cores into a partial logit per token and expert in a device
 workspace, with its columns' absolute maxima per token (the E4M3 scale's); with ``norm`` it first takes each token's
 statistics over the whole row (every program alike: the same float32 sums), writes its columns of h and of the new
-residual. The program whose count completes the grid (an acq_rel atomic) sums the partials in program order, rounds
-them to the model dtype, takes the top-1 and the score, and writes each token's rows from h (read back through L2:
-other programs wrote it), then resets the count for the next call. (One program reading the whole weight, the first
-version, took 13.3 us a call on an H200: its 10 loads one after another.) For the few tokens of a decode step
-(``ROUTE_ROWS``); longer batches keep the unfused path, whose product reads the weight once for all rows. No host
-synchronisation: CUDA graphs capture it; the workspace is made before (``reserve_route_workspace``).
+residual. The program whose count completes the grid (kernels/linear.py last_arrival: an acq_rel atomic, which
+resets the count for the next call) sums the partials in program order, rounds them to the model dtype, takes the
+top-1 and the score, and writes each token's rows from h (read back through L2: other programs wrote it). (One
+program reading the whole weight, the first version, took 13.3 us a call on an H200: its 10 loads one after
+another.) For the few tokens of a decode step (``ROUTE_ROWS``); longer batches keep the unfused path, whose product
+reads the weight once for all rows. No host synchronisation: CUDA graphs capture it; the workspace is made before
+(``reserve_route_workspace``).
 """
 from __future__ import annotations
 
@@ -43,6 +44,7 @@ import torch
 from kernels._triton import jit, pdl_options, pdl_prologue, tl, triton
 from kernels.e4m3_rows import e4m3_row_scale, to_e4m3
 from kernels.fp8 import FP8_DTYPE, QuantizedRows, quantize_rows
+from kernels.linear import last_arrival
 from kernels.rmsnorm import rms_norm_ref
 
 # Tokens a launch routes at most (decode steps): every program takes them all as one 16-row tensor-core tile.
@@ -132,9 +134,7 @@ def _route_top1_kernel(x_ptr, res_ptr, norm_w_ptr, h_ptr, res_out_ptr, w_ptr, ro
     tl.store(part_ptr + (split * BLOCK_T + tokens[:, None]) * E_PAD + experts[None, :], partial)
     if QUANTIZE:
         tl.store(peak_ptr + split * BLOCK_T + tokens, tl.max(tl.abs(tile.to(tl.float32)), 1))
-    tl.debug_barrier()  # every thread's stores are issued before the count's release
-    done = tl.atomic_add(count_ptr, 1, sem="acq_rel")
-    if done == tl.num_programs(0) - 1:  # the last program: every partial (and h) is written
+    if last_arrival(count_ptr, 0, tl.num_programs(0)):  # the last program: every partial (and h) is written
         splits = tl.arange(0, S_PAD)
         s_ok = splits < tl.num_programs(0)
         parts = tl.load(part_ptr + (splits[:, None, None] * BLOCK_T + tokens[None, :, None]) * E_PAD
@@ -164,7 +164,6 @@ def _route_top1_kernel(x_ptr, res_ptr, norm_w_ptr, h_ptr, res_out_ptr, w_ptr, ro
             if QUANTIZE:
                 scale = tl.sum(tl.where(tokens == t, scales, 0.0), 0)
                 tl.store(q_ptr + t * stride_q + row, to_e4m3(h, scale), mask=row_ok)
-        tl.store(count_ptr, 0)
 
 
 _WORKSPACES: dict[tuple[torch.device, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}

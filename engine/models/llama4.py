@@ -315,9 +315,9 @@ class Llama4ForCausalLM(LlamaForCausalLM):
         MoE layer's shared expert stacked beside its routed ones (once, after loading: stack_shared_expert)."""
         super().init_buffers(device)
         stacked = False
+        stack_shared = os.environ.get(STACK_SHARED_ENV, "0").strip() == "1"
         for layer in self.layers:
-            if (isinstance(layer.moe, Llama4Experts) and layer.moe.shared_slot is None
-                    and os.environ.get(STACK_SHARED_ENV, "0").strip() == "1"):
+            if stack_shared and isinstance(layer.moe, Llama4Experts) and layer.moe.shared_slot is None:
                 layer.moe.stack_shared_expert()
                 stacked = stacked or layer.moe.shared_slot is not None
         if torch.device(device).type != "cuda":
