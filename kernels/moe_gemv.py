@@ -460,9 +460,7 @@ def _step_product(w, xt, BITS: tl.constexpr, ASM: tl.constexpr):
     """One step's (BLOCK_N, COLS) float32 w @ xt: _dot_product, or with BITS the codes widened by bits
     (kernels/e4m3_bits.py) and the product multiplied back (exact powers of two)."""
     if BITS:
-        if xt.dtype == tl.float16:
-            return tl.dot(widened_bits(w, tl.float16, ASM), xt) * bits_factor(tl.float16)
-        elif xt.dtype == tl.float32:
+        if xt.dtype == tl.float32:
             return tl.dot(widened_bits(w, tl.float32, ASM), xt, input_precision="ieee") * bits_factor(tl.float32)
         else:
             return tl.dot(widened_bits(w, xt.dtype, ASM), xt) * bits_factor(xt.dtype)
