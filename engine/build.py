@@ -176,10 +176,7 @@ def quantized_rank_tensors(converted, names: list[str], source_scales: dict[str,
                                     tensor.reshape(-1, tensor.shape[-1]), scale)
         return [(name, codes.view(tensor.shape)), (name + "_scale", row_scales.view(tensor.shape[:-1]))]
 
-    for name, tensor in converted:
-        done = outputs(name, tensor)
-        del tensor  # not held while the next weight converts (handed_on)
-        yield from handed_on(done)
+    yield from each_handed_on(converted, outputs)
 
 
 def block_quantized_rank_weights(converted, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype,
@@ -200,9 +197,16 @@ def block_quantized_rank_weights(converted, shapes: dict[str, tuple[int, ...]], 
         codes, scale = _block_quantized(tensor, None if source_scales is None else source_scales[name])
         return [(name, codes), (name + "_scale", scale)]
 
+    yield from each_handed_on(converted, outputs)
+
+
+def each_handed_on(converted, outputs):
+    """Yield, for each (name, tensor) of ``converted``, the (name, tensor) pairs ``outputs(name, tensor)`` returns,
+    the input dropped before they go on: a weight's conversion (float32 before quantization) is not held while
+    the next weight converts (handed_on)."""
     for name, tensor in converted:
         done = outputs(name, tensor)
-        del tensor  # the float32 conversion is not held while the next weight converts (handed_on)
+        del tensor
         yield from handed_on(done)
 
 
@@ -265,7 +269,7 @@ def write_engine(output_dir: str, model: ModelConfig, build: BuildConfig, get: T
         kept = [name for name, scale in block_scales[0].items() if scale is None]
         if kept:
             print(f"note: {len(kept)} weights the checkpoint leaves unquantized (wholly or in part) keep --dtype "
-                  f"{build.dtype}: {', '.join(kept[:4])}{', ...' if len(kept) > 4 else ''}", file=sys.stderr)
+                  f"{build.dtype}: {_first_names(kept)}", file=sys.stderr)
     _clear_old_engine(output_dir)
     bar = tqdm(total=len(names) * build.tp_size, unit="tensor", desc="converting", disable=not progress)
     for rank in range(build.tp_size):
@@ -325,20 +329,20 @@ def _weight_only_tensors(converted, model: ModelConfig, build: BuildConfig, rank
     integer = set(integer_tensor_names(names))
     carried = (carried_integer_tensors(integer_source, model, build, rank, names) if integer_source is not None
                else None)
-    for name, tensor in converted:
+
+    def outputs(name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         held = None
         if carried is not None:
             carried_name, held = next(carried)
             if carried_name != name:  # the same conversion over two getters: a converter bug, never a user error
                 raise AssertionError(f"stand-in conversion yielded {carried_name} beside {name}")
         if held is not None:
-            done = list(held.items())
-        elif name in integer:
-            done = list(build_time_quantized(name, tensor, build.weight_only).items())
-        else:
-            done = [(name, tensor)]
-        del tensor, held  # not held while the next weight converts (handed_on)
-        yield from handed_on(done)
+            return list(held.items())
+        if name in integer:
+            return list(build_time_quantized(name, tensor, build.weight_only).items())
+        return [(name, tensor)]
+
+    yield from each_handed_on(converted, outputs)
 
 
 class _RankFiles:
