@@ -28,7 +28,8 @@ import numpy as np
 import torch
 
 from engine.encoder_decoder.model import CrossAttentionBatch
-from engine.executor.cuda_graphs import capture_forward, default_buckets, fill_decode_inputs
+from engine.executor.cuda_graphs import (capture_forward, default_buckets, fill_decode_inputs, set_staging_views,
+                                         staging_offsets)
 from engine.executor.overlap import resolve_placeholders
 from kernels.attention_metadata import AttentionMetadata
 from kernels.triton_attention import MAX_DECODE_SPLITS, decode_active_splits
@@ -79,24 +80,14 @@ class EncDecDecodeGraphs:
         n, dev, cuda = self.max_batch_size, self.device, self.device.type == "cuda"
         shapes = {"i64": (6 * n,), "ctx": (n,), "tables": (n, self.max_blocks), "splits": (2,),
                   "cross_lens": (n,), "cross_tables": (n, self.max_cross_blocks)}
-        offsets, end = {}, 0
-        for name, shape in shapes.items():
-            offsets[name] = end
-            end += -(-int(np.prod(shape)) // 4) * 4
+        offsets, end = staging_offsets(shapes)
         self.host_staging = torch.zeros(end, dtype=torch.int32)
         if cuda:  # pinned: the copy does not block
             self.host_staging = self.host_staging.pin_memory()
         self.dev_staging = self.host_staging.to(dev)  # (on CPU: the same tensor)
         self._cross_tables_at = offsets["cross_tables"]
-
-        def views(staging: torch.Tensor, prefix: str) -> None:
-            for name, shape in shapes.items():
-                view = staging[offsets[name]:offsets[name] + int(np.prod(shape))]
-                view = view.view(torch.int64).view(3, n) if name == "i64" else view.view(shape)
-                setattr(self, f"{prefix}_{name}", view)
-
-        views(self.host_staging, "host")
-        views(self.dev_staging, "dev")
+        set_staging_views(self, self.host_staging, "host", shapes, offsets)
+        set_staging_views(self, self.dev_staging, "dev", shapes, offsets)
         # Rows past a step: padding (slot -1, context and cross length 1); splits: the most until a step says.
         self.host_i64[2].fill_(-1)
         self.host_ctx.fill_(1)

@@ -108,14 +108,9 @@ class DecodeGraphs:
         padding: slot -1 (the KV write skips it), context 1 over block 0, state slot -1."""
         n, dev = self.max_batch_size, self.device
         shapes = {"i64": (6 * n,), "ctx": (n,), "splits": (1,), "state_slots": (n,), "tables": (n, self.max_blocks)}
-        offsets, end = {}, 0
-        for name, shape in shapes.items():
-            offsets[name] = end
-            end += -(-int(np.prod(shape)) // 4) * 4
+        offsets, end = staging_offsets(shapes)
         self.host_staging = torch.zeros(end, dtype=torch.int32).pin_memory()  # pinned: the copy does not block
-        for name, shape in shapes.items():
-            view = self.host_staging[offsets[name]:offsets[name] + int(np.prod(shape))]
-            setattr(self, f"host_{name}", view.view(torch.int64).view(3, n) if name == "i64" else view.view(shape))
+        set_staging_views(self, self.host_staging, "host", shapes, offsets)
         self._tables_at = offsets["tables"]
         self.host_i64[2].fill_(-1)
         self.host_ctx.fill_(1)
@@ -123,9 +118,7 @@ class DecodeGraphs:
         self.host_state_slots.fill_(-1)
         self.dev_staging = torch.zeros(end, dtype=torch.int32, device=dev)
         self.dev_staging.copy_(self.host_staging)
-        for name, shape in shapes.items():
-            view = self.dev_staging[offsets[name]:offsets[name] + int(np.prod(shape))]
-            setattr(self, f"dev_{name}", view.view(torch.int64).view(3, n) if name == "i64" else view.view(shape))
+        set_staging_views(self, self.dev_staging, "dev", shapes, offsets)
         self.cu_seqlens = torch.arange(n + 1, dtype=torch.int32, device=dev)
         self.metas: dict[int, AttentionMetadata] = {}
         self._np_i64, self._np_ctx, self._np_tables = self.host_i64.numpy(), self.host_ctx.numpy(), self.host_tables.numpy()
@@ -290,6 +283,25 @@ def _time_programmatic_launch(model: torch.nn.Module, kv_cache: torch.Tensor, *,
     set_pdl(chosen)
     del graphs
     return {"pdl": chosen, "step_ms_without": best[False], "step_ms_with": best[True]}
+
+
+def staging_offsets(shapes: dict[str, tuple[int, ...]]) -> tuple[dict[str, int], int]:
+    """(each input's offset, the total) in int32 elements of a step's staging buffer holding inputs of ``shapes``
+    (in int32 elements, in order), each starting 16-byte aligned."""
+    offsets, end = {}, 0
+    for name, shape in shapes.items():
+        offsets[name] = end
+        end += -(-int(np.prod(shape)) // 4) * 4
+    return offsets, end
+
+
+def set_staging_views(owner, staging: torch.Tensor, prefix: str, shapes: dict[str, tuple[int, ...]],
+                      offsets: dict[str, int]) -> None:
+    """owner.PREFIX_NAME: each input's view of the int32 ``staging`` at its offset (staging_offsets), ``i64`` as
+    int64 (3, n) (the rows' ids, positions and slots), the others as their shapes."""
+    for name, shape in shapes.items():
+        view = staging[offsets[name]:offsets[name] + int(np.prod(shape))]
+        setattr(owner, f"{prefix}_{name}", view.view(torch.int64).view(3, -1) if name == "i64" else view.view(shape))
 
 
 def capture_forward(model: torch.nn.Module, args: tuple, sampled_tokens: torch.Tensor,
