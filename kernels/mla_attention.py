@@ -35,7 +35,8 @@ from kernels.attention import KV_FP8_DTYPE, _as_bytes_if_fp8, gather_blocks, to_
 from kernels.attention_metadata import AttentionMetadata
 from kernels.head_matmul import head_matmul
 from kernels.mla_decode import (DECODE_BATCHED_MIN_SPAN, DECODE_BATCHED_PROGRAMS, DECODE_SPLITS, DECODE_TILING,
-                                DECODE_TILING_FP8, decode_kernel_default, decode_tile_fits, mla_decode_launch)
+                                DECODE_TILING_FP8, DECODE_TILING_FP8_BITS, decode_kernel_default, decode_tile_fits,
+                                mla_decode_launch, widens_by_bits)
 from kernels.mla_partials import store_split_output
 from kernels.online_softmax import online_softmax_step
 
@@ -322,7 +323,7 @@ def mla_attention_triton(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: to
                          min_span: int | None = None, max_splits: int | None = None, num_warps: int | None = None,
                          w_uv: torch.Tensor | None = None, decode_kernel: bool | None = None,
                          decode_tiling: tuple[int, int, int] | None = None,
-                         programs_per_sm: int | None = None) -> torch.Tensor:
+                         programs_per_sm: int | None = None, fp8_bits: bool | None = None) -> torch.Tensor:
     """mla_attention_ref on the GPU (or Triton's interpreter): one program per (token, BLOCK_H heads,
     key split), the splits' outputs combined by their log-sum-exps (_mla_combine_kernel). Two
     launches (one with a single split) besides cu_seqlens' token map; no host sync (CUDA-graph safe):
@@ -334,9 +335,10 @@ def mla_attention_triton(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: to
     launch itself where there is one (mla_attention_values), else by kernels/head_matmul.py after.
 
     Decode-only steps (no token tree) take kernels/mla_decode.py's kernel where ``decode_kernel``
-    (None: decode_kernel_enabled() and kernels/mla_decode.py decode_kernel_default) and its tile fits the page: ``decode_tiling`` (BLOCK_N, num_warps,
-    STAGES), None for DECODE_TILING (DECODE_TILING_FP8 for an FP8 pool); ``block_n`` and ``num_warps``
-    then serve the general kernel only. The split policy's ``max_splits``, ``min_span`` and
+    (None: decode_kernel_enabled() and kernels/mla_decode.py decode_kernel_default) and its tile fits the
+    page: ``decode_tiling`` (BLOCK_N, num_warps, STAGES), None for DECODE_TILING (an FP8 pool:
+    DECODE_TILING_FP8_BITS where its codes are widened by bits, ``fp8_bits``, None: kernels/mla_decode.py
+    widens_by_bits, else DECODE_TILING_FP8); ``block_n`` and ``num_warps`` then serve the general kernel only. The split policy's ``max_splits``, ``min_span`` and
     ``programs_per_sm`` left None take the kernel's own (split_policy)."""
     num_tokens, num_heads, rank = q_latent.shape
     assert q_latent.stride(-1) == 1 and q_rope.stride(-1) == 1 and cache.stride(-1) == 1
@@ -344,10 +346,11 @@ def mla_attention_triton(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: to
         return torch.empty_like(q_latent) if w_uv is None else q_latent.new_empty(num_tokens, num_heads, w_uv.shape[1])
     decode = meta.is_decode_only and meta.tree_mask is None and num_tokens == meta.context_lens.shape[0]
     fp8_pool = cache.dtype == KV_FP8_DTYPE
-    tiling = decode_tiling or (DECODE_TILING_FP8 if fp8_pool else DECODE_TILING)
+    bits = widens_by_bits(fp8_pool, q_latent.dtype, q_latent.is_cuda, fp8_bits)
+    tiling = decode_tiling or (DECODE_TILING_FP8_BITS if bits else DECODE_TILING_FP8 if fp8_pool else DECODE_TILING)
     programs = num_tokens * triton.cdiv(num_heads, block_h)
     if decode_kernel is None:
-        decode_kernel = decode_kernel_enabled() and decode_kernel_default(fp8_pool, programs)
+        decode_kernel = decode_kernel_enabled() and decode_kernel_default(fp8_pool, programs, bits)
     use_decode = decode_kernel and decode and decode_tile_fits(cache.shape[1], tiling[0])
     max_splits, min_span, programs_per_sm = split_policy(use_decode, tiling[0] if use_decode else block_n,
                                                          max_splits, min_span, programs_per_sm, programs)
@@ -361,7 +364,8 @@ def mla_attention_triton(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: to
         lse = torch.empty(num_tokens, num_heads, splits, dtype=torch.float32, device=q_latent.device)
     if use_decode:
         tables, lens = dense(meta.block_tables, meta.context_lens)  # read at ptr + i (tables: + row * row stride)
-        mla_decode_launch(q_latent, q_rope, cache, tables, lens, part, lse, scale, splits, min_span, block_h, tiling)
+        mla_decode_launch(q_latent, q_rope, cache, tables, lens, part, lse, scale, splits, min_span, block_h, tiling,
+                          bits)
     else:
         _mla_general_launch(q_latent, q_rope, cache, meta, part, lse, scale, splits, min_span, block_h, block_n,
                             num_warps, decode)

@@ -18,10 +18,12 @@ the batch shape: CUDA-graph safe), each spanning whole tiles, at least ``min_spa
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
 from kernels._triton import jit, pdl_options, pdl_prologue, tl, triton
+from kernels.e4m3_bits import widened_bits
 from kernels.mla_partials import store_split_output
 
 LOG2E = 1.0 / math.log(2.0)
@@ -46,17 +48,61 @@ def _tile(cache_ptr, table, start, last, stride_cb, stride_cs, RANK: tl.constexp
 
 
 @jit
-def _fold_tile(q_lat, q_rope, latent, k_rope, key_ok, m, denom, acc, scale_log2, DOT_PRECISION: tl.constexpr):
-    """One tile into the running (max, denominator, sum), scores in log2 units. The tile holds a
-    visible key (the loop visits only those), so the new max is finite."""
+def _fold_tile(q_lat, q_rope, latent, k_rope, key_ok, m, denom, acc, score_scale, PROB_SCALE: tl.constexpr,
+               DOT_PRECISION: tl.constexpr):
+    """One tile into the running (max, denominator, sum), scores in log2 units: the products' float32
+    sums times ``score_scale`` (a scalar, or (BLOCK_H, 1) per head: _bits_queries). The value product
+    takes the probabilities times PROB_SCALE (1, or the bits path's power of two: its latent at 2^-120 or
+    2^-8, so the sum comes out at the latents' own scale; the denominator counts the plain ones). The tile
+    holds a visible key (the loop visits only those), so the new max is finite."""
     scores = (tl.dot(q_lat, tl.trans(latent), input_precision=DOT_PRECISION)
               + tl.dot(q_rope, tl.trans(k_rope), input_precision=DOT_PRECISION))  # (BLOCK_H, BLOCK_N) f32
-    scores = tl.where(key_ok[None, :], scores * scale_log2, -float("inf"))
+    scores = tl.where(key_ok[None, :], scores * score_scale, -float("inf"))
     m_new = tl.maximum(m, tl.max(scores, 1))
     alpha = tl.exp2(m - m_new)
     probs = tl.exp2(scores - m_new[:, None])
-    acc = acc * alpha[:, None] + tl.dot(probs.to(latent.dtype), latent, input_precision=DOT_PRECISION)
+    weights = probs if PROB_SCALE == 1.0 else probs * PROB_SCALE
+    acc = acc * alpha[:, None] + tl.dot(weights.to(latent.dtype), latent, input_precision=DOT_PRECISION)
     return m_new, denom * alpha + tl.sum(probs, 1), acc
+
+
+@jit
+def _pow2(e):
+    """2^e as float32 for integer tensors e in [-126, 127] (the exponent field alone: exact)."""
+    return ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@jit
+def _bits_queries(q_lat, q_rope, scale_log2, WIDE: tl.constexpr):
+    """The queries and per-head score scale (BLOCK_H, 1) for a pool widened by bits (kernels/e4m3_bits.py):
+    codes as WIDE at value * 2^-120 (bfloat16; float32 under the interpreter) or value * 2^-8 (float16).
+
+    2^-8: float16 queries as they are (through float32: exact); products of a float16 query and a code at
+    2^-8 stay float32 normals (>= 2^-24 * 2^-17), the scores times 2^8. 2^-120: each head's queries scaled by 2^(120 - e), e =
+    floor(log2 max |q_h|) over its latent and rope parts (at least -7, so the factor stays a float32), so
+    the largest lands in [2^120, 2^121): exact (a power of two, under bfloat16's 2^128), and every product
+    with a code (>= 2^-129, the smallest subnormal) of a query within 2^-100 of the head's largest is a
+    float32 normal -- nothing the tensor cores could flush; the scores times 2^e."""
+    q_lat = q_lat.to(tl.float32)
+    q_rope = q_rope.to(tl.float32)
+    if WIDE == tl.float16:
+        e = tl.full([q_lat.shape[0]], 8, tl.int32)
+        up = 1.0
+    else:
+        q_max = tl.maximum(tl.max(tl.abs(q_lat), 1), tl.max(tl.abs(q_rope), 1))  # (BLOCK_H,)
+        e = tl.maximum(((q_max.to(tl.int32, bitcast=True) >> 23) & 255) - 127, -7)  # 0 (or subnormal): -7
+        up = _pow2(120 - e)[:, None]
+    return (q_lat * up).to(WIDE), (q_rope * up).to(WIDE), scale_log2 * _pow2(e)[:, None]
+
+
+@jit
+def _widened(x, WIDE: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr):
+    """A loaded tile as the products' dtype: FP8 codes by bits (BITS: kernels/e4m3_bits.py, at 2^-120 or
+    2^-8), else Triton's conversion (exact: E4M3 and the 16-bit pools fit WIDE)."""
+    if BITS:
+        return widened_bits(x, WIDE, ASM)
+    else:
+        return x.to(WIDE)
 
 
 @jit
@@ -65,12 +111,16 @@ def _mla_decode_kernel(q_lat_ptr, q_rope_ptr, cache_ptr, part_ptr, lse_ptr, bloc
                        stride_bt, RANK: tl.constexpr, ROPE: tl.constexpr, RANK_PAD: tl.constexpr,
                        ROPE_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                        STAGES: tl.constexpr, PREFETCH: tl.constexpr, DIRECT: tl.constexpr,
-                       DOT_PRECISION: tl.constexpr, PDL: tl.constexpr):
+                       DOT_PRECISION: tl.constexpr, PDL: tl.constexpr, BITS: tl.constexpr = False,
+                       ASM: tl.constexpr = False):
     """Program (s, hb, split): sequence s's heads hb * BLOCK_H ... over split ``split`` of its keys
     0 .. context_len - 1 (its new token is the last). Scores in log2 units (scale_log2 = scale *
     log2 e: exp2 in the softmax); the lse written in natural-log units, as the combines read it.
     Every tile the loop visits holds a visible key (start < last), so the running max is finite
-    from the first tile on; a split past the context visits none and writes only lse = -inf."""
+    from the first tile on; a split past the context visits none and writes only lse = -inf.
+    BITS (FP8 pools): the codes widened by bit moves (kernels/e4m3_bits.py; ASM: its PTX, False under the
+    interpreter), the queries and scales of _bits_queries, the value product's probabilities times the
+    bits factor: no E4M3 conversion instruction (16 lanes a clock an SM on the H200) in the loop."""
     pdl_prologue(PDL)
     seq = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -88,6 +138,14 @@ def _mla_decode_kernel(q_lat_ptr, q_rope_ptr, cache_ptr, part_ptr, lse_ptr, bloc
                     mask=load_q[:, None] & (r < RANK)[None, :], other=0.0)  # (BLOCK_H, RANK_PAD)
     q_rope = tl.load(q_rope_ptr + seq * stride_rt + heads[:, None] * stride_rh + p[None, :],
                      mask=load_q[:, None] & (p < ROPE)[None, :], other=0.0)  # (BLOCK_H, ROPE_PAD)
+    if BITS:  # the products in the queries' 16-bit dtype (float32 under the interpreter), codes at 2^-120 / 2^-8
+        WIDE: tl.constexpr = tl.float16 if q_lat.dtype == tl.float16 else q_lat.dtype
+        q_lat, q_rope, score_scale = _bits_queries(q_lat, q_rope, scale_log2, WIDE)
+        PROB_SCALE: tl.constexpr = 256.0 if WIDE == tl.float16 else 1.329227995784916e+36  # 2^8, 2^120
+    else:
+        WIDE: tl.constexpr = q_lat.dtype
+        score_scale = scale_log2
+        PROB_SCALE: tl.constexpr = 1.0
     m = tl.full([BLOCK_H], -float("inf"), dtype=tl.float32)
     denom = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, RANK_PAD], dtype=tl.float32)
@@ -96,17 +154,18 @@ def _mla_decode_kernel(q_lat_ptr, q_rope_ptr, cache_ptr, part_ptr, lse_ptr, bloc
         latent_next, rope_next = _tile(cache_ptr, table, first, last, stride_cb, stride_cs, RANK, ROPE, RANK_PAD,
                                        ROPE_PAD, PAGE, BLOCK_N)
         for start in range(first, last, BLOCK_N):
-            latent, k_rope = latent_next.to(q_lat.dtype), rope_next.to(q_lat.dtype)
+            latent, k_rope = _widened(latent_next, WIDE, BITS, ASM), _widened(rope_next, WIDE, BITS, ASM)
             latent_next, rope_next = _tile(cache_ptr, table, start + BLOCK_N, last, stride_cb, stride_cs, RANK, ROPE,
                                            RANK_PAD, ROPE_PAD, PAGE, BLOCK_N)
-            m, denom, acc = _fold_tile(q_lat, q_rope, latent, k_rope, start + n < last, m, denom, acc, scale_log2,
-                                       DOT_PRECISION)
+            m, denom, acc = _fold_tile(q_lat, q_rope, latent, k_rope, start + n < last, m, denom, acc, score_scale,
+                                       PROB_SCALE, DOT_PRECISION)
     else:  # Triton's pipeliner: STAGES tiles in flight as cp.async copies into shared memory
         for start in tl.range(first, last, BLOCK_N, num_stages=STAGES):
             latent, k_rope = _tile(cache_ptr, table, start, last, stride_cb, stride_cs, RANK, ROPE, RANK_PAD,
                                    ROPE_PAD, PAGE, BLOCK_N)
-            m, denom, acc = _fold_tile(q_lat, q_rope, latent.to(q_lat.dtype), k_rope.to(q_lat.dtype), start + n < last,
-                                       m, denom, acc, scale_log2, DOT_PRECISION)
+            m, denom, acc = _fold_tile(q_lat, q_rope, _widened(latent, WIDE, BITS, ASM),
+                                       _widened(k_rope, WIDE, BITS, ASM), start + n < last, m, denom, acc,
+                                       score_scale, PROB_SCALE, DOT_PRECISION)
     lse = (m + tl.log2(tl.where(denom > 0, denom, 1.0))) / 1.4426950408889634  # natural-log units
     store_split_output(part_ptr, lse_ptr, acc, denom, lse, seq, heads, head_ok, r, num_heads, splits, split, RANK,
                        DIRECT)
@@ -122,6 +181,9 @@ def _mla_decode_kernel(q_lat_ptr, q_rope_ptr, cache_ptr, part_ptr, lse_ptr, bloc
 # 8.7 / 39.1 / 31.0 / 998.8; 32 x 8 x 3 slower still).
 DECODE_TILING = (32, 4, 3)
 DECODE_TILING_FP8 = (32, 8, 0)
+# FP8 pools widened by bits (BITS): not yet measured on a GPU (session 29): the bf16 pool's tiling, the tile's
+# 18 KB of codes pipelined as cp.async copies, widened in registers.
+DECODE_TILING_FP8_BITS = (32, 4, 3)
 # The decode kernel's split policy (kernels/mla_attention.py split_policy, mla_splits): (max_splits, min_span,
 # programs_per_sm) -- up to 128 splits, the grid covering the GPU 8 times, 32 keys a split at least; and from
 # DECODE_BATCHED_PROGRAMS (sequence x head-block) programs on, 128 keys a split at least (a split's float32
@@ -133,11 +195,30 @@ DECODE_BATCHED_PROGRAMS = 16
 DECODE_BATCHED_MIN_SPAN = 128
 
 
-def decode_kernel_default(fp8_pool: bool, programs: int) -> bool:
+FP8_BITS_ENV = "TRITONLLM_MLA_FP8_BITS"  # "0" / "1": FP8 pools widened by Triton's conversion / by bits (A/B runs)
+USE_FP8_BITS = True  # unset: this
+
+
+def fp8_bits_enabled() -> bool:
+    """Whether FP8 pools' codes are widened by bits in the decode kernel: FP8_BITS_ENV, else USE_FP8_BITS."""
+    value = os.environ.get(FP8_BITS_ENV, "").strip()
+    return USE_FP8_BITS if not value else value != "0"
+
+
+def widens_by_bits(fp8_pool: bool, q_dtype: torch.dtype, on_cuda: bool, asked: bool | None = None) -> bool:
+    """Whether the decode kernel widens the pool's codes by bits: an FP8 pool, ``asked`` (None:
+    fp8_bits_enabled()), and queries of a 16-bit dtype (the products' dtype) or, off CUDA (Triton's
+    interpreter, which runs no PTX), float32 ones too; float32 queries on the GPU keep the conversion."""
+    wide_ok = q_dtype in (torch.bfloat16, torch.float16) or (q_dtype == torch.float32 and not on_cuda)
+    return fp8_pool and wide_ok and (fp8_bits_enabled() if asked is None else asked)
+
+
+def decode_kernel_default(fp8_pool: bool, programs: int, bits: bool = False) -> bool:
     """Where the decode kernel is the default (switched on, not asked for by name): every pool but an FP8 one
-    from DECODE_BATCHED_PROGRAMS programs on, where the general kernel measured as fast or faster (batch 32 x
-    1k: 31.0 against 36.5 us; both ~14% of the copy bandwidth, bound by the FP8 conversion, not the bytes)."""
-    return not (fp8_pool and programs >= DECODE_BATCHED_PROGRAMS)
+    widened by Triton's conversion from DECODE_BATCHED_PROGRAMS programs on, where the general kernel measured
+    as fast or faster (batch 32 x 1k: 31.0 against 36.5 us; both ~14% of the copy bandwidth, bound by the FP8
+    conversion, not the bytes). Widened by bits (``bits``), FP8 pools take it at every batch."""
+    return not (fp8_pool and not bits and programs >= DECODE_BATCHED_PROGRAMS)
 
 
 def decode_tile_fits(page: int, block_n: int) -> bool:
@@ -147,10 +228,12 @@ def decode_tile_fits(page: int, block_n: int) -> bool:
 
 def mla_decode_launch(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
                       context_lens: torch.Tensor, part: torch.Tensor, lse: torch.Tensor, scale: float, splits: int,
-                      min_span: int, block_h: int, tiling: tuple[int, int, int] = DECODE_TILING) -> None:
+                      min_span: int, block_h: int, tiling: tuple[int, int, int] = DECODE_TILING,
+                      bits: bool = False) -> None:
     """One launch of _mla_decode_kernel over (sequences, head blocks, splits): ``part`` is the output
     (T, H, R) itself when splits == 1, else the float32 partials; block_tables and context_lens dense
-    (read at ptr + i). The caller (kernels/mla_attention.py) checks decode_tile_fits and combines."""
+    (read at ptr + i). ``bits``: an FP8 pool's codes widened by bits (widens_by_bits says where it may).
+    The caller (kernels/mla_attention.py) checks decode_tile_fits and combines."""
     num_seqs, num_heads, rank = q_latent.shape
     rope = q_rope.shape[-1]
     block_n, num_warps, stages = tiling
@@ -162,5 +245,5 @@ def mla_decode_launch(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch
         RANK=rank, ROPE=rope, RANK_PAD=max(16, triton.next_power_of_2(rank)),
         ROPE_PAD=max(16, triton.next_power_of_2(rope)), PAGE=cache.shape[1], BLOCK_H=block_h, BLOCK_N=block_n,
         STAGES=max(1, stages), PREFETCH=stages == 0, DIRECT=splits == 1,
-        DOT_PRECISION="ieee" if q_latent.dtype == torch.float32 else "tf32",
+        DOT_PRECISION="ieee" if q_latent.dtype == torch.float32 else "tf32", BITS=bits, ASM=bits and q_latent.is_cuda,
         num_warps=num_warps, **pdl_options(q_latent))

@@ -57,9 +57,10 @@ from benchmarks.common import (command_line, copy_bandwidth, cuda_time_ms, git_c
                                int_list, machine_summary, print_table, utc_now)
 from kernels.attention import KV_FP8_DTYPE  # noqa: E402
 from kernels.attention_metadata import AttentionMetadata  # noqa: E402
-from kernels.mla_decode import DECODE_TILING  # noqa: E402
-from kernels.mla_attention import (MAX_SPLITS, MIN_SPAN, mla_attention_ref, mla_attention_triton,  # noqa: E402
-                                   mla_splits, split_policy)
+from kernels.mla_decode import (DECODE_TILING, DECODE_TILING_FP8, DECODE_TILING_FP8_BITS,  # noqa: E402
+                                decode_kernel_default, widens_by_bits)
+from kernels.mla_attention import (MAX_SPLITS, MIN_SPAN, decode_kernel_enabled, mla_attention_ref,  # noqa: E402
+                                   mla_attention_triton, mla_splits, split_policy)
 
 SHAPES = {"v3": dict(heads=128, rank=512, rope=64), "v2_lite": dict(heads=16, rank=512, rope=64),
           "tiny": dict(heads=4, rank=32, rope=8)}
@@ -111,30 +112,71 @@ def parse_config(text: str) -> dict:
     kernel, two more fields optional, block_n and num_warps ("16:128:64:32:8"), the kernel's defaults
     where left out. "d32:4:3" -> the decode kernel (kernels/mla_decode.py) at BLOCK_N 32, 4 warps, 3
     stages (0: the register prefetch), then optionally max_splits, min_span, programs_per_sm
-    ("d32:4:3:256:32:4"; left out: kernels/mla_decode.py's DECODE_SPLITS)."""
-    if text.startswith("d"):
-        values = [int(x) for x in text[1:].split(":")]
+    ("d32:4:3:256:32:4"; left out: kernels/mla_decode.py's DECODE_SPLITS). "auto": what
+    mla_attention_triton picks by itself (the engine's path: kernel, tiling, splits, FP8 widening).
+    A "+cvt" ending: an FP8 pool's codes widened by Triton's conversion (the path before session 29;
+    TRITONLLM_MLA_FP8_BITS=0), "+bits" by bits (kernels/e4m3_bits.py); neither: the kernel's default."""
+    base, _, option = text.partition("+")
+    assert option in ("", "cvt", "bits"), f"--configs {text!r}: the ending is +cvt or +bits"
+    widening = {} if not option else dict(fp8_bits=option == "bits")
+    if base == "auto":
+        return dict(auto=True, **widening)
+    if base.startswith("d"):
+        values = [int(x) for x in base[1:].split(":")]
         assert 3 <= len(values) <= len(DECODE_KEYS), f"--configs {text!r}: d<block_n>:warps:stages[:max_splits" \
-                                                     "[:min_span[:programs_per_sm]]]"
+                                                     "[:min_span[:programs_per_sm]]][+cvt|+bits]"
         got = dict(zip(DECODE_KEYS, values))
         block_n, warps, stages = got.pop("block_n"), got.pop("num_warps"), got.pop("stages")
-        return dict(decode_kernel=True, decode_tiling=(block_n, warps, stages), **got)
-    values = [int(x) for x in text.split(":")]
+        return dict(decode_kernel=True, decode_tiling=(block_n, warps, stages), **got, **widening)
+    values = [int(x) for x in base.split(":")]
     assert 3 <= len(values) <= len(CONFIG_KEYS), f"--configs {text!r}: block_h:max_splits:min_span[:block_n[:warps]]"
     return dict(zip(CONFIG_KEYS, values), decode_kernel=False)
 
 
 def config_name(config: dict) -> str:
     """parse_config's input back (the table's and the JSON's config column)."""
+    ending = "" if "fp8_bits" not in config else "+bits" if config["fp8_bits"] else "+cvt"
+    if config.get("auto"):
+        return "auto" + ending
     if config.get("decode_kernel"):
         extra = [config[k] for k in DECODE_KEYS[3:] if k in config]
-        return "d" + ":".join(str(v) for v in (*config["decode_tiling"], *extra))
+        return "d" + ":".join(str(v) for v in (*config["decode_tiling"], *extra)) + ending
     return ":".join(str(v) for k, v in config.items() if k != "decode_kernel")
+
+
+def kernel_args(config: dict) -> dict:
+    """mla_attention_triton's keyword arguments for ``config`` (an "auto" one: none but the widening)."""
+    return {k: v for k, v in config.items() if k != "auto"}
+
+
+def resolved(config: dict, pool: str, dtype: torch.dtype, num_tokens: int, heads: int, decode: bool = True) -> dict:
+    """``config`` as mla_attention_triton resolves it for a step (``decode``: every sequence one new token)
+    on a CUDA device: an "auto" one through the same rules (decode_kernel_enabled, kernels/mla_decode.py
+    widens_by_bits and decode_kernel_default, the default tilings); fp8_bits filled in."""
+    fp8_pool = pool == "fp8"
+    bits = widens_by_bits(fp8_pool, dtype, True, config.get("fp8_bits"))
+    out = dict(kernel_args(config), fp8_bits=bits)
+    if config.get("auto"):
+        programs = num_tokens * -(-heads // 16)
+        use_decode = decode and decode_kernel_enabled() and decode_kernel_default(fp8_pool, programs, bits)
+        out["decode_kernel"] = use_decode
+        if use_decode:
+            out["decode_tiling"] = DECODE_TILING_FP8_BITS if bits else DECODE_TILING_FP8 if fp8_pool else DECODE_TILING
+    return out
+
+
+def chosen_name(config: dict, pool: str) -> str:
+    """What ran (a resolved() config), for the log and the JSON: "general", or the decode tiling and, for an
+    FP8 pool, the widening."""
+    if not config.get("decode_kernel"):
+        return "general"
+    return "d" + ":".join(map(str, config["decode_tiling"])) + (
+        ("+bits" if config["fp8_bits"] else "+cvt") if pool == "fp8" else "")
 
 
 def splits_of(config: dict, num_tokens: int, heads: int, device, max_context_len: int) -> int:
     """The split count mla_attention_triton picks for ``config`` (mla_splits with its arguments)."""
-    decode = config.get("decode_kernel", False)
+    decode = config.get("decode_kernel", False)  # a resolved config (resolved())
     policy = split_policy(decode, config["decode_tiling"][0] if decode else config.get("block_n", 32),
                           config.get("max_splits"), config.get("min_span"), config.get("programs_per_sm"),
                           num_tokens * -(-heads // config.get("block_h", 16)))
@@ -171,16 +213,18 @@ def run(args: argparse.Namespace) -> dict:
                         us = eager_us = (time.perf_counter() - start) * 1e6 / args.repeat
                         splits = None
                     else:
-                        call = lambda meta, c=config: mla_attention_triton(  # noqa: E731
+                        call = lambda meta, c=kernel_args(config): mla_attention_triton(  # noqa: E731
                             q_latent, q_rope, cache, meta, scale, **c)
                         eager_us = cuda_time_ms(lambda: call(metas[0]), repeat=args.repeat) * 1e3
                         us = graph_call_us(call, [(meta,) for meta in metas])
-                        splits = splits_of(config, q_latent.shape[0], shape["heads"], q_latent.device,
+                        ran = resolved(config, pool, dtype, q_latent.shape[0], shape["heads"], not args.tree)
+                        splits = splits_of(ran, q_latent.shape[0], shape["heads"], q_latent.device,
                                            metas[0].max_context_len)
                     error = None if want is None else ((call(metas[0]).float() - want).norm() / want.norm()).item()
                     achieved = read / (us / 1e6)
                     rows.append(dict(pool=pool, batch=batch, context=context, tree=args.tree,
                                      config=None if config is None else config_name(config),
+                                     kernel=None if config is None else chosen_name(ran, pool),
                                      us=us, eager_us=eager_us, latent_bytes=read, GBps=achieved / 1e9,
                                      TFLOPS=flops / (us / 1e6) / 1e12, splits=splits, graph_sets=sets, rel_error=error,
                                      fraction=None if bandwidth is None else achieved / bandwidth))
@@ -199,7 +243,8 @@ def run(args: argparse.Namespace) -> dict:
 def row_line(r: dict) -> str:
     """One measured row as a line of the log."""
     frac = "-" if r["fraction"] is None else f"{r['fraction']:.0%}"
-    return (f"{r['pool']} batch {r['batch']} ctx {r['context']} {r['config'] or 'ref'}: {r['us']:.1f} us "
+    return (f"{r['pool']} batch {r['batch']} ctx {r['context']} {r['config'] or 'ref'}"
+            f"{'' if r.get('kernel') in (None, r['config']) else ' (' + r['kernel'] + ')'}: {r['us']:.1f} us "
             f"(eager {r['eager_us']:.0f}) {r['GBps']:.0f} GB/s = {frac} of copy, splits {r['splits']}"
             + ("" if r.get("rel_error") is None else f", rel err {r['rel_error']:.1e}"))
 
@@ -210,12 +255,13 @@ def markdown(results: dict) -> str:
              f"{results['dtype']} queries, {results['machine']}; copy bandwidth "
              f"{'n/a' if bw is None else f'{bw:,.0f} GB/s'}; goal >= {GOAL:.0%} of it over the latent rows "
              f"({results['commit']}, {results['date']})", "",
-             "| pool | batch | context | tree nodes | config | us / layer (graph) | eager us | latent MB | GB/s | "
-             "of copy bw | TFLOPS | splits |",
-             "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "| pool | batch | context | tree nodes | config | kernel | us / layer (graph) | eager us | latent MB | "
+             "GB/s | of copy bw | TFLOPS | splits |",
+             "|---|---:|---:|---:|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in results["rows"]:
         frac = "-" if r["fraction"] is None else f"{r['fraction']:.0%}"
         lines.append(f"| {r['pool']} | {r['batch']} | {r['context']:,} | {r['tree'] or 1} | {r['config'] or 'ref'} | "
+                     f"{r.get('kernel') or '-'} | "
                      f"{r['us']:,.1f} | {r['eager_us']:,.1f} | {r['latent_bytes'] / 1e6:,.1f} | {r['GBps']:,.0f} | "
                      f"{frac} | {r['TFLOPS']:,.1f} | {r['splits'] or '-'} |")
     return "\n".join(lines)

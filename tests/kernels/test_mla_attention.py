@@ -191,6 +191,50 @@ def test_decode_kernel_equals_reference_and_the_general_kernel(device, dtype, ca
     assert relative_error(values.cpu().float(), want_values) < tolerance
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("tiling", [(16, 4, 2), (32, 4, 0)])
+def test_decode_kernel_widens_an_fp8_pool_by_bits_at_its_extremes(device, dtype, tiling):
+    """An FP8 pool's codes widened by bits (kernels/e4m3_bits.py, fp8_bits=True) against the reference
+    and Triton's conversion (fp8_bits=False): a sequence of E4M3 subnormals alone (k * 2^-9) under large
+    queries, one of +-448 among normal values under tiny queries, one under huge queries (one-hot
+    softmax), one with a head of zero queries; float16 queries take the 2^-8 widening, the others 2^-120
+    with each head's queries scaled to [2^120, 2^121) (float32: the interpreter's stand-in for bfloat16)."""
+    if dtype not in low_precision_dtypes(device) + [torch.float32] and dtype != torch.float16:
+        pytest.skip("the interpreter emulates bf16 dots loosely (kernel_testing.low_precision_dtypes); GPU only")
+    if dtype == torch.float32 and device == "cuda":
+        pytest.skip("float32 queries keep Triton's conversion on the GPU (widens_by_bits)")
+    context_lens = [70, 37, 64, 45]
+    _, cache, meta = paged_batch(context_lens, [1] * 4, device=device, dtype=torch.float32, cache_dtype=KV_FP8_DTYPE,
+                                 page=32)
+    gen = torch.Generator().manual_seed(11)
+    values = torch.randn(cache.shape, generator=gen) * 4
+    tables = meta.block_tables.cpu().long()
+    subnormal_blocks = tables[0, :3]
+    values[subnormal_blocks] = torch.randint(-7, 8, values[subnormal_blocks].shape, generator=gen) * 2.0 ** -9
+    edge_blocks = tables[1, :2]
+    values[edge_blocks, :, :6] = 448.0 * torch.sign(torch.randn(values[edge_blocks, :, :6].shape, generator=gen))
+    values[edge_blocks, :, -2:] = -448.0
+    cache = values.to(KV_FP8_DTYPE).to(device)
+    assert (cache.float().abs() == 448).any() and (cache.float()[subnormal_blocks].abs().max() < 2.0 ** -6)
+    big, tiny = (2.0 ** 6, 2.0 ** -12) if dtype == torch.float16 else (2.0 ** 60, 2.0 ** -60)
+    factors = torch.tensor([2.0 ** 8 if dtype != torch.float16 else 2.0 ** 4, tiny, big, 1.0])[:, None, None]
+    q_latent = (torch.randn(4, HEADS, RANK, generator=gen) * factors).to(dtype)
+    q_rope = (torch.randn(4, HEADS, ROPE, generator=gen) * factors).to(dtype)
+    q_latent[3, 1], q_rope[3, 1] = 0, 0
+    want = mla_attention_ref(q_latent, q_rope, cache.cpu(), _on_cpu(meta), 0.2)
+    assert torch.isfinite(want).all()
+    q_latent, q_rope = q_latent.to(device), q_rope.to(device)
+    tolerance = TOLERANCE[dtype] * 3
+    for splits in (1, 3):
+        kw = dict(splits=splits, min_span=tiling[0], decode_tiling=tiling, decode_kernel=True)
+        by_bits = mla_attention_triton(q_latent, q_rope, cache, meta, 0.2, fp8_bits=True, **kw).cpu().float()
+        converted = mla_attention_triton(q_latent, q_rope, cache, meta, 0.2, fp8_bits=False, **kw).cpu().float()
+        assert torch.isfinite(by_bits).all()
+        for seq in range(4):  # each sequence alone: the subnormal one's outputs are ~2^-7 of the others'
+            assert relative_error(by_bits[seq], want[seq].float()) < tolerance, (splits, seq)
+            assert relative_error(by_bits[seq], converted[seq]) < tolerance, (splits, seq)
+
+
 def test_split_policy_is_each_kernels_own_unless_given():
     """mla_attention_triton's max_splits / min_span / programs_per_sm left None: the general kernel's
     MAX_SPLITS, MIN_SPAN, 2 or the decode kernel's DECODE_SPLITS (longer splits once batched); given ones
@@ -239,17 +283,43 @@ def test_decode_kernel_is_taken_only_where_its_tile_fits(monkeypatch):
         taken.clear()
         mla_attention_triton(q, rope, cache, meta, 0.2, splits=1)
         assert taken == [want], (env, default)
-    # FP8 pools: by default the decode kernel only below DECODE_BATCHED_PROGRAMS programs (5 heads: one head
-    # block a token); asked for by name, at any batch
+    # FP8 pools: widened by bits (TRITONLLM_MLA_FP8_BITS unset or 1), the decode kernel at every batch; widened
+    # by Triton's conversion (0), only below DECODE_BATCHED_PROGRAMS programs (5 heads: one head block a token)
+    # unless asked for by name
     monkeypatch.setenv(mla_attention_module.MLA_DECODE_ENV, "")
     monkeypatch.setattr(mla_attention_module, "USE_DECODE_KERNEL", True)
-    for batch, asked, want in ((2, None, "decode"), (mla_decode.DECODE_BATCHED_PROGRAMS, None, "general"),
-                               (mla_decode.DECODE_BATCHED_PROGRAMS, True, "decode")):
+    batched = mla_decode.DECODE_BATCHED_PROGRAMS
+    for bits_env, batch, asked, want in (("", 2, None, "decode"), ("", batched, None, "decode"),
+                                         ("1", batched, None, "decode"), ("0", 2, None, "decode"),
+                                         ("0", batched, None, "general"), ("0", batched, True, "decode")):
+        monkeypatch.setenv(mla_decode.FP8_BITS_ENV, bits_env)
         _, cache, meta = paged_batch([9] * batch, [1] * batch, page=32, cache_dtype=KV_FP8_DTYPE)
         taken.clear()
         mla_attention_triton(torch.zeros(batch, HEADS, RANK), torch.zeros(batch, HEADS, ROPE), cache, meta, 0.2,
                              splits=1, decode_kernel=asked)
-        assert taken == [want], (batch, asked)
+        assert taken == [want], (bits_env, batch, asked)
+
+
+def test_fp8_pools_widen_by_bits_where_the_queries_allow(monkeypatch):
+    """kernels/mla_decode.py widens_by_bits: FP8 pools only; bfloat16 / float16 queries (float32 only off
+    CUDA: the interpreter); TRITONLLM_MLA_FP8_BITS "0" turns it off, "1" or unset (USE_FP8_BITS) on; an
+    argument overrides both."""
+    from kernels import mla_decode
+
+    monkeypatch.setenv(mla_decode.FP8_BITS_ENV, "")
+    assert mla_decode.widens_by_bits(True, torch.bfloat16, True) and mla_decode.widens_by_bits(True, torch.float16, True)
+    assert not mla_decode.widens_by_bits(False, torch.bfloat16, True)
+    assert not mla_decode.widens_by_bits(True, torch.float32, True) and mla_decode.widens_by_bits(True, torch.float32,
+                                                                                                  False)
+    monkeypatch.setenv(mla_decode.FP8_BITS_ENV, "0")
+    assert not mla_decode.widens_by_bits(True, torch.bfloat16, True)
+    assert mla_decode.widens_by_bits(True, torch.bfloat16, True, asked=True)
+    monkeypatch.setenv(mla_decode.FP8_BITS_ENV, "1")
+    monkeypatch.setattr(mla_decode, "USE_FP8_BITS", False)
+    assert mla_decode.widens_by_bits(True, torch.bfloat16, True)
+    assert not mla_decode.widens_by_bits(True, torch.bfloat16, True, asked=False)
+    monkeypatch.setenv(mla_decode.FP8_BITS_ENV, "")
+    assert not mla_decode.widens_by_bits(True, torch.bfloat16, True)
 
 
 @pytest.mark.parametrize("context_lens,q_lens", [([37, 5, 70], [1, 1, 1]), ([30, 9, 2], [11, 1, 2])])
@@ -367,22 +437,29 @@ def _on_cpu(meta: AttentionMetadata) -> AttentionMetadata:
 
 
 @AOT_SM90
-@pytest.mark.parametrize("pool", ["*bf16", "*fp8e4nv"])
+@pytest.mark.parametrize("pool,bits,q", [("*bf16", False, "*bf16"), ("*fp8e4nv", False, "*bf16"),
+                                         ("*fp8e4nv", True, "*bf16"), ("*fp8e4nv", True, "*fp16")])
 @pytest.mark.parametrize("direct", [False, True])
-def test_decode_kernel_compiles_for_sm90_without_spills(pool, direct, tmp_path):
+def test_decode_kernel_compiles_for_sm90_without_spills(pool, bits, q, direct, tmp_path):
     """Triton's compiler and ptxas (no GPU) on the decode kernel at its default tiling for the pool,
     DeepSeek's 512 + 64 per row, 16 heads, pages of 64: no local memory (spills); the bf16 pool's tile
-    loads pipelined as cp.async copies (the point of its STAGES)."""
-    from kernels.mla_decode import DECODE_TILING, DECODE_TILING_FP8, _mla_decode_kernel
+    loads pipelined as cp.async copies (the point of its STAGES); an FP8 pool widened by bits has PRMTs
+    and no E4M3 conversion left."""
+    from kernels.mla_decode import DECODE_TILING, DECODE_TILING_FP8, DECODE_TILING_FP8_BITS, _mla_decode_kernel
 
-    block_n, warps, stages = DECODE_TILING if pool == "*bf16" else DECODE_TILING_FP8
-    pointers = dict(q_lat_ptr="*bf16", q_rope_ptr="*bf16", cache_ptr=pool, part_ptr="*bf16" if direct else "*fp32",
+    block_n, warps, stages = (DECODE_TILING if pool == "*bf16" else DECODE_TILING_FP8_BITS if bits
+                              else DECODE_TILING_FP8)
+    pointers = dict(q_lat_ptr=q, q_rope_ptr=q, cache_ptr=pool, part_ptr=q if direct else "*fp32",
                     lse_ptr="*fp32", block_tables_ptr="*i32", ctx_ptr="*i32")
     const = dict(RANK=512, ROPE=64, RANK_PAD=512, ROPE_PAD=64, PAGE=64, BLOCK_H=16, BLOCK_N=block_n,
-                 STAGES=max(1, stages), PREFETCH=stages == 0, DIRECT=direct, DOT_PRECISION="tf32", PDL=False)
+                 STAGES=max(1, stages), PREFETCH=stages == 0, DIRECT=direct, DOT_PRECISION="tf32", PDL=False,
+                 BITS=bits, ASM=bits)
     compiled = compile_for_sm90(_mla_decode_kernel, pointers, const, warps=warps, stages=1, floats=("scale_log2",),
                                 aligned_int=strides_but_block_table)
-    if pool == "*bf16":
-        assert "cp.async" in compiled.asm["ptx"]
+    ptx = compiled.asm["ptx"]
+    if pool == "*bf16" or stages:
+        assert "cp.async" in ptx
+    if bits:
+        assert "prmt.b32" in ptx and "e4m3x2" not in ptx
     usage = resource_usage_or_skip(compiled, tmp_path)
     assert "LOCAL:0 " in usage, usage
