@@ -10,14 +10,16 @@ prefill paths, unchanged.
 """
 from __future__ import annotations
 
+import time
+
 import torch
 
 from kernels import _triton, choice_cache, e4m3_bits, e4m3_rows, fp8_block, fp8_block_skinny, linear
 from kernels._triton import triton, use_triton
 from kernels.fp8 import FP8_DTYPE, l2_defeating_copies
 from kernels.fp8_block import fp8_block_linear_triton
-from kernels.fp8_block_skinny import (SCALE_BLOCK, SKINNY_BLOCK_VARIANTS, VARIANT_ATTR, bits_variants,
-                                      fp8_block_skinny_triton, skinny_options)
+from kernels.fp8_block_skinny import (SCALE_BLOCK, VARIANT_ATTR, candidate_variants, fp8_block_skinny_triton,
+                                      skinny_options)
 from kernels.linear import _TOO_LARGE, graph_time_ms
 
 # The margin, as kernels/linear.py's: both paths are timed from graph replays, so 1% only absorbs noise.
@@ -28,7 +30,7 @@ WIN_MARGIN = 0.99
 def choose_fp8_block_skinny(weights: list[torch.Tensor], dtype: torch.dtype, rows: tuple[int, ...] = (1, 8)
                             ) -> dict[tuple[int, int], dict]:
     """Per distinct (N, K) of the block-FP8 CUDA ``weights`` (E4M3, their scales block-wise), the activations in
-    ``dtype``: kernels/fp8_block_skinny.py's SKINNY_BLOCK_VARIANTS (and bits_variants()) and quantize + block GEMM
+    ``dtype``: kernels/fp8_block_skinny.py's candidate_variants() and quantize + block GEMM
     (fp8_block_linear_triton, the path it replaces) timed at each of ``rows`` from CUDA graphs over copies that
     defeat the L2 cache; each weight marked (VARIANT_ATTR) with the tiling of least summed time where it beats the
     block GEMM by WIN_MARGIN at every row count, else False. Through the persistent choice cache
@@ -45,9 +47,8 @@ def choose_fp8_block_skinny(weights: list[torch.Tensor], dtype: torch.dtype, row
             report[shape] = choice_cache.timed_report(
                 "fp8_block_skinny", (shape, str(dtype), tuple(rows)), weight.device,
                 lambda: _time_shape(shape, dtype, weight.device, rows), sources=_sources(),
-                candidates=SKINNY_BLOCK_VARIANTS + bits_variants(),
-                valid=lambda r: (r.get("variant", False) is False
-                                 or r["variant"] in SKINNY_BLOCK_VARIANTS + bits_variants()))
+                candidates=candidate_variants(),
+                valid=lambda r: r.get("variant", False) is False or r["variant"] in candidate_variants())
         setattr(weight, VARIANT_ATTR, report[shape]["variant"])
     return report
 
@@ -59,6 +60,9 @@ def _sources() -> tuple[str, ...]:
 
 
 def _time_shape(shape: tuple[int, int], dtype: torch.dtype, device, rows: tuple[int, ...]) -> dict:
+    """The report choose_fp8_block_skinny keeps for a shape: both paths' microseconds at each row count
+    ("variant_us": every candidate's), the choice, and "seconds": this timing's wall time, compiles included."""
+    began = time.perf_counter()
     n, k = shape
     weight = (torch.randn(n, k, device=device) * 64).to(FP8_DTYPE)
     copies = [(w, torch.rand(triton.cdiv(n, SCALE_BLOCK), triton.cdiv(k, SCALE_BLOCK), device=device) * 1e-3)
@@ -68,7 +72,7 @@ def _time_shape(shape: tuple[int, int], dtype: torch.dtype, device, rows: tuple[
     def next_copy():
         return copies[next(turn) % len(copies)]
 
-    candidates = SKINNY_BLOCK_VARIANTS + bits_variants()
+    candidates = candidate_variants()
     block_gemm, variants = {}, {v: {} for v in candidates}
     for m in rows:
         x = torch.randn(m, k, dtype=dtype, device=device)
@@ -85,5 +89,5 @@ def _time_shape(shape: tuple[int, int], dtype: torch.dtype, device, rows: tuple[
     best = min(variants, key=lambda v: sum(variants[v].values()))
     wins = all(variants[best][m] < WIN_MARGIN * block_gemm[m] for m in rows)
     return {"block_gemm_us": block_gemm, "best_variant": best, "best_us": variants[best],
-            "variant": best if wins else False}
+            "variant": best if wins else False, "variant_us": variants, "seconds": time.perf_counter() - began}
 

@@ -133,13 +133,17 @@ BITS = "b"  # (FP8 DOT tiles: the codes widened by bits, kernels/e4m3_bits.py)
 # thread, none of them conversions).
 DOT_TILES = ((16, 128, 1, 4, DOT), (32, 128, 2, 4, DOT), (64, 128, 4, 3, DOT), (16, 128, 1, 4, DOT + "2"),
              (32, 128, 2, 4, DOT + "2"), (16, 128, 1, 4, DOT + "4"), (16, 128, 1, 3, DOT + "8"))
-# FP8 experts' DOT tiles: these two widen as Triton does (the reference for BITS_TILES, which widen by bits:
-# kernels/e4m3_bits.py); model-dtype experts take DOT_TILES whole (nothing to widen).
-FP8_WIDENED_DOT_TILES = ((32, 128, 2, 4, DOT + "2"), (16, 128, 1, 4, DOT + "4"))
+# (FP8 experts take BITS_TILES alone: the DOT tiles that widen E4M3 as Triton does (F2FP + F2F) trailed their BITS
+# twins at every token count and were dropped from the candidates, as were the BITS splits 4 and 8, which never won:
+# H200, 2026-12-01, Qwen3-30B-A3B block-FP8, session 28 call 7; each candidate is two compiles at a cold load.)
 # (No 64-row wgmma BITS tile: its A operand from registers took 288 PRMTs a step, 5.3 SASS instructions a weight
 # against mma.sync's 3.3; sm_90, Triton 3.9.)
+# The deeper tiles keep more of a program's steps in flight (num_stages - 1 shared-memory buffers, 6 KB a gate_up
+# step, 4 KB a down step, x's (128, 8) tile included): (16, 128, 1, 7) holds all of Qwen3-30B-A3B's six down steps
+# (24 KB a program, eight an SM: its 1,024 programs in one wave), (16, 128, 1, 9) eight of gate_up's sixteen (48 KB,
+# three an SM) where four stages keep three (sm_90 compiles, Triton 3.9: 80 / 62 registers, no spills).
 BITS_TILES = ((16, 128, 1, 4, DOT + BITS), (16, 128, 1, 4, DOT + BITS + "2"), (32, 128, 2, 4, DOT + BITS + "2"),
-              (16, 128, 1, 4, DOT + BITS + "4"), (16, 128, 1, 3, DOT + BITS + "8"))
+              (16, 128, 1, 7, DOT + BITS), (16, 128, 1, 9, DOT + BITS))
 GEMV_TILES = ((16, 512, 4, 2), (16, 256, 4, 2), (8, 512, 2, 2), (8, 1024, 4, 2), (16, 1024, 8, 2), (32, 256, 4, 2),
               (32, 512, 8, 2), (64, 256, 8, 2)) + AHEAD_TILES + DOT_TILES + BITS_TILES
 DEFAULT_TILES = ((16, 512, 4, 2), (16, 256, 4, 2))
@@ -176,7 +180,7 @@ def _dot_candidate(tile: tuple, kind: int) -> bool:
         return not bits_tile(tile)
     if kind == BLOCK_SCALES and tile[1] > SCALE_BLOCK:
         return False
-    return bits_tile(tile) or tile in FP8_WIDENED_DOT_TILES
+    return bits_tile(tile)
 
 
 def tile_split(tile: tuple) -> int:
@@ -194,8 +198,8 @@ def candidate_tiles(kind: int) -> tuple:
     """GEMV_TILES a weight kind compiles without spills (sm_90, Triton 3.9): 4-bit steps of at most 512 bytes
     (1,024 unrolls eight pieces of two activation slices each: 255 registers and a 184-byte stack); AHEAD tiles for
     model-dtype and FP8 experts, blocked scales at BLOCK_K <= 128, with $TRITONLLM_MOE_GEMV_AHEAD=1; unless
-    $TRITONLLM_MOE_GEMV_DOT=0, DOT_TILES for model-dtype experts, BITS_TILES and FP8_WIDENED_DOT_TILES for FP8 ones
-    (blocked scales: BLOCK_K <= 128)."""
+    $TRITONLLM_MOE_GEMV_DOT=0, DOT_TILES for model-dtype experts, BITS_TILES for FP8 ones (blocked scales: BLOCK_K <=
+    128)."""
     packed = kind in (INT4_GROUPS, MXFP4_GROUPS)
     timed_ahead = os.environ.get(AHEAD_ENV, "0").strip() == "1"
     return tuple(t for t in GEMV_TILES if (not packed or t[1] <= 512) and _dot_candidate(t, kind)

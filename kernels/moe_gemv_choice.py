@@ -16,6 +16,7 @@ the same GPU times nothing. $TRITONLLM_MOE_GEMV=0 leaves every layer on the grou
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 
@@ -126,8 +127,11 @@ def time_gemv(experts: GemvExperts) -> dict:
     {T: us}, "words_gate_up_us" / "words_down_us": {T: {tiles: us}} (kernels/mxfp4_gemv.py's candidates, likewise
     gate_up first), "words_rel_diff": {T: its best pair's difference to the grouped path (words_difference)}, and
     the mark is the word path's (mxfp4_gemv.word_mark) where it times faster than moe_gemv's pair and within MARGIN
-    of the grouped path, and agrees with the grouped path within WORDS_AGREEMENT."""
+    of the grouped path, and agrees with the grouped path within WORDS_AGREEMENT. "seconds": this timing's wall time,
+    compiles included (what the choice adds to a cold load)."""
     from kernels.linear import _TOO_LARGE, graph_time_ms
+
+    began = time.perf_counter()
 
     gate_up, down, top_k, dtype = experts.gate_up, experts.down, experts.top_k, experts.dtype
     num_experts, hidden = gate_up.shape[0], down.shape[1]
@@ -207,4 +211,5 @@ def time_gemv(experts: GemvExperts) -> dict:
                 if (d_words[best_d] < best_other and d_words[best_d] <= MARGIN * grouped_us
                         and diff <= WORDS_AGREEMENT):  # (NaN fails)
                     report["tiles"][tokens] = word_mark((best_gu, best_d))
+    report["seconds"] = time.perf_counter() - began
     return report

@@ -22,10 +22,12 @@ def summary(path: str, rows: int, tokens: tuple = (1,)) -> list[str]:
     lines = [f"{path.rsplit('/', 1)[-1]} {figures}"]
     lines += (decode.get("graph_step_profile") or "").splitlines()[:rows]
     for key, choice in decode.get("gemm_choices", {}).items():
+        if key.startswith("fp8_block_skinny"):
+            lines += block_fp8_lines(key, choice)
         if "gemv" not in key:
             continue
         lines.append(f" gemv tiles {choice.get('tiles')} | grouped us {choice.get('grouped_us')} | "
-                     f"pair us {choice.get('gemv_us')}")
+                     f"pair us {choice.get('gemv_us')} | {_seconds(choice)}")
         for count in tokens:
             for name in ("gate_up_us", "down_us"):
                 try:  # (engine_bench records the report's values as their str())
@@ -36,6 +38,29 @@ def summary(path: str, rows: int, tokens: tuple = (1,)) -> list[str]:
                 lines.append(f"  {name} at {count} token{'s' if count > 1 else ''}: "
                              + ", ".join(f"{tiles} {us:.1f}" for tiles, us in fastest))
     return lines
+
+
+def block_fp8_lines(key: str, choice: dict) -> list[str]:
+    """A block-FP8 dense product's choice (kernels/fp8_block_choice.py): the tiling marked, the block GEMM's and the
+    best tiling's us at 1 and 8 rows, and the six fastest candidates at one row (reports that list them)."""
+    lines = [f" {key}: variant {choice.get('variant')} | block GEMM us {choice.get('block_gemm_us')} | "
+             f"best {choice.get('best_us')} | {_seconds(choice)}"]
+    try:
+        timed = ast.literal_eval(choice.get("variant_us", "{}"))
+    except (ValueError, SyntaxError):
+        return lines
+    fastest = sorted(((v, us[1]) for v, us in timed.items() if 1 in us), key=lambda item: item[1])[:6]
+    if fastest:
+        lines.append("  at 1 row: " + ", ".join(f"{v} {us:.2f}" for v, us in fastest))
+    return lines
+
+
+def _seconds(choice: dict) -> str:
+    """The choice's wall time at this load (compiles included), or that it came from the choice cache."""
+    if str(choice.get("cached")) == "True":
+        return "cached"
+    seconds = choice.get("seconds")
+    return f"{float(seconds):.1f} s" if seconds is not None else "s ?"
 
 
 def main() -> None:

@@ -366,7 +366,9 @@ class ModelRunner:
                                           lora_slots=0 if self.lora_pools is None else self.lora_pools.num_slots)
         # (cold Triton cache: a compile per candidate; kernels/choice_cache.py skips the losers of stored choices)
         with choice_cache.counting() as cached, load_phase(
-                lambda: f"load-time kernel choices (cached: {cached['hits']} of {cached['lookups']})", self.device):
+                lambda: f"load-time kernel choices (cached: {cached['hits']} of {cached['lookups']}"
+                        + (f"; timing {slow}" if (slow := choice_cache.slowest_families(cached)) else "") + ")",
+                self.device):
             self.choose_kernels(self.decode_graphs.buckets)
         self.choice_cache_counts = cached
         with load_phase(f"decode graphs ({len(self.decode_graphs.buckets)} buckets)", self.device):

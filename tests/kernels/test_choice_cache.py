@@ -51,9 +51,29 @@ def test_second_lookup_hits_and_returns_the_stored_value(cache, tmp_path):
         other = choice_cache.choice("skinny", ((1024, 4096), "torch.bfloat16"), "cpu", timer, sources=(str(source),))
     assert first == (VALUE, False) and second == (VALUE, True) and other == (VALUE, False)
     assert timer.calls == 2
-    assert counts == {"hits": 1, "lookups": 3, "families": {"skinny": [1, 3]}}
+    assert {k: v for k, v in counts.items() if k != "seconds"} == {"hits": 1, "lookups": 3,
+                                                                   "families": {"skinny": [1, 3]}}
+    assert set(counts["seconds"]) == {"skinny"}  # (the two misses' timings)
     stored = json.loads((cache / "skinny.json").read_text())
     assert len(stored) == 2 and not [p for p in os.listdir(cache) if p.endswith(".tmp")]
+
+
+def test_misses_add_their_timing_seconds_and_hits_nothing(cache):
+    """counting()'s "seconds": each family's wall time in its timing functions (what a cold load spends there), the
+    load line's slowest families."""
+    import time
+
+    def slow():
+        time.sleep(0.05)
+        return VALUE
+
+    with choice_cache.counting() as counts:
+        for key in ("a", "b", "a"):  # two misses, one hit
+            choice_cache.choice("wide", key, "cpu", slow)
+        choice_cache.choice("skinny", "a", "cpu", Timer(VALUE))
+    assert 0.1 <= counts["seconds"]["wide"] < 1.0 and counts["seconds"]["skinny"] < 0.05
+    assert choice_cache.slowest_families(counts) == f"wide {counts['seconds']['wide']:.1f} s"
+    assert choice_cache.slowest_families({"seconds": {"a": 0.01, "b": 2.5, "c": 7.25}}) == "c 7.2 s, b 2.5 s"
 
 
 def test_a_family_file_is_parsed_once_until_another_process_replaces_it(cache, monkeypatch):
@@ -219,5 +239,8 @@ def test_two_loads_at_once_count_their_own_lookups(cache):
         thread.start()
     for thread in loads:
         thread.join()
-    assert seen["first"] == {"hits": 1, "lookups": 2, "families": {"first": [1, 2]}}
-    assert seen["second"] == {"hits": 0, "lookups": 3, "families": {"second": [0, 3]}}
+    assert {k: v for k, v in seen["first"].items() if k != "seconds"} == {"hits": 1, "lookups": 2,
+                                                                          "families": {"first": [1, 2]}}
+    assert {k: v for k, v in seen["second"].items() if k != "seconds"} == {"hits": 0, "lookups": 3,
+                                                                           "families": {"second": [0, 3]}}
+    assert set(seen["first"]["seconds"]) == {"first"} and set(seen["second"]["seconds"]) == {"second"}

@@ -110,18 +110,19 @@ def test_a_marked_weight_takes_the_kernel_at_decode_rows_only_and_replays_from_a
 def test_load_time_choice_marks_each_weight_with_its_report(monkeypatch):
     """Two candidate tilings (the full list costs a compile each): the report has both paths' timings at 1 and 8
     rows, and the weight carries the report's verdict (a candidate where it won at both, else False)."""
-    from kernels import fp8_block_choice
+    from kernels import fp8_block_choice, fp8_block_skinny
 
     from kernels.fp8_block_skinny import BITS_ENV
 
     monkeypatch.setenv("TRITONLLM_KERNEL_CHOICE_CACHE", "off")
     monkeypatch.setenv(BITS_ENV, "0")  # (the two tilings alone)
-    monkeypatch.setattr(fp8_block_choice, "SKINNY_BLOCK_VARIANTS", (TILINGS["plain"], TILINGS["split_k"]))
+    monkeypatch.setattr(fp8_block_skinny, "SKINNY_BLOCK_VARIANTS", (TILINGS["plain"], TILINGS["split_k"]))
     w_q, _ = (t.cuda() for t in block_weight())
     report = fp8_block_choice.choose_fp8_block_skinny([w_q, w_q.clone()], torch.bfloat16)
     assert list(report) == [(N, K)]
     chosen = report[(N, K)]
     assert set(chosen["block_gemm_us"]) == set(chosen["best_us"]) == {1, 8}
+    assert set(chosen["variant_us"]) == {TILINGS["plain"], TILINGS["split_k"]}
     assert chosen["variant"] in (False, TILINGS["plain"], TILINGS["split_k"])
     assert getattr(w_q, VARIANT_ATTR) == chosen["variant"]
     assert fp8_block_choice.choose_fp8_block_skinny([w_q], torch.float32) == {}  # float32 rows: not this kernel
@@ -144,14 +145,32 @@ def test_every_load_time_tiling_is_correct():
             assert relative_error(out, expected) < TOLERANCE[torch.bfloat16], (variant, rows)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="compiled for the GPU (the interpreter runs two BITS cases)")
+@pytest.mark.parametrize("variant", BITS_VARIANTS)
+def test_every_bits_tiling_is_correct(variant):
+    """Each BITS candidate (the PTX widening) at 1 and 16 rows with a bias, bf16 and fp16 rows."""
+    w_q, w_scale = (t.cuda() for t in block_weight())
+    for dtype in (torch.bfloat16, torch.float16):
+        bias = randn(N, seed=7).cuda().to(dtype)
+        for rows in (1, 16):
+            x = randn(rows, K, seed=rows).cuda().to(dtype)
+            out = fp8_block_skinny_triton(x, w_q, w_scale, bias, **skinny_options(variant))
+            assert relative_error(out, fp8_block_skinny_ref(x, w_q, w_scale, bias)) < TOLERANCE[dtype], (dtype, rows)
+
+
 def test_bits_variants_are_candidates_unless_switched_off(monkeypatch):
-    """The load-time choice times the BITS tilings by default; $TRITONLLM_FP8_BLOCK_BITS=0 leaves them out."""
-    from kernels.fp8_block_skinny import BITS_ENV, bits_variants
+    """The load-time choice times the BITS tilings by default, beside one of Triton's widening;
+    $TRITONLLM_FP8_BLOCK_BITS=0 leaves them out and times every plain tiling."""
+    from kernels.fp8_block_skinny import (BITS_ENV, PLAIN_BESIDE_BITS, SKINNY_BLOCK_VARIANTS, bits_variants,
+                                          candidate_variants)
 
     monkeypatch.delenv(BITS_ENV, raising=False)
     assert bits_variants() == BITS_VARIANTS and all(skinny_options(v)["bits"] for v in BITS_VARIANTS)
+    assert candidate_variants() == PLAIN_BESIDE_BITS + BITS_VARIANTS
+    assert set(PLAIN_BESIDE_BITS) <= set(SKINNY_BLOCK_VARIANTS) and len(set(BITS_VARIANTS)) == len(BITS_VARIANTS)
     monkeypatch.setenv(BITS_ENV, "0")
-    assert bits_variants() == ()
+    assert bits_variants() == () and candidate_variants() == SKINNY_BLOCK_VARIANTS
 
 
 # ---- ahead of time for sm_90 on the CPU (TRITONLLM_AOT_SM90=1) ---------------------------------

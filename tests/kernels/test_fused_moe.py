@@ -190,6 +190,28 @@ def test_route_kernel_equals_reference(device, num_experts, top_k, renormalize):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("num_experts,top_k", [(128, 8), (60, 4), (12, 1)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_logits_route_as_their_float32_values(device, num_experts, top_k, dtype):
+    """bf16 / fp16 logits take kernels/moe_routing.py's packed-key rounds (one integer max a round): the same ids
+    and bit-identical weights as the same values in float32 (the float path), with ties (lowest expert first), -0
+    beside +0, -inf and negative logits."""
+    from kernels.fused_moe import route_tokens_triton
+
+    logits = (torch.randn(5, num_experts, generator=torch.Generator().manual_seed(num_experts)) * 3).to(dtype)
+    logits[0, :3] = logits[0, 5]  # a four-way tie
+    logits[1] = logits[1].abs().neg()  # all negative
+    logits[2, :] = 0.0
+    logits[2, 1::2] = -0.0  # only zeros, of both signs: the lowest experts, in order
+    logits[3, 7:] = float("-inf")
+    for renormalize in (True, False):
+        weights, ids = route_tokens_triton(logits.to(device), top_k, renormalize)
+        float_weights, float_ids = route_tokens_triton(logits.float().to(device), top_k, renormalize)
+        assert torch.equal(ids, float_ids) and torch.equal(weights, float_weights)
+        assert ids[2].tolist() == list(range(top_k))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("num_tokens,hidden,inter,num_experts,top_k,used", [
     (1, 2048, 768, 128, 8, None),          # Qwen3-30B-A3B's expert shape, one decode token (no alignment)
     (1, 200, 72, 8, 2, None),              # one token, Mixtral-like

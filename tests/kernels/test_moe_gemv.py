@@ -191,6 +191,8 @@ DOT_CASES = [
     (4, "fp8_channel", "deepseek", ((32, 128, 2, 4, "db2"), (64, 128, 4, 3, "db"))),
     (8, "fp8_block", "deepseek", ((64, 128, 4, 3, "db"), (64, 128, 4, 3, "db2"))),
     (2, "fp8_block", "qwen3-fp16", ((16, 128, 1, 4, "db4"), (32, 128, 2, 4, "db2"))),
+    # the deep BITS tiles: more pipeline stages than the K steps (hidden 200: two; inter 128: one)
+    (1, "fp8_block", "qwen3", ((16, 128, 1, 9, "db"), (16, 128, 1, 7, "db"))),
 ]
 
 
@@ -227,14 +229,14 @@ def test_dot_tiles_equal_the_reference(device, num_tokens, kind, layout, tiles):
 def test_dot_tiles_are_candidates_of_the_model_dtype_and_fp8_alone(monkeypatch):
     """DOT tiles: candidates of model-dtype and FP8 experts by default (none with $TRITONLLM_MOE_GEMV_DOT=0), not of
     4-bit codes; blocked scales need BLOCK_K <= 128 (one scale block a step); the split is the options' digits."""
-    from kernels.moe_gemv import BITS_TILES, DOT_ENV, DOT_TILES, FP8_WIDENED_DOT_TILES, bits_tile, dot_tile, tile_split
+    from kernels.moe_gemv import BITS_TILES, DOT_ENV, DOT_TILES, bits_tile, dot_tile, tile_split
 
     monkeypatch.setenv(DOT_ENV, "0")
     assert not any(dot_tile(t) for t in candidate_tiles(BLOCK_SCALES))
     monkeypatch.delenv(DOT_ENV)
     assert [t for t in candidate_tiles(NO_SCALES) if dot_tile(t)] == list(DOT_TILES)
     for kind in (ROW_SCALES, BLOCK_SCALES):
-        assert {t for t in candidate_tiles(kind) if dot_tile(t)} == set(BITS_TILES + FP8_WIDENED_DOT_TILES)
+        assert {t for t in candidate_tiles(kind) if dot_tile(t)} == set(BITS_TILES)  # (FP8: widened by bits alone)
     assert all(bits_tile(t) for t in BITS_TILES) and not any(bits_tile(t) for t in DOT_TILES)
     for kind in (INT4_GROUPS, MXFP4_GROUPS):
         assert not any(dot_tile(t) for t in candidate_tiles(kind))
