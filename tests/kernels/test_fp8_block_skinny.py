@@ -31,6 +31,7 @@ TILINGS = {
     # interpreter), split-K and swapped operands
     "bits_split_k": (16, 256, 4, 4, 2, 0, 0, 1),
     "bits_swap_ab": (64, 128, 4, 6, 1, 1, 0, 1),
+    "bits_balanced": (64, 128, 4, 6, 1, 1, 1, 1),
 }
 
 
