@@ -209,56 +209,75 @@ def _mla_attention_kernel(q_lat_ptr, q_rope_ptr, cache_ptr, part_ptr, lse_ptr, b
 
 
 @jit
-def _split_weights(lse_ptr, token, head, num_heads, splits, SPLITS_PAD: tl.constexpr):
-    """(token, head)'s splits: (rows of part (SPLITS_PAD,), live (lse > -inf), softmax numerators over
-    the splits' lse (0 where not live), their total)."""
+def _split_totals(lse_ptr, token, head, num_heads, splits, SPLITS_PAD: tl.constexpr):
+    """(token, head)'s splits at a glance: (the largest lse, 0 where none is live; the softmax numerators'
+    total over the splits; one past the last live split (lse > -inf), 0 where none is)."""
     s = tl.arange(0, SPLITS_PAD)
     lse = tl.load(lse_ptr + (token * num_heads + head) * splits + s, mask=s < splits, other=-float("inf"))
-    live = lse > -float("inf")
     top = tl.max(lse, 0)
-    weight = tl.exp(lse - tl.where(top == -float("inf"), 0.0, top))  # 0 where not live
-    return (token * splits + s) * num_heads + head, live, weight, tl.sum(weight, 0)
+    top = tl.where(top == -float("inf"), 0.0, top)
+    return top, tl.sum(tl.exp(lse - top), 0), tl.max(tl.where(lse > -float("inf"), s + 1, 0), 0)
+
+
+@jit
+def _weighted_partials(part_ptr, lse_ptr, token, head, num_heads, splits, top, end, r, r_ok, RANK: tl.constexpr,
+                       BLOCK_R: tl.constexpr, SPLIT_CHUNK: tl.constexpr):
+    """(BLOCK_R,) float32: columns r of the live splits' partials of (token, head) weighted by exp(lse - top),
+    the splits 0 .. end - 1 (_split_totals: none live past them) SPLIT_CHUNK at a time: one masked 2-D load a
+    chunk takes its live splits at once (their requests in flight together); a split of lse -inf is not read.
+    The loop's length is the device's count, so a decode graph sized for long contexts reads at a short one
+    only the chunk its few live splits fill, not every split its grid holds."""
+    num = tl.zeros([BLOCK_R], tl.float32)
+    for s0 in range(0, end, SPLIT_CHUNK):
+        s = s0 + tl.arange(0, SPLIT_CHUNK)
+        lse = tl.load(lse_ptr + (token * num_heads + head) * splits + s, mask=s < end, other=-float("inf"))
+        live = lse > -float("inf")
+        rows = (token * splits + s) * num_heads + head
+        part = tl.load(part_ptr + rows[:, None] * RANK + r[None, :], mask=live[:, None] & r_ok[None, :],
+                       other=0.0)  # (SPLIT_CHUNK, BLOCK_R) float32
+        num += tl.sum(part * tl.exp(lse - top)[:, None], 0)
+    return num
 
 
 @jit
 def _mla_combine_kernel(part_ptr, lse_ptr, out_ptr, num_heads, splits, RANK: tl.constexpr, SPLITS_PAD: tl.constexpr,
-                        BLOCK_R: tl.constexpr, PDL: tl.constexpr):
+                        BLOCK_R: tl.constexpr, SPLIT_CHUNK: tl.constexpr, PDL: tl.constexpr):
     """Program (t, h, rb): columns rb * BLOCK_R ... of out[t, h] = the splits' outputs part[t, s, h]
     weighted by softmax over s of lse[t, h, s]. A split of lse -inf (no visible key) is neither read
-    nor counted; a row with none at all (a token of no sequence) comes out 0. One masked 2-D load
-    takes every live split at once (their requests in flight together, not a split at a time)."""
+    nor counted; a row with none at all (a token of no sequence) comes out 0."""
     pdl_prologue(PDL)
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     r = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
-    rows, live, weight, total = _split_weights(lse_ptr, token, head, num_heads, splits, SPLITS_PAD)
-    part = tl.load(part_ptr + rows[:, None] * RANK + r[None, :], mask=live[:, None] & (r < RANK)[None, :],
-                   other=0.0)  # (SPLITS_PAD, BLOCK_R) float32
-    out = tl.sum(part * weight[:, None], 0) / tl.where(total > 0, total, 1.0)
+    top, total, end = _split_totals(lse_ptr, token, head, num_heads, splits, SPLITS_PAD)
+    num = _weighted_partials(part_ptr, lse_ptr, token, head, num_heads, splits, top, end, r, r < RANK, RANK, BLOCK_R,
+                             SPLIT_CHUNK)
+    out = num / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + (token * num_heads + head) * RANK + r, out.to(out_ptr.dtype.element_ty), mask=r < RANK)
 
 
 @jit
 def _mla_combine_values_kernel(part_ptr, lse_ptr, w_ptr, out_ptr, num_heads, splits, v_dim, stride_wh, stride_wv,
                                RANK: tl.constexpr, SPLITS_PAD: tl.constexpr, BLOCK_R: tl.constexpr,
-                               BLOCK_V: tl.constexpr, LATENT_DTYPE: tl.constexpr, PDL: tl.constexpr):
+                               BLOCK_V: tl.constexpr, SPLIT_CHUNK: tl.constexpr, LATENT_DTYPE: tl.constexpr,
+                               PDL: tl.constexpr):
     """Program (t, h, vb): columns vb * BLOCK_V ... of out[t, h] = W_UV_h applied to the combined latent
     output (_mla_combine_kernel's row, rounded to LATENT_DTYPE as it stores it), w (H, V, R). The
     combine and the per-head W_UV product in one launch: each program reads its head's live partials
-    whole (BLOCK_R columns at a time) and BLOCK_V rows of W_UV_h."""
+    whole (BLOCK_R columns at a time, SPLIT_CHUNK splits a load) and BLOCK_V rows of W_UV_h."""
     pdl_prologue(PDL)
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     v = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
     v_ok = v < v_dim
-    rows, live, weight, total = _split_weights(lse_ptr, token, head, num_heads, splits, SPLITS_PAD)
+    top, total, end = _split_totals(lse_ptr, token, head, num_heads, splits, SPLITS_PAD)
     acc = tl.zeros([BLOCK_V], tl.float32)
     for r0 in tl.static_range(0, RANK, BLOCK_R):
         r = r0 + tl.arange(0, BLOCK_R)
         r_ok = r < RANK
-        part = tl.load(part_ptr + rows[:, None] * RANK + r[None, :], mask=live[:, None] & r_ok[None, :],
-                       other=0.0)  # (SPLITS_PAD, BLOCK_R) float32
-        latent = (tl.sum(part * weight[:, None], 0) / tl.where(total > 0, total, 1.0)).to(LATENT_DTYPE)
+        num = _weighted_partials(part_ptr, lse_ptr, token, head, num_heads, splits, top, end, r, r_ok, RANK, BLOCK_R,
+                                 SPLIT_CHUNK)
+        latent = (num / tl.where(total > 0, total, 1.0)).to(LATENT_DTYPE)
         w = tl.load(w_ptr + head * stride_wh + v[:, None] * stride_wv + r[None, :], mask=v_ok[:, None] & r_ok[None, :],
                     other=0.0)  # (BLOCK_V, BLOCK_R)
         acc += tl.sum(w.to(tl.float32) * latent.to(tl.float32)[None, :], 1)
@@ -323,7 +342,8 @@ def mla_attention_triton(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: to
                          min_span: int | None = None, max_splits: int | None = None, num_warps: int | None = None,
                          w_uv: torch.Tensor | None = None, decode_kernel: bool | None = None,
                          decode_tiling: tuple[int, int, int] | None = None,
-                         programs_per_sm: int | None = None, fp8_bits: bool | None = None) -> torch.Tensor:
+                         programs_per_sm: int | None = None, fp8_bits: bool | None = None,
+                         combine_chunk: int | None = None) -> torch.Tensor:
     """mla_attention_ref on the GPU (or Triton's interpreter): one program per (token, BLOCK_H heads,
     key split), the splits' outputs combined by their log-sum-exps (_mla_combine_kernel). Two
     launches (one with a single split) besides cu_seqlens' token map; no host sync (CUDA-graph safe):
@@ -339,7 +359,8 @@ def mla_attention_triton(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: to
     page: ``decode_tiling`` (BLOCK_N, num_warps, STAGES), None for DECODE_TILING (an FP8 pool:
     DECODE_TILING_FP8_BITS where its codes are widened by bits, ``fp8_bits``, None: kernels/mla_decode.py
     widens_by_bits, else DECODE_TILING_FP8); ``block_n`` and ``num_warps`` then serve the general kernel only. The split policy's ``max_splits``, ``min_span`` and
-    ``programs_per_sm`` left None take the kernel's own (split_policy)."""
+    ``programs_per_sm`` left None take the kernel's own (split_policy). ``combine_chunk``: the splits a
+    combine load takes (None: COMBINE_SPLIT_CHUNK; 0: all the grid's at once, the combine before session 29)."""
     num_tokens, num_heads, rank = q_latent.shape
     assert q_latent.stride(-1) == 1 and q_rope.stride(-1) == 1 and cache.stride(-1) == 1
     if num_tokens == 0:
@@ -369,7 +390,7 @@ def mla_attention_triton(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: to
     else:
         _mla_general_launch(q_latent, q_rope, cache, meta, part, lse, scale, splits, min_span, block_h, block_n,
                             num_warps, decode)
-    return _combine(q_latent, part, lse, out, splits, w_uv)
+    return _combine(q_latent, part, lse, out, splits, w_uv, combine_chunk)
 
 
 def _mla_general_launch(q_latent, q_rope, cache, meta, part, lse, scale, splits, min_span, block_h, block_n,
@@ -395,31 +416,40 @@ def _mla_general_launch(q_latent, q_rope, cache, meta, part, lse, scale, splits,
         num_warps=num_warps or (4 if block_h <= 16 else 8), **pdl_options(q_latent))
 
 
-def _combine(q_latent, part, lse, out, splits, w_uv):
-    """The splits' partials into out (T, H, R), or through W_UV into (T, H, V) (mla_attention_triton)."""
+def _combine(q_latent, part, lse, out, splits, w_uv, split_chunk=None):
+    """The splits' partials into out (T, H, R), or through W_UV into (T, H, V) (mla_attention_triton).
+    ``split_chunk``: the splits a combine load takes (None: COMBINE_SPLIT_CHUNK; 0: all the grid's at once)."""
     num_tokens, num_heads, rank = q_latent.shape
+    splits_pad = max(2, triton.next_power_of_2(splits))
+    chunk = min(splits_pad, split_chunk if split_chunk is not None else COMBINE_SPLIT_CHUNK) or splits_pad
     if splits > 1 and w_uv is not None:
         assert w_uv.shape[::2] == (num_heads, rank) and w_uv.stride(2) == 1, (tuple(w_uv.shape), w_uv.stride())
-        v_dim, splits_pad = w_uv.shape[1], max(2, triton.next_power_of_2(splits))
+        v_dim = w_uv.shape[1]
         values = torch.empty(num_tokens, num_heads, v_dim, dtype=q_latent.dtype, device=q_latent.device)
-        # (SPLITS_PAD, BLOCK_R) partials and (BLOCK_V, BLOCK_R) weights of <= COMBINE_VALUES a step on 8
-        # warps: the whole latent row at once up to 32 splits (V2-Lite at max_seq_len 1k), 4 steps at 128.
-        block_r = max(16, min(triton.next_power_of_2(rank), COMBINE_VALUES // splits_pad))
+        # (SPLIT_CHUNK, BLOCK_R) partials and (BLOCK_V, BLOCK_R) weights of <= COMBINE_VALUES a step on 8
+        # warps: the whole latent row at once for chunks of up to 32 splits.
+        block_r = max(16, min(triton.next_power_of_2(rank), COMBINE_VALUES // chunk))
         block_v = max(16, min(32, triton.next_power_of_2(v_dim)))
         _mla_combine_values_kernel[(num_tokens, num_heads, triton.cdiv(v_dim, block_v))](
             part, lse, w_uv, values, num_heads, splits, v_dim, w_uv.stride(0), w_uv.stride(1), RANK=rank,
-            SPLITS_PAD=splits_pad, BLOCK_R=block_r, BLOCK_V=block_v, LATENT_DTYPE=_TL_DTYPES[q_latent.dtype],
-            num_warps=8, **pdl_options(q_latent))
+            SPLITS_PAD=splits_pad, BLOCK_R=block_r, BLOCK_V=block_v, SPLIT_CHUNK=chunk,
+            LATENT_DTYPE=_TL_DTYPES[q_latent.dtype], num_warps=8, **pdl_options(q_latent))
         return values
     if splits > 1:
-        block_r, splits_pad = min(64, triton.next_power_of_2(rank)), max(2, triton.next_power_of_2(splits))
+        block_r = min(64, triton.next_power_of_2(rank))
         _mla_combine_kernel[(num_tokens, num_heads, triton.cdiv(rank, block_r))](
-            part, lse, out, num_heads, splits, RANK=rank, SPLITS_PAD=splits_pad, BLOCK_R=block_r,
-            num_warps=max(1, min(4, splits_pad * block_r // 1024)), **pdl_options(q_latent))  # <= 64 values a thread
+            part, lse, out, num_heads, splits, RANK=rank, SPLITS_PAD=splits_pad, BLOCK_R=block_r, SPLIT_CHUNK=chunk,
+            num_warps=max(1, min(4, chunk * block_r // 1024)), **pdl_options(q_latent))  # <= 64 values a thread
     return out if w_uv is None else head_matmul(out, w_uv.transpose(1, 2))
 
 
 COMBINE_VALUES = 16384
+# The splits one combine load takes (_weighted_partials), the loop over them as long as the device's live
+# splits: a decode graph's grid holds the splits of the longest context it may serve (128 for V2-Lite at
+# max_seq_len 4096), and at 128-384-token contexts 4-12 of them have keys. Before (all the grid's splits in
+# one load, the latent row in BLOCK_R = 16384 / 128 columns a step) the combine with W_UV took 8.79 us a layer
+# there against 4.42 at max_seq_len 1024 (H200, V2-Lite batch 1, session 29 call 1).
+COMBINE_SPLIT_CHUNK = 32
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 

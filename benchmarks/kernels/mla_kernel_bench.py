@@ -71,10 +71,12 @@ MAX_SETS = 128
 
 
 def decode_step(shape: dict, batch: int, context: int, pool: str, tree: int, device: str, dtype: torch.dtype,
-                sets: int = 1):
+                sets: int = 1, max_context_len: int | None = None):
     """(q_latent, q_rope, cache, metas) of one layer's step: ``batch`` sequences at ``context`` keys
     each, their last max(1, tree) tokens new (a chain's tree mask when tree > 0); ``sets`` metadata
-    whose block tables take disjoint shuffled pages of one pool (timing from HBM, not L2)."""
+    whose block tables take disjoint shuffled pages of one pool (timing from HBM, not L2).
+    ``max_context_len``: the metadata's (a decode graph's: the longest context it may serve, which sizes
+    the key splits); None: ``context``."""
     heads, rank, rope = shape["heads"], shape["rank"], shape["rope"]
     q_len = max(1, tree)
     pages = -(-context // PAGE)
@@ -92,7 +94,7 @@ def decode_step(shape: dict, batch: int, context: int, pool: str, tree: int, dev
             slot_mapping=torch.zeros(cu[-1], dtype=torch.int64, device=device), block_tables=tables,
             cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device),
             context_lens=torch.full((batch,), context, dtype=torch.int32, device=device),
-            max_seqlen_q=q_len, max_context_len=context, is_decode_only=q_len == 1,
+            max_seqlen_q=q_len, max_context_len=max(context, max_context_len or 0), is_decode_only=q_len == 1,
             cu_seqlens_q_host=cu, context_lens_host=[context] * batch)
         if tree:  # a chain: node j sees nodes 0..j (the causal rows, through the tree-mask path)
             chain = torch.tril(torch.ones(q_len, q_len, dtype=torch.bool, device=device))
@@ -114,11 +116,18 @@ def parse_config(text: str) -> dict:
     stages (0: the register prefetch), then optionally max_splits, min_span, programs_per_sm
     ("d32:4:3:256:32:4"; left out: kernels/mla_decode.py's DECODE_SPLITS). "auto": what
     mla_attention_triton picks by itself (the engine's path: kernel, tiling, splits, FP8 widening).
-    A "+cvt" ending: an FP8 pool's codes widened by Triton's conversion (the path before session 29;
-    TRITONLLM_MLA_FP8_BITS=0), "+bits" by bits (kernels/e4m3_bits.py); neither: the kernel's default."""
-    base, _, option = text.partition("+")
-    assert option in ("", "cvt", "bits"), f"--configs {text!r}: the ending is +cvt or +bits"
-    widening = {} if not option else dict(fp8_bits=option == "bits")
+    Endings: "+cvt" an FP8 pool's codes widened by Triton's conversion (the path before session 29;
+    TRITONLLM_MLA_FP8_BITS=0), "+bits" by bits (kernels/e4m3_bits.py), neither: the kernel's default;
+    "+c<N>" the combine's loads N splits at a time (0: all the grid's, the combine before session 29)."""
+    base, *options = text.split("+")
+    widening = {}
+    for option in options:
+        assert option in ("cvt", "bits") or (option[:1] == "c" and option[1:].isdigit()), \
+            f"--configs {text!r}: the endings are +cvt, +bits and +c<splits>"
+        if option in ("cvt", "bits"):
+            widening["fp8_bits"] = option == "bits"
+        else:
+            widening["combine_chunk"] = int(option[1:])
     if base == "auto":
         return dict(auto=True, **widening)
     if base.startswith("d"):
@@ -130,18 +139,19 @@ def parse_config(text: str) -> dict:
         return dict(decode_kernel=True, decode_tiling=(block_n, warps, stages), **got, **widening)
     values = [int(x) for x in base.split(":")]
     assert 3 <= len(values) <= len(CONFIG_KEYS), f"--configs {text!r}: block_h:max_splits:min_span[:block_n[:warps]]"
-    return dict(zip(CONFIG_KEYS, values), decode_kernel=False)
+    return dict(zip(CONFIG_KEYS, values), decode_kernel=False, **widening)
 
 
 def config_name(config: dict) -> str:
     """parse_config's input back (the table's and the JSON's config column)."""
-    ending = "" if "fp8_bits" not in config else "+bits" if config["fp8_bits"] else "+cvt"
+    ending = ("" if "fp8_bits" not in config else "+bits" if config["fp8_bits"] else "+cvt") + (
+        "" if "combine_chunk" not in config else f"+c{config['combine_chunk']}")
     if config.get("auto"):
         return "auto" + ending
     if config.get("decode_kernel"):
         extra = [config[k] for k in DECODE_KEYS[3:] if k in config]
         return "d" + ":".join(str(v) for v in (*config["decode_tiling"], *extra)) + ending
-    return ":".join(str(v) for k, v in config.items() if k != "decode_kernel")
+    return ":".join(str(config[k]) for k in CONFIG_KEYS if k in config) + ending
 
 
 def kernel_args(config: dict) -> dict:
@@ -198,11 +208,17 @@ def run(args: argparse.Namespace) -> dict:
                 read = batch * context * row_bytes
                 sets = 1 if args.device == "cpu" else max(1, min(MAX_SETS, -(-POOL_BYTES // read)))
                 q_latent, q_rope, cache, metas = decode_step(shape, batch, context, pool, args.tree, args.device,
-                                                             dtype, sets)
+                                                             dtype, sets, args.graph_max_context)
                 flops = q_latent.shape[0] * shape["heads"] * context * 2 * (2 * shape["rank"] + shape["rope"])
+                w_uv = None  # --v-dim: W_UV (H, V, R) applied by the combine, as the engine's layers do
+                if args.v_dim:
+                    w_uv = (torch.randn(shape["heads"], args.v_dim, shape["rank"], device=args.device)
+                            * shape["rank"] ** -0.5).to(dtype)
                 want = None  # --check: the torch reference's output (float32 math), once per shape
                 if args.check and args.device != "cpu":
                     want = mla_attention_ref(q_latent, q_rope, cache, metas[0], scale).float()
+                    if w_uv is not None:
+                        want = torch.einsum("thr,hvr->thv", want.to(dtype).float(), w_uv.float())
                 for config in (args.configs if args.device != "cpu" else [None]):
                     if config is None:  # the CPU: the reference, wall time
                         call = lambda meta: mla_attention_ref(q_latent, q_rope, cache, meta, scale)  # noqa: E731
@@ -214,7 +230,7 @@ def run(args: argparse.Namespace) -> dict:
                         splits = None
                     else:
                         call = lambda meta, c=kernel_args(config): mla_attention_triton(  # noqa: E731
-                            q_latent, q_rope, cache, meta, scale, **c)
+                            q_latent, q_rope, cache, meta, scale, w_uv=w_uv, **c)
                         eager_us = cuda_time_ms(lambda: call(metas[0]), repeat=args.repeat) * 1e3
                         us = graph_call_us(call, [(meta,) for meta in metas])
                         ran = resolved(config, pool, dtype, q_latent.shape[0], shape["heads"], not args.tree)
@@ -232,7 +248,7 @@ def run(args: argparse.Namespace) -> dict:
                     if args.out:  # after every row: a run cut by its guard keeps what it measured
                         Path(args.out).write_text(json.dumps(dict(partial=True, copy_GBps=None if bandwidth is None
                                                                   else bandwidth / 1e9, rows=rows), indent=1))
-                del q_latent, q_rope, cache, metas
+                del q_latent, q_rope, cache, metas, w_uv
                 if args.device != "cpu":
                     torch.cuda.empty_cache()
     return dict(shape=args.shape, dtype=args.dtype, device=args.device, machine=machine_summary(args.device),
@@ -276,6 +292,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batches", type=int_list, default=[1, 8, 32])
     p.add_argument("--pool", default="bf16,fp8", help="comma-separated: bf16 (the queries' dtype) and/or fp8")
     p.add_argument("--tree", type=int, default=0, help="verify an N-node chain per sequence (tree-mask path)")
+    p.add_argument("--v-dim", type=int, default=0,
+                   help="apply a random W_UV of this value head size in the combine (the engine's path; V2-Lite and "
+                        "V3: 128); 0: the latent output")
+    p.add_argument("--graph-max-context", type=int, default=None,
+                   help="size the key splits for this longest context, as a decode graph captured for max_seq_len "
+                        "N does (default: each row's own context)")
     p.add_argument("--repeat", type=int, default=50)
     p.add_argument("--configs", default=f"16:{MAX_SPLITS}:{MIN_SPAN},d{':'.join(map(str, DECODE_TILING))}",
                    help="comma-separated block_h:max_splits:min_span[:block_n[:warps]] (the general kernel; 16:16:32 = "

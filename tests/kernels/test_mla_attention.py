@@ -326,7 +326,8 @@ def test_fp8_pools_widen_by_bits_where_the_queries_allow(monkeypatch):
 def test_combine_applies_w_uv(device, context_lens, q_lens, monkeypatch):
     """w_uv given: (T, H, V) = the reference's latent output through W_UV per head, whether the splits'
     combine applies it (splits > 1; at 128 of them, with the budget cut, the latent row in two chunks)
-    or head_matmul after (one split)."""
+    or head_matmul after (one split); the combine's loads a chunk of 2 splits (several passes over the live
+    ones), the default chunk, or all the grid's splits at once (0); without w_uv the plain combine alike."""
     monkeypatch.setattr(mla_attention_module, "COMBINE_VALUES", 2048)
     _, cache, meta = paged_batch(context_lens, q_lens, device=device)
     gen = torch.Generator().manual_seed(5)
@@ -335,9 +336,14 @@ def test_combine_applies_w_uv(device, context_lens, q_lens, monkeypatch):
     w_uv = torch.randn(HEADS, V_DIM, RANK, generator=gen) * RANK ** -0.5
     want = torch.einsum("thr,hvr->thv", mla_attention_ref(q_latent.cpu(), q_rope.cpu(), cache.cpu(), _on_cpu(meta),
                                                            0.2), w_uv)
-    for splits in (1, 3, None, 128):
-        out = mla_attention_triton(q_latent, q_rope, cache, meta, 0.2, splits=splits, w_uv=w_uv.to(device))
-        assert out.shape == want.shape and relative_error(out.cpu(), want) < TOLERANCE[torch.float32]
+    want_latent = mla_attention_ref(q_latent.cpu(), q_rope.cpu(), cache.cpu(), _on_cpu(meta), 0.2)
+    for splits, chunk in ((1, None), (3, 0), (None, None), (None, 2), (128, None)):
+        out = mla_attention_triton(q_latent, q_rope, cache, meta, 0.2, splits=splits, w_uv=w_uv.to(device),
+                                   combine_chunk=chunk)
+        assert out.shape == want.shape and relative_error(out.cpu(), want) < TOLERANCE[torch.float32], (splits, chunk)
+        if splits != 128:  # (the interpreter's slowest launch)
+            latent = mla_attention_triton(q_latent, q_rope, cache, meta, 0.2, splits=splits, combine_chunk=chunk)
+            assert relative_error(latent.cpu(), want_latent) < TOLERANCE[torch.float32], (splits, chunk)
 
 
 def tree_mask_of(parents_per_seq: list[list[int]]) -> torch.Tensor:
@@ -373,10 +379,11 @@ def test_triton_kernel_follows_a_token_tree_mask(device, dtype):
     want = mla_attention_ref(q_latent.cpu(), q_rope.cpu(), cache.cpu(), cpu_meta, 0.2)
     causal = mla_attention_ref(q_latent.cpu(), q_rope.cpu(), cache.cpu(), _on_cpu(meta), 0.2)
     assert relative_error(causal.float(), want.float()) > 0.01  # the mask matters in this batch
-    for splits in (1, 3, None):
-        out = mla_attention_triton(q_latent, q_rope, cache, meta, 0.2, splits=splits, min_span=32)
+    for splits, chunk in ((1, None), (3, None), (3, 1), (None, None), (None, 1)):  # chunk 1: a split a combine load
+        out = mla_attention_triton(q_latent, q_rope, cache, meta, 0.2, splits=splits, min_span=32,
+                                   combine_chunk=chunk)
         assert torch.isfinite(out).all()
-        assert relative_error(out.cpu().float(), want.float()) < TOLERANCE[dtype]
+        assert relative_error(out.cpu().float(), want.float()) < TOLERANCE[dtype], (splits, chunk)
 
 
 def test_triton_kernel_gives_zeros_for_a_prefill_graphs_padding_tokens(device):
