@@ -125,6 +125,15 @@ DOT_ENV = "TRITONLLM_MOE_GEMV_DOT"
 # moves into the B fragments), 78 registers against 128, half the x tile's shared memory (2 KB a stage).
 DOT_COLS = 8
 BITS = "b"  # (FP8 DOT tiles: the codes widened by bits, kernels/e4m3_bits.py)
+# $TRITONLLM_MOE_DOWN_PREFETCH=1 (read at every launch; a graph keeps what its capture saw): the down launch's programs,
+# which PDL starts while gate_up still runs (gate_up gives the go-ahead right after its own wait), find their expert
+# before their PDL wait (routed from the logits as gate_up routes them, or the given ids: both written before gate_up
+# started, so complete by then; read past L1) and prefetch their rows into L2 (one cp.async.bulk.prefetch a row),
+# so down's bytes stream while gate_up's do and down then reads L2. Why: at one token gate_up streams at ~2.1 TB/s of
+# the H200's ~4.2 and down's 6.6 us are mostly its start and its first loads' latency (Qwen3-30B-A3B block-FP8, session
+# 28 call 7). Off by default until measured (prefetches before the PDL wait slowed the dense products they overlapped:
+# kernels/_triton.py WEIGHT_PREFETCH_ENV).
+DOWN_PREFETCH_ENV = "TRITONLLM_MOE_DOWN_PREFETCH"
 # One warp a 16 rows: the mma's warps lie along the rows, so no warp widens another's weights (16 rows on 2 warps:
 # each warp widened all 16). sm_90, Triton 3.9, Qwen3-30B-A3B block-FP8 gate_up: (16, 128, 1, 4) mma.sync, 18 KB
 # of shared memory (three stages in flight: 12 KB of weights a program); (64, 128, 4, 3) wgmma, 166 registers.
@@ -650,22 +659,48 @@ def _gemv_gate_up_kernel(
 
 
 @jit
+def _prefetch_rows_l2(row_starts, rows_ok, row_bytes):
+    """Each weight row at ``row_starts`` ((BLOCK_N,) pointers; rows not ``rows_ok`` skipped), ``row_bytes`` long,
+    into L2 by one cp.async.bulk.prefetch.L2 (the copy engine's work, one instruction a row; starts and lengths
+    16-byte aligned: moe_gemv_triton checks). For DOWN_PREFETCH_ENV's launches, CUDA only (inline PTX)."""
+    nbytes = tl.where(rows_ok, row_bytes, 0).to(tl.int32)
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,r", [row_starts.to(tl.int64, bitcast=True), nbytes], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@jit
 def _gemv_down_kernel(
     act_ptr, ids_ptr, weights_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, arrivals_ptr, H, I, group,
     stride_act, stride_we, stride_wn, stride_se, stride_sn, stride_be, stride_o,
     SCALES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, HAS_BIAS: tl.constexpr,
     PDL: tl.constexpr, AHEAD: tl.constexpr = False, ONE_LOAD: tl.constexpr = False, DOT: tl.constexpr = False,
     SPLIT: tl.constexpr = 1, BITS: tl.constexpr = False, ASM: tl.constexpr = False,
+    logits_ptr=None, num_experts=0, stride_l=0, TOP_K: tl.constexpr = 1, K_PAD: tl.constexpr = 1,
+    E_PAD: tl.constexpr = 1, RENORMALIZE: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
 ):
     """out_k[a, rows] = w_a * (down_e[rows] . act[a]) for assignment a = program_id(0) and the BLOCK_N rows of
     tile program_id(1) (module docstring, step 2). DOT tiles with SPLIT > 1: program_id(2)'s share of I, its sums
-    in part_ptr ((T * K * SPLIT, H) float32), the tile's last arrival finishing (DOT_TILES)."""
-    pdl_prologue(PDL)
+    in part_ptr ((T * K * SPLIT, H) float32), the tile's last arrival finishing (DOT_TILES).
+    PREFETCH (DOWN_PREFETCH_ENV; with PDL, inline PTX): before the PDL wait, the program's expert (1: routed from the
+    logits at logits_ptr as gate_up routes them, _top_k_of_row; 2: the given ids at ids_ptr) and its rows' I bytes
+    into L2 (_prefetch_rows_l2); after the wait everything as without it (the expert read from ids_ptr)."""
     a = tl.program_id(0)
     tile = tl.program_id(1)
-    e64 = tl.load(ids_ptr + a).to(tl.int64)
     rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     rows_ok = rows < H
+    if PREFETCH == 1:
+        _, chosen_id = _top_k_of_row(logits_ptr + (a // TOP_K).to(tl.int64) * stride_l, num_experts, TOP_K, K_PAD,
+                                     E_PAD, RENORMALIZE)
+        early = tl.sum(tl.where(tl.arange(0, K_PAD) == a % TOP_K, chosen_id, 0), 0).to(tl.int64)
+        _prefetch_rows_l2(w_ptr + early * stride_we + rows.to(tl.int64) * stride_wn, rows_ok,
+                          I * (w_ptr.dtype.element_ty.primitive_bitwidth // 8))
+    elif PREFETCH == 2:
+        early = tl.load(ids_ptr + a, cache_modifier=".cg").to(tl.int64)
+        _prefetch_rows_l2(w_ptr + early * stride_we + rows.to(tl.int64) * stride_wn, rows_ok,
+                          I * (w_ptr.dtype.element_ty.primitive_bitwidth // 8))
+    pdl_prologue(PDL)
+    e64 = tl.load(ids_ptr + a).to(tl.int64)
     w_rows = w_ptr + e64 * stride_we + rows.to(tl.int64)[:, None] * stride_wn
     s_rows = s_ptr + e64 * stride_se + ((tile * BLOCK_N) // 128) * stride_sn
     acc = tl.zeros([BLOCK_N, SUB_K], dtype=tl.float32)
@@ -793,6 +828,7 @@ def moe_gemv_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, 
     out_k = torch.empty(num_tokens * top_k, hidden, dtype=x.dtype, device=x.device)
     d_part = torch.empty(num_tokens * top_k * d_split, hidden, dtype=torch.float32, device=x.device) \
         if d_split > 1 else weights
+    prefetch = down_prefetch(down, pdl["PDL"])
     _gemv_down_kernel[(num_tokens * top_k, d_tiles, d_split)](
         act, ids, weights, down, d_s, d_z, act if d_b is None else d_b, out_k, d_part, arrivals, hidden, k_down,
         group_down,
@@ -800,9 +836,23 @@ def moe_gemv_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, 
         0 if d_b is None else d_b.stride(0), out_k.stride(0),
         SCALES=kind, BLOCK_N=dn, BLOCK_K=dk, SUB_K=down_piece, HAS_BIAS=d_b is not None, AHEAD=down_ahead,
         ONE_LOAD=down_once, DOT=down_dot, SPLIT=d_split, BITS=down_bits, ASM=x.is_cuda, num_warps=dw, num_stages=ds,
-        **pdl)
+        logits_ptr=router_logits if route else x, num_experts=num_experts,
+        stride_l=router_logits.stride(0) if route else 0, TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k),
+        E_PAD=triton.next_power_of_2(num_experts), RENORMALIZE=renormalize,
+        PREFETCH=(1 if route else 2) if prefetch else 0, **pdl)
     out_k = out_k.view(num_tokens, top_k, hidden)
     return out_k.sum(dim=1) if sum_experts else out_k  # (torch sums half types in float32, rounds once)
+
+
+def down_prefetch(down: torch.Tensor, pdl: bool) -> bool:
+    """Whether the down launch prefetches its rows before its PDL wait (DOWN_PREFETCH_ENV): asked for, PDL on, and
+    every row 16-byte aligned and a multiple of 16 bytes long (the bulk prefetch's rule; a misaligned one is an
+    illegal instruction)."""
+    if os.environ.get(DOWN_PREFETCH_ENV, "0").strip() != "1" or not pdl or not down.is_cuda:
+        return False
+    size = down.element_size()
+    return down.data_ptr() % 16 == 0 and all((stride * size) % 16 == 0 for stride in down.stride()[:-1]) \
+        and (down.shape[-1] * size) % 16 == 0 and down.stride(-1) == 1
 
 
 def gemv_tiles(gate_up: torch.Tensor, num_tokens: int) -> tuple | None:
