@@ -139,7 +139,8 @@ def _mla_attention_kernel(q_lat_ptr, q_rope_ptr, cache_ptr, part_ptr, lse_ptr, b
     Both are runtime values: one compiled kernel serves every batch size.
 
     DIRECT (one split): the normalised output goes straight to part = out (T, H, RANK) in the
-    queries' dtype, zeros for a token of no sequence. Otherwise part is (T, splits, H, RANK) float32,
+    queries' dtype, zeros for a token of no sequence. Otherwise part is (T, splits, H, RANK) float32
+    (HALF_PARTIALS: the queries' 16-bit dtype),
     written only where the split saw a key, and lse (T, H, splits) its log-sum-exp (-inf: no visible
     key, past the position or all hidden by the tree; _mla_combine_kernel reads only the others).
 
@@ -234,7 +235,7 @@ def _weighted_partials(part_ptr, lse_ptr, token, head, num_heads, splits, top, e
         live = lse > -float("inf")
         rows = (token * splits + s) * num_heads + head
         part = tl.load(part_ptr + rows[:, None] * RANK + r[None, :], mask=live[:, None] & r_ok[None, :],
-                       other=0.0)  # (SPLIT_CHUNK, BLOCK_R) float32
+                       other=0.0).to(tl.float32)  # (SPLIT_CHUNK, BLOCK_R)
         num += tl.sum(part * tl.exp(lse - top)[:, None], 0)
     return num
 
@@ -293,6 +294,11 @@ MIN_SPAN = 32  # keys a split takes at least (one 32-key tile). A split costs it
 MAX_SPLITS = 128  # batch-1 decode of 16 heads (DeepSeek-V2-Lite, V3 at TP 8): one program a split, so
 # splits up to 2 x 132 SMs would cover the GPU; 128 of 256 keys each at 32k context (partials: 4 MB
 # against 38 MB of latent rows). The old cap of 16 left 16 programs on 132 SMs.
+# The splits' partials (T, splits, H, R) in the queries' 16-bit dtype instead of float32 (normalized outputs,
+# rounded as the output itself is): half their bytes, written by the attention launch and read by the combine.
+# At batch 32 x 8k (33 splits of 256 keys) float32 partials are 32 KB a split against 295 KB of latent rows:
+# 11% more bytes written and 11% more read. (The log-sum-exps stay float32.)
+HALF_PARTIALS = False
 USE_DECODE_KERNEL = True  # decode-only steps through kernels/mla_decode.py (mla_attention_triton; its figures there)
 MLA_DECODE_ENV = "TRITONLLM_MLA_DECODE"  # "1" / "0": the decode kernel or the general one (A/B runs); unset: the above
 
@@ -343,7 +349,7 @@ def mla_attention_triton(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: to
                          w_uv: torch.Tensor | None = None, decode_kernel: bool | None = None,
                          decode_tiling: tuple[int, int, int] | None = None,
                          programs_per_sm: int | None = None, fp8_bits: bool | None = None,
-                         combine_chunk: int | None = None) -> torch.Tensor:
+                         combine_chunk: int | None = None, half_partials: bool | None = None) -> torch.Tensor:
     """mla_attention_ref on the GPU (or Triton's interpreter): one program per (token, BLOCK_H heads,
     key split), the splits' outputs combined by their log-sum-exps (_mla_combine_kernel). Two
     launches (one with a single split) besides cu_seqlens' token map; no host sync (CUDA-graph safe):
@@ -358,9 +364,11 @@ def mla_attention_triton(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: to
     (None: decode_kernel_enabled() and kernels/mla_decode.py decode_kernel_default) and its tile fits the
     page: ``decode_tiling`` (BLOCK_N, num_warps, STAGES), None for DECODE_TILING (an FP8 pool:
     DECODE_TILING_FP8_BITS where its codes are widened by bits, ``fp8_bits``, None: kernels/mla_decode.py
-    widens_by_bits, else DECODE_TILING_FP8); ``block_n`` and ``num_warps`` then serve the general kernel only. The split policy's ``max_splits``, ``min_span`` and
-    ``programs_per_sm`` left None take the kernel's own (split_policy). ``combine_chunk``: the splits a
-    combine load takes (None: COMBINE_SPLIT_CHUNK; 0: all the grid's at once, the combine before session 29)."""
+    widens_by_bits, else DECODE_TILING_FP8); ``block_n`` and ``num_warps`` then serve the general kernel
+    only. The split policy's ``max_splits``, ``min_span`` and ``programs_per_sm`` left None take the
+    kernel's own (split_policy). ``combine_chunk``: the splits a
+    combine load takes (None: COMBINE_SPLIT_CHUNK; 0: all the grid's at once, the combine before session 29).
+    ``half_partials`` (None: HALF_PARTIALS): the splits' partials in the queries' 16-bit dtype, not float32."""
     num_tokens, num_heads, rank = q_latent.shape
     assert q_latent.stride(-1) == 1 and q_rope.stride(-1) == 1 and cache.stride(-1) == 1
     if num_tokens == 0:
@@ -381,7 +389,9 @@ def mla_attention_triton(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: to
     if splits == 1:
         part, lse = out, out  # DIRECT: the kernel writes the output itself (lse unused)
     else:
-        part = torch.empty(num_tokens, splits, num_heads, rank, dtype=torch.float32, device=q_latent.device)
+        half = HALF_PARTIALS if half_partials is None else half_partials
+        part_dtype = q_latent.dtype if half and q_latent.dtype in (torch.bfloat16, torch.float16) else torch.float32
+        part = torch.empty(num_tokens, splits, num_heads, rank, dtype=part_dtype, device=q_latent.device)
         lse = torch.empty(num_tokens, num_heads, splits, dtype=torch.float32, device=q_latent.device)
     if use_decode:
         tables, lens = dense(meta.block_tables, meta.context_lens)  # read at ptr + i (tables: + row * row stride)

@@ -11,8 +11,8 @@ are [c | k_r] back to back (wide loads), and the loop is software-pipelined (``S
 flight: Triton's pipeliner turns the loads into cp.async copies issued ahead of their use).
 
 Same outputs as the general kernel's DECODE form: one split writes out (T, H, R) itself; several
-write float32 partials (T, splits, H, R) and their log-sum-exps (T, H, splits) for
-kernels/mla_attention.py's combine launches. Splits are a runtime value (the host picks them from
+write partials (T, splits, H, R: float32 or 16-bit, kernels/mla_partials.py) and their log-sum-exps
+(T, H, splits) for kernels/mla_attention.py's combine launches. Splits are a runtime value (the host picks them from
 the batch shape: CUDA-graph safe), each spanning whole tiles, at least ``min_span`` keys.
 """
 from __future__ import annotations
@@ -77,12 +77,12 @@ def _bits_queries(q_lat, q_rope, scale_log2, WIDE: tl.constexpr):
     """The queries and per-head score scale (BLOCK_H, 1) for a pool widened by bits (kernels/e4m3_bits.py):
     codes as WIDE at value * 2^-120 (bfloat16; float32 under the interpreter) or value * 2^-8 (float16).
 
-    2^-8: float16 queries as they are (through float32: exact); products of a float16 query and a code at
-    2^-8 stay float32 normals (>= 2^-24 * 2^-17), the scores times 2^8. 2^-120: each head's queries scaled by 2^(120 - e), e =
-    floor(log2 max |q_h|) over its latent and rope parts (at least -7, so the factor stays a float32), so
-    the largest lands in [2^120, 2^121): exact (a power of two, under bfloat16's 2^128), and every product
-    with a code (>= 2^-129, the smallest subnormal) of a query within 2^-100 of the head's largest is a
-    float32 normal -- nothing the tensor cores could flush; the scores times 2^e."""
+    2^-8: float16 queries as they are (through float32: exact); products of a float16 query and a code at 2^-8
+    stay float32 normals (>= 2^-24 * 2^-17), the scores times 2^8. 2^-120: each head's queries scaled by
+    2^(120 - e), e = floor(log2 max |q_h|) over its latent and rope parts (at least -7, so the factor stays a float32),
+    so the largest lands in [2^120, 2^121): exact (a power of two, under bfloat16's 2^128), and every product
+    with a code (>= 2^-129, the smallest subnormal) of a query within 2^-100 of the head's largest is a float32
+    normal -- nothing the tensor cores could flush; the scores times 2^e."""
     q_lat = q_lat.to(tl.float32)
     q_rope = q_rope.to(tl.float32)
     if WIDE == tl.float16:
@@ -231,7 +231,7 @@ def mla_decode_launch(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch
                       min_span: int, block_h: int, tiling: tuple[int, int, int] = DECODE_TILING,
                       bits: bool = False) -> None:
     """One launch of _mla_decode_kernel over (sequences, head blocks, splits): ``part`` is the output
-    (T, H, R) itself when splits == 1, else the float32 partials; block_tables and context_lens dense
+    (T, H, R) itself when splits == 1, else the partials; block_tables and context_lens dense
     (read at ptr + i). ``bits``: an FP8 pool's codes widened by bits (widens_by_bits says where it may).
     The caller (kernels/mla_attention.py) checks decode_tile_fits and combines."""
     num_seqs, num_heads, rank = q_latent.shape

@@ -2,10 +2,11 @@
 _combine): the one layout both MLA kernels (the general one there, kernels/mla_decode.py's decode
 kernel) write and the combine launches read.
 
-DIRECT (one split): the normalized output (T, H, R) in the output's dtype. Otherwise float32 partials
-at row (token * splits + split) * num_heads + head of a (T, splits, H, R) buffer, only where the split
-saw keys, and the split's log-sum-exp in natural-log units at (token * num_heads + head) * splits + split
-of a (T, H, splits) buffer, -inf for a split of no keys (weight 0 in the combine)."""
+DIRECT (one split): the normalized output (T, H, R) in the output's dtype. Otherwise partials (float32,
+or the queries' 16-bit dtype: kernels/mla_attention.py HALF_PARTIALS) at row (token * splits + split) *
+num_heads + head of a (T, splits, H, R) buffer, only where the split saw keys, and the split's log-sum-exp
+in natural-log units at (token * num_heads + head) * splits + split of a (T, H, splits) buffer, -inf for a
+split of no keys (weight 0 in the combine)."""
 from __future__ import annotations
 
 from kernels._triton import jit, tl
@@ -24,7 +25,7 @@ def store_split_output(part_ptr, lse_ptr, acc, denom, lse, token, heads, head_ok
                  out.to(part_ptr.dtype.element_ty), mask=head_ok[:, None] & (r < RANK)[None, :])
     else:
         row_out = (token * splits + split) * num_heads + heads
-        tl.store(part_ptr + row_out[:, None] * RANK + r[None, :], out,
+        tl.store(part_ptr + row_out[:, None] * RANK + r[None, :], out.to(part_ptr.dtype.element_ty),
                  mask=(head_ok & has_keys)[:, None] & (r < RANK)[None, :])
         tl.store(lse_ptr + (token * num_heads + heads) * splits + split, tl.where(has_keys, lse, -float("inf")),
                  mask=head_ok)

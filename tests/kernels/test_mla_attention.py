@@ -181,6 +181,8 @@ def test_decode_kernel_equals_reference_and_the_general_kernel(device, dtype, ca
     for splits in (1, 3, None):
         kw = dict(splits=splits, min_span=tiling[0], decode_tiling=tiling)
         out = mla_attention_triton(q_latent, q_rope, cache, meta, 0.2, decode_kernel=True, **kw)
+        half = mla_attention_triton(q_latent, q_rope, cache, meta, 0.2, decode_kernel=True, half_partials=True, **kw)
+        assert relative_error(half.cpu().float(), want.float()) < tolerance, splits
         general = mla_attention_triton(q_latent, q_rope, cache, meta, 0.2, decode_kernel=False, **kw)
         assert torch.isfinite(out).all()
         assert relative_error(out.cpu().float(), want.float()) < tolerance, splits
@@ -198,7 +200,8 @@ def test_decode_kernel_widens_an_fp8_pool_by_bits_at_its_extremes(device, dtype,
     and Triton's conversion (fp8_bits=False): a sequence of E4M3 subnormals alone (k * 2^-9) under large
     queries, one of +-448 among normal values under tiny queries, one under huge queries (one-hot
     softmax), one with a head of zero queries; float16 queries take the 2^-8 widening, the others 2^-120
-    with each head's queries scaled to [2^120, 2^121) (float32: the interpreter's stand-in for bfloat16)."""
+    with each head's queries scaled to [2^120, 2^121) (float32: the interpreter's stand-in for bfloat16); three
+    splits' partials in float32 and in the queries' 16-bit dtype (half_partials)."""
     if dtype not in low_precision_dtypes(device) + [torch.float32] and dtype != torch.float16:
         pytest.skip("the interpreter emulates bf16 dots loosely (kernel_testing.low_precision_dtypes); GPU only")
     if dtype == torch.float32 and device == "cuda":
@@ -225,8 +228,8 @@ def test_decode_kernel_widens_an_fp8_pool_by_bits_at_its_extremes(device, dtype,
     assert torch.isfinite(want).all()
     q_latent, q_rope = q_latent.to(device), q_rope.to(device)
     tolerance = TOLERANCE[dtype] * 3
-    for splits in (1, 3):
-        kw = dict(splits=splits, min_span=tiling[0], decode_tiling=tiling, decode_kernel=True)
+    for splits, half in ((1, False), (3, False), (3, True)):  # half: the splits' partials in the queries' dtype
+        kw = dict(splits=splits, min_span=tiling[0], decode_tiling=tiling, decode_kernel=True, half_partials=half)
         by_bits = mla_attention_triton(q_latent, q_rope, cache, meta, 0.2, fp8_bits=True, **kw).cpu().float()
         converted = mla_attention_triton(q_latent, q_rope, cache, meta, 0.2, fp8_bits=False, **kw).cpu().float()
         assert torch.isfinite(by_bits).all()
@@ -307,7 +310,8 @@ def test_fp8_pools_widen_by_bits_where_the_queries_allow(monkeypatch):
     from kernels import mla_decode
 
     monkeypatch.setenv(mla_decode.FP8_BITS_ENV, "")
-    assert mla_decode.widens_by_bits(True, torch.bfloat16, True) and mla_decode.widens_by_bits(True, torch.float16, True)
+    assert mla_decode.widens_by_bits(True, torch.bfloat16, True)
+    assert mla_decode.widens_by_bits(True, torch.float16, True)
     assert not mla_decode.widens_by_bits(False, torch.bfloat16, True)
     assert not mla_decode.widens_by_bits(True, torch.float32, True) and mla_decode.widens_by_bits(True, torch.float32,
                                                                                                   False)
