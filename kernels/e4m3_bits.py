@@ -18,6 +18,13 @@ products at 2^-8, nothing near float32's subnormals.
 
 Triton's interpreter runs no assembly: ``ASM=False`` builds the same bits as float32 (code << 20: the bfloat16 pattern
 in a float32's upper half, the same value) for the interpreter's tests.
+
+Where the widening runs: Triton moves a pure one-input inline asm that feeds a dot operand past the operand's layout
+conversion (it loads the codes from shared memory straight into the MMA's operand layout, then widens there). That is
+right for an operand whose K dimension is contiguous in memory, but an 8-bit operand read across it (attention's V,
+keys by rows of dims) then comes out of shared memory a byte at a time (LDS.U8, and PRMTs to pack them: 128 LDS.U8
+for a 32-key tile of 128 dims). ``PURE=False`` (and ``converted_f16``, which is never pure) keeps the widening in the
+layout the codes were loaded in; the 16-bit tile then reaches the MMA through shared memory by ldmatrix (.trans).
 """
 from __future__ import annotations
 
@@ -37,9 +44,9 @@ _FP16_BITS_ASM = tl.constexpr(_bits_asm(7, "0xBF80BF80"))  # float16: s 0 eeee m
 
 
 @jit
-def widened_bits(w, dtype: tl.constexpr, ASM: tl.constexpr):
+def widened_bits(w, dtype: tl.constexpr, ASM: tl.constexpr, PURE: tl.constexpr = True):
     """E4M3 codes w as ``dtype``: bfloat16 (or float32, ASM=False only) of value * 2^-120, float16 of value * 2^-8
-    (ASM=False: from the float32 bits, times 2^112).
+    (ASM=False: from the float32 bits, times 2^112). PURE=False: widened in w's own layout (module docstring).
     ASM: prmt.b32 replicates a selected byte's sign through the byte above it (selectors 8-11), so lane i of
     ``prmt t, word, 0, 0x9180`` holds (sign byte, code) of byte i (bytes 0, 1; 0xB3A2: bytes 2, 3); shifted left
     by 4 (7) the code's sign lands in bit 15 and its exponent and mantissa in bits 10-4 (13-7), and the mask clears
@@ -47,10 +54,10 @@ def widened_bits(w, dtype: tl.constexpr, ASM: tl.constexpr):
     if ASM:
         if dtype == tl.float16:
             return tl.inline_asm_elementwise(_FP16_BITS_ASM, "=r,=r,r", [w.to(tl.uint8, bitcast=True)],
-                                             dtype=tl.float16, is_pure=True, pack=4)
+                                             dtype=tl.float16, is_pure=PURE, pack=4)
         else:
             return tl.inline_asm_elementwise(_BF16_BITS_ASM, "=r,=r,r", [w.to(tl.uint8, bitcast=True)],
-                                             dtype=tl.bfloat16, is_pure=True, pack=4)
+                                             dtype=tl.bfloat16, is_pure=PURE, pack=4)
     else:  # (sign-extended code << 20) & 0x87F00000: bfloat16's pattern in a float32's upper half
         code = w.to(tl.int8, bitcast=True).to(tl.int32)
         value = ((code << 20) & -2014314496).to(tl.float32, bitcast=True)  # value * 2^-120
@@ -68,3 +75,20 @@ def bits_factor(dtype: tl.constexpr):
         return 256.0
     else:
         return 1.329227995784916e+36
+
+
+# cvt.rn.f16x2.e4m3x2 widens two codes of a 16-bit half of $2 (the upper code to the upper half): bytes 0, 1 -> $0.
+_CVT_F16_ASM = tl.constexpr("{\n.reg .b16 lo, hi;\nmov.b32 {lo, hi}, $2;\ncvt.rn.f16x2.e4m3x2 $0, lo;\n"
+                            "cvt.rn.f16x2.e4m3x2 $1, hi;\n}")
+
+
+@jit
+def converted_f16(w, ASM: tl.constexpr):
+    """E4M3 codes w as float16 values (exact, unscaled) by the conversion unit (F2FP, two codes an instruction, as
+    Triton's own widening), kept in w's layout: not pure, so Triton does not move it into a dot operand's layout
+    (module docstring). ASM=False: Triton's conversion (the interpreter)."""
+    if ASM:
+        return tl.inline_asm_elementwise(_CVT_F16_ASM, "=r,=r,r", [w.to(tl.uint8, bitcast=True)],
+                                         dtype=tl.float16, is_pure=False, pack=4)
+    else:
+        return w.to(tl.float8e4nv, bitcast=True).to(tl.float16)

@@ -94,6 +94,7 @@ import torch
 from kernels._triton import (TensorDescriptor, dense, hopper_or_later, jit, num_sms, pdl_options, pdl_prologue,
                              power_of_2_floor, resident_programs, tl, triton)
 from kernels.attention_metadata import AttentionMetadata
+from kernels.e4m3_bits import bits_factor, converted_f16, widened_bits
 
 _LOG2E = 1.4426950408889634
 # Which sequences one launch of the attention kernel serves (SEQ_KIND): a mixed batch runs its
@@ -209,7 +210,7 @@ def _attend_keys(
     PRECISION: tl.constexpr, FP16_MATH: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
     MASKED: tl.constexpr, TMA: tl.constexpr, HAS_ALIBI: tl.constexpr,
     tree_ptr, tree_rows, prefix_len, stride_tm, HAS_TREE: tl.constexpr, q_last,
-    tree_words, TREE_AS_BITS: tl.constexpr,
+    tree_words, TREE_AS_BITS: tl.constexpr, K_BITS: tl.constexpr, V_WIDEN: tl.constexpr, ASM: tl.constexpr,
 ):
     """The online softmax over keys [lo, hi) in tiles of BLOCK_N -> (m_i, l_i, acc). MASKED: some key
     of a tile may lie at or past kv_hi, or be hidden from some row (causality, window); unmasked
@@ -226,7 +227,15 @@ def _attend_keys(
     (AttentionMetadata.tree_bits; tree_words words a row).
 
     q_last (BLOCK_M,): each row's last visible key position: q_pos, or past it by the row's
-    AttentionMetadata.span_ahead (image spans); a window still counts back from q_pos."""
+    AttentionMetadata.span_ahead (image spans); a window still counts back from q_pos.
+
+    FP8 pools (FP16_MATH), how the E4M3 tiles widen to float16 (kernels/e4m3_bits.py; ASM False under the
+    interpreter): K_BITS: K by bit moves (widened_bits, value * 2^-8) in the dot operand's layout, the scores
+    multiplied back by 2^8 here; else by Triton's conversion. V_WIDEN: V_BY_TRITON, V_BY_BITS (widened_bits kept in
+    the loaded layout: acc stays at 2^-8 of its value, the kernel multiplies it back before dividing by l) or
+    V_BY_CVT (converted_f16, the conversion kept in the loaded layout). Exact either way: powers of two, and
+    q * k * 2^-8 and p * v * 2^-8 stay far from float32's subnormals (fp16 q and p are >= 2^-24, k and v
+    bits >= 2^-17: products >= 2^-41)."""
     cols = tl.arange(0, BLOCK_N)
     dims = tl.arange(0, DIM_PAD)
     for start in range(lo, hi, BLOCK_N):
@@ -254,9 +263,19 @@ def _attend_keys(
             else:
                 k = tl.load(k_cache_ptr + k_rows + dims[None, :])
                 v = tl.load(v_cache_ptr + v_rows + dims[None, :])
-        k = k.to(q.dtype)  # an FP8 pool is widened here (a no-op otherwise)
-        v = v.to(q.dtype)
+        if K_BITS:
+            k = widened_bits(k, tl.float16, ASM)
+        else:
+            k = k.to(q.dtype)  # an FP8 pool is widened here (a no-op otherwise)
+        if V_WIDEN == 1:  # V_BY_BITS (a jit function reads no module globals)
+            v = widened_bits(v, tl.float16, ASM, False)
+        elif V_WIDEN == 2:  # V_BY_CVT
+            v = converted_f16(v, ASM)
+        else:
+            v = v.to(q.dtype)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        if K_BITS:  # exact (above)
+            scores = scores * bits_factor(tl.float16)
         if not FP16_MATH:  # (fp16 math scaled q instead)
             scores = scores * qk_scale
         if HAS_SOFTCAP:  # C * tanh(z / C), tanh(x) = 2 * sigmoid(2x) - 1
@@ -340,6 +359,9 @@ def _paged_attention_kernel(
     QK_L2: tl.constexpr = False,  # with ROTARY_APPEND: q and the new k divided by their RMS after the rotation
     temp_floor=1, temp_scale=0.0,  # read when TEMPERATURE
     TEMPERATURE: tl.constexpr = False,  # with ROTARY_APPEND: q times 1 + temp_scale * log1p((p + 1) // temp_floor)
+    K_BITS: tl.constexpr = False,  # with FP16_MATH: how E4M3 K and V widen (_attend_keys; FP8_WIDEN_ENV)
+    V_WIDEN: tl.constexpr = 0,
+    ASM: tl.constexpr = False,  # K_BITS / V_WIDEN by inline PTX (CUDA); False: the same values without (interpreter)
 ):
     pdl_prologue(PDL)  # before the early returns too: every program must wait (kernels/_triton.py)
     TOKENS_PER_TILE: tl.constexpr = BLOCK_M // GROUP
@@ -537,14 +559,18 @@ def _paged_attention_kernel(
         q, q_pos, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, k_desc, v_desc, block_row, kv_head, kv_lo, unmasked_end,
         kv_hi, qk_scale, window, softcap_log2, alibi_log2, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
         stride_vh, HEAD_DIM, DIM_PAD, PAGE_SIZE, BLOCK_N, PRECISION, FP16_MATH, HAS_WINDOW, HAS_SOFTCAP, False, TMA,
-        HAS_ALIBI, tree_ptr, tree_rows, prefix_len, stride_tm, False, q_last, tree_words, TREE_AS_BITS)
+        HAS_ALIBI, tree_ptr, tree_rows, prefix_len, stride_tm, False, q_last, tree_words, TREE_AS_BITS,
+        K_BITS, V_WIDEN, ASM)
     m_i, l_i, acc = _attend_keys(
         q, q_pos, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, k_desc, v_desc, block_row, kv_head, unmasked_end, kv_hi,
         kv_hi, qk_scale, window, softcap_log2, alibi_log2, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
         stride_vh, HEAD_DIM, DIM_PAD, PAGE_SIZE, BLOCK_N, PRECISION, FP16_MATH, HAS_WINDOW, HAS_SOFTCAP, True, False,
-        HAS_ALIBI, tree_ptr, tree_rows, prefix_len, stride_tm, HAS_TREE, q_last, tree_words, TREE_AS_BITS)
+        HAS_ALIBI, tree_ptr, tree_rows, prefix_len, stride_tm, HAS_TREE, q_last, tree_words, TREE_AS_BITS,
+        K_BITS, V_WIDEN, ASM)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    if V_WIDEN == 1:  # V_BY_BITS: acc is at 2^-8 of its value; back exactly, then divided as otherwise
+        acc = acc * bits_factor(tl.float16)
     out = acc / l_safe[:, None]
     out_mask = row_valid[:, None] & dim_valid[None, :]
     if NUM_SPLITS == 1:
@@ -738,7 +764,9 @@ def _decode_config(meta: AttentionMetadata, group: int, num_kv_heads: int, devic
     tiling = _decode_tiling(meta.num_seqs, block_m, wide, kv_itemsize, tma_pages)
     if num_splits is None:
         keys_read = meta.max_context_len if sliding_window is None else min(meta.max_context_len, sliding_window)
-        resident = _DECODE_RESIDENT.get(_decode_tiling_key(device, block_m, tiling, dim_pad, kv_itemsize))
+        # (An fp32 engine's FP8 pool launches unwidened, under another key: not found here, it splits by covering.)
+        widening = fp8_widening() if kv_itemsize == 1 else (False, V_BY_TRITON)
+        resident = _DECODE_RESIDENT.get(_decode_tiling_key(device, block_m, tiling, dim_pad, kv_itemsize, widening))
         sms = num_sms(device)
         num_splits = _decode_num_splits(meta.num_seqs, num_kv_heads, keys_read, sms, 64, resident)
         capacity = None if resident is None else resident * sms
@@ -767,9 +795,11 @@ def _decode_tiling(num_seqs: int, block_m: int, wide: bool, kv_itemsize: int,
     return 64, 4, (2 if wide else 3), False
 
 
-def _decode_tiling_key(device: torch.device, block_m: int, tiling: tuple, dim_pad: int, kv_itemsize: int) -> tuple:
-    """_DECODE_RESIDENT's key: what decides a decode program's registers and shared memory."""
-    return (device.index, block_m, *tiling, dim_pad, kv_itemsize)
+def _decode_tiling_key(device: torch.device, block_m: int, tiling: tuple, dim_pad: int, kv_itemsize: int,
+                       widening: tuple = (False, 0)) -> tuple:
+    """_DECODE_RESIDENT's key: what decides a decode program's registers and shared memory (widening: an FP8
+    pool's (K_BITS, V_WIDEN), fp8_widening)."""
+    return (device.index, block_m, *tiling, dim_pad, kv_itemsize, *widening)
 
 
 # FP8 pools, heads up to 128 wide: decode batches of at least this many sequences walk 32 keys at a
@@ -842,6 +872,29 @@ SHORT_STEP_TILING_ENV = "TRITONLLM_SHORT_STEP_TILING"
 # the 65-token tree step's launch alone (keys split 8 ways, its K/V write and merge included): 29.0 us a
 # layer as bytes (255 registers and 70 spilled a thread), 18.0 as bits (255, 14); 17 tokens 16.8 -> 10.2.
 TREE_BITS_ENV = "TRITONLLM_TREE_BITS"
+
+
+# How decode tiles over an FP8 pool (fp16 math) widen its E4M3 K/V to float16 (_attend_keys' K_BITS, V_WIDEN):
+# "0": Triton's conversion for both (F2FP.F16.E4M3 in the MMA operands' layouts, so V, read across its rows, comes
+# out of shared memory a byte at a time: 128 LDS.U8 a 32-key tile); "v": V by bits in its loaded layout, then to
+# the MMA by ldmatrix.trans; "kv": K by bits as well; "vcvt": V by the conversion unit in its loaded layout.
+# Unset: FP8_WIDEN_DEFAULT. An A/B switch, read at every call; prompt tiles always widen by Triton's conversion.
+FP8_WIDEN_ENV = "TRITONLLM_ATTN_FP8_BITS"
+V_BY_TRITON, V_BY_BITS, V_BY_CVT = 0, 1, 2
+FP8_WIDENINGS = {"0": (False, V_BY_TRITON), "v": (False, V_BY_BITS), "kv": (True, V_BY_BITS),
+                 "vcvt": (False, V_BY_CVT)}
+# sm_90 (Triton 3.9, Llama-8B heads, 32-key tiles over one warp, 3 stages): the unmasked walk's loop 823 SASS
+# instructions a tile with "0" (128 LDS.U8, 136 F2FP, 175 registers), 730 with "v" (36 LDS, 25 LDSM, 72 F2FP; 238
+# registers), 877 with "kv" (255 registers and a 48-byte stack).
+FP8_WIDEN_DEFAULT = "0"
+
+
+def fp8_widening() -> tuple[bool, int]:
+    """(K_BITS, V_WIDEN) of an FP8 pool's decode tiles: FP8_WIDEN_ENV's entry of FP8_WIDENINGS, else the default's."""
+    chosen = os.environ.get(FP8_WIDEN_ENV, "").strip() or FP8_WIDEN_DEFAULT
+    if chosen not in FP8_WIDENINGS:
+        raise ValueError(f"${FP8_WIDEN_ENV}={chosen!r}: one of {', '.join(FP8_WIDENINGS)}")
+    return FP8_WIDENINGS[chosen]
 
 
 # "0": decode tiles never read the pool through TMA descriptors; "all": every decode tiling that fits
@@ -1004,6 +1057,8 @@ def paged_attention_triton(
             part_out = part_lse = out  # unused
             ps = pt = ph = 0
         descs = _tma_descriptors(k_cache, v_cache, block_n) if wants_tma else None
+        fp16_math = kv_itemsize == 1 and q.dtype != torch.float32
+        k_bits, v_widen = fp8_widening() if fp16_math and decode_tiles else (False, V_BY_TRITON)
         compiled = _paged_attention_kernel[grid[0], grid[1], grid[2] * num_splits](
             q, k_cache, v_cache, out, part_out, part_lse, *(descs or (k_cache, v_cache)),
             tables, cu, lens, tile_seq if tile_map else cu, tile_m if tile_map else cu,
@@ -1021,7 +1076,8 @@ def paged_attention_triton(
             GROUP=group, HEAD_DIM=head_dim, DIM_PAD=dim_pad, PAGE_SIZE=page_size,
             BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=num_splits,
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 engines get fp32 dots
-            FP16_MATH=kv_itemsize == 1 and q.dtype != torch.float32, ROTARY_APPEND=new_kv is not None and not append_rows,
+            FP16_MATH=fp16_math, K_BITS=k_bits, V_WIDEN=v_widen, ASM=q.is_cuda,
+            ROTARY_APPEND=new_kv is not None and not append_rows,
             APPEND_ROWS=append_rows,
             ROTATE=rotate,
             HAS_WINDOW=sliding_window is not None, HAS_SOFTCAP=logit_softcap is not None, HAS_TILE_MAP=tile_map,
@@ -1034,7 +1090,7 @@ def paged_attention_triton(
         )
         if decode_tiles and q.is_cuda:  # a decode tiling: how many of its programs an SM holds
             tiling = (block_n, num_warps, num_stages, len(config) > 5 and bool(config[5]))
-            key = _decode_tiling_key(q.device, block_m, tiling, dim_pad, kv_itemsize)
+            key = _decode_tiling_key(q.device, block_m, tiling, dim_pad, kv_itemsize, (k_bits, v_widen))
             if key not in _DECODE_RESIDENT:
                 resident = resident_programs(compiled, q.device)
                 if resident is not None:

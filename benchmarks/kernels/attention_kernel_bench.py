@@ -27,6 +27,14 @@ rope_attention.py: q and the new k arrive unrotated; the kernel rotates them and
 
 ``--splits 1,2,4``: decode cases again with the key splits forced to each count (what the default
 tiling does with them: wave quantization of long-context batches).
+
+``--grid`` (issue 51's table, decode alone): contexts 20k / 8k / 2k x batches 8 / 64 / 256, 48 x 21,000 and
+1,024 x 2k, FP8 and bf16 pools; an FP8 pool once in each way its E4M3 K/V can widen (``--grid_widenings``, default
+every one of kernels/triton_attention.py FP8_WIDENINGS: the $TRITONLLM_ATTN_FP8_BITS switch), in the served form
+(``+rotary append``) with Triton's widening, the default one and "v" where run, and at 8-64 sequences over 16k
+keys or more with the key splits forced to 1 / 2 / 4 / 8. Each case's pool is built once for all its variants. Reported besides us a
+layer: the K/V bytes read per second, their share of a device-to-device copy of 2 GiB timed the same way in the
+same process (read + written bytes over its time), and the decode config each variant launched.
 ``--sweep_prefill BM:BN:WARPS:STAGES,...`` and ``--sweep_decode BN:WARPS:STAGES[:tma],...`` time the cases
 again with the prompt-chunk or decode-row tiling forced to each entry (kernels/triton_attention.py's
 ``_prefill_config`` / ``_decode_config`` replaced for the run), to choose those tables. To compare
@@ -35,6 +43,7 @@ against another commit, run this file with PYTHONPATH at that commit's tree (its
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 
@@ -172,6 +181,91 @@ def run_case(name: str, pool: str, tiling: str = "default", rotary_append: bool 
             "tflops": round(flops / us / 1e6, 1), "kv_tb_s": round(kv_bytes / us / 1e6, 2)}
 
 
+GRID_CONTEXTS = (20480, 8192, 2048)  # longest first: a run cut by its time limit keeps the cases that matter most
+GRID_BATCHES = (8, 64, 256)
+GRID_EXTRA = ("decode 48x21000", "decode 1024x2048")  # 20000/2000's plateau; the largest batch
+GRID_SPLITS = (1, 2, 4, 8)  # forced from GRID_SPLIT_CONTEXT keys on, up to GRID_SPLIT_BATCH sequences (the default
+GRID_SPLIT_CONTEXT, GRID_SPLIT_BATCH = 16384, 64  # widening): few programs a wave, where the split count matters
+
+
+def grid_cases() -> list[str]:
+    return [f"decode {b}x{c}" for c in GRID_CONTEXTS for b in GRID_BATCHES] + list(GRID_EXTRA)
+
+
+def copy_tb_s(gib: int = 2) -> float:
+    """TB/s of a device-to-device copy of ``gib`` GiB (read + written bytes), timed as the cases are (time_us)."""
+    src = torch.randn(gib << 29, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    us = time_us(lambda: dst.copy_(src))
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2.0 * (gib << 30) / us / 1e6
+
+
+def grid_variants(pool: str, name: str, widenings: list[str]) -> list[tuple[str, dict, int | None, bool]]:
+    """(label, environment, forced splits, rotary_append) of one grid case: an FP8 pool in each of ``widenings``
+    (FP8_WIDENINGS' keys), the served form with Triton's widening, the default one and "v" where among
+    ``widenings``, and at long contexts and few sequences forced key splits."""
+    if pool != "fp8":
+        return [("default", {}, None, False)]
+    from kernels import triton_attention
+
+    env = triton_attention.FP8_WIDEN_ENV
+    default = triton_attention.FP8_WIDEN_DEFAULT
+    variants = [(f"widen {w}", {env: w}, None, False) for w in widenings]
+    variants += [(f"widen {w} +rotary append", {env: w}, None, True)
+                 for w in dict.fromkeys(("0", default, *(w for w in widenings if w == "v")))]
+    batch = case_batch(name)
+    if batch[0][0] + 1 >= GRID_SPLIT_CONTEXT and len(batch) <= GRID_SPLIT_BATCH:
+        variants += [(f"widen {default}, {n} splits", {env: default}, n, False) for n in GRID_SPLITS]
+    return variants
+
+
+def run_grid(pools: list[str], copy: float, widenings: list[str]) -> list[dict]:
+    """One row per (case, pool, variant) of --grid; each case's pool built once for its variants."""
+    from kernels import triton_attention
+
+    rows = []
+    for pool in pools:
+        pool_dtype = torch.float8_e4m3fn if pool == "fp8" else torch.bfloat16
+        for name in grid_cases():
+            batch = case_batch(name)
+            q, k_cache, v_cache, meta = build_case(batch, pool_dtype)
+            _, kv_bytes = work(batch, k_cache.element_size())
+            for label, env, splits, rotary in grid_variants(pool, name, widenings):
+                saved = {key: os.environ.get(key) for key in env}
+                os.environ.update(env)
+                new_kv = rotary_append_inputs(q, meta) if rotary else None
+                call = lambda: triton_attention.paged_attention_triton(  # noqa: E731
+                    q, k_cache, v_cache, meta, HEAD_DIM**-0.5, new_kv=new_kv)
+                chosen = []  # the decode config each launch took (the last: the timed graph's)
+
+                def config_of(default, splits=splits):
+                    chosen.append(default if splits is None else default[:4] + (splits,) + default[5:])
+                    return chosen[-1]
+
+                try:
+                    with forced("_decode_config", config_of):
+                        us = time_us(call)
+                finally:
+                    for key, value in saved.items():
+                        if value is None:
+                            os.environ.pop(key, None)
+                        else:
+                            os.environ[key] = value
+                tb_s = kv_bytes / us / 1e6
+                rows.append({"case": name, "pool": pool, "tiling": label, "us": round(us, 1),
+                             "kv_tb_s": round(tb_s, 2), "pct_copy": round(100 * tb_s / copy, 1) if copy else 0.0})
+                block_m, block_n, warps, stages, used_splits = chosen[-1][:5]
+                rows[-1]["config"] = f"{block_n}x{warps}x{stages}{' tma' if chosen[-1][5:6] == (True,) else ''} " \
+                                     f"{used_splits} splits"
+                print(f"{name} | {pool} | {label} | {us:.1f} us | {tb_s:.2f} TB/s | {rows[-1]['pct_copy']}% | "
+                      f"{rows[-1]['config']}", flush=True)
+            del q, k_cache, v_cache, meta
+            torch.cuda.empty_cache()
+    return rows
+
+
 def forced(attr: str, config_of):
     """Context manager: kernels.triton_attention.<attr> returns config_of(default config) for the run."""
     from kernels import triton_attention
@@ -203,10 +297,32 @@ def main() -> None:
                         help="head_major: each KV head's page contiguous (the kernels read it through strides)")
     parser.add_argument("--page_order", choices=["shuffled", "in_order"], default="shuffled",
                         help="pages of the contexts: shuffled over the pool, or each sequence's adjacent")
+    parser.add_argument("--grid", action="store_true",
+                        help="issue 51's decode table instead of --cases: 2k/8k/20k x 8/64/256 and 1024 x 2k, each FP8 "
+                             "widening, the served form, forced splits at 20k; with the K/V rate's share of a copy")
+    parser.add_argument("--grid_widenings", default="",
+                        help="comma list of FP8 widenings for --grid (kernels/triton_attention.py FP8_WIDENINGS; all)")
     parser.add_argument("--markdown", default=None, help="append the table to this file")
     args = parser.parse_args()
     global PAGE_ORDER, POOL_LAYOUT
     PAGE_ORDER, POOL_LAYOUT = args.page_order, args.pool_layout
+    if args.grid:
+        copy = copy_tb_s()
+        print(f"{torch.cuda.get_device_name()}: device-to-device copy of 2 GiB {copy:.2f} TB/s (read + written)",
+              flush=True)
+        from kernels import triton_attention
+
+        widenings = args.grid_widenings.split(",") if args.grid_widenings else list(triton_attention.FP8_WIDENINGS)
+        rows = run_grid(args.pool.split(","), copy, widenings)
+        table = [f"| case | pool | variant | us / layer | K/V TB/s | % of copy ({copy:.2f} TB/s) | keys x warps x "
+                 "stages, splits |", "|---|---|---|---:|---:|---:|---|"]
+        table += [f"| {r['case']} | {r['pool']} | {r['tiling']} | {r['us']:,} | {r['kv_tb_s']} | {r['pct_copy']} | "
+                  f"{r['config']} |" for r in rows]
+        print("decode programs an SM holds, by tiling:", getattr(triton_attention, "_DECODE_RESIDENT", "?"))
+        if args.markdown:
+            with open(args.markdown, "a") as f:
+                f.write("\n".join(table) + "\n")
+        return
     cases = [c for c in args.cases.split(",") if c]
     rows = []
     for pool in args.pool.split(","):
