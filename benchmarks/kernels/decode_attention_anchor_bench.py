@@ -29,9 +29,11 @@ cycle over several disjoint copies of the batch (its own pages of one pool, and 
 come from HBM as in a served step.
 
 Printed per case: microseconds a call (one layer), TB/s of the batch's K/V bytes read once, that as a % of the
-device-to-device copy bandwidth measured in the same process (bytes read + written), and the largest absolute
-difference of each side's output from ours and from the plain-torch reference (kernels/attention.py
-decode_attention_ref, on the first 4 sequences). ``--out DIR``: results.json and table.md.
+device-to-device copy bandwidth measured in the same process (benchmarks/common.py copy_bandwidth: bytes read +
+written), and the largest absolute difference of each side's output from ours and from the plain-torch reference
+(kernels/attention.py decode_attention_ref, on the first 4 sequences); then a summary, one line a case: each
+kernel's TB/s side by side and FlashInfer's best over ours. ``--out DIR``: results.json and table.md (both
+tables); ``--table_from results.json`` prints a finished run's tables again.
 
 FlashInfer comes from .anchors/flashinfer (fetch_flashinfer_anchor.sh: a trimmed flashinfer-python tarball and
 the apache-tvm-ffi / ninja wheels), unpacked under --install_dir and put first on sys.path; its decode and
@@ -245,16 +247,13 @@ def cycle_time_us(fns: list) -> float:
     return graph_time_ms(lambda: fns[next(calls) % len(fns)](), repeat=CALLS) * 1000.0
 
 
-def copy_bandwidth_tb_s(nbytes: int = 2 << 30) -> float:
-    """Device-to-device copy rate, bytes read + written per second / 1e12, of one ``nbytes`` buffer."""
-    from kernels.linear import graph_time_ms
+def copy_bandwidth_tb_s() -> float:
+    """The device-to-device copy rate in TB/s, bytes read + written: benchmarks/common.py copy_bandwidth, the
+    denominator of every bench's "% of copy" (a 2 GiB bf16 copy timed eagerly with CUDA events; the same copy
+    as a CUDA graph's memcpy node ran at 2.72 TB/s on an H200 that copies at 4.2-4.3)."""
+    from benchmarks.common import copy_bandwidth
 
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    us = graph_time_ms(lambda: dst.copy_(src), repeat=CALLS) * 1000.0
-    del src, dst
-    torch.cuda.empty_cache()
-    return 2 * nbytes / us / 1e6
+    return copy_bandwidth("cuda") / 1e12
 
 
 @dataclass
@@ -393,11 +392,16 @@ def main() -> None:
     parser.add_argument("--jit_timeout", type=float, default=300.0,
                         help="seconds to wait for the JIT after our side is timed")
     parser.add_argument("--out", default=None, help="folder for results.json and table.md")
+    parser.add_argument("--table_from", default=None, help="a run's results.json: print its tables and stop")
     parser.add_argument("--smoke", action="store_true",
                         help="TRITON_INTERPRET=1 on the CPU: the harness at tiny shapes against the reference, untimed")
     args = parser.parse_args()
     if args.smoke:
         smoke()
+        return
+    if args.table_from:
+        run = json.loads(Path(args.table_from).read_text())
+        print(markdown_table(run["rows"], run["info"]))
         return
     t0 = time.perf_counter()
     pools = [p for p in args.pools.split(",") if p]
@@ -485,6 +489,24 @@ def main() -> None:
     print(markdown_table(rows, info))
 
 
+def summary_table(rows: list[dict]) -> str:
+    """One line per (pool, batch, context): each kernel's K/V TB/s (its % of copy in brackets) and FlashInfer's
+    fastest over ours (> 1: FlashInfer faster)."""
+    kernels = ["ours"] + [k for k in ANCHOR_VARIANTS if any(r["kernel"] == k for r in rows)]
+    cases: dict[tuple, dict] = {}
+    for r in rows:
+        cases.setdefault((r["pool"], r["batch"], r["context"]), {})[r["kernel"]] = r
+    lines = ["| pool | batch x context | " + " | ".join(f"{k} TB/s (% copy)" for k in kernels)
+             + " | best FlashInfer / ours |", "|---|---|" + "---:|" * (len(kernels) + 1)]
+    for (pool, batch, context), by_kernel in cases.items():
+        cells = [f"{by_kernel[k]['kv_tb_s']:.2f} ({by_kernel[k]['pct_copy']:.0f}%)" if k in by_kernel else "-"
+                 for k in kernels]
+        theirs = [r["us"] for k, r in by_kernel.items() if k != "ours"]
+        ratio = f"{by_kernel['ours']['us'] / min(theirs):.2f}" if theirs and "ours" in by_kernel else "-"
+        lines.append(f"| {pool} | {batch}x{context} | " + " | ".join(cells) + f" | {ratio} |")
+    return "\n".join(lines)
+
+
 def markdown_table(rows: list[dict], info: dict) -> str:
     """One line per (pool, batch, context, kernel), ours first in each case; plan us only for FlashInfer."""
     head = (f"Decode attention, one layer ({NUM_HEADS} q / {NUM_KV_HEADS} KV heads x {HEAD_DIM}, page {PAGE}, "
@@ -496,7 +518,7 @@ def markdown_table(rows: list[dict], info: dict) -> str:
         plan = "" if r["plan_us"] is None else f"{r['plan_us']:,}"
         lines.append(f"| {r['pool']} | {r['batch']}x{r['context']} | {r['kernel']} | {r['us']:,} | {r['kv_tb_s']} | "
                      f"{r['pct_copy']} | {plan} | {r['diff_ours']:.3g} | {r['diff_ref']:.3g} |")
-    return "\n".join(lines)
+    return "\n".join(lines + ["", summary_table(rows)])
 
 
 if __name__ == "__main__":

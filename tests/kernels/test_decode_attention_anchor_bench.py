@@ -103,3 +103,16 @@ def test_missing_includes_follows_the_build_files_search_order(tmp_path):
     assert inside == ["data/cccl/libcudacxx/include/cuda/std/cstdint", "data/include/flashinfer/page.cuh",
                       "data/include/flashinfer/vec.cuh"]
     assert unresolved == ["cuda_fp8.h", "tvm/ffi/function.h"]  # the toolkit's and tvm_ffi's
+
+
+def test_summary_puts_each_kernel_of_a_case_on_one_line():
+    def row(kernel, us, tb_s):
+        return {"pool": "bf16", "batch": 8, "context": 20000, "kernel": kernel, "us": us, "kv_tb_s": tb_s,
+                "pct_copy": 100 * tb_s / 4.25}
+
+    rows = [row("ours", 225.2, 2.911), row("fi", 232.8, 2.817), row("fi tc", 155.5, 4.216)]
+    lines = bench.summary_table(rows).splitlines()
+    assert lines[0] == ("| pool | batch x context | ours TB/s (% copy) | fi TB/s (% copy) | fi tc TB/s (% copy) "
+                        "| best FlashInfer / ours |")
+    assert lines[2] == "| bf16 | 8x20000 | 2.91 (68%) | 2.82 (66%) | 4.22 (99%) | 1.45 |"  # 225.2 / 155.5
+    assert bench.summary_table(rows[:1]).splitlines()[2].endswith("| 2.91 (68%) | - |")  # no FlashInfer: no ratio
