@@ -18,7 +18,8 @@ FlashInfer as "NHD". Pages are handed out shuffled over the pool.
 
 Timed, each as a CUDA graph of 10 calls (kernels/linear.py graph_time_ms: mean of 3 replays after a warm-up one):
 - ours: kernels/triton_attention.py paged_attention_triton with decode-only metadata (as attention_kernel_bench.py
-  builds it), the kernel the engine runs;
+  builds it), the kernel the engine runs; ``--ours_fp8_widenings v,vcvt`` times it again on the FP8 pool with
+  $TRITONLLM_ATTN_FP8_BITS set to each (its A/B switch, read at every call), rows "ours v", "ours vcvt";
 - FlashInfer's BatchDecodeWithPagedKVCacheWrapper (backend "fa2"), planned once outside the graph:
   "fi" its CUDA-core decode kernel, "fi tc" ``use_tensor_cores=True`` (the fa2 prefill kernel run on decode rows,
   its choice for GQA), and each again planned in its CUDA-graph mode ("graph": fixed buffers, the form a served
@@ -358,20 +359,50 @@ def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 # ---- the run --------------------------------------------------------------------------------------
 
-def smoke(layouts=("engine", "token_major")) -> list[dict]:
+def smoke(layouts=("engine", "token_major"), widenings=()) -> list[dict]:
     """The harness once through on the CPU (TRITON_INTERPRET=1: our Triton kernel interpreted), untimed, at tiny
     shapes, against the plain-torch reference; no FlashInfer. float16 stands in for bfloat16 (CaseData says why).
-    Returns each case's largest difference."""
+    ``widenings``: the FP8 pool's first case again under each. Returns each case's largest difference."""
     results = []
     for layout in layouts:
         for pool in POOL_DTYPES:
             for batch, context in ((2, 40), (3, 70)):
                 data = CaseData(Case(pool, batch, context), layout, device="cpu", half_dtype=torch.float16)
+                ref = data.reference()
                 _, out = run_ours(data, timed=False)
                 results.append({"layout": layout, "pool": pool, "case": data.case.name, "copies": data.copies,
-                                "diff_ref": max_diff(out, data.reference())})
+                                "diff_ref": max_diff(out, ref)})
                 print(results[-1], flush=True)
+                for widening in widenings if pool == "fp8" and batch == 2 else []:
+                    with fp8_widening_set(widening):
+                        _, out = run_ours(data, timed=False)
+                    results.append({**results[-1], "widening": widening, "diff_ref": max_diff(out, ref)})
+                    print(results[-1], flush=True)
     return results
+
+
+class fp8_widening_set:
+    """Context manager: kernels/triton_attention.py's FP8 widening switch (an environment variable it reads at every
+    call) set to ``widening`` for the block, restored after."""
+
+    def __init__(self, widening: str):
+        from kernels import triton_attention
+
+        self.name = getattr(triton_attention, "FP8_WIDEN_ENV", None)
+        known = getattr(triton_attention, "FP8_WIDENINGS", {})
+        if self.name is None or widening not in known:
+            raise SystemExit(f"--ours_fp8_widenings: {widening!r} is not one of this kernel's widenings {sorted(known)}")
+        self.widening = widening
+
+    def __enter__(self):
+        self.before = os.environ.get(self.name)
+        os.environ[self.name] = self.widening
+
+    def __exit__(self, *exc):
+        if self.before is None:
+            os.environ.pop(self.name, None)
+        else:
+            os.environ[self.name] = self.before
 
 
 ANCHOR_VARIANTS = {"fi": (False, False), "fi tc": (True, False), "fi graph": (False, True),
@@ -392,12 +423,15 @@ def main() -> None:
     parser.add_argument("--jit_timeout", type=float, default=300.0,
                         help="seconds to wait for the JIT after our side is timed")
     parser.add_argument("--out", default=None, help="folder for results.json and table.md")
+    parser.add_argument("--ours_fp8_widenings", default="",
+                        help="comma list: ours on FP8 pools again with $TRITONLLM_ATTN_FP8_BITS set to each "
+                             "(kernels/triton_attention.py FP8_WIDENINGS), rows 'ours WIDENING'")
     parser.add_argument("--table_from", default=None, help="a run's results.json: print its tables and stop")
     parser.add_argument("--smoke", action="store_true",
                         help="TRITON_INTERPRET=1 on the CPU: the harness at tiny shapes against the reference, untimed")
     args = parser.parse_args()
     if args.smoke:
-        smoke()
+        smoke(widenings=[w for w in args.ours_fp8_widenings.split(",") if w])
         return
     if args.table_from:
         run = json.loads(Path(args.table_from).read_text())
@@ -449,11 +483,19 @@ def main() -> None:
         rows.append(row)
         print(row, flush=True)
 
+    widenings = [w for w in args.ours_fp8_widenings.split(",") if w]
+    for widening in widenings:  # refused before any timing
+        fp8_widening_set(widening)
     for case in cases:  # ours first: FlashInfer's JIT compiles meanwhile
         data = CaseData(case, args.pool_layout)
+        ref = data.reference()
         us, out = run_ours(data)
         ours_out[case.name, case.pool] = out
-        record(case, data, "ours", us, out, data.reference())
+        record(case, data, "ours", us, out, ref)
+        for widening in widenings if case.pool == "fp8" else []:
+            with fp8_widening_set(widening):
+                us, out = run_ours(data)
+            record(case, data, f"ours {widening}", us, out, ref)
         del data
         torch.cuda.empty_cache()
     save()
@@ -491,8 +533,8 @@ def main() -> None:
 
 def summary_table(rows: list[dict]) -> str:
     """One line per (pool, batch, context): each kernel's K/V TB/s (its % of copy in brackets) and FlashInfer's
-    fastest over ours (> 1: FlashInfer faster)."""
-    kernels = ["ours"] + [k for k in ANCHOR_VARIANTS if any(r["kernel"] == k for r in rows)]
+    fastest over ours as it runs by default (> 1: FlashInfer faster)."""
+    kernels = list(dict.fromkeys(["ours"] + [r["kernel"] for r in rows]))  # ours, its variants, FlashInfer's
     cases: dict[tuple, dict] = {}
     for r in rows:
         cases.setdefault((r["pool"], r["batch"], r["context"]), {})[r["kernel"]] = r
@@ -501,7 +543,7 @@ def summary_table(rows: list[dict]) -> str:
     for (pool, batch, context), by_kernel in cases.items():
         cells = [f"{by_kernel[k]['kv_tb_s']:.2f} ({by_kernel[k]['pct_copy']:.0f}%)" if k in by_kernel else "-"
                  for k in kernels]
-        theirs = [r["us"] for k, r in by_kernel.items() if k != "ours"]
+        theirs = [r["us"] for k, r in by_kernel.items() if not k.startswith("ours")]
         ratio = f"{by_kernel['ours']['us'] / min(theirs):.2f}" if theirs and "ours" in by_kernel else "-"
         lines.append(f"| {pool} | {batch}x{context} | " + " | ".join(cells) + f" | {ratio} |")
     return "\n".join(lines)

@@ -116,3 +116,7 @@ def test_summary_puts_each_kernel_of_a_case_on_one_line():
                         "| best FlashInfer / ours |")
     assert lines[2] == "| bf16 | 8x20000 | 2.91 (68%) | 2.82 (66%) | 4.22 (99%) | 1.45 |"  # 225.2 / 155.5
     assert bench.summary_table(rows[:1]).splitlines()[2].endswith("| 2.91 (68%) | - |")  # no FlashInfer: no ratio
+    # a variant of ours (--ours_fp8_widenings) gets its column after ours; the ratio stays ours-as-default's
+    lines = bench.summary_table(rows[:1] + [row("ours v", 150.0, 4.37)] + rows[1:]).splitlines()
+    assert lines[0].startswith("| pool | batch x context | ours TB/s (% copy) | ours v TB/s (% copy) | fi TB/s")
+    assert lines[2] == "| bf16 | 8x20000 | 2.91 (68%) | 4.37 (103%) | 2.82 (66%) | 4.22 (99%) | 1.45 |"
