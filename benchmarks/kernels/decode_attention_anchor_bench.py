@@ -20,6 +20,8 @@ Timed, each as a CUDA graph of 10 calls (kernels/linear.py graph_time_ms: mean o
 - ours: kernels/triton_attention.py paged_attention_triton with decode-only metadata (as attention_kernel_bench.py
   builds it), the kernel the engine runs; ``--ours_fp8_widenings v,vcvt`` times it again on the FP8 pool with
   $TRITONLLM_ATTN_FP8_BITS set to each (its A/B switch, read at every call), rows "ours v", "ours vcvt";
+  ``--ours_tilings 128:4:3,32splits`` again with its decode tile or key splits forced (on ``--ours_tiling_pools``,
+  default bf16: where FlashInfer's tensor-core decode was the faster in session 29's first run);
 - FlashInfer's BatchDecodeWithPagedKVCacheWrapper (backend "fa2"), planned once outside the graph:
   "fi" its CUDA-core decode kernel, "fi tc" ``use_tensor_cores=True`` (the fa2 prefill kernel run on decode rows,
   its choice for GQA), and each again planned in its CUDA-graph mode ("graph": fixed buffers, the form a served
@@ -359,10 +361,11 @@ def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 # ---- the run --------------------------------------------------------------------------------------
 
-def smoke(layouts=("engine", "token_major"), widenings=()) -> list[dict]:
+def smoke(layouts=("engine", "token_major"), widenings=(), tilings=()) -> list[dict]:
     """The harness once through on the CPU (TRITON_INTERPRET=1: our Triton kernel interpreted), untimed, at tiny
     shapes, against the plain-torch reference; no FlashInfer. float16 stands in for bfloat16 (CaseData says why).
-    ``widenings``: the FP8 pool's first case again under each. Returns each case's largest difference."""
+    ``widenings``: the FP8 pool's first case again under each; ``tilings`` (forced_decode's entries): the first case
+    of each pool again under each. Returns each case's largest difference."""
     results = []
     for layout in layouts:
         for pool in POOL_DTYPES:
@@ -378,7 +381,28 @@ def smoke(layouts=("engine", "token_major"), widenings=()) -> list[dict]:
                         _, out = run_ours(data, timed=False)
                     results.append({**results[-1], "widening": widening, "diff_ref": max_diff(out, ref)})
                     print(results[-1], flush=True)
+                for entry in tilings if batch == 2 else []:
+                    with forced_decode(entry):
+                        _, out = run_ours(data, timed=False)
+                    results.append({**results[-1], "tiling": entry, "diff_ref": max_diff(out, ref)})
+                    print(results[-1], flush=True)
     return results
+
+
+def forced_decode(entry: str):
+    """A context manager forcing our decode tiling for its block (attention_kernel_bench.py's ``forced`` on
+    kernels/triton_attention.py _decode_config): "BN:WARPS:STAGES" the keys a tile, warps and stages (the splits
+    as chosen), "Nsplits" the key splits (the tiling as chosen)."""
+    from benchmarks.kernels.attention_kernel_bench import forced
+
+    if entry.endswith("splits") and entry[:-len("splits")].isdigit():
+        count = int(entry[:-len("splits")])
+        return forced("_decode_config", lambda default: default[:4] + (count,) + default[5:])
+    parts = entry.split(":")
+    if len(parts) != 3 or not all(p.isdigit() for p in parts):
+        raise SystemExit(f"--ours_tilings: {entry!r} is neither BN:WARPS:STAGES nor Nsplits")
+    bn, warps, stages = map(int, parts)
+    return forced("_decode_config", lambda default: (default[0], bn, warps, stages) + default[4:])
 
 
 class fp8_widening_set:
@@ -426,12 +450,17 @@ def main() -> None:
     parser.add_argument("--ours_fp8_widenings", default="",
                         help="comma list: ours on FP8 pools again with $TRITONLLM_ATTN_FP8_BITS set to each "
                              "(kernels/triton_attention.py FP8_WIDENINGS), rows 'ours WIDENING'")
+    parser.add_argument("--ours_tilings", default="",
+                        help="comma list of BN:WARPS:STAGES (the decode tile forced, splits as chosen) or Nsplits "
+                             "(the key splits forced, tile as chosen): ours again under each, rows 'ours ENTRY'")
+    parser.add_argument("--ours_tiling_pools", default="bf16", help="the pools --ours_tilings applies to")
     parser.add_argument("--table_from", default=None, help="a run's results.json: print its tables and stop")
     parser.add_argument("--smoke", action="store_true",
                         help="TRITON_INTERPRET=1 on the CPU: the harness at tiny shapes against the reference, untimed")
     args = parser.parse_args()
     if args.smoke:
-        smoke(widenings=[w for w in args.ours_fp8_widenings.split(",") if w])
+        smoke(widenings=[w for w in args.ours_fp8_widenings.split(",") if w],
+              tilings=[t for t in args.ours_tilings.split(",") if t])
         return
     if args.table_from:
         run = json.loads(Path(args.table_from).read_text())
@@ -486,6 +515,10 @@ def main() -> None:
     widenings = [w for w in args.ours_fp8_widenings.split(",") if w]
     for widening in widenings:  # refused before any timing
         fp8_widening_set(widening)
+    tilings = [t for t in args.ours_tilings.split(",") if t]
+    tiling_pools = set(args.ours_tiling_pools.split(","))
+    for entry in tilings:
+        forced_decode(entry)
     for case in cases:  # ours first: FlashInfer's JIT compiles meanwhile
         data = CaseData(case, args.pool_layout)
         ref = data.reference()
@@ -496,6 +529,15 @@ def main() -> None:
             with fp8_widening_set(widening):
                 us, out = run_ours(data)
             record(case, data, f"ours {widening}", us, out, ref)
+        for entry in tilings if case.pool in tiling_pools else []:
+            try:
+                with forced_decode(entry):
+                    us, out = run_ours(data)
+                record(case, data, f"ours {entry}", us, out, ref)
+            except Exception as error:  # a tiling over the shared memory: recorded, the run goes on
+                info.setdefault("ours_tiling_errors", {})[f"{case.pool} {case.name} {entry}"] = (
+                    f"{type(error).__name__}: {str(error)[-300:]}")
+                print("OURS TILING FAILED:", case, entry, info["ours_tiling_errors"], flush=True)
         del data
         torch.cuda.empty_cache()
     save()

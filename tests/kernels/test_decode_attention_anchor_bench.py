@@ -120,3 +120,22 @@ def test_summary_puts_each_kernel_of_a_case_on_one_line():
     lines = bench.summary_table(rows[:1] + [row("ours v", 150.0, 4.37)] + rows[1:]).splitlines()
     assert lines[0].startswith("| pool | batch x context | ours TB/s (% copy) | ours v TB/s (% copy) | fi TB/s")
     assert lines[2] == "| bf16 | 8x20000 | 2.91 (68%) | 4.37 (103%) | 2.82 (66%) | 4.22 (99%) | 1.45 |"
+
+
+def test_forced_decode_replaces_the_tile_or_the_splits_for_its_block(monkeypatch):
+    from kernels import triton_attention
+
+    chosen = (16, 64, 4, 3, 8, False)  # (BLOCK_M, BLOCK_N, warps, stages, splits, TMA)
+    monkeypatch.setattr(triton_attention, "_decode_config", lambda *a, **k: chosen)
+    with bench.forced_decode("128:8:2"):
+        assert triton_attention._decode_config() == (16, 128, 8, 2, 8, False)
+    with bench.forced_decode("32splits"):
+        assert triton_attention._decode_config() == (16, 64, 4, 3, 32, False)
+    assert triton_attention._decode_config() == chosen
+    for bad in ("1x", "64:4", "splits"):
+        try:
+            bench.forced_decode(bad)
+        except SystemExit as error:
+            assert "BN:WARPS:STAGES nor Nsplits" in str(error)
+        else:
+            raise AssertionError(f"{bad!r} accepted")
