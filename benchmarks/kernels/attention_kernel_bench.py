@@ -202,37 +202,68 @@ def copy_tb_s(gib: int = 2) -> float:
     return 2.0 * (gib << 30) / us / 1e6
 
 
-def grid_variants(pool: str, name: str, widenings: list[str]) -> list[tuple[str, dict, int | None, bool]]:
-    """(label, environment, forced splits, rotary_append) of one grid case: an FP8 pool in each of ``widenings``
-    (FP8_WIDENINGS' keys), the served form with Triton's widening, the default one and "v" where among
-    ``widenings``, and at long contexts and few sequences forced key splits."""
+def grid_variants(pool: str, name: str, widenings: list[str]) -> list[tuple[str, dict, int | None, bool, tuple | None]]:
+    """(label, environment, forced splits, rotary_append, forced decode tiling) of one grid case: an FP8 pool in each
+    of ``widenings`` (FP8_WIDENINGS' keys), the served form with Triton's widening, the default one and "v" where
+    among ``widenings``, and at long contexts and few sequences forced key splits."""
     if pool != "fp8":
-        return [("default", {}, None, False)]
+        return [("default", {}, None, False, None)]
     from kernels import triton_attention
 
     env = triton_attention.FP8_WIDEN_ENV
     default = triton_attention.FP8_WIDEN_DEFAULT
-    variants = [(f"widen {w}", {env: w}, None, False) for w in widenings]
-    variants += [(f"widen {w} +rotary append", {env: w}, None, True)
+    variants = [(f"widen {w}", {env: w}, None, False, None) for w in widenings]
+    variants += [(f"widen {w} +rotary append", {env: w}, None, True, None)
                  for w in dict.fromkeys(("0", default, *(w for w in widenings if w == "v")))]
     batch = case_batch(name)
     if batch[0][0] + 1 >= GRID_SPLIT_CONTEXT and len(batch) <= GRID_SPLIT_BATCH:
-        variants += [(f"widen {default}, {n} splits", {env: default}, n, False) for n in GRID_SPLITS]
+        variants += [(f"widen {default}, {n} splits", {env: default}, n, False, None) for n in GRID_SPLITS]
     return variants
 
 
-def run_grid(pools: list[str], copy: float, widenings: list[str]) -> list[dict]:
-    """One row per (case, pool, variant) of --grid; each case's pool built once for its variants."""
+def parsed_variant(spec: str) -> tuple[str, dict, int | None, bool, tuple | None]:
+    """A --grid_more variant: space-separated words, ``bits=W`` ($TRITONLLM_ATTN_FP8_BITS), ``tma=all|0``
+    ($TRITONLLM_DECODE_TMA), ``tile=BN:WARPS:STAGES[:tma]`` (the decode tiling forced), ``splits=N`` (forced),
+    ``rotary`` (the served form)."""
+    from kernels import triton_attention
+
+    env, splits, rotary, tiling = {}, None, False, None
+    for word in spec.split():
+        key, _, value = word.partition("=")
+        if key == "bits":
+            env[triton_attention.FP8_WIDEN_ENV] = value
+        elif key == "tma":
+            env[triton_attention.DECODE_TMA_ENV] = value
+        elif key == "tile":
+            bn, warps, stages, *tma = value.split(":")
+            tiling = (int(bn), int(warps), int(stages), tma == ["tma"])
+        elif key == "splits":
+            splits = int(value)
+        elif key == "rotary":
+            rotary = True
+        else:
+            raise ValueError(f"--grid_more word {word!r}: bits=, tma=, tile=, splits= or rotary")
+    return spec, env, splits, rotary, tiling
+
+
+def run_grid(pools: list[str], copy: float, widenings: list[str], cases: list[str], more: list[str],
+             standard: bool = True) -> list[dict]:
+    """One row per (case, pool, variant) of --grid (``standard``: grid_variants'; then ``more``'s, FP8 pools only);
+    each case's pool built once for its variants."""
     from kernels import triton_attention
 
     rows = []
     for pool in pools:
         pool_dtype = torch.float8_e4m3fn if pool == "fp8" else torch.bfloat16
-        for name in grid_cases():
+        for name in cases:
             batch = case_batch(name)
+            variants = grid_variants(pool, name, widenings) if standard else []
+            variants += [parsed_variant(spec) for spec in more] if pool == "fp8" else []
+            if not variants:
+                continue
             q, k_cache, v_cache, meta = build_case(batch, pool_dtype)
             _, kv_bytes = work(batch, k_cache.element_size())
-            for label, env, splits, rotary in grid_variants(pool, name, widenings):
+            for label, env, splits, rotary, tiling in variants:
                 saved = {key: os.environ.get(key) for key in env}
                 os.environ.update(env)
                 new_kv = rotary_append_inputs(q, meta) if rotary else None
@@ -240,8 +271,9 @@ def run_grid(pools: list[str], copy: float, widenings: list[str]) -> list[dict]:
                     q, k_cache, v_cache, meta, HEAD_DIM**-0.5, new_kv=new_kv)
                 chosen = []  # the decode config each launch took (the last: the timed graph's)
 
-                def config_of(default, splits=splits):
-                    chosen.append(default if splits is None else default[:4] + (splits,) + default[5:])
+                def config_of(default, splits=splits, tiling=tiling):
+                    config = default if tiling is None else (default[0], *tiling[:3], default[4], tiling[3])
+                    chosen.append(config if splits is None else config[:4] + (splits,) + config[5:])
                     return chosen[-1]
 
                 try:
@@ -302,6 +334,11 @@ def main() -> None:
                              "widening, the served form, forced splits at 20k; with the K/V rate's share of a copy")
     parser.add_argument("--grid_widenings", default="",
                         help="comma list of FP8 widenings for --grid (kernels/triton_attention.py FP8_WIDENINGS; all)")
+    parser.add_argument("--grid_cases", default="", help="comma list of 'decode BxC' cases for --grid (its own: all)")
+    parser.add_argument("--grid_more", default="",
+                        help="';'-separated extra --grid variants of FP8 pools, each words of bits=W tma=all|0 "
+                             "tile=BN:WARPS:STAGES[:tma] splits=N rotary (parsed_variant)")
+    parser.add_argument("--grid_no_standard", action="store_true", help="--grid: only the --grid_more variants")
     parser.add_argument("--markdown", default=None, help="append the table to this file")
     args = parser.parse_args()
     global PAGE_ORDER, POOL_LAYOUT
@@ -313,7 +350,9 @@ def main() -> None:
         from kernels import triton_attention
 
         widenings = args.grid_widenings.split(",") if args.grid_widenings else list(triton_attention.FP8_WIDENINGS)
-        rows = run_grid(args.pool.split(","), copy, widenings)
+        cases = args.grid_cases.split(",") if args.grid_cases else grid_cases()
+        more = [spec for spec in args.grid_more.split(";") if spec.strip()]
+        rows = run_grid(args.pool.split(","), copy, widenings, cases, more, standard=not args.grid_no_standard)
         table = [f"| case | pool | variant | us / layer | K/V TB/s | % of copy ({copy:.2f} TB/s) | keys x warps x "
                  "stages, splits |", "|---|---|---|---:|---:|---:|---|"]
         table += [f"| {r['case']} | {r['pool']} | {r['tiling']} | {r['us']:,} | {r['kv_tb_s']} | {r['pct_copy']} | "

@@ -131,7 +131,7 @@ def test_decode_kernel_compiles_for_sm90_without_spills(variant, tmp_path):
                  PRECISION="tf32", FP16_MATH=False, ROTARY_APPEND=True, ROTATE=True, HAS_WINDOW=False,
                  HAS_SOFTCAP=False, HAS_TILE_MAP=False, HAS_SINKS=False, HAS_ALIBI=False, SEQ_KIND=0, TMA=False,
                  DYNAMIC_SPLITS=False, PDL=False, HAS_TREE=False, TREE_AS_BITS=False, HAS_SPANS=False,
-                 APPEND_ROWS=False, QK_NORM=False) | variant
+                 APPEND_ROWS=False, QK_NORM=False, K_BITS=False, V_WIDEN=0) | variant
     compiled = compile_for_sm90(_paged_attention_kernel, pointers, const, warps=4, stages=3,
                                 floats=("qk_scale", "softcap_log2", "qk_eps", "temp_scale"),
                                 aligned_int=strides_but_block_table)
