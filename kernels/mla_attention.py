@@ -34,9 +34,9 @@ from kernels._triton import dense, jit, num_sms, pdl_options, pdl_prologue, tl, 
 from kernels.attention import KV_FP8_DTYPE, _as_bytes_if_fp8, gather_blocks, to_cache_dtype
 from kernels.attention_metadata import AttentionMetadata
 from kernels.head_matmul import head_matmul
-from kernels.mla_decode import (DECODE_BATCHED_MIN_SPAN, DECODE_BATCHED_PROGRAMS, DECODE_SPLITS, DECODE_TILING,
-                                DECODE_TILING_FP8, DECODE_TILING_FP8_BITS, decode_kernel_default, decode_tile_fits,
-                                mla_decode_launch, widens_by_bits)
+from kernels.mla_decode import (DECODE_BATCHED_MIN_SPAN, DECODE_BATCHED_PROGRAMS, DECODE_KEYS_MAJOR, DECODE_SPLITS,
+                                DECODE_TILING, DECODE_TILING_FP8, DECODE_TILING_FP8_BITS, decode_kernel_default,
+                                decode_tile_fits, mla_decode_launch, widens_by_bits)
 from kernels.mla_partials import store_split_output
 from kernels.online_softmax import online_softmax_step
 
@@ -349,7 +349,8 @@ def mla_attention_triton(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: to
                          w_uv: torch.Tensor | None = None, decode_kernel: bool | None = None,
                          decode_tiling: tuple[int, int, int] | None = None,
                          programs_per_sm: int | None = None, fp8_bits: bool | None = None,
-                         combine_chunk: int | None = None, half_partials: bool | None = None) -> torch.Tensor:
+                         combine_chunk: int | None = None, half_partials: bool | None = None,
+                         keys_major: bool | None = None) -> torch.Tensor:
     """mla_attention_ref on the GPU (or Triton's interpreter): one program per (token, BLOCK_H heads,
     key split), the splits' outputs combined by their log-sum-exps (_mla_combine_kernel). Two
     launches (one with a single split) besides cu_seqlens' token map; no host sync (CUDA-graph safe):
@@ -368,7 +369,9 @@ def mla_attention_triton(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: to
     only. The split policy's ``max_splits``, ``min_span`` and ``programs_per_sm`` left None take the
     kernel's own (split_policy). ``combine_chunk``: the splits a
     combine load takes (None: COMBINE_SPLIT_CHUNK; 0: all the grid's at once, the combine before session 29).
-    ``half_partials`` (None: HALF_PARTIALS): the splits' partials in the queries' 16-bit dtype, not float32."""
+    ``half_partials`` (None: HALF_PARTIALS): the splits' partials in the queries' 16-bit dtype, not float32.
+    ``keys_major`` (None: kernels/mla_decode.py DECODE_KEYS_MAJOR): the decode kernel's products with the keys
+    as rows."""
     num_tokens, num_heads, rank = q_latent.shape
     assert q_latent.stride(-1) == 1 and q_rope.stride(-1) == 1 and cache.stride(-1) == 1
     if num_tokens == 0:
@@ -396,7 +399,7 @@ def mla_attention_triton(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: to
     if use_decode:
         tables, lens = dense(meta.block_tables, meta.context_lens)  # read at ptr + i (tables: + row * row stride)
         mla_decode_launch(q_latent, q_rope, cache, tables, lens, part, lse, scale, splits, min_span, block_h, tiling,
-                          bits)
+                          bits, DECODE_KEYS_MAJOR if keys_major is None else keys_major)
     else:
         _mla_general_launch(q_latent, q_rope, cache, meta, part, lse, scale, splits, min_span, block_h, block_n,
                             num_warps, decode)

@@ -51,19 +51,38 @@ def _tile(cache_ptr, table, start, last, stride_cb, stride_cs, RANK: tl.constexp
 def _fold_tile(q_lat, q_rope, latent, k_rope, key_ok, m, denom, acc, score_scale, PROB_SCALE: tl.constexpr,
                DOT_PRECISION: tl.constexpr):
     """One tile into the running (max, denominator, sum), scores in log2 units: the products' float32
-    sums times ``score_scale`` (a scalar, or (BLOCK_H, 1) per head: _bits_queries). The value product
+    sums times ``score_scale`` (BLOCK_H,) (per head: _bits_queries). The value product
     takes the probabilities times PROB_SCALE (1, or the bits path's power of two: its latent at 2^-120 or
     2^-8, so the sum comes out at the latents' own scale; the denominator counts the plain ones). The tile
     holds a visible key (the loop visits only those), so the new max is finite."""
     scores = (tl.dot(q_lat, tl.trans(latent), input_precision=DOT_PRECISION)
               + tl.dot(q_rope, tl.trans(k_rope), input_precision=DOT_PRECISION))  # (BLOCK_H, BLOCK_N) f32
-    scores = tl.where(key_ok[None, :], scores * score_scale, -float("inf"))
+    scores = tl.where(key_ok[None, :], scores * score_scale[:, None], -float("inf"))
     m_new = tl.maximum(m, tl.max(scores, 1))
     alpha = tl.exp2(m - m_new)
     probs = tl.exp2(scores - m_new[:, None])
     weights = probs if PROB_SCALE == 1.0 else probs * PROB_SCALE
     acc = acc * alpha[:, None] + tl.dot(weights.to(latent.dtype), latent, input_precision=DOT_PRECISION)
     return m_new, denom * alpha + tl.sum(probs, 1), acc
+
+
+@jit
+def _fold_tile_keys_major(q_lat_t, q_rope_t, latent, k_rope, key_ok, m, denom, acc_t, score_scale,
+                          PROB_SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """_fold_tile with the keys as the products' rows: scores (BLOCK_N, BLOCK_H) = latent q_lat_t + k_rope
+    q_rope_t (the queries transposed, (RANK_PAD, BLOCK_H) and (ROPE_PAD, BLOCK_H)), acc_t (RANK_PAD, BLOCK_H) +=
+    latent^T probs. Why: the products' rows are then BLOCK_N and RANK_PAD (>= 64: sm_90's warpgroup MMA, the
+    tile read from shared memory where the pipeliner put it) instead of BLOCK_H = 16 (mma.sync, every warp
+    holding the whole 16 x 576 query in registers and each key tile staged through them twice)."""
+    scores = (tl.dot(latent, q_lat_t, input_precision=DOT_PRECISION)
+              + tl.dot(k_rope, q_rope_t, input_precision=DOT_PRECISION))  # (BLOCK_N, BLOCK_H) f32
+    scores = tl.where(key_ok[:, None], scores * score_scale[None, :], -float("inf"))
+    m_new = tl.maximum(m, tl.max(scores, 0))
+    alpha = tl.exp2(m - m_new)
+    probs = tl.exp2(scores - m_new[None, :])
+    weights = probs if PROB_SCALE == 1.0 else probs * PROB_SCALE
+    acc_t = acc_t * alpha[None, :] + tl.dot(tl.trans(latent), weights.to(latent.dtype), input_precision=DOT_PRECISION)
+    return m_new, denom * alpha + tl.sum(probs, 0), acc_t
 
 
 @jit
@@ -74,7 +93,7 @@ def _pow2(e):
 
 @jit
 def _bits_queries(q_lat, q_rope, scale_log2, WIDE: tl.constexpr):
-    """The queries and per-head score scale (BLOCK_H, 1) for a pool widened by bits (kernels/e4m3_bits.py):
+    """The queries and per-head score scale (BLOCK_H,) for a pool widened by bits (kernels/e4m3_bits.py):
     codes as WIDE at value * 2^-120 (bfloat16; float32 under the interpreter) or value * 2^-8 (float16).
 
     2^-8: float16 queries as they are (through float32: exact); products of a float16 query and a code at 2^-8
@@ -92,7 +111,7 @@ def _bits_queries(q_lat, q_rope, scale_log2, WIDE: tl.constexpr):
         q_max = tl.maximum(tl.max(tl.abs(q_lat), 1), tl.max(tl.abs(q_rope), 1))  # (BLOCK_H,)
         e = tl.maximum(((q_max.to(tl.int32, bitcast=True) >> 23) & 255) - 127, -7)  # 0 (or subnormal): -7
         up = _pow2(120 - e)[:, None]
-    return (q_lat * up).to(WIDE), (q_rope * up).to(WIDE), scale_log2 * _pow2(e)[:, None]
+    return (q_lat * up).to(WIDE), (q_rope * up).to(WIDE), scale_log2 * _pow2(e)
 
 
 @jit
@@ -112,7 +131,7 @@ def _mla_decode_kernel(q_lat_ptr, q_rope_ptr, cache_ptr, part_ptr, lse_ptr, bloc
                        ROPE_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                        STAGES: tl.constexpr, PREFETCH: tl.constexpr, DIRECT: tl.constexpr,
                        DOT_PRECISION: tl.constexpr, PDL: tl.constexpr, BITS: tl.constexpr = False,
-                       ASM: tl.constexpr = False):
+                       ASM: tl.constexpr = False, KEYS_MAJOR: tl.constexpr = False):
     """Program (s, hb, split): sequence s's heads hb * BLOCK_H ... over split ``split`` of its keys
     0 .. context_len - 1 (its new token is the last). Scores in log2 units (scale_log2 = scale *
     log2 e: exp2 in the softmax); the lse written in natural-log units, as the combines read it.
@@ -120,7 +139,9 @@ def _mla_decode_kernel(q_lat_ptr, q_rope_ptr, cache_ptr, part_ptr, lse_ptr, bloc
     from the first tile on; a split past the context visits none and writes only lse = -inf.
     BITS (FP8 pools): the codes widened by bit moves (kernels/e4m3_bits.py; ASM: its PTX, False under the
     interpreter), the queries and scales of _bits_queries, the value product's probabilities times the
-    bits factor: no E4M3 conversion instruction (16 lanes a clock an SM on the H200) in the loop."""
+    bits factor: no E4M3 conversion instruction (16 lanes a clock an SM on the H200) in the loop.
+    KEYS_MAJOR (pipelined tilings, not PREFETCH): _fold_tile_keys_major's products, BLOCK_N >= 64 for sm_90's
+    warpgroup MMA."""
     pdl_prologue(PDL)
     seq = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -144,7 +165,7 @@ def _mla_decode_kernel(q_lat_ptr, q_rope_ptr, cache_ptr, part_ptr, lse_ptr, bloc
         PROB_SCALE: tl.constexpr = 256.0 if WIDE == tl.float16 else 1.329227995784916e+36  # 2^8, 2^120
     else:
         WIDE: tl.constexpr = q_lat.dtype
-        score_scale = scale_log2
+        score_scale = tl.full([BLOCK_H], scale_log2, tl.float32)
         PROB_SCALE: tl.constexpr = 1.0
     m = tl.full([BLOCK_H], -float("inf"), dtype=tl.float32)
     denom = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -159,6 +180,17 @@ def _mla_decode_kernel(q_lat_ptr, q_rope_ptr, cache_ptr, part_ptr, lse_ptr, bloc
                                            RANK_PAD, ROPE_PAD, PAGE, BLOCK_N)
             m, denom, acc = _fold_tile(q_lat, q_rope, latent, k_rope, start + n < last, m, denom, acc, score_scale,
                                        PROB_SCALE, DOT_PRECISION)
+    elif KEYS_MAJOR:  # the products with the keys as rows (_fold_tile_keys_major), pipelined as below
+        q_lat_t = tl.trans(q_lat)
+        q_rope_t = tl.trans(q_rope)
+        acc_t = tl.zeros([RANK_PAD, BLOCK_H], dtype=tl.float32)
+        for start in tl.range(first, last, BLOCK_N, num_stages=STAGES):
+            latent, k_rope = _tile(cache_ptr, table, start, last, stride_cb, stride_cs, RANK, ROPE, RANK_PAD,
+                                   ROPE_PAD, PAGE, BLOCK_N)
+            m, denom, acc_t = _fold_tile_keys_major(q_lat_t, q_rope_t, _widened(latent, WIDE, BITS, ASM),
+                                                    _widened(k_rope, WIDE, BITS, ASM), start + n < last, m, denom,
+                                                    acc_t, score_scale, PROB_SCALE, DOT_PRECISION)
+        acc = tl.trans(acc_t)
     else:  # Triton's pipeliner: STAGES tiles in flight as cp.async copies into shared memory
         for start in tl.range(first, last, BLOCK_N, num_stages=STAGES):
             latent, k_rope = _tile(cache_ptr, table, start, last, stride_cb, stride_cs, RANK, ROPE, RANK_PAD,
@@ -184,6 +216,10 @@ DECODE_TILING_FP8 = (32, 8, 0)
 # FP8 pools widened by bits (BITS): not yet measured on a GPU (session 29): the bf16 pool's tiling, the tile's
 # 18 KB of codes pipelined as cp.async copies, widened in registers.
 DECODE_TILING_FP8_BITS = (32, 4, 3)
+# The products with the keys as rows (_fold_tile_keys_major): not yet measured on a GPU (session 29). sm_90
+# compile (bf16 pool): (64, 4, 2) takes warpgroup MMAs (68 a tile, no ldmatrix) in 168 KB of shared memory (one
+# program an SM); (32, 4, 3) keys-minor: 68 mma.sync and 72 ldmatrix a tile in 56 KB, 168 registers (3 an SM).
+DECODE_KEYS_MAJOR = False
 # The decode kernel's split policy (kernels/mla_attention.py split_policy, mla_splits): (max_splits, min_span,
 # programs_per_sm) -- up to 128 splits, the grid covering the GPU 8 times, 32 keys a split at least; and from
 # DECODE_BATCHED_PROGRAMS (sequence x head-block) programs on, 128 keys a split at least (a split's float32
@@ -229,10 +265,11 @@ def decode_tile_fits(page: int, block_n: int) -> bool:
 def mla_decode_launch(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
                       context_lens: torch.Tensor, part: torch.Tensor, lse: torch.Tensor, scale: float, splits: int,
                       min_span: int, block_h: int, tiling: tuple[int, int, int] = DECODE_TILING,
-                      bits: bool = False) -> None:
+                      bits: bool = False, keys_major: bool = False) -> None:
     """One launch of _mla_decode_kernel over (sequences, head blocks, splits): ``part`` is the output
     (T, H, R) itself when splits == 1, else the partials; block_tables and context_lens dense
     (read at ptr + i). ``bits``: an FP8 pool's codes widened by bits (widens_by_bits says where it may).
+    ``keys_major``: the products with the keys as rows (_fold_tile_keys_major; pipelined tilings only).
     The caller (kernels/mla_attention.py) checks decode_tile_fits and combines."""
     num_seqs, num_heads, rank = q_latent.shape
     rope = q_rope.shape[-1]
@@ -246,4 +283,5 @@ def mla_decode_launch(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch
         ROPE_PAD=max(16, triton.next_power_of_2(rope)), PAGE=cache.shape[1], BLOCK_H=block_h, BLOCK_N=block_n,
         STAGES=max(1, stages), PREFETCH=stages == 0, DIRECT=splits == 1,
         DOT_PRECISION="ieee" if q_latent.dtype == torch.float32 else "tf32", BITS=bits, ASM=bits and q_latent.is_cuda,
+        KEYS_MAJOR=keys_major and stages > 0,
         num_warps=num_warps, **pdl_options(q_latent))

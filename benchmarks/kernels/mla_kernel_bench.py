@@ -119,16 +119,19 @@ def parse_config(text: str) -> dict:
     Endings: "+cvt" an FP8 pool's codes widened by Triton's conversion (the path before session 29;
     TRITONLLM_MLA_FP8_BITS=0), "+bits" by bits (kernels/e4m3_bits.py), neither: the kernel's default;
     "+c<N>" the combine's loads N splits at a time (0: all the grid's, the combine before session 29);
-    "+h" the splits' partials in the queries' dtype (half_partials), "+f" in float32."""
+    "+h" the splits' partials in the queries' dtype (half_partials), "+f" in float32; "+k" the decode kernel's
+    products with the keys as rows (keys_major)."""
     base, *options = text.split("+")
     widening = {}
     for option in options:
-        assert option in ("cvt", "bits", "h", "f") or (option[:1] == "c" and option[1:].isdigit()), \
-            f"--configs {text!r}: the endings are +cvt, +bits, +c<splits>, +h and +f"
+        assert option in ("cvt", "bits", "h", "f", "k") or (option[:1] == "c" and option[1:].isdigit()), \
+            f"--configs {text!r}: the endings are +cvt, +bits, +c<splits>, +h, +f and +k"
         if option in ("cvt", "bits"):
             widening["fp8_bits"] = option == "bits"
         elif option in ("h", "f"):
             widening["half_partials"] = option == "h"
+        elif option == "k":
+            widening["keys_major"] = True
         else:
             widening["combine_chunk"] = int(option[1:])
     if base == "auto":
@@ -149,7 +152,8 @@ def config_name(config: dict) -> str:
     """parse_config's input back (the table's and the JSON's config column)."""
     ending = ("" if "fp8_bits" not in config else "+bits" if config["fp8_bits"] else "+cvt") + (
         "" if "combine_chunk" not in config else f"+c{config['combine_chunk']}") + (
-        "" if "half_partials" not in config else "+h" if config["half_partials"] else "+f")
+        "" if "half_partials" not in config else "+h" if config["half_partials"] else "+f") + (
+        "+k" if config.get("keys_major") else "")
     if config.get("auto"):
         return "auto" + ending
     if config.get("decode_kernel"):

@@ -162,12 +162,14 @@ def test_triton_kernel_equals_reference(device, dtype, cache_dtype, context_lens
 
 @pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, None), (torch.bfloat16, None),
                                                (torch.bfloat16, KV_FP8_DTYPE)])
-@pytest.mark.parametrize("tiling", [(16, 4, 2), (16, 4, 0), (32, 4, 0)])
-def test_decode_kernel_equals_reference_and_the_general_kernel(device, dtype, cache_dtype, tiling):
+@pytest.mark.parametrize("tiling,keys_major", [((16, 4, 2), False), ((16, 4, 0), False), ((32, 4, 0), False),
+                                               ((32, 4, 2), True)])
+def test_decode_kernel_equals_reference_and_the_general_kernel(device, dtype, cache_dtype, tiling, keys_major):
     """kernels/mla_decode.py on a decode step over pages of 32 (contexts of one partial tile, several
     pages, a page's last key): pipelined (STAGES 2) and register-prefetched (STAGES 0) tilings, one
-    split (DIRECT), three and the batch's own (some past short contexts); equal to the reference and to
-    the general kernel (decode_kernel=False, the path before); and through W_UV in the combine."""
+    split (DIRECT), three and the batch's own (some past short contexts); the products with the keys as rows
+    (keys_major); equal to the reference and to the general kernel (decode_kernel=False, the path before);
+    and through W_UV in the combine."""
     if dtype not in low_precision_dtypes(device) + [torch.float32]:
         pytest.skip("the interpreter emulates bf16 dots loosely (kernel_testing.low_precision_dtypes); GPU only")
     context_lens = [37, 5, 96, 64]
@@ -179,7 +181,7 @@ def test_decode_kernel_equals_reference_and_the_general_kernel(device, dtype, ca
     want = mla_attention_ref(q_latent.cpu(), q_rope.cpu(), cache.cpu(), _on_cpu(meta), 0.2)
     tolerance = TOLERANCE[dtype] * (3 if cache_dtype else 1)
     for splits in (1, 3, None):
-        kw = dict(splits=splits, min_span=tiling[0], decode_tiling=tiling)
+        kw = dict(splits=splits, min_span=tiling[0], decode_tiling=tiling, keys_major=keys_major)
         out = mla_attention_triton(q_latent, q_rope, cache, meta, 0.2, decode_kernel=True, **kw)
         half = mla_attention_triton(q_latent, q_rope, cache, meta, 0.2, decode_kernel=True, half_partials=True, **kw)
         assert relative_error(half.cpu().float(), want.float()) < tolerance, splits
@@ -188,14 +190,15 @@ def test_decode_kernel_equals_reference_and_the_general_kernel(device, dtype, ca
         assert relative_error(out.cpu().float(), want.float()) < tolerance, splits
         assert relative_error(out.cpu().float(), general.cpu().float()) < tolerance, splits
     values = mla_attention_triton(q_latent, q_rope, cache, meta, 0.2, splits=3, min_span=tiling[0],
-                                  decode_tiling=tiling, decode_kernel=True, w_uv=w_uv.to(device).to(dtype))
+                                  decode_tiling=tiling, decode_kernel=True, w_uv=w_uv.to(device).to(dtype),
+                                  keys_major=keys_major)
     want_values = torch.einsum("thr,hvr->thv", want.float(), w_uv)
     assert relative_error(values.cpu().float(), want_values) < tolerance
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("tiling", [(16, 4, 2), (32, 4, 0)])
-def test_decode_kernel_widens_an_fp8_pool_by_bits_at_its_extremes(device, dtype, tiling):
+@pytest.mark.parametrize("tiling,keys_major", [((16, 4, 2), False), ((32, 4, 0), False), ((64, 4, 2), True)])
+def test_decode_kernel_widens_an_fp8_pool_by_bits_at_its_extremes(device, dtype, tiling, keys_major):
     """An FP8 pool's codes widened by bits (kernels/e4m3_bits.py, fp8_bits=True) against the reference
     and Triton's conversion (fp8_bits=False): a sequence of E4M3 subnormals alone (k * 2^-9) under large
     queries, one of +-448 among normal values under tiny queries, one under huge queries (one-hot
@@ -208,13 +211,13 @@ def test_decode_kernel_widens_an_fp8_pool_by_bits_at_its_extremes(device, dtype,
         pytest.skip("float32 queries keep Triton's conversion on the GPU (widens_by_bits)")
     context_lens = [70, 37, 64, 45]
     _, cache, meta = paged_batch(context_lens, [1] * 4, device=device, dtype=torch.float32, cache_dtype=KV_FP8_DTYPE,
-                                 page=32)
+                                 page=64)
     gen = torch.Generator().manual_seed(11)
     values = torch.randn(cache.shape, generator=gen) * 4
     tables = meta.block_tables.cpu().long()
-    subnormal_blocks = tables[0, :3]
+    subnormal_blocks = tables[0, :2]
     values[subnormal_blocks] = torch.randint(-7, 8, values[subnormal_blocks].shape, generator=gen) * 2.0 ** -9
-    edge_blocks = tables[1, :2]
+    edge_blocks = tables[1, :1]
     values[edge_blocks, :, :6] = 448.0 * torch.sign(torch.randn(values[edge_blocks, :, :6].shape, generator=gen))
     values[edge_blocks, :, -2:] = -448.0
     cache = values.to(KV_FP8_DTYPE).to(device)
@@ -229,7 +232,8 @@ def test_decode_kernel_widens_an_fp8_pool_by_bits_at_its_extremes(device, dtype,
     q_latent, q_rope = q_latent.to(device), q_rope.to(device)
     tolerance = TOLERANCE[dtype] * 3
     for splits, half in ((1, False), (3, False), (3, True)):  # half: the splits' partials in the queries' dtype
-        kw = dict(splits=splits, min_span=tiling[0], decode_tiling=tiling, decode_kernel=True, half_partials=half)
+        kw = dict(splits=splits, min_span=tiling[0], decode_tiling=tiling, decode_kernel=True, half_partials=half,
+                  keys_major=keys_major)
         by_bits = mla_attention_triton(q_latent, q_rope, cache, meta, 0.2, fp8_bits=True, **kw).cpu().float()
         converted = mla_attention_triton(q_latent, q_rope, cache, meta, 0.2, fp8_bits=False, **kw).cpu().float()
         assert torch.isfinite(by_bits).all()
@@ -448,23 +452,24 @@ def _on_cpu(meta: AttentionMetadata) -> AttentionMetadata:
 
 
 @AOT_SM90
-@pytest.mark.parametrize("pool,bits,q", [("*bf16", False, "*bf16"), ("*fp8e4nv", False, "*bf16"),
-                                         ("*fp8e4nv", True, "*bf16"), ("*fp8e4nv", True, "*fp16")])
+@pytest.mark.parametrize("pool,bits,q,keys_major", [
+    ("*bf16", False, "*bf16", False), ("*fp8e4nv", False, "*bf16", False), ("*fp8e4nv", True, "*bf16", False),
+    ("*fp8e4nv", True, "*fp16", False), ("*bf16", False, "*bf16", True)])
 @pytest.mark.parametrize("direct", [False, True])
-def test_decode_kernel_compiles_for_sm90_without_spills(pool, bits, q, direct, tmp_path):
+def test_decode_kernel_compiles_for_sm90_without_spills(pool, bits, q, keys_major, direct, tmp_path):
     """Triton's compiler and ptxas (no GPU) on the decode kernel at its default tiling for the pool,
     DeepSeek's 512 + 64 per row, 16 heads, pages of 64: no local memory (spills); the bf16 pool's tile
     loads pipelined as cp.async copies (the point of its STAGES); an FP8 pool widened by bits has PRMTs
-    and no E4M3 conversion left."""
+    and no E4M3 conversion left; the products with the keys as rows at (64, 4, 2) are warpgroup MMAs."""
     from kernels.mla_decode import DECODE_TILING, DECODE_TILING_FP8, DECODE_TILING_FP8_BITS, _mla_decode_kernel
 
-    block_n, warps, stages = (DECODE_TILING if pool == "*bf16" else DECODE_TILING_FP8_BITS if bits
-                              else DECODE_TILING_FP8)
+    block_n, warps, stages = ((64, 4, 2) if keys_major else DECODE_TILING if pool == "*bf16"
+                              else DECODE_TILING_FP8_BITS if bits else DECODE_TILING_FP8)
     pointers = dict(q_lat_ptr=q, q_rope_ptr=q, cache_ptr=pool, part_ptr=q if direct else "*fp32",
                     lse_ptr="*fp32", block_tables_ptr="*i32", ctx_ptr="*i32")
     const = dict(RANK=512, ROPE=64, RANK_PAD=512, ROPE_PAD=64, PAGE=64, BLOCK_H=16, BLOCK_N=block_n,
                  STAGES=max(1, stages), PREFETCH=stages == 0, DIRECT=direct, DOT_PRECISION="tf32", PDL=False,
-                 BITS=bits, ASM=bits)
+                 BITS=bits, ASM=bits, KEYS_MAJOR=keys_major)
     compiled = compile_for_sm90(_mla_decode_kernel, pointers, const, warps=warps, stages=1, floats=("scale_log2",),
                                 aligned_int=strides_but_block_table)
     ptx = compiled.asm["ptx"]
@@ -472,5 +477,6 @@ def test_decode_kernel_compiles_for_sm90_without_spills(pool, bits, q, direct, t
         assert "cp.async" in ptx
     if bits:
         assert "prmt.b32" in ptx and "e4m3x2" not in ptx
+    assert ("wgmma.mma_async" in ptx) == keys_major
     usage = resource_usage_or_skip(compiled, tmp_path)
     assert "LOCAL:0 " in usage, usage
