@@ -350,7 +350,7 @@ def mla_attention_triton(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: to
                          decode_tiling: tuple[int, int, int] | None = None,
                          programs_per_sm: int | None = None, fp8_bits: bool | None = None,
                          combine_chunk: int | None = None, half_partials: bool | None = None,
-                         keys_major: bool | None = None) -> torch.Tensor:
+                         keys_major: bool | None = None, bits_pure: bool = False) -> torch.Tensor:
     """mla_attention_ref on the GPU (or Triton's interpreter): one program per (token, BLOCK_H heads,
     key split), the splits' outputs combined by their log-sum-exps (_mla_combine_kernel). Two
     launches (one with a single split) besides cu_seqlens' token map; no host sync (CUDA-graph safe):
@@ -371,7 +371,7 @@ def mla_attention_triton(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: to
     combine load takes (None: COMBINE_SPLIT_CHUNK; 0: all the grid's at once, the combine before session 29).
     ``half_partials`` (None: HALF_PARTIALS): the splits' partials in the queries' 16-bit dtype, not float32.
     ``keys_major`` (None: kernels/mla_decode.py DECODE_KEYS_MAJOR): the decode kernel's products with the keys
-    as rows."""
+    as rows. ``bits_pure``: kernels/mla_decode.py _widened's BITS_PURE (A/B runs)."""
     num_tokens, num_heads, rank = q_latent.shape
     assert q_latent.stride(-1) == 1 and q_rope.stride(-1) == 1 and cache.stride(-1) == 1
     if num_tokens == 0:
@@ -399,7 +399,7 @@ def mla_attention_triton(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: to
     if use_decode:
         tables, lens = dense(meta.block_tables, meta.context_lens)  # read at ptr + i (tables: + row * row stride)
         mla_decode_launch(q_latent, q_rope, cache, tables, lens, part, lse, scale, splits, min_span, block_h, tiling,
-                          bits, DECODE_KEYS_MAJOR if keys_major is None else keys_major)
+                          bits, DECODE_KEYS_MAJOR if keys_major is None else keys_major, bits_pure)
     else:
         _mla_general_launch(q_latent, q_rope, cache, meta, part, lse, scale, splits, min_span, block_h, block_n,
                             num_warps, decode)

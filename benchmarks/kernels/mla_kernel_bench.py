@@ -120,18 +120,20 @@ def parse_config(text: str) -> dict:
     TRITONLLM_MLA_FP8_BITS=0), "+bits" by bits (kernels/e4m3_bits.py), neither: the kernel's default;
     "+c<N>" the combine's loads N splits at a time (0: all the grid's, the combine before session 29);
     "+h" the splits' partials in the queries' dtype (half_partials), "+f" in float32; "+k" the decode kernel's
-    products with the keys as rows (keys_major)."""
+    products with the keys as rows (keys_major); "+bp" FP8 codes widened by a pure asm (bits_pure)."""
     base, *options = text.split("+")
     widening = {}
     for option in options:
-        assert option in ("cvt", "bits", "h", "f", "k") or (option[:1] == "c" and option[1:].isdigit()), \
-            f"--configs {text!r}: the endings are +cvt, +bits, +c<splits>, +h, +f and +k"
+        assert option in ("cvt", "bits", "h", "f", "k", "bp") or (option[:1] == "c" and option[1:].isdigit()), \
+            f"--configs {text!r}: the endings are +cvt, +bits, +c<splits>, +h, +f, +k and +bp"
         if option in ("cvt", "bits"):
             widening["fp8_bits"] = option == "bits"
         elif option in ("h", "f"):
             widening["half_partials"] = option == "h"
         elif option == "k":
             widening["keys_major"] = True
+        elif option == "bp":
+            widening["bits_pure"] = True
         else:
             widening["combine_chunk"] = int(option[1:])
     if base == "auto":
@@ -153,7 +155,7 @@ def config_name(config: dict) -> str:
     ending = ("" if "fp8_bits" not in config else "+bits" if config["fp8_bits"] else "+cvt") + (
         "" if "combine_chunk" not in config else f"+c{config['combine_chunk']}") + (
         "" if "half_partials" not in config else "+h" if config["half_partials"] else "+f") + (
-        "+k" if config.get("keys_major") else "")
+        "+k" if config.get("keys_major") else "") + ("+bp" if config.get("bits_pure") else "")
     if config.get("auto"):
         return "auto" + ending
     if config.get("decode_kernel"):
