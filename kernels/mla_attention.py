@@ -34,9 +34,10 @@ from kernels._triton import dense, jit, num_sms, pdl_options, pdl_prologue, tl, 
 from kernels.attention import KV_FP8_DTYPE, _as_bytes_if_fp8, gather_blocks, to_cache_dtype
 from kernels.attention_metadata import AttentionMetadata
 from kernels.head_matmul import head_matmul
-from kernels.mla_decode import (DECODE_BATCHED_MIN_SPAN, DECODE_BATCHED_PROGRAMS, DECODE_KEYS_MAJOR, DECODE_SPLITS,
-                                DECODE_TILING, DECODE_TILING_FP8, DECODE_TILING_FP8_BITS, decode_kernel_default,
-                                decode_tile_fits, mla_decode_launch, widens_by_bits)
+from kernels.mla_decode import (DECODE_BATCHED_MIN_SPAN, DECODE_BATCHED_PROGRAMS, DECODE_FEWER_PROGRAMS_PER_SM,
+                                DECODE_KEYS_MAJOR, DECODE_LONG_SPAN, DECODE_SPLITS, DECODE_TILING, DECODE_TILING_FP8,
+                                DECODE_TILING_FP8_BITS, decode_kernel_default, decode_tile_fits, mla_decode_launch,
+                                widens_by_bits)
 from kernels.mla_partials import store_split_output
 from kernels.online_softmax import online_softmax_step
 
@@ -327,6 +328,35 @@ def mla_splits(num_tokens: int, num_heads: int, block_h: int, device, max_splits
     return max(1, splits)
 
 
+def decode_splits(num_tokens: int, num_heads: int, block_h: int, device, max_splits: int,
+                  max_context_len: int | None, min_span: int, long_span: int) -> int:
+    """The decode kernel's splits where the caller gave no programs_per_sm: mla_splits with the grid covering
+    the GPU DECODE_SPLITS' times (8) where each split then gets ``long_span`` keys of ``max_context_len`` at
+    least (0: always), else DECODE_FEWER_PROGRAMS_PER_SM times (kernels/mla_decode.py: the measured cases)."""
+    many = mla_splits(num_tokens, num_heads, block_h, device, max_splits, max_context_len, min_span,
+                      DECODE_SPLITS[2])
+    if long_span and max_context_len is not None and max_context_len < many * long_span:
+        return mla_splits(num_tokens, num_heads, block_h, device, max_splits, max_context_len, min_span,
+                          DECODE_FEWER_PROGRAMS_PER_SM)
+    return many
+
+
+def launch_splits(num_tokens: int, num_heads: int, block_h: int, device, decode_kernel: bool, block_n: int,
+                  max_context_len: int | None, max_splits: int | None = None, min_span: int | None = None,
+                  programs_per_sm: int | None = None, long_span: int | None = None) -> tuple[int, int]:
+    """(splits, min_span) of a launch (mla_attention_triton's; the bench's split column): split_policy's values,
+    then decode_splits for the decode kernel where programs_per_sm is not given, else mla_splits."""
+    programs = num_tokens * triton.cdiv(num_heads, block_h)
+    given_programs_per_sm = programs_per_sm
+    max_splits, min_span, programs_per_sm = split_policy(decode_kernel, block_n, max_splits, min_span, programs_per_sm,
+                                                         programs)
+    if decode_kernel and given_programs_per_sm is None:
+        return decode_splits(num_tokens, num_heads, block_h, device, max_splits, max_context_len, min_span,
+                             DECODE_LONG_SPAN if long_span is None else long_span), min_span
+    return mla_splits(num_tokens, num_heads, block_h, device, max_splits, max_context_len, min_span,
+                      programs_per_sm), min_span
+
+
 def split_policy(decode_kernel: bool, block_n: int, max_splits: int | None = None, min_span: int | None = None,
                  programs_per_sm: int | None = None, programs: int = 1) -> tuple[int, int, int]:
     """(max_splits, min_span, programs_per_sm) for mla_splits: each given value kept, the others the
@@ -350,7 +380,8 @@ def mla_attention_triton(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: to
                          decode_tiling: tuple[int, int, int] | None = None,
                          programs_per_sm: int | None = None, fp8_bits: bool | None = None,
                          combine_chunk: int | None = None, half_partials: bool | None = None,
-                         keys_major: bool | None = None, bits_pure: bool = False) -> torch.Tensor:
+                         keys_major: bool | None = None, bits_pure: bool = False,
+                         long_span: int | None = None) -> torch.Tensor:
     """mla_attention_ref on the GPU (or Triton's interpreter): one program per (token, BLOCK_H heads,
     key split), the splits' outputs combined by their log-sum-exps (_mla_combine_kernel). Two
     launches (one with a single split) besides cu_seqlens' token map; no host sync (CUDA-graph safe):
@@ -371,7 +402,8 @@ def mla_attention_triton(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: to
     combine load takes (None: COMBINE_SPLIT_CHUNK; 0: all the grid's at once, the combine before session 29).
     ``half_partials`` (None: HALF_PARTIALS): the splits' partials in the queries' 16-bit dtype, not float32.
     ``keys_major`` (None: kernels/mla_decode.py DECODE_KEYS_MAJOR): the decode kernel's products with the keys
-    as rows. ``bits_pure``: kernels/mla_decode.py _widened's BITS_PURE (A/B runs)."""
+    as rows. ``bits_pure``: kernels/mla_decode.py _widened's BITS_PURE (A/B runs). ``long_span``: decode_splits'
+    (None: DECODE_LONG_SPAN; 0: the grid always covers the GPU DECODE_SPLITS' times, the policy before)."""
     num_tokens, num_heads, rank = q_latent.shape
     assert q_latent.stride(-1) == 1 and q_rope.stride(-1) == 1 and cache.stride(-1) == 1
     if num_tokens == 0:
@@ -384,10 +416,10 @@ def mla_attention_triton(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: to
     if decode_kernel is None:
         decode_kernel = decode_kernel_enabled() and decode_kernel_default(fp8_pool, programs, bits)
     use_decode = decode_kernel and decode and decode_tile_fits(cache.shape[1], tiling[0])
-    max_splits, min_span, programs_per_sm = split_policy(use_decode, tiling[0] if use_decode else block_n,
-                                                         max_splits, min_span, programs_per_sm, programs)
-    splits = splits or mla_splits(num_tokens, num_heads, block_h, q_latent.device, max_splits, meta.max_context_len,
-                                  min_span, programs_per_sm)
+    planned, min_span = launch_splits(num_tokens, num_heads, block_h, q_latent.device, use_decode,
+                                      tiling[0] if use_decode else block_n, meta.max_context_len, max_splits, min_span,
+                                      programs_per_sm, long_span)
+    splits = splits or planned
     out = torch.empty(q_latent.shape, dtype=q_latent.dtype, device=q_latent.device)  # (T, H, R) contiguous
     if splits == 1:
         part, lse = out, out  # DIRECT: the kernel writes the output itself (lse unused)

@@ -236,6 +236,15 @@ DECODE_KEYS_MAJOR = False
 DECODE_SPLITS = (128, 32, 8)
 DECODE_BATCHED_PROGRAMS = 16
 DECODE_BATCHED_MIN_SPAN = 128
+# ... but the grid covers the GPU 8 times only where each split then gets DECODE_LONG_SPAN keys at least, else 4
+# times (DECODE_FEWER_PROGRAMS_PER_SM): shorter splits cost more in their start and partial than the extra
+# programs bring. Session 29 call 3 (H200, V2-Lite, bf16 pool, us a layer, 8 times against 4 times the SMs):
+# 8 x 8k 59.8 (128 splits of 64 keys) / 42.3 (64 of 128); 8 x 32k 123.6 (128 of 256) / 107.6 (66 of 512);
+# 32 x 8k 116.1 (33 of 256) / 106.3 (17 of 512); where 8 times gives >= 482 keys a split it won: 32 x 32k 348.0
+# (33 of 1,024) / 416.8, 64 x 8k 196.7 (17 of 512) / 224.2, 64 x 32k 717.2 / 839.0. Below that every batch
+# picks the same either way (1k contexts: the min_span cap; batch 1: the 128-split cap).
+DECODE_LONG_SPAN = 384
+DECODE_FEWER_PROGRAMS_PER_SM = 4
 
 
 FP8_BITS_ENV = "TRITONLLM_MLA_FP8_BITS"  # "0" / "1": FP8 pools widened by Triton's conversion / by bits (A/B runs)

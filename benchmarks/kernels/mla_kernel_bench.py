@@ -59,8 +59,8 @@ from kernels.attention import KV_FP8_DTYPE  # noqa: E402
 from kernels.attention_metadata import AttentionMetadata  # noqa: E402
 from kernels.mla_decode import (DECODE_TILING, DECODE_TILING_FP8, DECODE_TILING_FP8_BITS,  # noqa: E402
                                 decode_kernel_default, widens_by_bits)
-from kernels.mla_attention import (MAX_SPLITS, MIN_SPAN, decode_kernel_enabled, mla_attention_ref,  # noqa: E402
-                                   mla_attention_triton, mla_splits, split_policy)
+from kernels.mla_attention import (MAX_SPLITS, MIN_SPAN, decode_kernel_enabled, launch_splits,  # noqa: E402
+                                   mla_attention_ref, mla_attention_triton)
 
 SHAPES = {"v3": dict(heads=128, rank=512, rope=64), "v2_lite": dict(heads=16, rank=512, rope=64),
           "tiny": dict(heads=4, rank=32, rope=8)}
@@ -120,12 +120,13 @@ def parse_config(text: str) -> dict:
     TRITONLLM_MLA_FP8_BITS=0), "+bits" by bits (kernels/e4m3_bits.py), neither: the kernel's default;
     "+c<N>" the combine's loads N splits at a time (0: all the grid's, the combine before session 29);
     "+h" the splits' partials in the queries' dtype (half_partials), "+f" in float32; "+k" the decode kernel's
-    products with the keys as rows (keys_major); "+bp" FP8 codes widened by a pure asm (bits_pure)."""
+    products with the keys as rows (keys_major); "+bp" FP8 codes widened by a pure asm (bits_pure); "+L<N>" the
+    decode split policy's long_span (0: the grid always 8 times the SMs, the policy before session 29)."""
     base, *options = text.split("+")
     widening = {}
     for option in options:
-        assert option in ("cvt", "bits", "h", "f", "k", "bp") or (option[:1] == "c" and option[1:].isdigit()), \
-            f"--configs {text!r}: the endings are +cvt, +bits, +c<splits>, +h, +f, +k and +bp"
+        assert option in ("cvt", "bits", "h", "f", "k", "bp") or (option[:1] in "cL" and option[1:].isdigit()), \
+            f"--configs {text!r}: the endings are +cvt, +bits, +c<splits>, +h, +f, +k, +bp and +L<keys>"
         if option in ("cvt", "bits"):
             widening["fp8_bits"] = option == "bits"
         elif option in ("h", "f"):
@@ -134,6 +135,8 @@ def parse_config(text: str) -> dict:
             widening["keys_major"] = True
         elif option == "bp":
             widening["bits_pure"] = True
+        elif option[0] == "L":
+            widening["long_span"] = int(option[1:])
         else:
             widening["combine_chunk"] = int(option[1:])
     if base == "auto":
@@ -155,7 +158,8 @@ def config_name(config: dict) -> str:
     ending = ("" if "fp8_bits" not in config else "+bits" if config["fp8_bits"] else "+cvt") + (
         "" if "combine_chunk" not in config else f"+c{config['combine_chunk']}") + (
         "" if "half_partials" not in config else "+h" if config["half_partials"] else "+f") + (
-        "+k" if config.get("keys_major") else "") + ("+bp" if config.get("bits_pure") else "")
+        "+k" if config.get("keys_major") else "") + ("+bp" if config.get("bits_pure") else "") + (
+        "" if "long_span" not in config else f"+L{config['long_span']}")
     if config.get("auto"):
         return "auto" + ending
     if config.get("decode_kernel"):
@@ -195,14 +199,13 @@ def chosen_name(config: dict, pool: str) -> str:
 
 
 def splits_of(config: dict, num_tokens: int, heads: int, device, max_context_len: int) -> int:
-    """The split count mla_attention_triton picks for ``config`` (mla_splits with its arguments)."""
-    decode = config.get("decode_kernel", False)  # a resolved config (resolved())
-    policy = split_policy(decode, config["decode_tiling"][0] if decode else config.get("block_n", 32),
-                          config.get("max_splits"), config.get("min_span"), config.get("programs_per_sm"),
-                          num_tokens * -(-heads // config.get("block_h", 16)))
-    max_splits, min_span, programs_per_sm = policy
-    return mla_splits(num_tokens, heads, config.get("block_h", 16), device, max_splits, max_context_len, min_span,
-                      programs_per_sm)
+    """The split count mla_attention_triton picks for ``config`` (a resolved() one: kernels/mla_attention.py
+    launch_splits with its arguments)."""
+    decode = config.get("decode_kernel", False)
+    return launch_splits(num_tokens, heads, config.get("block_h", 16), device, decode,
+                         config["decode_tiling"][0] if decode else config.get("block_n", 32), max_context_len,
+                         config.get("max_splits"), config.get("min_span"), config.get("programs_per_sm"),
+                         config.get("long_span"))[0]
 
 
 def run(args: argparse.Namespace) -> dict:

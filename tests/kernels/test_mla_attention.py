@@ -264,6 +264,24 @@ def test_split_policy_is_each_kernels_own_unless_given():
         split_policy(True, 64, min_span=96)  # not whole tiles
 
 
+def test_decode_splits_cover_the_gpu_8_times_only_with_long_enough_splits():
+    """launch_splits for the decode kernel (132 SMs off CUDA, V2-Lite's 16 heads): the grid covers the GPU 8
+    times where each split then gets DECODE_LONG_SPAN keys, else 4 times (the cases kernels/mla_decode.py
+    measured); long_span=0 is the policy before (always 8 times); a given programs_per_sm is kept; the general
+    kernel's policy is unchanged."""
+    from kernels.mla_attention import launch_splits
+
+    def splits(batch, context, **kw):
+        return launch_splits(batch, 16, 16, "cpu", True, 32, context, **kw)[0]
+
+    assert [splits(b, c) for b, c in ((1, 1024), (1, 8192), (1, 32768), (8, 1024), (8, 8192), (8, 32768), (32, 1024),
+                                      (32, 8192), (32, 32768), (64, 8192), (64, 32768))] == \
+        [32, 128, 128, 32, 66, 66, 8, 17, 33, 17, 17]
+    assert [splits(b, c, long_span=0) for b, c in ((8, 8192), (8, 32768), (32, 8192))] == [128, 128, 33]
+    assert splits(32, 8192, programs_per_sm=8) == 33 and splits(32, 8192, programs_per_sm=2) == 9
+    assert launch_splits(32, 16, 16, "cpu", False, 32, 8192) == (9, MIN_SPAN)
+
+
 def test_decode_kernel_is_taken_only_where_its_tile_fits(monkeypatch):
     """The decode kernel serves decode-only steps whose page its BLOCK_N divides; a mixed step or pages
     of 4 keep the general kernel (which launch ran is recorded); unasked, the environment's switch or
