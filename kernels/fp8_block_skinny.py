@@ -58,14 +58,13 @@ SKINNY_BLOCK_VARIANTS = (
 # call in the decode graph against 8.03 / 7.84 with Triton's widening).
 BITS_ENV = "TRITONLLM_FP8_BLOCK_BITS"
 # ((16, 256, 4, 4) without a split took a 16-byte stack in its BITS form: (16, 128, 4, 8) instead; sm_90, Triton 3.9.)
-# The next three keep a program's whole K share in flight with fewer buffers or more programs (sm_90 compiles:
-# shared memory 24 / 32 / 30 KB a program against (32, 128, 4, 6, 4)'s 40): Qwen3-30B-A3B's o_proj (2048 x 4096)
-# split 8 makes 512 programs of four 128-column steps where split 4 makes 256 of eight (five in flight). The last one
-# wave of programs, one an SM, with no split to finish (qkv 5120 x 2048: 39 features a program; 64 KB of shared memory).
-BITS_VARIANTS = ((16, 128, 4, 8, 1, 0, 0, 1), (32, 128, 4, 6, 4, 0, 0, 1), (16, 256, 4, 4, 2, 0, 0, 1),
-                 (64, 128, 4, 6, 1, 1, 0, 1), (64, 256, 4, 4, 2, 1, 0, 1),
-                 (32, 128, 4, 4, 4, 0, 0, 1), (32, 128, 4, 5, 8, 0, 0, 1), (16, 128, 2, 6, 4, 0, 0, 1),
-                 (64, 128, 4, 6, 1, 1, 1, 1))
+# The last two keep a program's whole K share in flight with fewer buffers or more programs (sm_90 compiles: shared
+# memory 24 / 32 KB a program against (32, 128, 4, 6, 4)'s 40): (32, 128, 4, 4, 4) took Qwen3-30B-A3B's o_proj
+# (2048 x 4096) at 5.82 us a row against 6.06 (H200, session 29 call 2). Dropped as candidates after that call, slower
+# than these at both Qwen3 shapes (each a compile at a cold load): (16, 256, 4, 4, 2), (64, 128, 4, 6, 1, 1),
+# (16, 128, 2, 6, 4) and the one-program-an-SM (64, 128, 4, 6, 1, 1, 1) (qkv over 10.3 us a row against 7.12).
+BITS_VARIANTS = ((16, 128, 4, 8, 1, 0, 0, 1), (32, 128, 4, 6, 4, 0, 0, 1), (64, 256, 4, 4, 2, 1, 0, 1),
+                 (32, 128, 4, 4, 4, 0, 0, 1), (32, 128, 4, 5, 8, 0, 0, 1))
 # Beside the BITS tilings the choice times only this one of Triton's widening (the winner before them, the reference
 # a GPU run compares them with): each SKINNY_BLOCK_VARIANTS tiling is a compile at a cold load, and a BITS tiling
 # does the same loads with fewer instructions (H200, 2026-12-01: with all 21 candidates and the experts' DOT / BITS

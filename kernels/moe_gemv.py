@@ -163,6 +163,11 @@ BITS_TILES = ((16, 128, 1, 4, DOT + BITS), (16, 128, 1, 4, DOT + BITS + "2"), (3
 GEMV_TILES = ((16, 512, 4, 2), (16, 256, 4, 2), (8, 512, 2, 2), (8, 1024, 4, 2), (16, 1024, 8, 2), (32, 256, 4, 2),
               (32, 512, 8, 2), (64, 256, 8, 2)) + AHEAD_TILES + DOT_TILES + BITS_TILES
 DEFAULT_TILES = ((16, 512, 4, 2), (16, 256, 4, 2))
+# FP8 experts' plain tiles while the DOT tiles are timed: the BITS tiles won at every count but one (Qwen3-30B-A3B
+# block-FP8 down at 2 tokens: (16, 256, 4, 2), also the down tile that gate_up's candidates are timed with), and
+# (8, 1024, 4, 2), Llama 4 Scout's choice before the BITS tiles (FP8 per channel at every count, block-FP8 at 2).
+# Each candidate is two compiles at a cold load (H200, session 29 call 2: the choice took 21.4 s of 42.9).
+FP8_PLAIN_TILES = ((16, 256, 4, 2), (8, 1024, 4, 2))
 assert all(t in GEMV_TILES for t in DEFAULT_TILES)
 
 
@@ -220,10 +225,12 @@ def candidate_tiles(kind: int) -> tuple:
     (1,024 unrolls eight pieces of two activation slices each: 255 registers and a 184-byte stack); AHEAD tiles for
     model-dtype and FP8 experts, blocked scales at BLOCK_K <= 128, with $TRITONLLM_MOE_GEMV_AHEAD=1; unless
     $TRITONLLM_MOE_GEMV_DOT=0, DOT_TILES for model-dtype experts, BITS_TILES for FP8 ones (blocked scales: BLOCK_K <=
-    128)."""
+    128) with FP8_PLAIN_TILES alone of the plain ones."""
     packed = kind in (INT4_GROUPS, MXFP4_GROUPS)
     timed_ahead = os.environ.get(AHEAD_ENV, "0").strip() == "1"
+    fp8_dot = kind in (ROW_SCALES, BLOCK_SCALES) and os.environ.get(DOT_ENV, "1").strip() != "0"
     return tuple(t for t in GEMV_TILES if (not packed or t[1] <= 512) and _dot_candidate(t, kind)
+                 and not (fp8_dot and not dot_tile(t) and not ahead(t) and t not in FP8_PLAIN_TILES)
                  and not (ahead(t) and (packed or not timed_ahead
                                         or (kind == BLOCK_SCALES and t[1] > SCALE_BLOCK and not one_load(t))))
                  and not (step_sums(t) and kind != BLOCK_SCALES))

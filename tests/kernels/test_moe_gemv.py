@@ -265,14 +265,17 @@ def test_down_prefetch_keeps_the_result(layout, monkeypatch):
 def test_dot_tiles_are_candidates_of_the_model_dtype_and_fp8_alone(monkeypatch):
     """DOT tiles: candidates of model-dtype and FP8 experts by default (none with $TRITONLLM_MOE_GEMV_DOT=0), not of
     4-bit codes; blocked scales need BLOCK_K <= 128 (one scale block a step); the split is the options' digits."""
-    from kernels.moe_gemv import BITS_TILES, DOT_ENV, DOT_TILES, bits_tile, dot_tile, tile_split, warp_parts
+    from kernels.moe_gemv import (BITS_TILES, DOT_ENV, DOT_TILES, FP8_PLAIN_TILES, bits_tile, dot_tile, tile_split,
+                                  warp_parts)
 
     monkeypatch.setenv(DOT_ENV, "0")
-    assert not any(dot_tile(t) for t in candidate_tiles(BLOCK_SCALES))
+    assert not any(dot_tile(t) for t in candidate_tiles(BLOCK_SCALES)) and len(candidate_tiles(BLOCK_SCALES)) == 8
     monkeypatch.delenv(DOT_ENV)
     assert [t for t in candidate_tiles(NO_SCALES) if dot_tile(t)] == list(DOT_TILES)
     for kind in (ROW_SCALES, BLOCK_SCALES):
         assert {t for t in candidate_tiles(kind) if dot_tile(t)} == set(BITS_TILES)  # (FP8: widened by bits alone)
+        assert {t for t in candidate_tiles(kind) if not dot_tile(t)} == set(FP8_PLAIN_TILES)  # (beside them)
+    assert len([t for t in candidate_tiles(NO_SCALES) if not dot_tile(t)]) == 8  # (model dtype: every plain tile)
     assert all(bits_tile(t) for t in BITS_TILES) and not any(bits_tile(t) for t in DOT_TILES)
     for kind in (INT4_GROUPS, MXFP4_GROUPS):
         assert not any(dot_tile(t) for t in candidate_tiles(kind))
