@@ -634,25 +634,34 @@ def _merge_splits_kernel(
 def _decode_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, num_sms: int, block_n: int,
                        resident_per_sm: int | None = None) -> int:
     """Key splits of a decode launch: a power of two, at most MAX_DECODE_SPLITS, no split shorter than
-    2 key tiles. With ``resident_per_sm`` (the tiling's programs one SM holds, known once it has
-    run: _DECODE_RESIDENT) and a batch of more programs than the GPU holds at once, the count of
-    least _decode_split_cost, unless the batch alone makes UNSPLIT_WAVES waves (its last partial
-    wave is a small share of the time, and so many sequences in one pool have short contexts, which
-    splits only slow down); otherwise enough programs to cover the GPU twice. (Within one wave the
-    cost's choice did not hold up as served: 48 x 21,000's kernel alone went from 800 to 707 us a
-    layer with 4 splits, but its decode graph in the bucket of 56 took 30.31 ms against 29.25.)
-    A decode graph of a mid-size bucket instead captures DYNAMIC_SPLITS_CAPTURED splits and lets
-    each replay use decode_active_splits' count (_decode_config)."""
+    2 key tiles. Until ``resident_per_sm`` is known (the tiling's programs one SM holds, known once it has
+    run: _DECODE_RESIDENT): enough programs to cover the GPU twice. Then (the policy of
+    $TRITONLLM_DECODE_SPLIT_POLICY, SPLIT_POLICIES): 1 for a batch of the policy's unsplit waves or more (its last
+    partial wave is a small share of the time, and so many sequences in one pool have short contexts, which
+    splits only slow down); else the count of least _decode_split_cost, within one wave too ("h200"; "h100":
+    a batch the GPU holds at once covers it twice instead).
+
+    Why within one wave on the H200 (2026-12-01, FP8 pool, Llama-8B heads, 64-key tiles over 2 warps and 5 stages:
+    5 programs an SM, 660 on the GPU; benchmarks/kernels/attention_kernel_bench.py --grid, us a layer for 1 / 2 / 4 /
+    8 splits): 48 x 21,000 (384 programs) 785 / 683 / 614 / 635, the covering rule's 1 split 1.28x the best, where
+    64 x 20,480 (512) took 777 / 806 / 812 / 831. Each program streams its keys at ~6.8 GB/s under load (a wave of
+    384 read 2.6 TB/s, of 512 3.45): a wave is only as fast as its programs are many. (On an H100 the cost's choice
+    within one wave did not hold up as served: 48 x 21,000's kernel went from 800 to 707 us a layer with 4 splits,
+    but its decode graph in the bucket of 56 took 30.31 ms against 29.25; such graphs now take their count per
+    replay: _decode_config.)
+    A decode graph of a mid-size bucket captures DYNAMIC_SPLITS_CAPTURED splits and lets each replay use
+    decode_active_splits' count (_decode_config)."""
     programs = num_seqs * num_kv_heads
     most = _most_decode_splits(max_context_len, block_n)
     capacity = None if resident_per_sm is None else resident_per_sm * num_sms
-    if capacity is None or programs <= capacity:
+    share, unsplit_waves, within_wave = split_policy()
+    if capacity is None or (programs <= capacity and not within_wave):
         wanted = max(1, (2 * num_sms + programs - 1) // programs)
         return min(triton.next_power_of_2(wanted), most)
-    if programs >= UNSPLIT_WAVES * capacity:
+    if programs >= unsplit_waves * capacity:
         return 1
     counts = [1 << i for i in range(most.bit_length())]  # 1, 2, 4, ... most
-    return min(counts, key=lambda splits: _decode_split_cost(programs, splits, capacity, max_context_len))
+    return min(counts, key=lambda splits: _decode_split_cost(programs, splits, capacity, max_context_len, share))
 
 
 def _most_decode_splits(keys: int, block_n: int) -> int:
@@ -671,16 +680,18 @@ def decode_active_splits(plan: tuple[int, int, int], num_seqs: int, longest_cont
     return _decode_num_splits(num_seqs, num_kv_heads, longest_context, num_sms, 64, capacity // num_sms)
 
 
-def _decode_split_cost(programs: int, splits: int, capacity: int, keys: int) -> float:
+def _decode_split_cost(programs: int, splits: int, capacity: int, keys: int,
+                       share: float = 0.0) -> float:
     """Relative time of a decode launch of ``programs`` (sequence, KV head) pairs over ``splits`` key
     ranges each, on a GPU that holds ``capacity`` programs at once, for contexts of ``keys`` keys (a
     CUDA graph's launch is sized for its longest: the case that matters, short contexts taking
     little time whatever the split).
 
     Equal programs run in waves of ``capacity``; a wave of n programs takes as long as
-    max(n, SATURATING_SHARE * capacity) programs' worth of HBM bytes (fewer keep too few reads in
-    flight to use the bandwidth), each program 1 / splits of a whole range's bytes; every doubling
-    of the splits adds SPLIT_COST_KEYS / keys (the merge, each program's start and partials).
+    max(n, share * capacity) programs' worth of HBM bytes (fewer keep too few reads in flight to use the
+    bandwidth; ``share``: the policy's, SPLIT_POLICIES; 0: SATURATING_SHARE), each program 1 / splits of a whole
+    range's bytes; every doubling of the splits adds SPLIT_COST_KEYS / keys (the merge, each program's start and
+    partials).
 
     On an H100 (2026-11-26, benchmarks/kernels/attention_kernel_bench.py --splits, FP8 pool, 64-key tiles
     over 2 warps and 5 stages: 4 programs an SM, 528 on the GPU) one split over 5,250 keys read
@@ -688,10 +699,11 @@ def _decode_split_cost(programs: int, splits: int, capacity: int, keys: int) -> 
     waves) but 2.51 at 208 (1,664: three waves and 80 programs) and 2.55 at 160; 4 splits took 208
     to 2.78, 2 splits 160 to 2.78 and 96 x 6,000 from 2.35 to 2.74, 4 splits 48 x 21,000 from
     2.58 to 2.92. SATURATING_SHARE and SPLIT_COST_KEYS were fitted to these 11 cases; the cost then
-    picks the fastest of 1, 2 and 4 splits in each."""
+    picks the fastest of 1, 2 and 4 splits in each. The H200's figures: SPLIT_POLICIES."""
+    share = share or SATURATING_SHARE
     total = programs * splits
     full_waves, rest = divmod(total, capacity)
-    slots = full_waves * capacity + (max(rest, SATURATING_SHARE * capacity) if rest else 0)
+    slots = full_waves * capacity + (max(rest, share * capacity) if rest else 0)
     return slots / splits * (1.0 + SPLIT_COST_KEYS / max(keys, 1) * (splits.bit_length() - 1))
 
 
@@ -702,8 +714,30 @@ SATURATING_SHARE = 0.8
 # Each doubling of the key splits costs about this many keys of every sequence's walk: at 5,250
 # keys, 128 and 256 sequences (whole waves either way) took 3.3-3.9% longer with 2 splits than 1.
 SPLIT_COST_KEYS = 210
-# Batches of at least this many waves of programs are never split.
+# Batches of at least this many waves of programs are never split (the "h100" policy's).
 UNSPLIT_WAVES = 4
+# How decode launches split their keys once a tiling's residency is known (_decode_num_splits), by
+# $TRITONLLM_DECODE_SPLIT_POLICY (read at every call; unset: DECODE_SPLIT_POLICY_DEFAULT): (saturating share,
+# unsplit waves, the cost model within one wave). "h100": the H100's fit above (SATURATING_SHARE, UNSPLIT_WAVES; a
+# batch the GPU holds at once covers it twice). "h200": refit to the H200's decode kernels (2026-12-01, FP8 pool,
+# 64-key tiles over 2 warps and 5 stages, 660 programs on the GPU; us a layer, attention_kernel_bench.py --grid):
+# 8 x 20,480 1 / 2 / 4 / 8 splits 487 / 248 / 137 / 108 (chosen: 8); 64 x 20,480 777 / 806 / 812 / 831 (1);
+# 48 x 21,000 785 / 683 / 614 / 635 (8); 256 x 20,480 ~3,100 with 1 against 3,283 with the "h100" policy's 8
+# (2,048 programs: 3.1 waves); 256 x 8,192 ~1,260 against 1,380 (8); 256 x 2,048 ~325 against 366 (2). Shares
+# 0.6-0.7 with 2-3 unsplit waves pick within 3.5% of the fastest measured count in all six (the H100's 0.8 and 4
+# waves took 256 x 20,480 to 8 splits).
+DECODE_SPLIT_POLICY_ENV = "TRITONLLM_DECODE_SPLIT_POLICY"
+SPLIT_POLICIES = {"h200": (0.65, 3, True), "h100": (SATURATING_SHARE, UNSPLIT_WAVES, False)}
+DECODE_SPLIT_POLICY_DEFAULT = "h200"
+
+
+def split_policy() -> tuple[float, int, bool]:
+    """(saturating share, unsplit waves, cost within one wave) of $TRITONLLM_DECODE_SPLIT_POLICY (SPLIT_POLICIES)."""
+    chosen = os.environ.get(DECODE_SPLIT_POLICY_ENV, "").strip() or DECODE_SPLIT_POLICY_DEFAULT
+    if chosen not in SPLIT_POLICIES:
+        raise ValueError(f"${DECODE_SPLIT_POLICY_ENV}={chosen!r}: one of {', '.join(SPLIT_POLICIES)}")
+    return SPLIT_POLICIES[chosen]
+
 # The key splits a decode graph of a mid-size batch captures in its grid (its replays use up to
 # this many): the most the cost above chose at 48-256 sequences on an H100. A replay that uses
 # fewer leaves the rest of the grid's programs to return at once.
@@ -770,11 +804,14 @@ def _decode_config(meta: AttentionMetadata, group: int, num_kv_heads: int, devic
         sms = num_sms(device)
         num_splits = _decode_num_splits(meta.num_seqs, num_kv_heads, keys_read, sms, 64, resident)
         capacity = None if resident is None else resident * sms
+        _, unsplit_waves, within_wave = split_policy()
+        smallest = 2 * sms if within_wave else capacity
         if meta.decode_splits is not None and capacity is not None and (
-                capacity < meta.num_seqs * num_kv_heads < UNSPLIT_WAVES * capacity):
+                smallest < meta.num_seqs * num_kv_heads < unsplit_waves * capacity):
             # A decode graph of a mid-size bucket: its grid holds the most splits a replay may ask
             # for, and each replay uses decode_active_splits' count for its real batch and contexts.
-            # (Small buckets keep their one count: reading it from memory cost a batch-1 step 2-3%.)
+            # (Small buckets, whose programs cover the GPU less than twice, keep their one count: reading it from
+            # memory cost a batch-1 step 2-3%.)
             meta.decode_split_plan = (num_kv_heads, capacity, sms)
             num_splits = min(_most_decode_splits(keys_read, 64), DYNAMIC_SPLITS_CAPTURED)
     block_n, warps, stages, tma = tiling

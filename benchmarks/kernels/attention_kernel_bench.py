@@ -32,9 +32,12 @@ tiling does with them: wave quantization of long-context batches).
 1,024 x 2k, FP8 and bf16 pools; an FP8 pool once in each way its E4M3 K/V can widen (``--grid_widenings``, default
 every one of kernels/triton_attention.py FP8_WIDENINGS: the $TRITONLLM_ATTN_FP8_BITS switch), in the served form
 (``+rotary append``) with Triton's widening, the default one and "v" where run, and at 8-64 sequences over 16k
-keys or more with the key splits forced to 1 / 2 / 4 / 8. Each case's pool is built once for all its variants. Reported besides us a
-layer: the K/V bytes read per second, their share of a device-to-device copy of 2 GiB timed the same way in the
-same process (read + written bytes over its time), and the decode config each variant launched.
+keys or more with the key splits forced to 1 / 2 / 4 / 8; ``--grid_more`` adds FP8 variants by words
+(parsed_variant: widening, TMA, tiling, splits, split policy, served form), ``--grid_no_standard`` runs only those,
+``--grid_cases`` other cases. Each case's pool is built once for all its variants. Reported besides us a layer:
+the K/V bytes read per second, their share of benchmarks/common.py copy_bandwidth (an eager 2 GiB copy, read +
+written bytes, measured first in the same process), and the decode config each variant launched.
+
 ``--sweep_prefill BM:BN:WARPS:STAGES,...`` and ``--sweep_decode BN:WARPS:STAGES[:tma],...`` time the cases
 again with the prompt-chunk or decode-row tiling forced to each entry (kernels/triton_attention.py's
 ``_prefill_config`` / ``_decode_config`` replaced for the run), to choose those tables. To compare
@@ -192,14 +195,13 @@ def grid_cases() -> list[str]:
     return [f"decode {b}x{c}" for c in GRID_CONTEXTS for b in GRID_BATCHES] + list(GRID_EXTRA)
 
 
-def copy_tb_s(gib: int = 2) -> float:
-    """TB/s of a device-to-device copy of ``gib`` GiB (read + written bytes), timed as the cases are (time_us)."""
-    src = torch.randn(gib << 29, dtype=torch.bfloat16, device="cuda")
-    dst = torch.empty_like(src)
-    us = time_us(lambda: dst.copy_(src))
-    del src, dst
-    torch.cuda.empty_cache()
-    return 2.0 * (gib << 30) / us / 1e6
+def copy_tb_s() -> float:
+    """TB/s of benchmarks/common.py copy_bandwidth (an eager 2 GiB device-to-device copy, read + written bytes):
+    every bench's "% of copy" denominator. (The same copy timed inside a CUDA graph, a memcpy node, read 2.78 TB/s
+    on an H200 where the eager one read 4.22.)"""
+    from benchmarks.common import copy_bandwidth
+
+    return copy_bandwidth("cuda") / 1e12
 
 
 def grid_variants(pool: str, name: str, widenings: list[str]) -> list[tuple[str, dict, int | None, bool, tuple | None]]:
@@ -224,7 +226,7 @@ def grid_variants(pool: str, name: str, widenings: list[str]) -> list[tuple[str,
 def parsed_variant(spec: str) -> tuple[str, dict, int | None, bool, tuple | None]:
     """A --grid_more variant: space-separated words, ``bits=W`` ($TRITONLLM_ATTN_FP8_BITS), ``tma=all|0``
     ($TRITONLLM_DECODE_TMA), ``tile=BN:WARPS:STAGES[:tma]`` (the decode tiling forced), ``splits=N`` (forced),
-    ``rotary`` (the served form)."""
+    ``policy=h200|h100`` ($TRITONLLM_DECODE_SPLIT_POLICY), ``rotary`` (the served form)."""
     from kernels import triton_attention
 
     env, splits, rotary, tiling = {}, None, False, None
@@ -241,8 +243,10 @@ def parsed_variant(spec: str) -> tuple[str, dict, int | None, bool, tuple | None
             splits = int(value)
         elif key == "rotary":
             rotary = True
+        elif key == "policy":
+            env[triton_attention.DECODE_SPLIT_POLICY_ENV] = value
         else:
-            raise ValueError(f"--grid_more word {word!r}: bits=, tma=, tile=, splits= or rotary")
+            raise ValueError(f"--grid_more word {word!r}: bits=, tma=, tile=, splits=, policy= or rotary")
     return spec, env, splits, rotary, tiling
 
 
@@ -337,7 +341,7 @@ def main() -> None:
     parser.add_argument("--grid_cases", default="", help="comma list of 'decode BxC' cases for --grid (its own: all)")
     parser.add_argument("--grid_more", default="",
                         help="';'-separated extra --grid variants of FP8 pools, each words of bits=W tma=all|0 "
-                             "tile=BN:WARPS:STAGES[:tma] splits=N rotary (parsed_variant)")
+                             "tile=BN:WARPS:STAGES[:tma] splits=N policy=h200|h100 rotary (parsed_variant)")
     parser.add_argument("--grid_no_standard", action="store_true", help="--grid: only the --grid_more variants")
     parser.add_argument("--markdown", default=None, help="append the table to this file")
     args = parser.parse_args()
@@ -345,8 +349,8 @@ def main() -> None:
     PAGE_ORDER, POOL_LAYOUT = args.page_order, args.pool_layout
     if args.grid:
         copy = copy_tb_s()
-        print(f"{torch.cuda.get_device_name()}: device-to-device copy of 2 GiB {copy:.2f} TB/s (read + written)",
-              flush=True)
+        print(f"{torch.cuda.get_device_name()}: device-to-device copy of 2 GiB {copy:.2f} TB/s (read + written, "
+              "benchmarks/common.py copy_bandwidth)", flush=True)
         from kernels import triton_attention
 
         widenings = args.grid_widenings.split(",") if args.grid_widenings else list(triton_attention.FP8_WIDENINGS)

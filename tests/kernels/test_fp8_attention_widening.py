@@ -129,9 +129,18 @@ def test_llama_heads_decode_on_a_head_major_pool_is_the_same_whichever_way_e4m3_
     k_cache, v_cache = head_major(k_cache), head_major(v_cache)
     outs = by_each_widening(monkeypatch, lambda: triton_attention.paged_attention_triton(
         q, k_cache, v_cache, meta, 128**-0.5))
-    for widening, out in outs.items():
-        assert torch.equal(out, outs["0"]), widening
-    assert relative_error(outs["0"], paged_attention_ref(q, k_cache, v_cache, meta, 128**-0.5)) < 1e-2
+    ref = paged_attention_ref(q, k_cache, v_cache, meta, 128**-0.5)
+    report = {widening: differences(out, outs["0"], ref) for widening, out in outs.items()}
+    assert all(r.startswith("equal") for r in report.values()), report
+    assert relative_error(outs["0"], ref) < 1e-2, report
+
+
+def differences(out: torch.Tensor, base: torch.Tensor, ref: torch.Tensor) -> str:
+    """How ``out`` differs from ``base`` (the "0" widening's) and from the reference: a failure's message."""
+    unequal = (out != base).sum().item()
+    return (f"{'equal' if unequal == 0 else f'{unequal} of {out.numel()} unequal'} (max |diff| "
+            f"{(out.float() - base.float()).abs().max().item():.3g}), relative error {relative_error(out, ref):.3g}, "
+            f"finite {bool(torch.isfinite(out).all())}")
 
 
 def test_an_unknown_widening_is_refused(monkeypatch):
