@@ -120,21 +120,22 @@ def parse_config(text: str) -> dict:
     TRITONLLM_MLA_FP8_BITS=0), "+bits" by bits (kernels/e4m3_bits.py), neither: the kernel's default;
     "+c<N>" the combine's loads N splits at a time (0: all the grid's, the combine before session 29);
     "+h" the splits' partials in the queries' dtype (half_partials), "+f" in float32; "+k" the decode kernel's
-    products with the keys as rows (keys_major); "+bp" FP8 codes widened by a pure asm (bits_pure); "+L<N>" the
+    products with the keys as rows (keys_major); "+bp" FP8 codes widened by a pure asm (bits_pure=1), "+bs"
+    pure for the score product only (2); "+L<N>" the
     decode split policy's long_span (0: the grid always 8 times the SMs, the policy before session 29)."""
     base, *options = text.split("+")
     widening = {}
     for option in options:
-        assert option in ("cvt", "bits", "h", "f", "k", "bp") or (option[:1] in "cL" and option[1:].isdigit()), \
-            f"--configs {text!r}: the endings are +cvt, +bits, +c<splits>, +h, +f, +k, +bp and +L<keys>"
+        assert option in ("cvt", "bits", "h", "f", "k", "bp", "bs") or (option[:1] in "cL" and option[1:].isdigit()), \
+            f"--configs {text!r}: the endings are +cvt, +bits, +c<splits>, +h, +f, +k, +bp, +bs and +L<keys>"
         if option in ("cvt", "bits"):
             widening["fp8_bits"] = option == "bits"
         elif option in ("h", "f"):
             widening["half_partials"] = option == "h"
         elif option == "k":
             widening["keys_major"] = True
-        elif option == "bp":
-            widening["bits_pure"] = True
+        elif option in ("bp", "bs"):
+            widening["bits_pure"] = 1 if option == "bp" else 2
         elif option[0] == "L":
             widening["long_span"] = int(option[1:])
         else:
@@ -158,7 +159,7 @@ def config_name(config: dict) -> str:
     ending = ("" if "fp8_bits" not in config else "+bits" if config["fp8_bits"] else "+cvt") + (
         "" if "combine_chunk" not in config else f"+c{config['combine_chunk']}") + (
         "" if "half_partials" not in config else "+h" if config["half_partials"] else "+f") + (
-        "+k" if config.get("keys_major") else "") + ("+bp" if config.get("bits_pure") else "") + (
+        "+k" if config.get("keys_major") else "") + {0: "", 1: "+bp", 2: "+bs"}[config.get("bits_pure", 0)] + (
         "" if "long_span" not in config else f"+L{config['long_span']}")
     if config.get("auto"):
         return "auto" + ending
