@@ -35,9 +35,9 @@ from kernels.attention import KV_FP8_DTYPE, _as_bytes_if_fp8, gather_blocks, to_
 from kernels.attention_metadata import AttentionMetadata
 from kernels.head_matmul import head_matmul
 from kernels.mla_decode import (DECODE_BATCHED_MIN_SPAN, DECODE_BATCHED_PROGRAMS, DECODE_FEWER_PROGRAMS_PER_SM,
-                                DECODE_KEYS_MAJOR, DECODE_LONG_SPAN, DECODE_SPLITS, DECODE_TILING, DECODE_TILING_FP8,
-                                DECODE_TILING_FP8_BITS, decode_kernel_default, decode_tile_fits, mla_decode_launch,
-                                widens_by_bits)
+                                DECODE_LONG_SPAN, DECODE_SPLITS, DECODE_TILING, DECODE_TILING_FP8,
+                                DECODE_TILING_FP8_BITS, decode_kernel_default, decode_keys_major, decode_tile_fits,
+                                mla_decode_launch, widens_by_bits)
 from kernels.mla_partials import store_split_output
 from kernels.online_softmax import online_softmax_step
 
@@ -401,7 +401,7 @@ def mla_attention_triton(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: to
     kernel's own (split_policy). ``combine_chunk``: the splits a
     combine load takes (None: COMBINE_SPLIT_CHUNK; 0: all the grid's at once, the combine before session 29).
     ``half_partials`` (None: HALF_PARTIALS): the splits' partials in the queries' 16-bit dtype, not float32.
-    ``keys_major`` (None: kernels/mla_decode.py DECODE_KEYS_MAJOR): the decode kernel's products with the keys
+    ``keys_major`` (None: kernels/mla_decode.py decode_keys_major): the decode kernel's products with the keys
     as rows. ``bits_pure``: kernels/mla_decode.py _widened_pair's BITS_PURE (A/B runs). ``long_span``: decode_splits'
     (None: DECODE_LONG_SPAN; 0: the grid always covers the GPU DECODE_SPLITS' times, the policy before)."""
     num_tokens, num_heads, rank = q_latent.shape
@@ -431,7 +431,7 @@ def mla_attention_triton(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: to
     if use_decode:
         tables, lens = dense(meta.block_tables, meta.context_lens)  # read at ptr + i (tables: + row * row stride)
         mla_decode_launch(q_latent, q_rope, cache, tables, lens, part, lse, scale, splits, min_span, block_h, tiling,
-                          bits, DECODE_KEYS_MAJOR if keys_major is None else keys_major, bits_pure)
+                          bits, decode_keys_major(fp8_pool) if keys_major is None else keys_major, bits_pure)
     else:
         _mla_general_launch(q_latent, q_rope, cache, meta, part, lse, scale, splits, min_span, block_h, block_n,
                             num_warps, decode)

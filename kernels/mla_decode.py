@@ -238,7 +238,13 @@ DECODE_TILING_FP8_BITS = (32, 4, 3)
 # The products with the keys as rows (_fold_tile_keys_major): not yet measured on a GPU (session 29). sm_90
 # compile (bf16 pool): (64, 4, 2) takes warpgroup MMAs (68 a tile, no ldmatrix) in 168 KB of shared memory (one
 # program an SM); (32, 4, 3) keys-minor: 68 mma.sync and 72 ldmatrix a tile in 56 KB, 168 registers (3 an SM).
-DECODE_KEYS_MAJOR = False
+DECODE_KEYS_MAJOR = False  # 16-bit pools (decode_keys_major); FP8 ones spill there (sm_90 compile: 384-1,184 B)
+
+
+def decode_keys_major(fp8_pool: bool) -> bool:
+    """Whether the decode kernel computes its products with the keys as rows by default: DECODE_KEYS_MAJOR for
+    16-bit pools, never for FP8 ones."""
+    return DECODE_KEYS_MAJOR and not fp8_pool
 # The decode kernel's split policy (kernels/mla_attention.py split_policy, mla_splits): (max_splits, min_span,
 # programs_per_sm) -- up to 128 splits, the grid covering the GPU 8 times, 32 keys a split at least; and from
 # DECODE_BATCHED_PROGRAMS (sequence x head-block) programs on, 128 keys a split at least (a split's float32

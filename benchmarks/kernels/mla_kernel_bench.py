@@ -58,7 +58,7 @@ from benchmarks.common import (command_line, copy_bandwidth, cuda_time_ms, git_c
 from kernels.attention import KV_FP8_DTYPE  # noqa: E402
 from kernels.attention_metadata import AttentionMetadata  # noqa: E402
 from kernels.mla_decode import (DECODE_TILING, DECODE_TILING_FP8, DECODE_TILING_FP8_BITS,  # noqa: E402
-                                decode_kernel_default, widens_by_bits)
+                                decode_kernel_default, decode_keys_major, widens_by_bits)
 from kernels.mla_attention import (MAX_SPLITS, MIN_SPAN, decode_kernel_enabled, launch_splits,  # noqa: E402
                                    mla_attention_ref, mla_attention_triton)
 
@@ -187,6 +187,7 @@ def resolved(config: dict, pool: str, dtype: torch.dtype, num_tokens: int, heads
         out["decode_kernel"] = use_decode
         if use_decode:
             out["decode_tiling"] = DECODE_TILING_FP8_BITS if bits else DECODE_TILING_FP8 if fp8_pool else DECODE_TILING
+            out.setdefault("keys_major", decode_keys_major(fp8_pool))
     return out
 
 
@@ -195,8 +196,8 @@ def chosen_name(config: dict, pool: str) -> str:
     FP8 pool, the widening."""
     if not config.get("decode_kernel"):
         return "general"
-    return "d" + ":".join(map(str, config["decode_tiling"])) + (
-        ("+bits" if config["fp8_bits"] else "+cvt") if pool == "fp8" else "")
+    widening = ("+bits" if config["fp8_bits"] else "+cvt") if pool == "fp8" else ""
+    return "d" + ":".join(map(str, config["decode_tiling"])) + widening + ("+k" if config.get("keys_major") else "")
 
 
 def splits_of(config: dict, num_tokens: int, heads: int, device, max_context_len: int) -> int:

@@ -329,6 +329,25 @@ def test_decode_kernel_is_taken_only_where_its_tile_fits(monkeypatch):
         assert taken == [want], (bits_env, batch, asked)
 
 
+def test_keys_major_products_default_to_16_bit_pools_only(monkeypatch):
+    """kernels/mla_decode.py decode_keys_major: DECODE_KEYS_MAJOR switches the decode kernel's keys-major products
+    on for 16-bit pools, never for FP8 ones (they spill there); keys_major= overrides it (the launch records it)."""
+    from kernels import mla_decode
+
+    launched = []
+    monkeypatch.setattr(mla_attention_module, "mla_decode_launch", lambda *a: launched.append(a[-2]))
+    monkeypatch.setattr(mla_decode, "DECODE_KEYS_MAJOR", True)
+    for cache_dtype, asked, want in ((None, None, True), (KV_FP8_DTYPE, None, False), (None, False, False),
+                                     (KV_FP8_DTYPE, True, True)):
+        _, cache, meta = paged_batch([40, 9], [1, 1], page=32, cache_dtype=cache_dtype)
+        launched.clear()
+        mla_attention_triton(torch.zeros(2, HEADS, RANK), torch.zeros(2, HEADS, ROPE), cache, meta, 0.2, splits=1,
+                             decode_kernel=True, keys_major=asked)
+        assert launched == [want], (cache_dtype, asked)
+    monkeypatch.setattr(mla_decode, "DECODE_KEYS_MAJOR", False)
+    assert not mla_decode.decode_keys_major(False) and not mla_decode.decode_keys_major(True)
+
+
 def test_fp8_pools_widen_by_bits_where_the_queries_allow(monkeypatch):
     """kernels/mla_decode.py widens_by_bits: FP8 pools only; bfloat16 / float16 queries (float32 only off
     CUDA: the interpreter); TRITONLLM_MLA_FP8_BITS "0" turns it off, "1" or unset (USE_FP8_BITS) on; an
