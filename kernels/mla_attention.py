@@ -36,8 +36,9 @@ from kernels.attention_metadata import AttentionMetadata
 from kernels.head_matmul import head_matmul
 from kernels.mla_decode import (DECODE_BATCHED_MIN_SPAN, DECODE_BATCHED_PROGRAMS, DECODE_FEWER_PROGRAMS_PER_SM,
                                 DECODE_LONG_SPAN, DECODE_SPLITS, DECODE_TILING, DECODE_TILING_FP8,
-                                DECODE_TILING_FP8_BITS, decode_kernel_default, decode_keys_major, decode_tile_fits,
-                                mla_decode_launch, widens_by_bits)
+                                DECODE_TILING_FP8_BITS, DECODE_TILING_ONE_WAVE, decode_kernel_default,
+                                decode_tile_fits, mla_decode_launch, widens_by_bits)
+from kernels import mla_decode
 from kernels.mla_partials import store_split_output
 from kernels.online_softmax import online_softmax_step
 
@@ -341,6 +342,26 @@ def decode_splits(num_tokens: int, num_heads: int, block_h: int, device, max_spl
     return many
 
 
+def decode_tiling_for(fp8_pool: bool, bits: bool, page: int, num_tokens: int, num_heads: int, block_h: int, device,
+                      max_context_len: int | None, splits: int | None = None, max_splits: int | None = None,
+                      min_span: int | None = None, programs_per_sm: int | None = None,
+                      long_span: int | None = None) -> tuple[tuple[int, int, int], bool]:
+    """The decode kernel's default (tiling, keys_major): an FP8 pool's DECODE_TILING_FP8_BITS (widened by bits)
+    or DECODE_TILING_FP8; a 16-bit pool's DECODE_TILING_ONE_WAVE with the keys as rows where its tile fits the
+    page and its grid (``splits``, else launch_splits' at that tile) holds no more programs than the GPU has SMs
+    (kernels/mla_decode.py DECODE_ONE_WAVE_KEYS_MAJOR: one program an SM, the keys-major kernel's residency, won
+    there and lost over several waves), else DECODE_TILING. Host values only (graph-safe)."""
+    if fp8_pool:
+        return (DECODE_TILING_FP8_BITS if bits else DECODE_TILING_FP8), False
+    wave = DECODE_TILING_ONE_WAVE
+    if mla_decode.DECODE_ONE_WAVE_KEYS_MAJOR and decode_tile_fits(page, wave[0]):
+        count = splits or launch_splits(num_tokens, num_heads, block_h, device, True, wave[0], max_context_len,
+                                        max_splits, min_span, programs_per_sm, long_span)[0]
+        if count * num_tokens * triton.cdiv(num_heads, block_h) <= num_sms(device):
+            return wave, True
+    return DECODE_TILING, False
+
+
 def launch_splits(num_tokens: int, num_heads: int, block_h: int, device, decode_kernel: bool, block_n: int,
                   max_context_len: int | None, max_splits: int | None = None, min_span: int | None = None,
                   programs_per_sm: int | None = None, long_span: int | None = None) -> tuple[int, int]:
@@ -392,18 +413,19 @@ def mla_attention_triton(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: to
     ``w_uv`` (H, V, R) with unit stride along R: returns (T, H, V), W_UV applied per head -- by the combine
     launch itself where there is one (mla_attention_values), else by kernels/head_matmul.py after.
 
-    Decode-only steps (no token tree) take kernels/mla_decode.py's kernel where ``decode_kernel``
-    (None: decode_kernel_enabled() and kernels/mla_decode.py decode_kernel_default) and its tile fits the
-    page: ``decode_tiling`` (BLOCK_N, num_warps, STAGES), None for DECODE_TILING (an FP8 pool:
+    Decode-only steps (no token tree) take kernels/mla_decode.py's kernel where ``decode_kernel`` (None:
+    decode_kernel_enabled() and kernels/mla_decode.py decode_kernel_default) and its tile fits the page:
+    ``decode_tiling`` (BLOCK_N, num_warps, STAGES), None for decode_tiling_for's (an FP8 pool:
     DECODE_TILING_FP8_BITS where its codes are widened by bits, ``fp8_bits``, None: kernels/mla_decode.py
-    widens_by_bits, else DECODE_TILING_FP8); ``block_n`` and ``num_warps`` then serve the general kernel
-    only. The split policy's ``max_splits``, ``min_span`` and ``programs_per_sm`` left None take the
-    kernel's own (split_policy). ``combine_chunk``: the splits a
-    combine load takes (None: COMBINE_SPLIT_CHUNK; 0: all the grid's at once, the combine before session 29).
-    ``half_partials`` (None: HALF_PARTIALS): the splits' partials in the queries' 16-bit dtype, not float32.
-    ``keys_major`` (None: kernels/mla_decode.py decode_keys_major): the decode kernel's products with the keys
-    as rows. ``bits_pure``: kernels/mla_decode.py _widened_pair's BITS_PURE (A/B runs). ``long_span``: decode_splits'
-    (None: DECODE_LONG_SPAN; 0: the grid always covers the GPU DECODE_SPLITS' times, the policy before)."""
+    widens_by_bits, else DECODE_TILING_FP8; a 16-bit pool DECODE_TILING, or keys-major DECODE_TILING_ONE_WAVE where
+    its grid fits one wave); ``block_n`` and ``num_warps`` then serve the general kernel only. The split policy's
+    ``max_splits``, ``min_span`` and ``programs_per_sm`` left None take the kernel's own (split_policy).
+    ``combine_chunk``: the splits a combine load takes (None: COMBINE_SPLIT_CHUNK; 0: all the grid's at once, the
+    combine before session 29). ``half_partials`` (None: HALF_PARTIALS): the splits' partials in the queries' 16-bit
+    dtype, not float32. ``keys_major`` (None: decode_tiling_for's choice): the decode kernel's products with the
+    keys as rows. ``bits_pure``: kernels/mla_decode.py _widened_pair's BITS_PURE (A/B runs). ``long_span``:
+    decode_splits' (None: DECODE_LONG_SPAN; 0: the grid always covers the GPU DECODE_SPLITS' times, the policy
+    before)."""
     num_tokens, num_heads, rank = q_latent.shape
     assert q_latent.stride(-1) == 1 and q_rope.stride(-1) == 1 and cache.stride(-1) == 1
     if num_tokens == 0:
@@ -411,7 +433,12 @@ def mla_attention_triton(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: to
     decode = meta.is_decode_only and meta.tree_mask is None and num_tokens == meta.context_lens.shape[0]
     fp8_pool = cache.dtype == KV_FP8_DTYPE
     bits = widens_by_bits(fp8_pool, q_latent.dtype, q_latent.is_cuda, fp8_bits)
-    tiling = decode_tiling or (DECODE_TILING_FP8_BITS if bits else DECODE_TILING_FP8 if fp8_pool else DECODE_TILING)
+    tiling, keys_major_default = decode_tiling, False
+    if tiling is None:
+        tiling, keys_major_default = decode_tiling_for(
+            fp8_pool, bits, cache.shape[1], num_tokens, num_heads, block_h, q_latent.device, meta.max_context_len,
+            splits, max_splits, min_span, programs_per_sm, long_span)
+    keys_major = keys_major_default if keys_major is None else keys_major
     programs = num_tokens * triton.cdiv(num_heads, block_h)
     if decode_kernel is None:
         decode_kernel = decode_kernel_enabled() and decode_kernel_default(fp8_pool, programs, bits)
@@ -431,7 +458,7 @@ def mla_attention_triton(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: to
     if use_decode:
         tables, lens = dense(meta.block_tables, meta.context_lens)  # read at ptr + i (tables: + row * row stride)
         mla_decode_launch(q_latent, q_rope, cache, tables, lens, part, lse, scale, splits, min_span, block_h, tiling,
-                          bits, decode_keys_major(fp8_pool) if keys_major is None else keys_major, bits_pure)
+                          bits, keys_major, bits_pure)
     else:
         _mla_general_launch(q_latent, q_rope, cache, meta, part, lse, scale, splits, min_span, block_h, block_n,
                             num_warps, decode)

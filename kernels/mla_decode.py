@@ -135,7 +135,8 @@ def _widened_pair(latent, k_rope, WIDE: tl.constexpr, BITS: tl.constexpr, ASM: t
     the value product's operand (keys along K, across the rows) then reads the codes from shared memory a byte
     at a time (sm_90 compile of (32, 4, 3): 128 ld.shared.b8 and 232 PRMTs a tile, against 72 PRMTs and no byte
     loads for 0); 2: pure for the score product (its K, the latent's columns, contiguous: words of codes straight
-    into its operand layout), not pure for the value product."""
+    into its operand layout), not pure for the value product. Session 29 call 4 (H200, V2-Lite, us a layer, forms
+    0 / 1 / 2): 32 x 32k 458.8 / 516.1 / 579.4, 64 x 8k 249.7 / 275.2 / 310.1, batch 1 x 32k 33.9 / 35.4 / 36.0."""
     latent_w = _widened(latent, WIDE, BITS, ASM, BITS_PURE == 1)
     if BITS_PURE == 2:
         return _widened(latent, WIDE, BITS, ASM, True), _widened(k_rope, WIDE, BITS, ASM, True), latent_w
@@ -232,19 +233,22 @@ def _mla_decode_kernel(q_lat_ptr, q_rope_ptr, cache_ptr, part_ptr, lse_ptr, bloc
 # 8.7 / 39.1 / 31.0 / 998.8; 32 x 8 x 3 slower still).
 DECODE_TILING = (32, 4, 3)
 DECODE_TILING_FP8 = (32, 8, 0)
-# FP8 pools widened by bits (BITS): not yet measured on a GPU (session 29): the bf16 pool's tiling, the tile's
-# 18 KB of codes pipelined as cp.async copies, widened in registers.
+# FP8 pools widened by bits (BITS): the bf16 pool's tiling, the tile's 18 KB of codes pipelined as cp.async copies,
+# widened in registers once (_widened_pair). Session 29 calls 3-4 (H200, V2-Lite, us a layer): 32 x 32k 458.5
+# (31% of the copy bandwidth) against 1,006.9 for the conversion and the general kernel before; 64 x 8k 248.4
+# against 495.8; 8 x 8k 47.1 against 88.8; batch 1 even (8.9 / 33.8 us at 1k / 32k). (32, 8, 0) and (32, 8, 3)
+# widened by bits were 1.4-1.5x slower than this at batch 32 (call 3).
 DECODE_TILING_FP8_BITS = (32, 4, 3)
-# The products with the keys as rows (_fold_tile_keys_major): not yet measured on a GPU (session 29). sm_90
-# compile (bf16 pool): (64, 4, 2) takes warpgroup MMAs (68 a tile, no ldmatrix) in 168 KB of shared memory (one
-# program an SM); (32, 4, 3) keys-minor: 68 mma.sync and 72 ldmatrix a tile in 56 KB, 168 registers (3 an SM).
-DECODE_KEYS_MAJOR = False  # 16-bit pools (decode_keys_major); FP8 ones spill there (sm_90 compile: 384-1,184 B)
-
-
-def decode_keys_major(fp8_pool: bool) -> bool:
-    """Whether the decode kernel computes its products with the keys as rows by default: DECODE_KEYS_MAJOR for
-    16-bit pools, never for FP8 ones."""
-    return DECODE_KEYS_MAJOR and not fp8_pool
+# The products with the keys as rows (_fold_tile_keys_major) at DECODE_TILING_ONE_WAVE, for 16-bit pools whose
+# decode grid fits one wave of one program an SM (kernels/mla_attention.py decode_tiling_for). sm_90 compile (bf16
+# pool): (64, 4, 2) takes warpgroup MMAs (68 a tile, no ldmatrix) in 168 KB of shared memory (one program an SM);
+# (32, 4, 3) keys-minor: 68 mma.sync and 72 ldmatrix a tile in 56 KB, 168 registers (3 an SM). Session 29 call 4
+# (H200, V2-Lite, us a layer, keys-major (64, 4, 2) / DECODE_TILING): where the grid fits the 132 SMs it won,
+# 1 x 1k 7.3 / 7.7 (16 programs), 1 x 8k 15.5 / 16.5 (128), 1 x 32k 27.0 / 29.6 (128), 8 x 1k 10.4 / 13.6 (128);
+# where it takes several waves it lost, 8 x 8k 46.1 / 43.8 (528), 32 x 1k 27.5 / 24.0 (256), 32 x 32k 398.5 /
+# 349.4, 64 x 8k 226.5 / 194.7 (8 warps: slower everywhere). FP8 pools spill there (384-1,184 B of stack).
+DECODE_TILING_ONE_WAVE = (64, 4, 2)
+DECODE_ONE_WAVE_KEYS_MAJOR = True
 # The decode kernel's split policy (kernels/mla_attention.py split_policy, mla_splits): (max_splits, min_span,
 # programs_per_sm) -- up to 128 splits, the grid covering the GPU 8 times, 32 keys a split at least; and from
 # DECODE_BATCHED_PROGRAMS (sequence x head-block) programs on, 128 keys a split at least (a split's float32
@@ -260,7 +264,9 @@ DECODE_BATCHED_MIN_SPAN = 128
 # 8 x 8k 59.8 (128 splits of 64 keys) / 42.3 (64 of 128); 8 x 32k 123.6 (128 of 256) / 107.6 (66 of 512);
 # 32 x 8k 116.1 (33 of 256) / 106.3 (17 of 512); where 8 times gives >= 482 keys a split it won: 32 x 32k 348.0
 # (33 of 1,024) / 416.8, 64 x 8k 196.7 (17 of 512) / 224.2, 64 x 32k 717.2 / 839.0. Below that every batch
-# picks the same either way (1k contexts: the min_span cap; batch 1: the 128-split cap).
+# picks the same either way (1k contexts: the min_span cap; batch 1: the 128-split cap). Call 4, this policy
+# against the one before: bf16 8 x 8k 43.8 / 59.9, 8 x 32k 108.1 / 124.6, 32 x 8k 102.2 / 117.2 (71% of the copy
+# bandwidth); FP8 widened by bits 8 x 8k 47.1 / 64.8, 8 x 32k 131.1 / 148.1, 32 x 8k 127.6 / 140.6; the rest even.
 DECODE_LONG_SPAN = 384
 DECODE_FEWER_PROGRAMS_PER_SM = 4
 

@@ -57,10 +57,9 @@ from benchmarks.common import (command_line, copy_bandwidth, cuda_time_ms, git_c
                                int_list, machine_summary, print_table, utc_now)
 from kernels.attention import KV_FP8_DTYPE  # noqa: E402
 from kernels.attention_metadata import AttentionMetadata  # noqa: E402
-from kernels.mla_decode import (DECODE_TILING, DECODE_TILING_FP8, DECODE_TILING_FP8_BITS,  # noqa: E402
-                                decode_kernel_default, decode_keys_major, widens_by_bits)
-from kernels.mla_attention import (MAX_SPLITS, MIN_SPAN, decode_kernel_enabled, launch_splits,  # noqa: E402
-                                   mla_attention_ref, mla_attention_triton)
+from kernels.mla_decode import DECODE_TILING, decode_kernel_default, widens_by_bits  # noqa: E402
+from kernels.mla_attention import (MAX_SPLITS, MIN_SPAN, decode_kernel_enabled, decode_tiling_for,  # noqa: E402
+                                   launch_splits, mla_attention_ref, mla_attention_triton)
 
 SHAPES = {"v3": dict(heads=128, rank=512, rope=64), "v2_lite": dict(heads=16, rank=512, rope=64),
           "tiny": dict(heads=4, rank=32, rope=8)}
@@ -174,10 +173,11 @@ def kernel_args(config: dict) -> dict:
     return {k: v for k, v in config.items() if k != "auto"}
 
 
-def resolved(config: dict, pool: str, dtype: torch.dtype, num_tokens: int, heads: int, decode: bool = True) -> dict:
+def resolved(config: dict, pool: str, dtype: torch.dtype, num_tokens: int, heads: int, decode: bool = True,
+             device="cuda", max_context_len: int | None = None) -> dict:
     """``config`` as mla_attention_triton resolves it for a step (``decode``: every sequence one new token)
     on a CUDA device: an "auto" one through the same rules (decode_kernel_enabled, kernels/mla_decode.py
-    widens_by_bits and decode_kernel_default, the default tilings); fp8_bits filled in."""
+    widens_by_bits and decode_kernel_default, kernels/mla_attention.py decode_tiling_for); fp8_bits filled in."""
     fp8_pool = pool == "fp8"
     bits = widens_by_bits(fp8_pool, dtype, True, config.get("fp8_bits"))
     out = dict(kernel_args(config), fp8_bits=bits)
@@ -186,8 +186,11 @@ def resolved(config: dict, pool: str, dtype: torch.dtype, num_tokens: int, heads
         use_decode = decode and decode_kernel_enabled() and decode_kernel_default(fp8_pool, programs, bits)
         out["decode_kernel"] = use_decode
         if use_decode:
-            out["decode_tiling"] = DECODE_TILING_FP8_BITS if bits else DECODE_TILING_FP8 if fp8_pool else DECODE_TILING
-            out.setdefault("keys_major", decode_keys_major(fp8_pool))
+            tiling, keys_major = decode_tiling_for(fp8_pool, bits, PAGE, num_tokens, heads, 16, device, max_context_len,
+                                                   None, config.get("max_splits"), config.get("min_span"),
+                                                   config.get("programs_per_sm"), config.get("long_span"))
+            out["decode_tiling"] = tiling
+            out.setdefault("keys_major", keys_major)
     return out
 
 
@@ -248,7 +251,8 @@ def run(args: argparse.Namespace) -> dict:
                             q_latent, q_rope, cache, meta, scale, w_uv=w_uv, **c)
                         eager_us = cuda_time_ms(lambda: call(metas[0]), repeat=args.repeat) * 1e3
                         us = graph_call_us(call, [(meta,) for meta in metas])
-                        ran = resolved(config, pool, dtype, q_latent.shape[0], shape["heads"], not args.tree)
+                        ran = resolved(config, pool, dtype, q_latent.shape[0], shape["heads"], not args.tree,
+                                       q_latent.device, metas[0].max_context_len)
                         splits = splits_of(ran, q_latent.shape[0], shape["heads"], q_latent.device,
                                            metas[0].max_context_len)
                     error = None if want is None else ((call(metas[0]).float() - want).norm() / want.norm()).item()

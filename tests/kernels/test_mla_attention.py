@@ -329,23 +329,35 @@ def test_decode_kernel_is_taken_only_where_its_tile_fits(monkeypatch):
         assert taken == [want], (bits_env, batch, asked)
 
 
-def test_keys_major_products_default_to_16_bit_pools_only(monkeypatch):
-    """kernels/mla_decode.py decode_keys_major: DECODE_KEYS_MAJOR switches the decode kernel's keys-major products
-    on for 16-bit pools, never for FP8 ones (they spill there); keys_major= overrides it (the launch records it)."""
+def test_keys_major_products_where_a_16_bit_pools_grid_fits_one_wave(monkeypatch):
+    """kernels/mla_attention.py decode_tiling_for: a 16-bit pool's decode steps take DECODE_TILING_ONE_WAVE with the
+    keys as rows where its tile fits the page and the grid holds at most one program an SM (132 off CUDA), else
+    DECODE_TILING; FP8 pools never; keys_major= and decode_tiling= override it (the launch records both);
+    DECODE_ONE_WAVE_KEYS_MAJOR False turns it off."""
     from kernels import mla_decode
+    from kernels.mla_attention import decode_tiling_for
 
+    wave, plain = mla_decode.DECODE_TILING_ONE_WAVE, mla_decode.DECODE_TILING
+    assert decode_tiling_for(False, False, 64, 1, 16, 16, "cpu", 32768) == (wave, True)  # 128 splits x 1
+    assert decode_tiling_for(False, False, 64, 8, 16, 16, "cpu", 1024) == (wave, True)  # 16 x 8
+    assert decode_tiling_for(False, False, 64, 8, 16, 16, "cpu", 8192) == (plain, False)  # 66 x 8
+    assert decode_tiling_for(False, False, 64, 32, 16, 16, "cpu", 1024) == (plain, False)  # 8 x 32
+    assert decode_tiling_for(False, False, 32, 1, 16, 16, "cpu", 1024) == (plain, False)  # a 64-key tile won't fit
+    assert decode_tiling_for(True, True, 64, 1, 16, 16, "cpu", 1024) == (mla_decode.DECODE_TILING_FP8_BITS, False)
+    assert decode_tiling_for(False, False, 64, 1, 16, 16, "cpu", 1024, splits=200) == (plain, False)
     launched = []
-    monkeypatch.setattr(mla_attention_module, "mla_decode_launch", lambda *a: launched.append(a[-2]))
-    monkeypatch.setattr(mla_decode, "DECODE_KEYS_MAJOR", True)
-    for cache_dtype, asked, want in ((None, None, True), (KV_FP8_DTYPE, None, False), (None, False, False),
-                                     (KV_FP8_DTYPE, True, True)):
-        _, cache, meta = paged_batch([40, 9], [1, 1], page=32, cache_dtype=cache_dtype)
+    monkeypatch.setattr(mla_attention_module, "mla_decode_launch", lambda *a: launched.append((a[11], a[13])))
+    for cache_dtype, asked, tiling, want in ((None, None, None, (wave, True)),
+                                             (KV_FP8_DTYPE, None, None, (mla_decode.DECODE_TILING_FP8_BITS, False)),
+                                             (None, False, None, (wave, False)),
+                                             (None, None, (32, 4, 3), ((32, 4, 3), False))):
+        _, cache, meta = paged_batch([40, 9], [1, 1], page=64, cache_dtype=cache_dtype)
         launched.clear()
         mla_attention_triton(torch.zeros(2, HEADS, RANK), torch.zeros(2, HEADS, ROPE), cache, meta, 0.2, splits=1,
-                             decode_kernel=True, keys_major=asked)
-        assert launched == [want], (cache_dtype, asked)
-    monkeypatch.setattr(mla_decode, "DECODE_KEYS_MAJOR", False)
-    assert not mla_decode.decode_keys_major(False) and not mla_decode.decode_keys_major(True)
+                             decode_kernel=True, keys_major=asked, decode_tiling=tiling)
+        assert launched == [want], (cache_dtype, asked, tiling)
+    monkeypatch.setattr(mla_decode, "DECODE_ONE_WAVE_KEYS_MAJOR", False)
+    assert decode_tiling_for(False, False, 64, 1, 16, 16, "cpu", 32768) == (plain, False)
 
 
 def test_fp8_pools_widen_by_bits_where_the_queries_allow(monkeypatch):
