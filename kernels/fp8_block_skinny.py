@@ -63,10 +63,8 @@ BITS_ENV = "TRITONLLM_FP8_BLOCK_BITS"
 # (2048 x 4096) at 5.82 us a row against 6.06 (H200, session 29 call 2). Dropped as candidates after that call, slower
 # than these at both Qwen3 shapes (each a compile at a cold load): (16, 256, 4, 4, 2), (64, 128, 4, 6, 1, 1),
 # (16, 128, 2, 6, 4) and the one-program-an-SM (64, 128, 4, 6, 1, 1, 1) (qkv over 10.3 us a row against 7.12).
-# (32, 128, 4, 8, 2): qkv's eight steps a program all in flight (56 KB of shared memory, four an SM: its 320 programs in
-# one wave) with half the partial sums to finish of split 4.
 BITS_VARIANTS = ((16, 128, 4, 8, 1, 0, 0, 1), (32, 128, 4, 6, 4, 0, 0, 1), (64, 256, 4, 4, 2, 1, 0, 1),
-                 (32, 128, 4, 4, 4, 0, 0, 1), (32, 128, 4, 5, 8, 0, 0, 1), (32, 128, 4, 8, 2, 0, 0, 1))
+                 (32, 128, 4, 4, 4, 0, 0, 1), (32, 128, 4, 5, 8, 0, 0, 1))
 # Beside the BITS tilings the choice times only this one of Triton's widening (the winner before them, the reference
 # a GPU run compares them with): each SKINNY_BLOCK_VARIANTS tiling is a compile at a cold load, and a BITS tiling
 # does the same loads with fewer instructions (H200, 2026-12-01: with all 21 candidates and the experts' DOT / BITS

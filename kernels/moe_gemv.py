@@ -125,22 +125,6 @@ DOT_ENV = "TRITONLLM_MOE_GEMV_DOT"
 # moves into the B fragments), 78 registers against 128, half the x tile's shared memory (2 KB a stage).
 DOT_COLS = 8
 BITS = "b"  # (FP8 DOT tiles: the codes widened by bits, kernels/e4m3_bits.py)
-# WARP_PARTS ("k", DOT tiles): each program's K range in num_warps parts, one a warp (a batched dot over a leading
-# parts axis, so Triton's mma puts each part on its own warp), the parts summed once at the end in shared memory:
-# num_warps warps share one tile's rows with no second launch and no arrival counters. Why: at one token a Qwen3-30B-A3B
-# block-FP8 gate_up program is one warp streaming 16 rows (384 programs, ~3 warps an SM), and its loop is ~360
-# instructions a 128-column step (the widening 1.5 a weight): each warp's issue, not the bytes, bounds it (deeper
-# pipelines lost: H200, session 29 call 2); two parts: each warp half the steps (372 instructions a step, sm_90).
-WARP_PARTS = "k"
-# $TRITONLLM_MOE_DOWN_PREFETCH=1 (read at every launch; a graph keeps what its capture saw): the down launch's programs,
-# which PDL starts while gate_up still runs (gate_up gives the go-ahead right after its own wait), find their expert
-# before their PDL wait (routed from the logits as gate_up routes them, or the given ids: both written before gate_up
-# started, so complete by then; read past L1) and prefetch their rows into L2 (one cp.async.bulk.prefetch a row),
-# so down's bytes stream while gate_up's do and down then reads L2. Why: at one token gate_up streams at ~2.1 TB/s of
-# the H200's ~4.2 and down's 6.6 us are mostly its start and its first loads' latency (Qwen3-30B-A3B block-FP8, session
-# 28 call 7). Off by default until measured (prefetches before the PDL wait slowed the dense products they overlapped:
-# kernels/_triton.py WEIGHT_PREFETCH_ENV).
-DOWN_PREFETCH_ENV = "TRITONLLM_MOE_DOWN_PREFETCH"
 # One warp a 16 rows: the mma's warps lie along the rows, so no warp widens another's weights (16 rows on 2 warps:
 # each warp widened all 16). sm_90, Triton 3.9, Qwen3-30B-A3B block-FP8 gate_up: (16, 128, 1, 4) mma.sync, 18 KB
 # of shared memory (three stages in flight: 12 KB of weights a program); (64, 128, 4, 3) wgmma, 166 registers.
@@ -154,12 +138,12 @@ DOT_TILES = ((16, 128, 1, 4, DOT), (32, 128, 2, 4, DOT), (64, 128, 4, 3, DOT), (
 # H200, 2026-12-01, Qwen3-30B-A3B block-FP8, session 28 call 7; each candidate is two compiles at a cold load.)
 # (No 64-row wgmma BITS tile: its A operand from registers took 288 PRMTs a step, 5.3 SASS instructions a weight
 # against mma.sync's 3.3; sm_90, Triton 3.9.)
-# (Deeper pipelines lost: (16, 128, 1, 7) and (16, 128, 1, 9), six and eight steps in flight, took 18.8 and 19.4 us
-# for the one-token pair against (16, 128, 1, 4)'s 18.0; H200, session 29 call 2.) The WARP_PARTS tiles put two and
-# four warps on a program's 16 rows (sm_90, Triton 3.9: 337 / 330 instructions a warp's step, half and a quarter of
-# the steps; 66 / 62 registers).
-BITS_TILES = ((16, 128, 1, 4, DOT + BITS), (16, 128, 1, 4, DOT + BITS + "2"), (32, 128, 2, 4, DOT + BITS + "2"),
-              (16, 128, 2, 4, DOT + BITS + WARP_PARTS), (16, 128, 4, 4, DOT + BITS + WARP_PARTS))
+# Lost and dropped (H200, Qwen3-30B-A3B block-FP8, session 29 calls 2 and 4; one-token pair 17.9-18.0 us with
+# (16, 128, 1, 4, db)): deeper pipelines, (16, 128, 1, 7 / 9, db) 18.8 / 19.4 (all six down steps or eight of gate_up's
+# sixteen in flight); two / four warps a program, each a part of its K range (a batched dot over a parts axis, summed
+# at the end: 337 / 330 sm_90 instructions a warp's step), gate_up 19.9 / 19.4 and down 24.2 at one token, behind at
+# every count but gate_up at two (28.7 against 28.5).
+BITS_TILES = ((16, 128, 1, 4, DOT + BITS), (16, 128, 1, 4, DOT + BITS + "2"), (32, 128, 2, 4, DOT + BITS + "2"))
 GEMV_TILES = ((16, 512, 4, 2), (16, 256, 4, 2), (8, 512, 2, 2), (8, 1024, 4, 2), (16, 1024, 8, 2), (32, 256, 4, 2),
               (32, 512, 8, 2), (64, 256, 8, 2)) + AHEAD_TILES + DOT_TILES + BITS_TILES
 DEFAULT_TILES = ((16, 512, 4, 2), (16, 256, 4, 2))
@@ -202,11 +186,6 @@ def _dot_candidate(tile: tuple, kind: int) -> bool:
     if kind == BLOCK_SCALES and tile[1] > SCALE_BLOCK:
         return False
     return bits_tile(tile)
-
-
-def warp_parts(tile: tuple) -> int:
-    """The parts a DOT tile's warps split each program's K range into (WARP_PARTS: num_warps), else 1."""
-    return tile[2] if dot_tile(tile) and any(WARP_PARTS in option for option in tile[4:]) else 1
 
 
 def tile_split(tile: tuple) -> int:
@@ -503,62 +482,28 @@ def _step_product(w, xt, BITS: tl.constexpr, ASM: tl.constexpr):
 @jit
 def _stream_rows_dot(acc, acc_2, x_ptr, w_rows, w_rows_2, rows_ok, s_row, s_row_2, K, k_begin, k_end,
                      TWO: tl.constexpr, BLOCK_SCALED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     COLS: tl.constexpr, BITS: tl.constexpr = False, ASM: tl.constexpr = False,
-                     PARTS: tl.constexpr = 1):
+                     COLS: tl.constexpr, BITS: tl.constexpr = False, ASM: tl.constexpr = False):
     """_stream_rows for DOT tiles over columns [k_begin, k_end) (k_begin a multiple of BLOCK_K; k_end a multiple
     of it or K): acc (BLOCK_N, COLS) += (w_rows' BLOCK_K columns) @ (x's slice in column 0 of a (BLOCK_K, COLS)
     tile, 0 in the others), and likewise acc_2 with TWO; blocked scales (BLOCK_K divides 128) multiply each step's
     float32 product by its block's scale. Column 0 of acc ends as the rows' sums, the others 0. BITS: FP8 codes
-    widened by bits (_step_product). PARTS > 1 (WARP_PARTS): the range in PARTS parts of whole steps, part p's
-    step in row p of a leading axis (one warp each), summed into acc / acc_2 at the end."""
-    if PARTS == 1:
-        col = tl.arange(0, COLS)[None, :]
-        for k0 in range(k_begin, k_end, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            k_ok = k < K
-            xt = tl.load(x_ptr + k[:, None] + col * 0, mask=k_ok[:, None] & (col == 0), other=0.0)
-            w = tl.load(w_rows + k[None, :], mask=rows_ok[:, None] & k_ok[None, :], other=0.0)
-            if TWO:
-                w_2 = tl.load(w_rows_2 + k[None, :], mask=rows_ok[:, None] & k_ok[None, :], other=0.0)
-            if BLOCK_SCALED:
-                acc += _step_product(w, xt, BITS, ASM) * tl.load(s_row + k0 // 128)
-                if TWO:
-                    acc_2 += _step_product(w_2, xt, BITS, ASM) * tl.load(s_row_2 + k0 // 128)
-            else:
-                acc += _step_product(w, xt, BITS, ASM)
-                if TWO:
-                    acc_2 += _step_product(w_2, xt, BITS, ASM)
-    else:
-        part = tl.arange(0, PARTS)[:, None, None]  # (PARTS, 1, 1)
-        col = tl.arange(0, COLS)[None, None, :]
-        span = tl.cdiv(tl.cdiv(k_end - k_begin, BLOCK_K), PARTS) * BLOCK_K  # (whole steps a part; the last shorter)
-        part_begin = k_begin + part * span
-        part_end = tl.minimum(part_begin + span, k_end)
-        w3 = w_rows[None, :, :]  # (1, BLOCK_N, 1)
-        w3_2 = w_rows_2[None, :, :]
-        rows3_ok = rows_ok[None, :, None]
-        acc3 = tl.zeros([PARTS, BLOCK_N, COLS], dtype=tl.float32)
-        acc3_2 = tl.zeros([PARTS, BLOCK_N, COLS], dtype=tl.float32)
-        for k0 in range(0, span, BLOCK_K):
-            step = part_begin + k0  # (PARTS, 1, 1)
-            kx = step + tl.arange(0, BLOCK_K)[None, :, None]  # (PARTS, BLOCK_K, 1)
-            kw = step + tl.arange(0, BLOCK_K)[None, None, :]  # (PARTS, 1, BLOCK_K)
-            xt = tl.load(x_ptr + kx + col * 0, mask=(kx < part_end) & (col == 0), other=0.0)
-            w = tl.load(w3 + kw, mask=rows3_ok & (kw < part_end), other=0.0)
-            if TWO:
-                w_2 = tl.load(w3_2 + kw, mask=rows3_ok & (kw < part_end), other=0.0)
-            if BLOCK_SCALED:  # (a step past its part's end loaded zeros: its scale index stays in bounds)
-                block = tl.minimum(step, K - 1) // 128
-                acc3 += _step_product(w, xt, BITS, ASM) * tl.load(s_row + block)
-                if TWO:
-                    acc3_2 += _step_product(w_2, xt, BITS, ASM) * tl.load(s_row_2 + block)
-            else:
-                acc3 += _step_product(w, xt, BITS, ASM)
-                if TWO:
-                    acc3_2 += _step_product(w_2, xt, BITS, ASM)
-        acc += tl.sum(acc3, 0)
+    widened by bits (_step_product)."""
+    col = tl.arange(0, COLS)[None, :]
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < K
+        xt = tl.load(x_ptr + k[:, None] + col * 0, mask=k_ok[:, None] & (col == 0), other=0.0)
+        w = tl.load(w_rows + k[None, :], mask=rows_ok[:, None] & k_ok[None, :], other=0.0)
         if TWO:
-            acc_2 += tl.sum(acc3_2, 0)
+            w_2 = tl.load(w_rows_2 + k[None, :], mask=rows_ok[:, None] & k_ok[None, :], other=0.0)
+        if BLOCK_SCALED:
+            acc += _step_product(w, xt, BITS, ASM) * tl.load(s_row + k0 // 128)
+            if TWO:
+                acc_2 += _step_product(w_2, xt, BITS, ASM) * tl.load(s_row_2 + k0 // 128)
+        else:
+            acc += _step_product(w, xt, BITS, ASM)
+            if TWO:
+                acc_2 += _step_product(w_2, xt, BITS, ASM)
     return acc, acc_2
 
 
@@ -650,7 +595,7 @@ def _gemv_gate_up_kernel(
     RENORMALIZE: tl.constexpr, SCALES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, SWIGLU_LIMIT: tl.constexpr, PDL: tl.constexpr,
     AHEAD: tl.constexpr = False, ONE_LOAD: tl.constexpr = False, DOT: tl.constexpr = False, SPLIT: tl.constexpr = 1,
-    BITS: tl.constexpr = False, ASM: tl.constexpr = False, PARTS: tl.constexpr = 1,
+    BITS: tl.constexpr = False, ASM: tl.constexpr = False,
 ):
     """act[a, rows] = SiLU(gate_e . x[t]) * (up_e . x[t]) for assignment a = program_id(0) (token t = a // TOP_K,
     expert e its slot's) and the BLOCK_N rows of tile program_id(1) (module docstring, step 1). DOT tiles with
@@ -686,7 +631,7 @@ def _gemv_gate_up_kernel(
     elif DOT:  # SUB_K == DOT_COLS
         k_begin, k_end = _split_columns(H, SPLIT, BLOCK_K)
         acc, acc_up = _stream_rows_dot(acc, acc, x_row, gate_rows, gate_rows + I * stride_wn, rows_ok, s_gate, s_up,
-                                       H, k_begin, k_end, True, SCALES == 2, BLOCK_N, BLOCK_K, SUB_K, BITS, ASM, PARTS)
+                                       H, k_begin, k_end, True, SCALES == 2, BLOCK_N, BLOCK_K, SUB_K, BITS, ASM)
     elif ONE_LOAD:  # SUB_K == 1
         acc, acc_up = _stream_rows_at_once(acc, acc, x_row, gate_rows, gate_rows + I * stride_wn, rows_ok, s_gate,
                                            s_up, H, True, SCALES == 2, BLOCK_N, BLOCK_K)
@@ -712,48 +657,22 @@ def _gemv_gate_up_kernel(
 
 
 @jit
-def _prefetch_rows_l2(row_starts, rows_ok, row_bytes):
-    """Each weight row at ``row_starts`` ((BLOCK_N,) pointers; rows not ``rows_ok`` skipped), ``row_bytes`` long,
-    into L2 by one cp.async.bulk.prefetch.L2 (the copy engine's work, one instruction a row; starts and lengths
-    16-byte aligned: moe_gemv_triton checks). For DOWN_PREFETCH_ENV's launches, CUDA only (inline PTX)."""
-    nbytes = tl.where(rows_ok, row_bytes, 0).to(tl.int32)
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r", [row_starts.to(tl.int64, bitcast=True), nbytes], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@jit
 def _gemv_down_kernel(
     act_ptr, ids_ptr, weights_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, arrivals_ptr, H, I, group,
     stride_act, stride_we, stride_wn, stride_se, stride_sn, stride_be, stride_o,
     SCALES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, HAS_BIAS: tl.constexpr,
     PDL: tl.constexpr, AHEAD: tl.constexpr = False, ONE_LOAD: tl.constexpr = False, DOT: tl.constexpr = False,
     SPLIT: tl.constexpr = 1, BITS: tl.constexpr = False, ASM: tl.constexpr = False,
-    PARTS: tl.constexpr = 1, logits_ptr=None, num_experts=0, stride_l=0, TOP_K: tl.constexpr = 1,
-    K_PAD: tl.constexpr = 1, E_PAD: tl.constexpr = 1, RENORMALIZE: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
 ):
     """out_k[a, rows] = w_a * (down_e[rows] . act[a]) for assignment a = program_id(0) and the BLOCK_N rows of
     tile program_id(1) (module docstring, step 2). DOT tiles with SPLIT > 1: program_id(2)'s share of I, its sums
-    in part_ptr ((T * K * SPLIT, H) float32), the tile's last arrival finishing (DOT_TILES).
-    PREFETCH (DOWN_PREFETCH_ENV; with PDL, inline PTX): before the PDL wait, the program's expert (1: routed from the
-    logits at logits_ptr as gate_up routes them, _top_k_of_row; 2: the given ids at ids_ptr) and its rows' I bytes
-    into L2 (_prefetch_rows_l2); after the wait everything as without it (the expert read from ids_ptr)."""
+    in part_ptr ((T * K * SPLIT, H) float32), the tile's last arrival finishing (DOT_TILES)."""
+    pdl_prologue(PDL)
     a = tl.program_id(0)
     tile = tl.program_id(1)
+    e64 = tl.load(ids_ptr + a).to(tl.int64)
     rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     rows_ok = rows < H
-    if PREFETCH == 1:
-        _, chosen_id = _top_k_of_row(logits_ptr + (a // TOP_K).to(tl.int64) * stride_l, num_experts, TOP_K, K_PAD,
-                                     E_PAD, RENORMALIZE)
-        early = tl.sum(tl.where(tl.arange(0, K_PAD) == a % TOP_K, chosen_id, 0), 0).to(tl.int64)
-        _prefetch_rows_l2(w_ptr + early * stride_we + rows.to(tl.int64) * stride_wn, rows_ok,
-                          I * (w_ptr.dtype.element_ty.primitive_bitwidth // 8))
-    elif PREFETCH == 2:
-        early = tl.load(ids_ptr + a, cache_modifier=".cg").to(tl.int64)
-        _prefetch_rows_l2(w_ptr + early * stride_we + rows.to(tl.int64) * stride_wn, rows_ok,
-                          I * (w_ptr.dtype.element_ty.primitive_bitwidth // 8))
-    pdl_prologue(PDL)
-    e64 = tl.load(ids_ptr + a).to(tl.int64)
     w_rows = w_ptr + e64 * stride_we + rows.to(tl.int64)[:, None] * stride_wn
     s_rows = s_ptr + e64 * stride_se + ((tile * BLOCK_N) // 128) * stride_sn
     acc = tl.zeros([BLOCK_N, SUB_K], dtype=tl.float32)
@@ -765,7 +684,7 @@ def _gemv_down_kernel(
     elif DOT:  # SUB_K == DOT_COLS
         k_begin, k_end = _split_columns(I, SPLIT, BLOCK_K)
         acc, _ = _stream_rows_dot(acc, acc, act_row, w_rows, w_rows, rows_ok, s_rows, s_rows, I, k_begin, k_end, False,
-                                  SCALES == 2, BLOCK_N, BLOCK_K, SUB_K, BITS, ASM, PARTS)
+                                  SCALES == 2, BLOCK_N, BLOCK_K, SUB_K, BITS, ASM)
     elif ONE_LOAD:  # SUB_K == 1
         acc, _ = _stream_rows_at_once(acc, acc, act_row, w_rows, w_rows, rows_ok, s_rows, s_rows, I, False,
                                       SCALES == 2, BLOCK_N, BLOCK_K)
@@ -834,7 +753,6 @@ def moe_gemv_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, 
     gate_up_dot, down_dot = (dot_tile(t) and not packed for t in tiles)
     gate_up_bits, down_bits = (bits_tile(t) and kind in (ROW_SCALES, BLOCK_SCALES) for t in tiles)
     g_split, d_split = (tile_split(t) if on else 1 for t, on in zip(tiles, (gate_up_dot, down_dot)))
-    g_parts, d_parts = (warp_parts(t) if on else 1 for t, on in zip(tiles, (gate_up_dot, down_dot)))
     group = group_down = 0
     gate_up_piece, down_piece = (
         DOT_COLS if on_dot else 1 if once else (1 if step_sums(t) and kind == BLOCK_SCALES else k) if ahead_t
@@ -878,35 +796,20 @@ def moe_gemv_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, 
         ROUTE_IN_KERNEL=route, RENORMALIZE=renormalize, SCALES=kind, BLOCK_N=gn, BLOCK_K=gk, SUB_K=gate_up_piece,
         HAS_BIAS=gu_b is not None, ACTIVATION=ACTIVATIONS[epilogue.activation], SWIGLU_LIMIT=limit,
         AHEAD=gate_up_ahead, ONE_LOAD=gate_up_once, DOT=gate_up_dot, SPLIT=g_split, BITS=gate_up_bits,
-        ASM=x.is_cuda, PARTS=g_parts, num_warps=gw, num_stages=gs, **pdl)
+        ASM=x.is_cuda, num_warps=gw, num_stages=gs, **pdl)
     out_k = torch.empty(num_tokens * top_k, hidden, dtype=x.dtype, device=x.device)
     d_part = torch.empty(num_tokens * top_k * d_split, hidden, dtype=torch.float32, device=x.device) \
         if d_split > 1 else weights
-    prefetch = down_prefetch(down, pdl["PDL"])
     _gemv_down_kernel[(num_tokens * top_k, d_tiles, d_split)](
         act, ids, weights, down, d_s, d_z, act if d_b is None else d_b, out_k, d_part, arrivals, hidden, k_down,
         group_down,
         act.stride(0), down.stride(0), down.stride(1), d_s3.stride(0) if kind else 0, d_s3.stride(1) if kind else 0,
         0 if d_b is None else d_b.stride(0), out_k.stride(0),
         SCALES=kind, BLOCK_N=dn, BLOCK_K=dk, SUB_K=down_piece, HAS_BIAS=d_b is not None, AHEAD=down_ahead,
-        ONE_LOAD=down_once, DOT=down_dot, SPLIT=d_split, BITS=down_bits, ASM=x.is_cuda, PARTS=d_parts, num_warps=dw,
-        num_stages=ds, logits_ptr=router_logits if route else x, num_experts=num_experts,
-        stride_l=router_logits.stride(0) if route else 0, TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k),
-        E_PAD=triton.next_power_of_2(num_experts), RENORMALIZE=renormalize,
-        PREFETCH=(1 if route else 2) if prefetch else 0, **pdl)
+        ONE_LOAD=down_once, DOT=down_dot, SPLIT=d_split, BITS=down_bits, ASM=x.is_cuda, num_warps=dw, num_stages=ds,
+        **pdl)
     out_k = out_k.view(num_tokens, top_k, hidden)
     return out_k.sum(dim=1) if sum_experts else out_k  # (torch sums half types in float32, rounds once)
-
-
-def down_prefetch(down: torch.Tensor, pdl: bool) -> bool:
-    """Whether the down launch prefetches its rows before its PDL wait (DOWN_PREFETCH_ENV): asked for, PDL on, and
-    every row 16-byte aligned and a multiple of 16 bytes long (the bulk prefetch's rule; a misaligned one is an
-    illegal instruction)."""
-    if os.environ.get(DOWN_PREFETCH_ENV, "0").strip() != "1" or not pdl or not down.is_cuda:
-        return False
-    size = down.element_size()
-    return down.data_ptr() % 16 == 0 and all((stride * size) % 16 == 0 for stride in down.stride()[:-1]) \
-        and (down.shape[-1] * size) % 16 == 0 and down.stride(-1) == 1
 
 
 def gemv_tiles(gate_up: torch.Tensor, num_tokens: int) -> tuple | None:

@@ -193,11 +193,6 @@ DOT_CASES = [
     (2, "fp8_block", "qwen3-fp16", ((16, 128, 1, 4, "db4"), (32, 128, 2, 4, "db2"))),
     # the deep BITS tiles: more pipeline stages than the K steps (hidden 200: two; inter 128: one)
     (1, "fp8_block", "qwen3", ((16, 128, 1, 9, "db"), (16, 128, 1, 7, "db"))),
-    # WARP_PARTS: K in num_warps parts, one a warp (gate_up's two steps on two warps; down's one step on four: three
-    # empty parts), with a split (two programs of two parts), the model dtype's 64-column steps on four warps
-    (1, "fp8_block", "qwen3", ((16, 128, 2, 4, "dbk"), (16, 128, 4, 4, "dbk"))),
-    (2, "fp8_block", "deepseek", ((16, 128, 2, 4, "dbk2"), (32, 128, 2, 4, "dbk"))),
-    (3, "model", "qwen3", ((16, 64, 4, 3, "dk"), (32, 64, 2, 4, "dk"))),
 ]
 
 
@@ -231,42 +226,10 @@ def test_dot_tiles_equal_the_reference(device, num_tokens, kind, layout, tiles):
         assert torch.equal(again, out)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the prefetch is PTX before a PDL wait (CUDA)")
-@pytest.mark.parametrize("layout", ["qwen3", "deepseek"])
-def test_down_prefetch_keeps_the_result(layout, monkeypatch):
-    """$TRITONLLM_MOE_DOWN_PREFETCH=1 (down's rows into L2 before its PDL wait, the expert routed from the logits or
-    read from the given ids): the same rows, bit for bit, as without it, at 1 and 3 tokens."""
-    from kernels._triton import pdl_options
-    from kernels.moe_gemv import DOWN_PREFETCH_ENV, down_prefetch
-
-    num_experts, top_k = (12, 4) if layout == "qwen3" else (16, 6)
-    gate_up, gu_s, down, d_s = (t.cuda() for t in moe_decode_experts("fp8_block", 256, 128, num_experts, seed=95))
-    tiles = ((16, 128, 1, 4, "db"), (16, 128, 1, 7, "db"))
-    if not pdl_options(gate_up)["PDL"]:
-        pytest.skip("PDL off on this GPU / Triton: nothing to prefetch before")
-    for num_tokens in (1, 3):
-        x = randn(num_tokens, 256, seed=96).cuda().bfloat16()
-        logits = distinct_logits(num_tokens, num_experts, seed=97).cuda().bfloat16()
-        weights, ids = route_tokens_ref(logits.cpu(), top_k, True)
-        routing = (dict(router_logits=logits, renormalize=True) if layout == "qwen3" else
-                   dict(topk_weights=weights.cuda(), topk_ids=ids.cuda()))
-        outs = []
-        for on in ("0", "1"):
-            monkeypatch.setenv(DOWN_PREFETCH_ENV, on)
-            assert down_prefetch(down, True) == (on == "1")
-            outs.append(moe_gemv_triton(x, gate_up, down, top_k=top_k, gate_up_scale=gu_s, down_scale=d_s,
-                                        tiles=tiles, sum_experts=False, **routing))
-        assert torch.equal(outs[0], outs[1])
-        ref = moe_gemv_ref(x.cpu(), gate_up.cpu(), down.cpu(), weights, ids, gu_s.cpu(), d_s.cpu())
-        assert relative_error(outs[1], ref) < TOLERANCES[torch.bfloat16]
-
-
 def test_dot_tiles_are_candidates_of_the_model_dtype_and_fp8_alone(monkeypatch):
     """DOT tiles: candidates of model-dtype and FP8 experts by default (none with $TRITONLLM_MOE_GEMV_DOT=0), not of
     4-bit codes; blocked scales need BLOCK_K <= 128 (one scale block a step); the split is the options' digits."""
-    from kernels.moe_gemv import (BITS_TILES, DOT_ENV, DOT_TILES, FP8_PLAIN_TILES, bits_tile, dot_tile, tile_split,
-                                  warp_parts)
+    from kernels.moe_gemv import BITS_TILES, DOT_ENV, DOT_TILES, FP8_PLAIN_TILES, bits_tile, dot_tile, tile_split
 
     monkeypatch.setenv(DOT_ENV, "0")
     assert not any(dot_tile(t) for t in candidate_tiles(BLOCK_SCALES)) and len(candidate_tiles(BLOCK_SCALES)) == 8
@@ -280,9 +243,6 @@ def test_dot_tiles_are_candidates_of_the_model_dtype_and_fp8_alone(monkeypatch):
     for kind in (INT4_GROUPS, MXFP4_GROUPS):
         assert not any(dot_tile(t) for t in candidate_tiles(kind))
     assert [tile_split(t) for t in ((16, 128, 1, 4, "d"), (16, 128, 1, 4, "db4"), (16, 512, 4, 2))] == [1, 4, 1]
-    assert [warp_parts(t) for t in ((16, 128, 4, 4, "dbk"), (16, 128, 2, 4, "dk2"), (16, 128, 4, 4, "db"),
-                                     (16, 512, 4, 2))] == [4, 2, 1, 1]
-    assert [tile_split(t) for t in ((16, 128, 4, 4, "dbk"), (16, 128, 2, 4, "dbk2"))] == [1, 2]
     gate_up, gu_s, _, d_s = experts("fp8_block", seed=93)
     x = torch.zeros(1, HIDDEN)
     assert gemv_supported(x, gate_up, gu_s, d_s, tiles=((16, 128, 1, 4, "d"), (32, 64, 2, 4, "d2")))
@@ -432,7 +392,7 @@ def test_compiles_for_sm90_without_spills(kind, which, tiles, tmp_path, monkeypa
     gpt-oss's, with its biases and clamped SwiGLU; AHEAD and DOT tiles as $TRITONLLM_MOE_GEMV_AHEAD=1 and
     $TRITONLLM_MOE_GEMV_DOT=1 have them timed): no local memory (spills)."""
     from kernels.moe_gemv import (AHEAD_ENV, DOT_COLS, DOT_ENV, _gemv_down_kernel, _gemv_gate_up_kernel, ahead,
-                                  bits_tile, dot_tile, one_load, step_sums, tile_split, warp_parts)
+                                  bits_tile, dot_tile, one_load, step_sums, tile_split)
 
     monkeypatch.setenv(AHEAD_ENV, "1")
     monkeypatch.setenv(DOT_ENV, "1")
@@ -451,35 +411,10 @@ def test_compiles_for_sm90_without_spills(kind, which, tiles, tmp_path, monkeypa
                  else (1 if step_sums(tiles) or one_load(tiles) else block_k) if ahead(tiles)
                  else min(block_k, 128), HAS_BIAS=mxfp4, ACTIVATION=int(mxfp4), SWIGLU_LIMIT=7.0 if mxfp4 else 0.0,
                  PDL=True, AHEAD=ahead(tiles) and not one_load(tiles), ONE_LOAD=one_load(tiles), DOT=dot_tile(tiles),
-                 SPLIT=tile_split(tiles), BITS=bits_tile(tiles), ASM=True, PARTS=warp_parts(tiles), PREFETCH=0)
+                 SPLIT=tile_split(tiles), BITS=bits_tile(tiles), ASM=True)
     aligned = ("H", "I", "group", "stride_x", "stride_l", "stride_we", "stride_wn", "stride_act", "stride_o", "stride_se",
                "stride_sn", "stride_be")
     compiled = compile_for_sm90(fn, pointers, const, warps=warps, stages=stages, aligned_int=lambda name: name in aligned)
     usage = resource_usage(compiled, tmp_path)
     if usage is not None:
         assert "LOCAL:0 " in usage and stack_bytes(usage) <= 8, usage
-
-
-@AOT
-@pytest.mark.parametrize("prefetch", [1, 2])
-def test_down_prefetch_compiles_before_the_pdl_wait(prefetch, tmp_path):
-    """$TRITONLLM_MOE_DOWN_PREFETCH's down launch (Qwen3-30B-A3B block-FP8, the BITS tile (16, 128, 1, 7)): the bulk
-    L2 prefetches of its rows come before the PDL wait in the PTX (1: routed from the logits there; 2: the given
-    ids), none without it, and no local memory."""
-    from kernels.moe_gemv import DOT_COLS, _gemv_down_kernel
-
-    pointers = dict(act_ptr="*bf16", ids_ptr="*i32", weights_ptr="*fp32", w_ptr="*fp8e4nv", s_ptr="*fp32",
-                    z_ptr="*u8", bias_ptr="*bf16", out_ptr="*bf16", part_ptr="*fp32", arrivals_ptr="*i32",
-                    logits_ptr="*bf16")
-    aligned = ("H", "I", "group", "stride_l", "stride_we", "stride_wn", "stride_act", "stride_o", "stride_se",
-               "stride_sn", "stride_be")
-    for mode in (0, prefetch):
-        const = dict(SCALES=BLOCK_SCALES, BLOCK_N=16, BLOCK_K=128, SUB_K=DOT_COLS, HAS_BIAS=False, PDL=True, DOT=True,
-                     SPLIT=1, AHEAD=False, ONE_LOAD=False, PARTS=1,
-                     BITS=True, ASM=True, TOP_K=8, K_PAD=8, E_PAD=128, RENORMALIZE=True, PREFETCH=mode)
-        ptx = compile_for_sm90(_gemv_down_kernel, pointers, const, warps=1, stages=7,
-                               aligned_int=lambda name: name in aligned).asm["ptx"]
-        prefetches = ptx.count("cp.async.bulk.prefetch.L2")
-        assert prefetches == (1 if mode else 0), prefetches
-    assert ptx.index("cp.async.bulk.prefetch.L2") < ptx.index("griddepcontrol.wait")
-    assert ("redux.sync" in ptx.split("griddepcontrol.wait")[0]) == (prefetch == 1)  # (the routing before the wait)
