@@ -12,8 +12,14 @@ flight: Triton's pipeliner turns the loads into cp.async copies issued ahead of 
 
 Same outputs as the general kernel's DECODE form: one split writes out (T, H, R) itself; several
 write partials (T, splits, H, R: float32 or 16-bit, kernels/mla_partials.py) and their log-sum-exps
-(T, H, splits) for kernels/mla_attention.py's combine launches. Splits are a runtime value (the host picks them from
-the batch shape: CUDA-graph safe), each spanning whole tiles, at least ``min_span`` keys.
+(T, H, splits) for kernels/mla_attention.py's combine launches. Splits are a runtime value (the host
+picks them from the batch shape: CUDA-graph safe), each spanning whole tiles, at least ``min_span`` keys.
+
+FP8 pools: the E4M3 codes widened by bit moves (BITS: kernels/e4m3_bits.py, the queries and scales
+exact powers of two, _bits_queries) rather than by the conversion unit, which bound them to 11-14% of
+the copy bandwidth (session 24); 27-31% since (session 29, results/kernels.md). Grids of one wave
+(one program an SM) of a 16-bit pool take the products with the keys as rows (KEYS_MAJOR: sm_90's
+warpgroup MMA; kernels/mla_attention.py decode_tiling_for).
 """
 from __future__ import annotations
 

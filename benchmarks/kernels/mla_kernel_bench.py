@@ -3,7 +3,8 @@
 cache at contexts 1k-32k, against the GPU's copy bandwidth (goal >= 80%).
 
     PYTHONPATH=$PWD python benchmarks/kernels/mla_kernel_bench.py [--shape v3|v2_lite] [--contexts 1024,...,32768]
-        [--batches 1,8,32] [--pool bf16,fp8] [--tree 0] [--configs 16:128:64,...] [--out mla.json] [--markdown FILE]
+        [--batches 1,8,32] [--pool bf16,fp8] [--tree 0] [--configs auto,auto+cvt,16:128:64,...] [--v-dim 128]
+        [--graph-max-context 4096] [--check] [--out mla.json] [--markdown FILE]
     PYTHONPATH=$PWD python benchmarks/kernels/mla_kernel_bench.py --tiny   # CPU, seconds: the reference, tiny shape
 
 One layer's decode step: ``batch`` sequences of ``context`` cached latent rows each (pages shuffled
@@ -39,6 +40,12 @@ latency may be hidden only by the 1-2 programs an SM holds.
 (kernels/mla_decode.py: one page's run of rows a tile, software-pipelined; stages 0 = the next tile
 prefetched into registers) at that tiling and split policy.
 ``--tree N``: each sequence verifies an N-node chain instead (the tree-mask path).
+``--configs auto``: mla_attention_triton's own choice (the engine's), the kernel that ran in the "kernel" column;
+endings (parse_config) switch one option for an A/B in one process, e.g. ``auto+cvt`` (FP8 codes widened by
+Triton's conversion, the path before session 29) or ``auto+L0`` (the split policy before). ``--v-dim``: W_UV
+applied in the combine as the engine's layers do; ``--graph-max-context``: splits sized as a decode graph captured
+for that longest context sizes them. The "of copy" fraction: latent bytes a second over copy_bandwidth's (a 2 GiB
+device-to-device copy, read + write counted) measured at the start of the same process.
 """
 from __future__ import annotations
 
