@@ -635,7 +635,8 @@ def _decode_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, n
                        resident_per_sm: int | None = None) -> int:
     """Key splits of a decode launch: a power of two, at most MAX_DECODE_SPLITS, no split shorter than
     2 key tiles. Until ``resident_per_sm`` is known (the tiling's programs one SM holds, known once it has
-    run: _DECODE_RESIDENT): enough programs to cover the GPU twice. Then (the policy of
+    run: _DECODE_RESIDENT), and for batches of fewer programs than twice the SMs: enough programs to cover the GPU
+    twice. Then (the policy of
     $TRITONLLM_DECODE_SPLIT_POLICY, SPLIT_POLICIES): 1 for a batch of the policy's unsplit waves or more (its last
     partial wave is a small share of the time, and so many sequences in one pool have short contexts, which
     splits only slow down); else the count of least _decode_split_cost, within one wave too ("h200"; "h100":
@@ -654,14 +655,16 @@ def _decode_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, n
     programs = num_seqs * num_kv_heads
     most = _most_decode_splits(max_context_len, block_n)
     capacity = None if resident_per_sm is None else resident_per_sm * num_sms
-    share, unsplit_waves, within_wave = split_policy()
-    if capacity is None or (programs <= capacity and not within_wave):
+    share, per_sm, unsplit_waves, within_wave = split_policy()
+    if capacity is None or programs < 2 * num_sms or (programs <= capacity and not within_wave):
         wanted = max(1, (2 * num_sms + programs - 1) // programs)
         return min(triton.next_power_of_2(wanted), most)
     if programs >= unsplit_waves * capacity:
         return 1
+    # A wave of fewer programs than this takes as long as one of this many (the policy's floor).
+    floor = min(per_sm * num_sms, capacity) if per_sm else share * capacity
     counts = [1 << i for i in range(most.bit_length())]  # 1, 2, 4, ... most
-    return min(counts, key=lambda splits: _decode_split_cost(programs, splits, capacity, max_context_len, share))
+    return min(counts, key=lambda splits: _decode_split_cost(programs, splits, capacity, max_context_len, floor))
 
 
 def _most_decode_splits(keys: int, block_n: int) -> int:
@@ -681,17 +684,17 @@ def decode_active_splits(plan: tuple[int, int, int], num_seqs: int, longest_cont
 
 
 def _decode_split_cost(programs: int, splits: int, capacity: int, keys: int,
-                       share: float = 0.0) -> float:
+                       floor: float | None = None) -> float:
     """Relative time of a decode launch of ``programs`` (sequence, KV head) pairs over ``splits`` key
     ranges each, on a GPU that holds ``capacity`` programs at once, for contexts of ``keys`` keys (a
     CUDA graph's launch is sized for its longest: the case that matters, short contexts taking
     little time whatever the split).
 
     Equal programs run in waves of ``capacity``; a wave of n programs takes as long as
-    max(n, share * capacity) programs' worth of HBM bytes (fewer keep too few reads in flight to use the
-    bandwidth; ``share``: the policy's, SPLIT_POLICIES; 0: SATURATING_SHARE), each program 1 / splits of a whole
-    range's bytes; every doubling of the splits adds SPLIT_COST_KEYS / keys (the merge, each program's start and
-    partials).
+    max(n, floor) programs' worth of HBM bytes (fewer keep too few reads in flight to use the bandwidth;
+    ``floor``: the policy's, SPLIT_POLICIES; None: SATURATING_SHARE * capacity), each program 1 / splits of a
+    whole range's bytes; every doubling of the splits adds SPLIT_COST_KEYS / keys (the merge, each program's start
+    and partials).
 
     On an H100 (2026-11-26, benchmarks/kernels/attention_kernel_bench.py --splits, FP8 pool, 64-key tiles
     over 2 warps and 5 stages: 4 programs an SM, 528 on the GPU) one split over 5,250 keys read
@@ -700,10 +703,10 @@ def _decode_split_cost(programs: int, splits: int, capacity: int, keys: int,
     to 2.78, 2 splits 160 to 2.78 and 96 x 6,000 from 2.35 to 2.74, 4 splits 48 x 21,000 from
     2.58 to 2.92. SATURATING_SHARE and SPLIT_COST_KEYS were fitted to these 11 cases; the cost then
     picks the fastest of 1, 2 and 4 splits in each. The H200's figures: SPLIT_POLICIES."""
-    share = share or SATURATING_SHARE
+    floor = SATURATING_SHARE * capacity if floor is None else floor
     total = programs * splits
     full_waves, rest = divmod(total, capacity)
-    slots = full_waves * capacity + (max(rest, share * capacity) if rest else 0)
+    slots = full_waves * capacity + (max(rest, floor) if rest else 0)
     return slots / splits * (1.0 + SPLIT_COST_KEYS / max(keys, 1) * (splits.bit_length() - 1))
 
 
@@ -717,22 +720,26 @@ SPLIT_COST_KEYS = 210
 # Batches of at least this many waves of programs are never split (the "h100" policy's).
 UNSPLIT_WAVES = 4
 # How decode launches split their keys once a tiling's residency is known (_decode_num_splits), by
-# $TRITONLLM_DECODE_SPLIT_POLICY (read at every call; unset: DECODE_SPLIT_POLICY_DEFAULT): (saturating share,
-# unsplit waves, the cost model within one wave). "h100": the H100's fit above (SATURATING_SHARE, UNSPLIT_WAVES; a
-# batch the GPU holds at once covers it twice). "h200": refit to the H200's decode kernels (2026-12-01, FP8 pool,
-# 64-key tiles over 2 warps and 5 stages, 660 programs on the GPU; us a layer, attention_kernel_bench.py --grid):
-# 8 x 20,480 1 / 2 / 4 / 8 splits 487 / 248 / 137 / 108 (chosen: 8); 64 x 20,480 777 / 806 / 812 / 831 (1);
-# 48 x 21,000 785 / 683 / 614 / 635 (8); 256 x 20,480 ~3,100 with 1 against 3,283 with the "h100" policy's 8
-# (2,048 programs: 3.1 waves); 256 x 8,192 ~1,260 against 1,380 (8); 256 x 2,048 ~325 against 366 (2). Shares
-# 0.6-0.7 with 2-3 unsplit waves pick within 3.5% of the fastest measured count in all six (the H100's 0.8 and 4
-# waves took 256 x 20,480 to 8 splits).
+# $TRITONLLM_DECODE_SPLIT_POLICY (read at every call; unset: DECODE_SPLIT_POLICY_DEFAULT): (saturating share of
+# the capacity, or saturating programs an SM, unsplit waves, the cost model within one wave). "h100": the H100's fit
+# above (a partial wave costs SATURATING_SHARE of a full one, UNSPLIT_WAVES; a batch the GPU holds at once covers it
+# twice). "h200": refit to the H200's decode kernels (2026-12-01, FP8 pool, 64-key tiles over 2 warps and 5 stages;
+# us a layer, attention_kernel_bench.py --grid): 8 x 20,480 1 / 2 / 4 / 8 splits 487 / 248 / 137 / 108; 64 x
+# 20,480 777 / 806 / 812 / 831; 48 x 21,000 785 / 683 / 614 / 635; 256 x 20,480 ~3,170 with 1 against 3,283 with
+# 8; 256 x 8,192 ~1,250 against 1,380 (8); 256 x 2,048 ~336 against 366 (2). A program streams ~6.8 GB/s under
+# load whatever else the SM holds (a wave of 384 read 2.6 TB/s, of 512 3.45), so the floor is a count of
+# programs an SM, not a share of the capacity: the same kernel's residency read 4 or 5 programs an SM as its
+# compile varied (NUM_SPLITS), and a share of 0.65 kept 48 x 21,000 at 1 split with 4 (call 4: 792 us). 3.0-4.4
+# programs an SM with 2-3 unsplit waves pick within 3.5% of the fastest measured count in all six cases at either
+# residency (48 x 21,000: 4 splits with 4 an SM, 8 with 5).
 DECODE_SPLIT_POLICY_ENV = "TRITONLLM_DECODE_SPLIT_POLICY"
-SPLIT_POLICIES = {"h200": (0.65, 3, True), "h100": (SATURATING_SHARE, UNSPLIT_WAVES, False)}
+SPLIT_POLICIES = {"h200": (0.0, 3.5, 3, True), "h100": (SATURATING_SHARE, 0.0, UNSPLIT_WAVES, False)}
 DECODE_SPLIT_POLICY_DEFAULT = "h200"
 
 
-def split_policy() -> tuple[float, int, bool]:
-    """(saturating share, unsplit waves, cost within one wave) of $TRITONLLM_DECODE_SPLIT_POLICY (SPLIT_POLICIES)."""
+def split_policy() -> tuple[float, float, int, bool]:
+    """(saturating share, saturating programs an SM, unsplit waves, cost within one wave) of
+    $TRITONLLM_DECODE_SPLIT_POLICY (SPLIT_POLICIES)."""
     chosen = os.environ.get(DECODE_SPLIT_POLICY_ENV, "").strip() or DECODE_SPLIT_POLICY_DEFAULT
     if chosen not in SPLIT_POLICIES:
         raise ValueError(f"${DECODE_SPLIT_POLICY_ENV}={chosen!r}: one of {', '.join(SPLIT_POLICIES)}")
@@ -799,12 +806,12 @@ def _decode_config(meta: AttentionMetadata, group: int, num_kv_heads: int, devic
     if num_splits is None:
         keys_read = meta.max_context_len if sliding_window is None else min(meta.max_context_len, sliding_window)
         # (An fp32 engine's FP8 pool launches unwidened, under another key: not found here, it splits by covering.)
-        widening = fp8_widening() if kv_itemsize == 1 else (False, V_BY_TRITON)
+        widening = fp8_widening(tiling[0]) if kv_itemsize == 1 else (False, V_BY_TRITON)
         resident = _DECODE_RESIDENT.get(_decode_tiling_key(device, block_m, tiling, dim_pad, kv_itemsize, widening))
         sms = num_sms(device)
         num_splits = _decode_num_splits(meta.num_seqs, num_kv_heads, keys_read, sms, 64, resident)
         capacity = None if resident is None else resident * sms
-        _, unsplit_waves, within_wave = split_policy()
+        _, _, unsplit_waves, within_wave = split_policy()
         smallest = 2 * sms if within_wave else capacity
         if meta.decode_splits is not None and capacity is not None and (
                 smallest < meta.num_seqs * num_kv_heads < unsplit_waves * capacity):
@@ -914,23 +921,32 @@ TREE_BITS_ENV = "TRITONLLM_TREE_BITS"
 # How decode tiles over an FP8 pool (fp16 math) widen its E4M3 K/V to float16 (_attend_keys' K_BITS, V_WIDEN):
 # "0": Triton's conversion for both (F2FP.F16.E4M3 in the MMA operands' layouts, so V, read across its rows, comes
 # out of shared memory a byte at a time: 128 LDS.U8 a 32-key tile); "v": V by bits in its loaded layout, then to
-# the MMA by ldmatrix.trans; "kv": K by bits as well; "vcvt": V by the conversion unit in its loaded layout.
-# Unset: FP8_WIDEN_DEFAULT. An A/B switch, read at every call; prompt tiles always widen by Triton's conversion.
+# the MMA by ldmatrix.trans; "kv": K by bits as well; "vcvt": V by the conversion unit in its loaded layout;
+# "auto" (FP8_WIDEN_DEFAULT): "vcvt" for tiles of 64 keys and more, "0" for the 32-key ones. An A/B switch, read at
+# every call; prompt tiles always widen by Triton's conversion. Same values (on the GPU an MMA's k-order may differ
+# between them: a few bf16 outputs in 10^4 one rounding apart).
 FP8_WIDEN_ENV = "TRITONLLM_ATTN_FP8_BITS"
 V_BY_TRITON, V_BY_BITS, V_BY_CVT = 0, 1, 2
 FP8_WIDENINGS = {"0": (False, V_BY_TRITON), "v": (False, V_BY_BITS), "kv": (True, V_BY_BITS),
                  "vcvt": (False, V_BY_CVT)}
 # sm_90 (Triton 3.9, Llama-8B heads, 32-key tiles over one warp, 3 stages): the unmasked walk's loop 823 SASS
 # instructions a tile with "0" (128 LDS.U8, 136 F2FP, 175 registers), 730 with "v" (36 LDS, 25 LDSM, 72 F2FP; 238
-# registers), 877 with "kv" (255 registers and a 48-byte stack).
-FP8_WIDEN_DEFAULT = "0"
+# registers), 595 with "vcvt", 877 with "kv" (255 registers and a 48-byte stack). H200 (2026-12-01, session 29 call
+# 4, attention_kernel_bench.py --grid, FP8 pool, us a layer, "0" -> "vcvt" at the same splits): the 64 x 2 x 5
+# tiling 0.5-5% faster (69 x 21,000 937 -> 901, 256 x 20,480 3,211 -> 3,115, 256 x 2,048 336 -> 326, 8 x 2,048
+# 17.0 -> 16.2; 256 x 8,192 1,251 -> 1,266 the one loss), the 32 x 1 x 3 one 7% slower (1,024 x 2,048 1,145 ->
+# 1,223): hence "auto".
+FP8_WIDEN_DEFAULT = "auto"
 
 
-def fp8_widening() -> tuple[bool, int]:
-    """(K_BITS, V_WIDEN) of an FP8 pool's decode tiles: FP8_WIDEN_ENV's entry of FP8_WIDENINGS, else the default's."""
+def fp8_widening(block_n: int) -> tuple[bool, int]:
+    """(K_BITS, V_WIDEN) of an FP8 pool's decode tiles of ``block_n`` keys: FP8_WIDEN_ENV's entry of FP8_WIDENINGS,
+    else (unset or "auto") "vcvt" from 64 keys a tile, "0" below."""
     chosen = os.environ.get(FP8_WIDEN_ENV, "").strip() or FP8_WIDEN_DEFAULT
+    if chosen == "auto":
+        chosen = "vcvt" if block_n >= 64 else "0"
     if chosen not in FP8_WIDENINGS:
-        raise ValueError(f"${FP8_WIDEN_ENV}={chosen!r}: one of {', '.join(FP8_WIDENINGS)}")
+        raise ValueError(f"${FP8_WIDEN_ENV}={chosen!r}: one of {', '.join(FP8_WIDENINGS)}, auto")
     return FP8_WIDENINGS[chosen]
 
 
@@ -1095,7 +1111,7 @@ def paged_attention_triton(
             ps = pt = ph = 0
         descs = _tma_descriptors(k_cache, v_cache, block_n) if wants_tma else None
         fp16_math = kv_itemsize == 1 and q.dtype != torch.float32
-        k_bits, v_widen = fp8_widening() if fp16_math and decode_tiles else (False, V_BY_TRITON)
+        k_bits, v_widen = fp8_widening(block_n) if fp16_math and decode_tiles else (False, V_BY_TRITON)
         compiled = _paged_attention_kernel[grid[0], grid[1], grid[2] * num_splits](
             q, k_cache, v_cache, out, part_out, part_lse, *(descs or (k_cache, v_cache)),
             tables, cu, lens, tile_seq if tile_map else cu, tile_m if tile_map else cu,

@@ -1,8 +1,10 @@
 """FP8 pools' decode attention widens E4M3 K/V to float16 in one of kernels/triton_attention.py's FP8_WIDENINGS
 ($TRITONLLM_ATTN_FP8_BITS): Triton's conversion, V by bits (value * 2^-8, multiplied back at the end), K and V by
-bits, V by the conversion unit in its loaded layout. Every one gives the same output bit for bit (powers of two,
-nothing near float32's subnormals), over every E4M3 code (subnormals, +-0, +-448) and queries from tiny to past
-fp16's range; and each is within the dots' rounding of the torch reference.
+bits, V by the conversion unit in its loaded layout. Every one widens to the same values (powers of two, nothing
+near float32's subnormals), over every E4M3 code (subnormals, +-0, +-448) and queries from tiny to past fp16's
+range: the interpreter's outputs are equal bit for bit; on the GPU an MMA's k-order may differ between the
+operand layouts (H200: 2 bf16 outputs in 12,288 one rounding apart), so there they agree within 1e-3; each is
+within the dots' rounding of the torch reference.
 
 On CPU under TRITON_INTERPRET=1 (the bits by float32 arithmetic: e4m3_bits' ASM=False) and on CUDA (inline PTX).
 The sm_90 compiles (TRITONLLM_AOT_SM90=1) check what the variants are for: no byte-wise shared-memory loads
@@ -51,6 +53,14 @@ def fp8_decode_case(device: str, seed: int, q_scale: float, kv_heads: int = KV_H
     return q.to(torch.bfloat16).to(device), k, v, k_cache, v_cache, meta
 
 
+def assert_same(out: torch.Tensor, base: torch.Tensor, what: str) -> None:
+    """Bit for bit under the interpreter; within 1e-3 (a few one-rounding differences) on the GPU (module docstring)."""
+    if out.is_cuda:
+        assert relative_error(out, base) < 1e-3, (what, relative_error(out, base))
+    else:
+        assert torch.equal(out, base), what
+
+
 def by_each_widening(monkeypatch, run) -> dict[str, torch.Tensor]:
     outs = {}
     for widening in WIDENINGS:
@@ -71,7 +81,7 @@ def test_decode_is_the_same_whichever_way_e4m3_widens(device, monkeypatch, num_s
         q, k_cache, v_cache, meta, scale, num_splits=num_splits))
     for widening, out in outs.items():
         assert torch.isfinite(out).all(), widening
-        assert torch.equal(out, outs["0"]), widening
+        assert_same(out, outs["0"], widening)
     if q_scale == 0.02:
         ref = paged_attention_ref(q, k_cache, v_cache, meta, scale)
         assert relative_error(outs["0"], ref) < TOLERANCE[torch.bfloat16]
@@ -86,8 +96,8 @@ def test_subnormal_values_come_out_as_themselves(device, monkeypatch):
     outs = by_each_widening(monkeypatch, lambda: triton_attention.paged_attention_triton(
         q, k_cache, v_cache, meta, HEAD_DIM**-0.5, num_splits=2))
     for widening, out in outs.items():
-        assert torch.equal(out, outs["0"]), widening
-    assert ((outs["0"].float() * 2**9 - 1).abs() < 1e-2).all()
+        assert_same(out, outs["0"], widening)
+        assert ((out.float() * 2**9 - 1).abs() < 1e-2).all(), widening
 
 
 @pytest.mark.parametrize("num_splits", [None, 4])
@@ -111,7 +121,7 @@ def test_rotary_append_decode_is_the_same_whichever_way_e4m3_widens(device, monk
 
     outs = by_each_widening(monkeypatch, run)
     for i, (widening, out) in enumerate(outs.items()):
-        assert torch.equal(out, outs["0"]), widening
+        assert_same(out, outs["0"], widening)
         assert torch.equal(caches[i][0], caches[0][0]) and torch.equal(caches[i][1], caches[0][1]), widening
     assert not torch.equal(caches[0][0], k_cache.view(torch.uint8))  # the new keys were written
 
@@ -121,8 +131,8 @@ def test_rotary_append_decode_is_the_same_whichever_way_e4m3_widens(device, monk
 @pytest.mark.parametrize("num_seqs", [3, 400, 800])  # the pointer walk of 64 keys, TMA's 32 x 1 x 6, 32 x 1 x 3
 def test_llama_heads_decode_on_a_head_major_pool_is_the_same_whichever_way_e4m3_widens(monkeypatch, num_seqs):
     """Llama-8B's heads (32 / 8 / 128) on the runner's head-major pool, in each decode tiling _decode_tiling picks
-    for an FP8 pool (TMA from 384 sequences): bit for bit the same in each widening, the reference's within bf16's
-    rounding."""
+    for an FP8 pool (TMA from 384 sequences): each widening within 1e-3 of Triton's conversion (H200, session 29
+    call 4: 2 of 12,288 outputs one bf16 rounding apart) and of the reference within bf16's rounding."""
     batch = [(600 + 37 * (i % 11), 1) for i in range(num_seqs)]
     q, _, _, k_cache, v_cache, meta = fp8_decode_case("cuda", 17, 0.02, 8, 32, 128, batch)
     head_major = lambda cache: cache.transpose(1, 2).contiguous().transpose(1, 2)  # noqa: E731
@@ -131,8 +141,8 @@ def test_llama_heads_decode_on_a_head_major_pool_is_the_same_whichever_way_e4m3_
         q, k_cache, v_cache, meta, 128**-0.5))
     ref = paged_attention_ref(q, k_cache, v_cache, meta, 128**-0.5)
     report = {widening: differences(out, outs["0"], ref) for widening, out in outs.items()}
-    assert all(r.startswith("equal") for r in report.values()), report
-    assert relative_error(outs["0"], ref) < 1e-2, report
+    for widening, out in outs.items():
+        assert relative_error(out, outs["0"]) < 1e-3 and relative_error(out, ref) < 1e-2, report
 
 
 def differences(out: torch.Tensor, base: torch.Tensor, ref: torch.Tensor) -> str:
@@ -143,10 +153,17 @@ def differences(out: torch.Tensor, base: torch.Tensor, ref: torch.Tensor) -> str
             f"finite {bool(torch.isfinite(out).all())}")
 
 
-def test_an_unknown_widening_is_refused(monkeypatch):
+def test_the_default_widens_by_tiling_and_an_unknown_widening_is_refused(monkeypatch):
+    """Unset or "auto": V by the conversion in its loaded layout for 64-key tiles (faster on the H200), Triton's
+    own widening for 32-key ones (slower there); a name not in FP8_WIDENINGS is a clear error."""
+    monkeypatch.delenv(triton_attention.FP8_WIDEN_ENV, raising=False)
+    assert triton_attention.fp8_widening(64) == triton_attention.FP8_WIDENINGS["vcvt"]
+    assert triton_attention.fp8_widening(32) == triton_attention.FP8_WIDENINGS["0"]
+    monkeypatch.setenv(triton_attention.FP8_WIDEN_ENV, "v")
+    assert triton_attention.fp8_widening(32) == triton_attention.FP8_WIDENINGS["v"]
     monkeypatch.setenv(triton_attention.FP8_WIDEN_ENV, "bits")
-    with pytest.raises(ValueError, match="TRITONLLM_ATTN_FP8_BITS='bits': one of 0, v, kv, vcvt"):
-        triton_attention.fp8_widening()
+    with pytest.raises(ValueError, match="TRITONLLM_ATTN_FP8_BITS='bits': one of 0, v, kv, vcvt, auto"):
+        triton_attention.fp8_widening(64)
 
 
 def _sass(compiled, tmp_path: Path) -> str:
