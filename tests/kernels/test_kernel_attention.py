@@ -504,6 +504,38 @@ def test_decode_splits_by_the_h200_policy_where_measured_fastest(monkeypatch):
         splits(48, 21000, 4)
 
 
+def test_decode_graphs_of_mid_size_buckets_take_their_splits_per_replay(monkeypatch):
+    """A decode graph's capture (meta.decode_splits set) of a bucket between twice the SMs' count of programs and
+    the policy's unsplit waves records its split plan (decode_active_splits then picks each replay's count) and
+    captures DYNAMIC_SPLITS_CAPTURED splits; smaller buckets keep one count. Under the H100's policy the plan began
+    only past one wave (48 sequences of 8 KV heads, 384 programs, 660 on the GPU, kept 1 split)."""
+    pytest.importorskip("triton")
+    from kernels import triton_attention
+    from kernels.triton_attention import (DECODE_SPLIT_POLICY_ENV, DYNAMIC_SPLITS_CAPTURED, _decode_config,
+                                          _decode_tiling, _decode_tiling_key, fp8_widening)
+
+    monkeypatch.setattr(triton_attention, "num_sms", lambda device: 132)
+    monkeypatch.delenv(triton_attention.FP8_WIDEN_ENV, raising=False)
+    monkeypatch.setattr(triton_attention, "_DECODE_RESIDENT", {})
+    device = torch.device("cpu")
+    tiling = _decode_tiling(48, 16, False, 1, False)
+    triton_attention._DECODE_RESIDENT[_decode_tiling_key(device, 16, tiling, 128, 1, fp8_widening(tiling[0]))] = 5
+
+    def captured(num_seqs):
+        meta = AttentionMetadata(slot_mapping=None, block_tables=None, cu_seqlens_q=None,
+                                 context_lens=torch.zeros(num_seqs), max_seqlen_q=1, max_context_len=22016,
+                                 is_decode_only=True, decode_splits=torch.ones(1, dtype=torch.int32))
+        splits = _decode_config(meta, 4, 8, device, None, None, 128, 1)[4]
+        return meta.decode_split_plan, splits
+
+    monkeypatch.delenv(DECODE_SPLIT_POLICY_ENV, raising=False)
+    assert captured(48) == ((8, 660, 132), DYNAMIC_SPLITS_CAPTURED)
+    assert captured(8) == (None, 8)  # 64 programs: the covering rule's one count
+    monkeypatch.setenv(DECODE_SPLIT_POLICY_ENV, "h100")
+    assert captured(48) == (None, 1)
+    assert captured(96)[0] == (8, 660, 132)  # 768 programs: past one wave
+
+
 def test_decode_reads_through_tma_only_where_measured_faster(monkeypatch):
     """The decode tiling's TMA flag (kernels/triton_attention.py FP8_TMA_BATCH): FP8 pools the TMA unit
     can read, 16-row tiles of 128-wide heads, 384-767 sequences; never bf16 pools, wide heads, larger
