@@ -144,6 +144,12 @@ DOT_TILES = ((16, 128, 1, 4, DOT), (32, 128, 2, 4, DOT), (64, 128, 4, 3, DOT), (
 # at the end: 337 / 330 sm_90 instructions a warp's step), gate_up 19.9 / 19.4 and down 24.2 at one token, behind at
 # every count but gate_up at two (28.7 against 28.5).
 BITS_TILES = ((16, 128, 1, 4, DOT + BITS), (16, 128, 1, 4, DOT + BITS + "2"), (32, 128, 2, 4, DOT + BITS + "2"))
+# Not yet timed on a GPU, so not candidates (benchmarks/kernels/moe_gemv_bench.py --gemv-tiles times them): BITS tiles
+# whose blocked-scale steps span 2 / 4 scale blocks (_stream_wide_steps). Why: a 128-column step asks each of a
+# program's rows for 128 bytes, and the ~12,000 such requests in flight at one token (384 programs, 32 rows, 3
+# stages) land on as many DRAM pages; neither more stages nor more warps a program helped (calls 2 and 4), so the
+# next suspect is how the bytes are asked for: 256 / 512 contiguous bytes a row a step.
+WIDE_STEP_TILES = ((16, 256, 1, 4, DOT + BITS), (16, 512, 1, 3, DOT + BITS))
 GEMV_TILES = ((16, 512, 4, 2), (16, 256, 4, 2), (8, 512, 2, 2), (8, 1024, 4, 2), (16, 1024, 8, 2), (32, 256, 4, 2),
               (32, 512, 8, 2), (64, 256, 8, 2)) + AHEAD_TILES + DOT_TILES + BITS_TILES
 DEFAULT_TILES = ((16, 512, 4, 2), (16, 256, 4, 2))
@@ -286,8 +292,8 @@ def gemv_supported(x: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: torch.
     if gate_up.dtype != FP8_DTYPE:
         return False
     return gate_up_scale.dim() == 2 or (inter % SCALE_BLOCK == 0 and all(SCALE_BLOCK % t[0] == 0 for t in tiles)
-                                        and all(t[1] <= SCALE_BLOCK for t in tiles
-                                                if (ahead(t) and not one_load(t)) or dot_tile(t)))
+                                        and all(t[1] <= SCALE_BLOCK or (dot_tile(t) and t[1] % SCALE_BLOCK == 0)
+                                                for t in tiles if (ahead(t) and not one_load(t)) or dot_tile(t)))
 
 
 # ---- reference -------------------------------------------------------------------------------
@@ -487,7 +493,11 @@ def _stream_rows_dot(acc, acc_2, x_ptr, w_rows, w_rows_2, rows_ok, s_row, s_row_
     of it or K): acc (BLOCK_N, COLS) += (w_rows' BLOCK_K columns) @ (x's slice in column 0 of a (BLOCK_K, COLS)
     tile, 0 in the others), and likewise acc_2 with TWO; blocked scales (BLOCK_K divides 128) multiply each step's
     float32 product by its block's scale. Column 0 of acc ends as the rows' sums, the others 0. BITS: FP8 codes
-    widened by bits (_step_product)."""
+    widened by bits (_step_product). Blocked scales with BLOCK_K a multiple of 128 (WIDE_STEP_TILES): each step's
+    128-column blocks loaded together, each its own dot and scale (_stream_wide_steps)."""
+    if BLOCK_SCALED and BLOCK_K > 128:
+        return _stream_wide_steps(acc, acc_2, x_ptr, w_rows, w_rows_2, rows_ok, s_row, s_row_2, K, k_begin, k_end,
+                                  TWO, BLOCK_N, BLOCK_K, COLS, BITS, ASM)
     col = tl.arange(0, COLS)[None, :]
     for k0 in range(k_begin, k_end, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
@@ -504,6 +514,30 @@ def _stream_rows_dot(acc, acc_2, x_ptr, w_rows, w_rows_2, rows_ok, s_row, s_row_
             acc += _step_product(w, xt, BITS, ASM)
             if TWO:
                 acc_2 += _step_product(w_2, xt, BITS, ASM)
+    return acc, acc_2
+
+
+@jit
+def _stream_wide_steps(acc, acc_2, x_ptr, w_rows, w_rows_2, rows_ok, s_row, s_row_2, K, k_begin, k_end,
+                       TWO: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, COLS: tl.constexpr,
+                       BITS: tl.constexpr, ASM: tl.constexpr):
+    """_stream_rows_dot with blocked scales and BLOCK_K a multiple of 128: each step's BLOCK_K / 128 blocks of a row
+    requested back to back (BLOCK_K contiguous bytes of FP8 a row, where 128-column steps ask each row for 128 bytes a
+    step), each block's dot times its own scale. A block past K loads zeros and reads the last block's scale (in
+    bounds); splits share whole BLOCK_K steps (_split_columns), so no block straddles a share."""
+    col = tl.arange(0, COLS)[None, :]
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        for sub in tl.static_range(BLOCK_K // 128):
+            start = k0 + sub * 128
+            k = start + tl.arange(0, 128)
+            k_ok = k < K
+            xt = tl.load(x_ptr + k[:, None] + col * 0, mask=k_ok[:, None] & (col == 0), other=0.0)
+            w = tl.load(w_rows + k[None, :], mask=rows_ok[:, None] & k_ok[None, :], other=0.0)
+            block = tl.minimum(start, K - 1) // 128
+            acc += _step_product(w, xt, BITS, ASM) * tl.load(s_row + block)
+            if TWO:
+                w_2 = tl.load(w_rows_2 + k[None, :], mask=rows_ok[:, None] & k_ok[None, :], other=0.0)
+                acc_2 += _step_product(w_2, xt, BITS, ASM) * tl.load(s_row_2 + block)
     return acc, acc_2
 
 

@@ -7,6 +7,7 @@ alternating up to four sets of distinct experts), printed as microseconds a call
 that time (TB/s), with every GEMV candidate's time; plus the best pair's relative difference to moe_gemv_ref.
 
     python benchmarks/kernels/moe_gemv_bench.py [--kinds fp8_block bf16 int4 fp8] [--out moe_gemv.json]
+        [--gemv-tiles 16,128,1,4,db 16,512,1,3,db ...]  (these tiles instead of the load-time candidates)
 
 --model gpt_oss_20b: gpt-oss-20b's experts instead (E 32, top 4, H 2880, I 2880, both biases, the clamped SwiGLU
 7), kinds mxfp4 (kernels/fused_moe_mxfp4.py's kernel layout; the grouped path is its FMA kernel at 1 token) and
@@ -199,12 +200,20 @@ def gpt_oss_main(args) -> None:
     Path(args.out).write_text(json.dumps(results, indent=1, default=str))
 
 
+def parse_tiles(specs: list[str]) -> tuple:
+    """--gemv-tiles' "N,K,W,S[,options]" strings as moe_gemv tile tuples: (16, 512, 1, 3, 'db')."""
+    return tuple(tuple(int(v) if i < 4 else v for i, v in enumerate(spec.split(","))) for spec in specs)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kinds", nargs="+", default=None)
     parser.add_argument("--model", choices=["qwen3_30b_a3b", "gpt_oss_20b"], default="qwen3_30b_a3b")
     parser.add_argument("--gemv-candidates", type=int, default=0)
     parser.add_argument("--word-tiles", nargs="+", default=None)
+    parser.add_argument("--gemv-tiles", nargs="+", default=None,
+                        help="time these moe_gemv tiles, N,K,W,S[,options] each (e.g. 16,512,1,3,db: "
+                             "kernels/moe_gemv.py WIDE_STEP_TILES), instead of the load-time candidates")
     parser.add_argument("--tokens", nargs="+", type=int, default=None, help="these token counts only")
     parser.add_argument("--launches", action="store_true", help="gpt_oss_20b: the word path's launches timed apart")
     parser.add_argument("--out", default="moe_gemv.json")
@@ -214,9 +223,12 @@ def main() -> None:
         gpt_oss_main(args)
         return
     args.kinds = args.kinds or ["fp8_block", "bf16", "int4", "fp8"]
+    from kernels import moe_gemv_choice
     if args.tokens:  # (the load-time choice's counts: these only)
-        from kernels import moe_gemv_choice
         moe_gemv_choice.TIMED_TOKENS = tuple(args.tokens)
+    if args.gemv_tiles:
+        chosen = parse_tiles(args.gemv_tiles)
+        moe_gemv_choice.candidate_tiles = lambda kind: chosen
     results = {"gpu": torch.cuda.get_device_name(), "shape": [EXPERTS, TOP_K, HIDDEN, INTER], "kinds": {}}
     print(f"{results['gpu']}: Qwen3-30B-A3B experts (E {EXPERTS}, top {TOP_K}, H {HIDDEN}, I {INTER}), "
           "routing included")

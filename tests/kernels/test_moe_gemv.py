@@ -21,7 +21,7 @@ from kernels.fused_moe import fused_moe_ref, route_tokens_ref
 from kernels.fused_moe_fp8 import fused_moe_fp8_ref
 from kernels.moe_decode_tiles import choose_decode_tiles
 from kernels.moe_gemv import (AHEAD, BLOCK_SCALES, ONE_LOAD, STEP_SUMS, GEMV_ATTR, GEMV_TILES, INT4_GROUPS, MAX_TOKENS, MXFP4_GROUPS, NO_SCALES,
-                              ROW_SCALES, GemvExperts, candidate_tiles, gemv_supported, gemv_tiles, mark_gemv, moe_gemv_ref,
+                              ROW_SCALES, WIDE_STEP_TILES, GemvExperts, candidate_tiles, gemv_supported, gemv_tiles, mark_gemv, moe_gemv_ref,
                               moe_gemv_triton)
 
 HIDDEN, INTER, EXPERTS, TOP_K = 256, 128, 8, 2
@@ -193,6 +193,10 @@ DOT_CASES = [
     (2, "fp8_block", "qwen3-fp16", ((16, 128, 1, 4, "db4"), (32, 128, 2, 4, "db2"))),
     # the deep BITS tiles: more pipeline stages than the K steps (hidden 200: two; inter 128: one)
     (1, "fp8_block", "qwen3", ((16, 128, 1, 9, "db"), (16, 128, 1, 7, "db"))),
+    # WIDE_STEP_TILES: a step of 2 / 4 scale blocks (gate_up: one step, its second block partial; down: one block
+    # and three past K), and with a split (the second share empty)
+    (1, "fp8_block", "qwen3", ((16, 256, 1, 4, "db"), (16, 512, 1, 3, "db"))),
+    (2, "fp8_block", "deepseek", ((16, 256, 1, 4, "db2"), (32, 256, 2, 4, "db"))),
 ]
 
 
@@ -246,7 +250,9 @@ def test_dot_tiles_are_candidates_of_the_model_dtype_and_fp8_alone(monkeypatch):
     gate_up, gu_s, _, d_s = experts("fp8_block", seed=93)
     x = torch.zeros(1, HIDDEN)
     assert gemv_supported(x, gate_up, gu_s, d_s, tiles=((16, 128, 1, 4, "d"), (32, 64, 2, 4, "d2")))
-    assert not gemv_supported(x, gate_up, gu_s, d_s, tiles=((16, 256, 1, 4, "d"), (32, 64, 2, 4, "d")))
+    assert gemv_supported(x, gate_up, gu_s, d_s, tiles=WIDE_STEP_TILES)  # (whole scale blocks a step)
+    assert not gemv_supported(x, gate_up, gu_s, d_s, tiles=((16, 192, 1, 4, "d"), (32, 64, 2, 4, "d")))
+    assert not any(t in candidate_tiles(kind) for t in WIDE_STEP_TILES for kind in (ROW_SCALES, BLOCK_SCALES))
 
 
 def test_marks_and_support():
@@ -386,7 +392,7 @@ AOT = AOT_SM90
 @AOT
 @pytest.mark.parametrize("kind", [NO_SCALES, ROW_SCALES, BLOCK_SCALES, INT4_GROUPS, MXFP4_GROUPS])
 @pytest.mark.parametrize("which", ["gate_up", "down"])
-@pytest.mark.parametrize("tiles", GEMV_TILES)
+@pytest.mark.parametrize("tiles", GEMV_TILES + WIDE_STEP_TILES)
 def test_compiles_for_sm90_without_spills(kind, which, tiles, tmp_path, monkeypatch):
     """Triton's compiler and ptxas (no GPU) on the Qwen3-30B-A3B shape's kernels for every candidate (MXFP4:
     gpt-oss's, with its biases and clamped SwiGLU; AHEAD and DOT tiles as $TRITONLLM_MOE_GEMV_AHEAD=1 and
@@ -397,8 +403,8 @@ def test_compiles_for_sm90_without_spills(kind, which, tiles, tmp_path, monkeypa
     monkeypatch.setenv(AHEAD_ENV, "1")
     monkeypatch.setenv(DOT_ENV, "1")
     fn = _gemv_gate_up_kernel if which == "gate_up" else _gemv_down_kernel
-    if tiles not in candidate_tiles(kind):
-        pytest.skip("not a candidate of this weight kind (candidate_tiles)")
+    if tiles not in candidate_tiles(kind) and not (tiles in WIDE_STEP_TILES and kind == BLOCK_SCALES):
+        pytest.skip("not a candidate of this weight kind (candidate_tiles; WIDE_STEP_TILES: block-FP8's, untimed)")
     block_n, block_k, warps, stages = tiles[:4]
     w = {NO_SCALES: "*bf16", INT4_GROUPS: "*u8", MXFP4_GROUPS: "*u8"}.get(kind, "*fp8e4nv")
     mxfp4 = kind == MXFP4_GROUPS
