@@ -39,6 +39,7 @@ from kernels.mla_decode import (DECODE_BATCHED_MIN_SPAN, DECODE_BATCHED_PROGRAMS
                                 DECODE_TILING_FP8_BITS, DECODE_TILING_ONE_WAVE, decode_kernel_default,
                                 decode_tile_fits, mla_decode_launch, widens_by_bits)
 from kernels import mla_decode
+from kernels.mla_decode_parts import column_parts_fit, mla_decode_parts_launch
 from kernels.mla_partials import store_split_output
 from kernels.online_softmax import online_softmax_step
 
@@ -402,7 +403,7 @@ def mla_attention_triton(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: to
                          programs_per_sm: int | None = None, fp8_bits: bool | None = None,
                          combine_chunk: int | None = None, half_partials: bool | None = None,
                          keys_major: bool | None = None, bits_pure: int = 0,
-                         long_span: int | None = None) -> torch.Tensor:
+                         long_span: int | None = None, parts: int | None = None) -> torch.Tensor:
     """mla_attention_ref on the GPU (or Triton's interpreter): one program per (token, BLOCK_H heads,
     key split), the splits' outputs combined by their log-sum-exps (_mla_combine_kernel). Two
     launches (one with a single split) besides cu_seqlens' token map; no host sync (CUDA-graph safe):
@@ -425,7 +426,10 @@ def mla_attention_triton(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: to
     dtype, not float32. ``keys_major`` (None: decode_tiling_for's choice): the decode kernel's products with the
     keys as rows. ``bits_pure``: kernels/mla_decode.py _widened_pair's BITS_PURE (A/B runs). ``long_span``:
     decode_splits' (None: DECODE_LONG_SPAN; 0: the grid always covers the GPU DECODE_SPLITS' times, the policy
-    before)."""
+    before). ``parts`` (None: kernels/mla_decode.py DECODE_COLUMN_PARTS where the latent's width allows it, else 1):
+    the decode kernel's latent in 2 or 4 column parts (kernels/mla_decode_parts.py), at DECODE_TILING_PARTS unless
+    ``decode_tiling`` is given; asked for by name, a latent too narrow for them (column_parts_fit), a register
+    prefetch tiling or keys as rows is a ValueError."""
     num_tokens, num_heads, rank = q_latent.shape
     assert q_latent.stride(-1) == 1 and q_rope.stride(-1) == 1 and cache.stride(-1) == 1
     if num_tokens == 0:
@@ -433,7 +437,10 @@ def mla_attention_triton(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: to
     decode = meta.is_decode_only and meta.tree_mask is None and num_tokens == meta.context_lens.shape[0]
     fp8_pool = cache.dtype == KV_FP8_DTYPE
     bits = widens_by_bits(fp8_pool, q_latent.dtype, q_latent.is_cuda, fp8_bits)
+    parts = _column_parts(parts, rank, decode_tiling, keys_major)
     tiling, keys_major_default = decode_tiling, False
+    if tiling is None and parts > 1:
+        tiling = mla_decode.DECODE_TILING_PARTS
     if tiling is None:
         tiling, keys_major_default = decode_tiling_for(
             fp8_pool, bits, cache.shape[1], num_tokens, num_heads, block_h, q_latent.device, meta.max_context_len,
@@ -455,7 +462,11 @@ def mla_attention_triton(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: to
         part_dtype = q_latent.dtype if half and q_latent.dtype in (torch.bfloat16, torch.float16) else torch.float32
         part = torch.empty(num_tokens, splits, num_heads, rank, dtype=part_dtype, device=q_latent.device)
         lse = torch.empty(num_tokens, num_heads, splits, dtype=torch.float32, device=q_latent.device)
-    if use_decode:
+    if use_decode and parts > 1:
+        tables, lens = dense(meta.block_tables, meta.context_lens)  # read at ptr + i (tables: + row * row stride)
+        mla_decode_parts_launch(q_latent, q_rope, cache, tables, lens, part, lse, scale, splits, min_span, block_h,
+                                tiling, parts, bits)
+    elif use_decode:
         tables, lens = dense(meta.block_tables, meta.context_lens)  # read at ptr + i (tables: + row * row stride)
         mla_decode_launch(q_latent, q_rope, cache, tables, lens, part, lse, scale, splits, min_span, block_h, tiling,
                           bits, keys_major, bits_pure)
@@ -463,6 +474,21 @@ def mla_attention_triton(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: to
         _mla_general_launch(q_latent, q_rope, cache, meta, part, lse, scale, splits, min_span, block_h, block_n,
                             num_warps, decode)
     return _combine(q_latent, part, lse, out, splits, w_uv, combine_chunk)
+
+
+def _column_parts(parts: int | None, rank: int, tiling: tuple[int, int, int] | None, keys_major: bool | None) -> int:
+    """mla_attention_triton's ``parts`` resolved: None takes kernels/mla_decode.py DECODE_COLUMN_PARTS where it fits
+    (column_parts_fit, a pipelined tiling, keys not as rows), else 1; a number asked for must fit (ValueError)."""
+    def fits(n: int) -> bool:
+        return n == 1 or (column_parts_fit(rank, n) and (tiling is None or tiling[2] >= 1) and not keys_major)
+
+    if parts is None:
+        return mla_decode.DECODE_COLUMN_PARTS if fits(mla_decode.DECODE_COLUMN_PARTS) else 1
+    if parts not in (1, 2, 4) or not fits(parts):
+        raise ValueError(f"parts={parts!r}: the decode kernel's latent splits into 1, 2 or 4 column parts of at least "
+                         f"16 columns (this latent: {rank}), under a pipelined tiling (STAGES >= 1; got {tiling}) with "
+                         f"the keys as columns (keys_major={keys_major})")
+    return parts
 
 
 def _mla_general_launch(q_latent, q_rope, cache, meta, part, lse, scale, splits, min_span, block_h, block_n,

@@ -112,14 +112,22 @@ def _bits_queries(q_lat, q_rope, scale_log2, WIDE: tl.constexpr):
     normal -- nothing the tensor cores could flush; the scores times 2^e."""
     q_lat = q_lat.to(tl.float32)
     q_rope = q_rope.to(tl.float32)
+    up, score_scale = _bits_query_scale(tl.maximum(tl.max(tl.abs(q_lat), 1), tl.max(tl.abs(q_rope), 1)), scale_log2,
+                                        WIDE)
+    return (q_lat * up[:, None]).to(WIDE), (q_rope * up[:, None]).to(WIDE), score_scale
+
+
+@jit
+def _bits_query_scale(q_max, scale_log2, WIDE: tl.constexpr):
+    """_bits_queries' factors from q_max (BLOCK_H,), each head's largest |query| over its latent and rope parts:
+    (the queries' factor, 1 for float16, and the per-head score scale), both (BLOCK_H,) float32 powers of two."""
     if WIDE == tl.float16:
-        e = tl.full([q_lat.shape[0]], 8, tl.int32)
-        up = 1.0
+        e = tl.full(q_max.shape, 8, tl.int32)
+        up_e = tl.zeros(q_max.shape, tl.int32)
     else:
-        q_max = tl.maximum(tl.max(tl.abs(q_lat), 1), tl.max(tl.abs(q_rope), 1))  # (BLOCK_H,)
         e = tl.maximum(((q_max.to(tl.int32, bitcast=True) >> 23) & 255) - 127, -7)  # 0 (or subnormal): -7
-        up = _pow2(120 - e)[:, None]
-    return (q_lat * up).to(WIDE), (q_rope * up).to(WIDE), scale_log2 * _pow2(e)
+        up_e = 120 - e
+    return _pow2(up_e), scale_log2 * _pow2(e)
 
 
 @jit
@@ -255,6 +263,15 @@ DECODE_TILING_FP8_BITS = (32, 4, 3)
 # 349.4, 64 x 8k 226.5 / 194.7 (8 warps: slower everywhere). FP8 pools spill there (384-1,184 B of stack).
 DECODE_TILING_ONE_WAVE = (64, 4, 2)
 DECODE_ONE_WAVE_KEYS_MAJOR = True
+# The latent in column parts (kernels/mla_decode_parts.py): 1, this module's kernel (the default: parts never measured
+# on a GPU), or 2 / 4 parts of RANK_PAD / parts columns, at DECODE_TILING_PARTS unless a tiling is given. sm_90
+# compiles (ptxas, V2-Lite's 512 + 64, 16 heads, registers / shared memory): FP8 pool widened by bits, bf16 queries,
+# this kernel (32, 4, 3) 255 / 74 KB (2 programs an SM), (16, 4, 3) 244; parts 2 (32, 4, 3) 224, 4 parts (32, 4, 3)
+# 192, 2 parts (16, 4, 3) 196, 4 parts (16, 4, 3) 160 / 45 KB (float16 queries 164; 3 programs an SM), none spilled
+# and no byte loads from shared memory in the loop. bf16 pool: this kernel (32, 4, 3) 168 / 56 KB (3 an SM), 4 parts
+# (32, 4, 3) 195 (more), 4 parts (16, 4, 3) 125 / 37.5 KB (4 an SM).
+DECODE_COLUMN_PARTS = 1
+DECODE_TILING_PARTS = (16, 4, 3)
 # The decode kernel's split policy (kernels/mla_attention.py split_policy, mla_splits): (max_splits, min_span,
 # programs_per_sm) -- up to 128 splits, the grid covering the GPU 8 times, 32 keys a split at least; and from
 # DECODE_BATCHED_PROGRAMS (sequence x head-block) programs on, 128 keys a split at least (a split's float32

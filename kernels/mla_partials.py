@@ -14,10 +14,11 @@ from kernels._triton import jit, tl
 
 @jit
 def store_split_output(part_ptr, lse_ptr, acc, denom, lse, token, heads, head_ok, r, num_heads, splits, split,
-                       RANK: tl.constexpr, DIRECT: tl.constexpr):
+                       RANK: tl.constexpr, DIRECT: tl.constexpr, LSE: tl.constexpr = True):
     """acc (BLOCK_H, RANK_PAD) the unnormalized weighted sum of token ``token``'s heads ``heads`` over this
     split's keys, denom (BLOCK_H,) its softmax denominator (0: no keys), ``lse`` (BLOCK_H,) its log-sum-exp in
-    natural-log units where denom > 0 (read nowhere else)."""
+    natural-log units where denom > 0 (read nowhere else). A kernel holding the sum in column parts calls this once
+    a part: acc (BLOCK_H, W) its columns ``r`` (those of the whole row, < RANK written), ``LSE`` True for one part."""
     has_keys = denom > 0
     out = acc / tl.where(has_keys, denom, 1.0)[:, None]
     if DIRECT:
@@ -27,5 +28,6 @@ def store_split_output(part_ptr, lse_ptr, acc, denom, lse, token, heads, head_ok
         row_out = (token * splits + split) * num_heads + heads
         tl.store(part_ptr + row_out[:, None] * RANK + r[None, :], out.to(part_ptr.dtype.element_ty),
                  mask=(head_ok & has_keys)[:, None] & (r < RANK)[None, :])
-        tl.store(lse_ptr + (token * num_heads + heads) * splits + split, tl.where(has_keys, lse, -float("inf")),
-                 mask=head_ok)
+        if LSE:
+            tl.store(lse_ptr + (token * num_heads + heads) * splits + split, tl.where(has_keys, lse, -float("inf")),
+                     mask=head_ok)

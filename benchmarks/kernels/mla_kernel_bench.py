@@ -64,7 +64,7 @@ from benchmarks.common import (command_line, copy_bandwidth, cuda_time_ms, git_c
                                int_list, machine_summary, print_table, utc_now)
 from kernels.attention import KV_FP8_DTYPE  # noqa: E402
 from kernels.attention_metadata import AttentionMetadata  # noqa: E402
-from kernels.mla_decode import DECODE_TILING, decode_kernel_default, widens_by_bits  # noqa: E402
+from kernels.mla_decode import DECODE_TILING, DECODE_TILING_PARTS, decode_kernel_default, widens_by_bits  # noqa: E402
 from kernels.mla_attention import (MAX_SPLITS, MIN_SPAN, decode_kernel_enabled, decode_tiling_for,  # noqa: E402
                                    launch_splits, mla_attention_ref, mla_attention_triton)
 
@@ -128,12 +128,14 @@ def parse_config(text: str) -> dict:
     "+h" the splits' partials in the queries' dtype (half_partials), "+f" in float32; "+k" the decode kernel's
     products with the keys as rows (keys_major); "+bp" FP8 codes widened by a pure asm (bits_pure=1), "+bs"
     pure for the score product only (2); "+L<N>" the
-    decode split policy's long_span (0: the grid always 8 times the SMs, the policy before session 29)."""
+    decode split policy's long_span (0: the grid always 8 times the SMs, the policy before session 29); "+p<N>" the
+    decode kernel's latent in N (2, 4) column parts (kernels/mla_decode_parts.py; "auto+p4": at DECODE_TILING_PARTS),
+    "+p1" the one-part kernel."""
     base, *options = text.split("+")
     widening = {}
     for option in options:
-        assert option in ("cvt", "bits", "h", "f", "k", "bp", "bs") or (option[:1] in "cL" and option[1:].isdigit()), \
-            f"--configs {text!r}: the endings are +cvt, +bits, +c<splits>, +h, +f, +k, +bp, +bs and +L<keys>"
+        assert option in ("cvt", "bits", "h", "f", "k", "bp", "bs") or (option[:1] in "cLp" and option[1:].isdigit()), \
+            f"--configs {text!r}: the endings are +cvt, +bits, +c<splits>, +h, +f, +k, +bp, +bs, +L<keys> and +p<parts>"
         if option in ("cvt", "bits"):
             widening["fp8_bits"] = option == "bits"
         elif option in ("h", "f"):
@@ -144,6 +146,8 @@ def parse_config(text: str) -> dict:
             widening["bits_pure"] = 1 if option == "bp" else 2
         elif option[0] == "L":
             widening["long_span"] = int(option[1:])
+        elif option[0] == "p":
+            widening["parts"] = int(option[1:])
         else:
             widening["combine_chunk"] = int(option[1:])
     if base == "auto":
@@ -166,7 +170,8 @@ def config_name(config: dict) -> str:
         "" if "combine_chunk" not in config else f"+c{config['combine_chunk']}") + (
         "" if "half_partials" not in config else "+h" if config["half_partials"] else "+f") + (
         "+k" if config.get("keys_major") else "") + {0: "", 1: "+bp", 2: "+bs"}[config.get("bits_pure", 0)] + (
-        "" if "long_span" not in config else f"+L{config['long_span']}")
+        "" if "long_span" not in config else f"+L{config['long_span']}") + (
+        "" if "parts" not in config else f"+p{config['parts']}")
     if config.get("auto"):
         return "auto" + ending
     if config.get("decode_kernel"):
@@ -196,6 +201,8 @@ def resolved(config: dict, pool: str, dtype: torch.dtype, num_tokens: int, heads
             tiling, keys_major = decode_tiling_for(fp8_pool, bits, PAGE, num_tokens, heads, 16, device, max_context_len,
                                                    None, config.get("max_splits"), config.get("min_span"),
                                                    config.get("programs_per_sm"), config.get("long_span"))
+            if config.get("parts", 1) > 1:  # mla_attention_triton's tiling for the column-parts kernel
+                tiling, keys_major = DECODE_TILING_PARTS, False
             out["decode_tiling"] = tiling
             out.setdefault("keys_major", keys_major)
     return out
@@ -207,7 +214,8 @@ def chosen_name(config: dict, pool: str) -> str:
     if not config.get("decode_kernel"):
         return "general"
     widening = ("+bits" if config["fp8_bits"] else "+cvt") if pool == "fp8" else ""
-    return "d" + ":".join(map(str, config["decode_tiling"])) + widening + ("+k" if config.get("keys_major") else "")
+    return "d" + ":".join(map(str, config["decode_tiling"])) + widening + ("+k" if config.get("keys_major") else "") + (
+        f"+p{config['parts']}" if config.get("parts", 1) > 1 else "")
 
 
 def splits_of(config: dict, num_tokens: int, heads: int, device, max_context_len: int) -> int:

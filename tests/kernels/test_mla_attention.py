@@ -23,10 +23,11 @@ HEADS, RANK, ROPE, NOPE, V_DIM, PAGE = 5, 24, 8, 12, 10, 4
 
 
 def paged_batch(context_lens: list[int], q_lens: list[int], *, device: str = "cpu", num_blocks: int = 64,
-                seed: int = 0, dtype=torch.float32, cache_dtype=None, page: int = PAGE):
+                seed: int = 0, dtype=torch.float32, cache_dtype=None, page: int = PAGE, rank: int = RANK,
+                rope: int = ROPE):
     """Sequences whose new tokens are the last q_len of context_len, on shuffled pages; every cached
     row (prefix and new) written through write_latent_cache_ref. Returns (rows (keys, R + P) per
-    sequence, cache, meta)."""
+    sequence, cache, meta); rows of ``rank`` + ``rope`` values (the module's small shape unless given)."""
     gen = torch.Generator().manual_seed(seed)
     free = list(range(num_blocks))
     random.Random(seed).shuffle(free)
@@ -34,12 +35,12 @@ def paged_batch(context_lens: list[int], q_lens: list[int], *, device: str = "cp
     for context_len in context_lens:
         table = [free.pop() for _ in range(-(-context_len // page))]
         tables.append(table)
-        seq_rows = torch.randn(context_len, RANK + ROPE, generator=gen).to(dtype)
+        seq_rows = torch.randn(context_len, rank + rope, generator=gen).to(dtype)
         rows.append(seq_rows)
         slots.append(torch.tensor([table[p // page] * page + p % page for p in range(context_len)]))
-    cache = torch.zeros(num_blocks, page, RANK + ROPE, dtype=cache_dtype or dtype)
+    cache = torch.zeros(num_blocks, page, rank + rope, dtype=cache_dtype or dtype)
     for seq_rows, seq_slots in zip(rows, slots):
-        write_latent_cache_ref(seq_rows[:, :RANK], seq_rows[:, RANK:], cache, seq_slots)
+        write_latent_cache_ref(seq_rows[:, :rank], seq_rows[:, rank:], cache, seq_slots)
     width = max(len(t) for t in tables)
     cu = [0]
     for q_len in q_lens:
@@ -196,6 +197,34 @@ def test_decode_kernel_equals_reference_and_the_general_kernel(device, dtype, ca
     assert relative_error(values.cpu().float(), want_values) < tolerance
 
 
+def fp8_extremes(device: str, dtype: torch.dtype, heads: int = HEADS, rank: int = RANK, rope: int = ROPE,
+                 seed: int = 11):
+    """A decode step over an FP8 pool at its extremes (pages of 64): sequence 0's keys E4M3 subnormals alone (k *
+    2^-9) under large queries, sequence 1's with +-448 among normal values under tiny queries, sequence 2 under huge
+    queries (one-hot softmax), sequence 3 with a head of zero queries. Returns (cache, meta, q_latent, q_rope on
+    ``device``, the reference's output on the CPU)."""
+    _, cache, meta = paged_batch([70, 37, 64, 45], [1] * 4, device=device, dtype=torch.float32,
+                                 cache_dtype=KV_FP8_DTYPE, page=64, rank=rank, rope=rope)
+    gen = torch.Generator().manual_seed(seed)
+    values = torch.randn(cache.shape, generator=gen) * 4
+    tables = meta.block_tables.cpu().long()
+    subnormal_blocks = tables[0, :2]
+    values[subnormal_blocks] = torch.randint(-7, 8, values[subnormal_blocks].shape, generator=gen) * 2.0 ** -9
+    edge_blocks = tables[1, :1]
+    values[edge_blocks, :, :6] = 448.0 * torch.sign(torch.randn(values[edge_blocks, :, :6].shape, generator=gen))
+    values[edge_blocks, :, -2:] = -448.0
+    cache = values.to(KV_FP8_DTYPE).to(device)
+    assert (cache.float().abs() == 448).any() and (cache.float()[subnormal_blocks].abs().max() < 2.0 ** -6)
+    big, tiny = (2.0 ** 6, 2.0 ** -12) if dtype == torch.float16 else (2.0 ** 60, 2.0 ** -60)
+    factors = torch.tensor([2.0 ** 8 if dtype != torch.float16 else 2.0 ** 4, tiny, big, 1.0])[:, None, None]
+    q_latent = (torch.randn(4, heads, rank, generator=gen) * factors).to(dtype)
+    q_rope = (torch.randn(4, heads, rope, generator=gen) * factors).to(dtype)
+    q_latent[3, 1], q_rope[3, 1] = 0, 0
+    want = mla_attention_ref(q_latent, q_rope, cache.cpu(), _on_cpu(meta), 0.2)
+    assert torch.isfinite(want).all()
+    return cache, meta, q_latent.to(device), q_rope.to(device), want
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("tiling,keys_major", [((16, 4, 2), False), ((32, 4, 0), False), ((64, 4, 2), True)])
 def test_decode_kernel_widens_an_fp8_pool_by_bits_at_its_extremes(device, dtype, tiling, keys_major):
@@ -210,27 +239,7 @@ def test_decode_kernel_widens_an_fp8_pool_by_bits_at_its_extremes(device, dtype,
         pytest.skip("the interpreter emulates bf16 dots loosely (kernel_testing.low_precision_dtypes); GPU only")
     if dtype == torch.float32 and device == "cuda":
         pytest.skip("float32 queries keep Triton's conversion on the GPU (widens_by_bits)")
-    context_lens = [70, 37, 64, 45]
-    _, cache, meta = paged_batch(context_lens, [1] * 4, device=device, dtype=torch.float32, cache_dtype=KV_FP8_DTYPE,
-                                 page=64)
-    gen = torch.Generator().manual_seed(11)
-    values = torch.randn(cache.shape, generator=gen) * 4
-    tables = meta.block_tables.cpu().long()
-    subnormal_blocks = tables[0, :2]
-    values[subnormal_blocks] = torch.randint(-7, 8, values[subnormal_blocks].shape, generator=gen) * 2.0 ** -9
-    edge_blocks = tables[1, :1]
-    values[edge_blocks, :, :6] = 448.0 * torch.sign(torch.randn(values[edge_blocks, :, :6].shape, generator=gen))
-    values[edge_blocks, :, -2:] = -448.0
-    cache = values.to(KV_FP8_DTYPE).to(device)
-    assert (cache.float().abs() == 448).any() and (cache.float()[subnormal_blocks].abs().max() < 2.0 ** -6)
-    big, tiny = (2.0 ** 6, 2.0 ** -12) if dtype == torch.float16 else (2.0 ** 60, 2.0 ** -60)
-    factors = torch.tensor([2.0 ** 8 if dtype != torch.float16 else 2.0 ** 4, tiny, big, 1.0])[:, None, None]
-    q_latent = (torch.randn(4, HEADS, RANK, generator=gen) * factors).to(dtype)
-    q_rope = (torch.randn(4, HEADS, ROPE, generator=gen) * factors).to(dtype)
-    q_latent[3, 1], q_rope[3, 1] = 0, 0
-    want = mla_attention_ref(q_latent, q_rope, cache.cpu(), _on_cpu(meta), 0.2)
-    assert torch.isfinite(want).all()
-    q_latent, q_rope = q_latent.to(device), q_rope.to(device)
+    cache, meta, q_latent, q_rope, want = fp8_extremes(device, dtype)
     tolerance = TOLERANCE[dtype] * 3
     for splits, half in ((1, False), (3, False), (3, True)):  # half: the splits' partials in the queries' dtype
         kw = dict(splits=splits, min_span=tiling[0], decode_tiling=tiling, decode_kernel=True, half_partials=half,
@@ -244,6 +253,81 @@ def test_decode_kernel_widens_an_fp8_pool_by_bits_at_its_extremes(device, dtype,
         for seq in range(4):  # each sequence alone: the subnormal one's outputs are ~2^-7 of the others'
             assert relative_error(by_bits[seq], want[seq].float()) < tolerance, (splits, seq)
             assert relative_error(by_bits[seq], converted[seq]) < tolerance, (splits, seq)
+
+
+DEEPSEEK_RANK, DEEPSEEK_ROPE = 512, 64  # kv_lora_rank and qk_rope_head_dim of DeepSeek-V2-Lite and V3
+
+
+@pytest.mark.parametrize("heads,dtype,pool", [(16, torch.float32, "fp8"), (32, torch.float16, "fp8"),
+                                              (16, torch.bfloat16, "fp8"),
+                                              pytest.param(32, torch.float32, "16-bit", marks=pytest.mark.extended),
+                                              (16, torch.bfloat16, "16-bit")])
+def test_decode_kernel_in_column_parts_equals_the_reference_at_deepseeks_shapes(device, heads, dtype, pool):
+    """kernels/mla_decode_parts.py: the latent in 2 and 4 column parts at DeepSeek's 512 + 64 per row, V2-Lite's 16
+    heads and a V3-like 32 (two head blocks); one split (DIRECT) at DECODE_TILING_PARTS and three (some past the
+    shorter contexts) at (32, 4, 2); an FP8 pool widened by bits at its extremes (fp8_extremes: float16 queries the
+    2^-8 widening, float32 the interpreter's stand-in for bfloat16's 2^-120, each head scaled over all its parts)
+    and a 16-bit pool; equal to the reference and to the one-part kernel (kernels/mla_decode.py)."""
+    if dtype not in low_precision_dtypes(device) + [torch.float32] and dtype != torch.float16:
+        pytest.skip("the interpreter emulates bf16 dots loosely (kernel_testing.low_precision_dtypes); GPU only")
+    if dtype == torch.float32 and device == "cuda" and pool == "fp8":
+        pytest.skip("float32 queries keep Triton's conversion on the GPU (widens_by_bits)")
+    shape = dict(rank=DEEPSEEK_RANK, rope=DEEPSEEK_ROPE)
+    if pool == "fp8":
+        cache, meta, q_latent, q_rope, want = fp8_extremes(device, dtype, heads, **shape)
+        tolerance = TOLERANCE[dtype] * 3
+    else:
+        _, cache, meta = paged_batch([70, 37, 64, 45], [1] * 4, device=device, dtype=dtype, page=64, **shape)
+        gen = torch.Generator().manual_seed(12)
+        q_latent = (torch.randn(4, heads, DEEPSEEK_RANK, generator=gen) * 0.3).to(dtype)
+        q_rope = (torch.randn(4, heads, DEEPSEEK_ROPE, generator=gen) * 0.3).to(dtype)
+        want = mla_attention_ref(q_latent, q_rope, cache.cpu(), _on_cpu(meta), 0.2)
+        q_latent, q_rope = q_latent.to(device), q_rope.to(device)
+        tolerance = TOLERANCE[dtype]
+    kw = dict(min_span=32, decode_kernel=True, fp8_bits=pool == "fp8")
+    one_part = mla_attention_triton(q_latent, q_rope, cache, meta, 0.2, splits=1, parts=1, **kw).cpu().float()
+    # three splits (the interpreter's combine is its slow launch) once a case: 2 parts at 16 heads, 4 at 32
+    for splits, parts, tiling in ((1, 2, None), (1, 4, None), (3, 2 if heads == 16 else 4, (32, 4, 2))):
+        out = mla_attention_triton(q_latent, q_rope, cache, meta, 0.2, splits=splits, parts=parts,
+                                   decode_tiling=tiling, **kw).cpu().float()
+        assert torch.isfinite(out).all()
+        assert relative_error(out, one_part) < tolerance, (splits, parts)
+        for seq in range(4):  # each sequence alone (fp8_extremes: the subnormal one's outputs ~2^-7 the others')
+            assert relative_error(out[seq], want[seq].float()) < tolerance, (splits, parts, seq)
+
+
+def test_column_parts_are_off_unless_asked_and_must_fit(monkeypatch):
+    """mla_attention_triton's ``parts``: unasked, kernels/mla_decode.py DECODE_COLUMN_PARTS (1: the one-part kernel)
+    where the latent is wide enough (parts of >= 16 columns), else 1; asked for, 2 or 4 parts at DECODE_TILING_PARTS
+    unless a tiling is given, and a clear ValueError for a latent too narrow, a register-prefetch tiling, keys as
+    rows or a count other than 1, 2, 4. Which launch ran (and its tiling, parts) is recorded; nothing runs."""
+    from kernels import mla_decode
+
+    launched = []
+    monkeypatch.setattr(mla_attention_module, "mla_decode_launch", lambda *a: launched.append(("one", a[11])))
+    monkeypatch.setattr(mla_attention_module, "mla_decode_parts_launch",
+                        lambda *a: launched.append((a[12], a[11])))
+
+    def launch(rank, **kw):
+        _, cache, meta = paged_batch([40, 9], [1, 1], page=64, rank=rank, cache_dtype=KV_FP8_DTYPE)
+        launched.clear()
+        mla_attention_triton(torch.zeros(2, HEADS, rank), torch.zeros(2, HEADS, ROPE), cache, meta, 0.2, splits=1,
+                             decode_kernel=True, **kw)
+        return launched[0]
+
+    assert mla_decode.DECODE_COLUMN_PARTS == 1
+    assert launch(64) == ("one", mla_decode.DECODE_TILING_FP8_BITS)
+    assert launch(64, parts=4) == (4, mla_decode.DECODE_TILING_PARTS)
+    assert launch(64, parts=2, decode_tiling=(32, 4, 2)) == (2, (32, 4, 2))
+    monkeypatch.setattr(mla_decode, "DECODE_COLUMN_PARTS", 4)
+    assert launch(64) == (4, mla_decode.DECODE_TILING_PARTS)
+    assert launch(RANK) == ("one", mla_decode.DECODE_TILING_FP8_BITS)  # 32 padded columns: parts of 8, too narrow
+    for asked, why in ((dict(rank=RANK, parts=4), "this latent: 24"), (dict(rank=64, parts=3), "1, 2 or 4"),
+                       (dict(rank=64, parts=2, decode_tiling=(32, 8, 0)), "STAGES >= 1"),
+                       (dict(rank=64, parts=2, keys_major=True), "keys_major=True")):
+        with pytest.raises(ValueError, match="parts=") as raised:
+            launch(**asked)
+        assert why in str(raised.value), (asked, str(raised.value))
 
 
 def test_split_policy_is_each_kernels_own_unless_given():
@@ -534,3 +618,47 @@ def test_decode_kernel_compiles_for_sm90_without_spills(pool, bits, q, keys_majo
     assert ("wgmma.mma_async" in ptx) == keys_major
     usage = resource_usage_or_skip(compiled, tmp_path)
     assert "LOCAL:0 " in usage, usage
+
+
+def loop_bodies(ptx: str) -> list[str]:
+    """The PTX of each loop: from a label to a later branch back to it."""
+    lines = ptx.splitlines()
+    starts = {line.strip().split(":")[0]: i for i, line in enumerate(lines) if line.strip().startswith("$L__BB")}
+    bodies = []
+    for i, line in enumerate(lines):
+        words = line.replace(";", " ").split()
+        if "bra" in words and words[-1] in starts and starts[words[-1]] < i:
+            bodies.append("\n".join(lines[starts[words[-1]]:i]))
+    return bodies
+
+
+@AOT_SM90
+@pytest.mark.parametrize("pool,q,bits", [("*fp8e4nv", "*bf16", True), ("*fp8e4nv", "*fp16", True),
+                                         ("*bf16", "*bf16", False)])
+@pytest.mark.parametrize("direct", [False, True])
+def test_column_parts_decode_kernel_fits_three_programs_an_sm(pool, q, bits, direct, tmp_path):
+    """kernels/mla_decode_parts.py at DECODE_TILING_PARTS in 4 parts, DeepSeek's 512 + 64, 16 heads, pages of 64
+    (ptxas for sm_90, no GPU): at most 168 registers a thread (3 programs of 4 warps an SM; the one-part FP8 kernel
+    takes 255, 2 an SM) and 3 programs' shared memory, no spills (stack or local memory), the tile's loads pipelined
+    (cp.async), and in the loop no byte loads from shared memory; FP8 codes widened by PRMTs, no E4M3 conversion."""
+    from kernels.mla_decode import DECODE_TILING_PARTS
+    from kernels.mla_decode_parts import _mla_decode_parts_kernel
+    from sm90_compile import registers, stack_bytes
+
+    block_n, warps, stages = DECODE_TILING_PARTS
+    pointers = dict(q_lat_ptr=q, q_rope_ptr=q, cache_ptr=pool, part_ptr=q if direct else "*fp32",
+                    lse_ptr="*fp32", block_tables_ptr="*i32", ctx_ptr="*i32")
+    const = dict(RANK=512, ROPE=64, RANK_PAD=512, ROPE_PAD=64, PAGE=64, BLOCK_H=16, BLOCK_N=block_n, STAGES=stages,
+                 DIRECT=direct, DOT_PRECISION="tf32", PDL=False, PARTS=4, BITS=bits, ASM=bits)
+    compiled = compile_for_sm90(_mla_decode_parts_kernel, pointers, const, warps=warps, stages=1,
+                                floats=("scale_log2",), aligned_int=strides_but_block_table)
+    ptx = compiled.asm["ptx"]
+    assert "cp.async" in ptx
+    loops = loop_bodies(ptx)
+    assert loops and not any("ld.shared.b8" in body or "ld.shared.u8" in body for body in loops)
+    if bits:
+        assert "prmt.b32" in ptx and "e4m3x2" not in ptx
+    assert 3 * compiled.metadata.shared <= 227 * 1024, compiled.metadata.shared
+    usage = resource_usage_or_skip(compiled, tmp_path)
+    assert "LOCAL:0 " in usage and stack_bytes(usage) == 0, usage
+    assert registers(usage) <= 168, usage

@@ -1,0 +1,180 @@
+"""kernels/mla_decode.py's pipelined decode kernel with the latent in column parts (issue 55): fewer registers.
+
+The decode kernel holds, a program, the queries (BLOCK_H, RANK_PAD), the running sum (BLOCK_H, RANK_PAD) float32
+and a key tile (BLOCK_N, RANK_PAD) at once, the score product taking the whole latent row as its K and the value
+product the whole row as its N. For an FP8 pool widened by bits (kernels/e4m3_bits.py) ptxas gave it 255 registers
+at (32, 4, 3): 2 programs an SM against the bf16 pool's 3 (168 registers), and FP8 pools reached 27-31% of the copy
+bandwidth, slower in absolute time than bf16 pools of twice the bytes (session 29, benchmarks/results/kernels.md).
+
+Here the latent's RANK_PAD columns are PARTS (2 or 4) tensors of W = RANK_PAD / PARTS columns each: the queries'
+parts q_i (BLOCK_H, W), a tile's parts c_i (BLOCK_N, W) loaded and widened each from its own codes, the sum's parts
+acc_i (BLOCK_H, W). The same sums in another grouping::
+
+    scores = q_rope k_rope^T + sum_i q_i c_i^T        (BLOCK_H, BLOCK_N) float32
+    acc_i  = acc_i * alpha + P c_i                    each part its own product
+
+The compiler then sees PARTS smaller products (their operand staging and accumulators live one part at a time)
+where it saw one wide one. Same outputs and layout as the decode kernel (kernels/mla_partials.py: DIRECT or the
+splits' partials and log-sum-exps); same split arithmetic, the same FP8 widening and query scaling
+(kernels/mla_decode.py _bits_query_scale over every part). Pipelined tilings only (STAGES >= 1, keys as columns).
+Off by default: kernels/mla_decode.py DECODE_COLUMN_PARTS.
+"""
+from __future__ import annotations
+
+import torch
+
+from kernels._triton import jit, pdl_options, pdl_prologue, tl, triton
+from kernels.mla_decode import LOG2E, _bits_query_scale, _widened, decode_tile_fits
+from kernels.mla_partials import store_split_output
+
+COLUMN_PARTS = (1, 2, 4)  # 1: kernels/mla_decode.py's kernel itself
+MIN_PART_COLUMNS = 16  # a part is the K of the score product and the N of the value product: tensor cores' minimum
+
+
+@jit
+def _query_part(q_ptr, col0, heads_in, RANK: tl.constexpr, W: tl.constexpr):
+    """(BLOCK_H, W) float32: columns col0 .. col0 + W - 1 of the heads' latent queries (q_ptr: the token's first
+    head's row; heads_in (BLOCK_H,) the heads' row offsets, -1 where the head is not loaded), zeros past RANK."""
+    c = col0 + tl.arange(0, W)
+    ok = (heads_in >= 0)[:, None] & (c < RANK)[None, :]
+    return tl.load(q_ptr + tl.where(heads_in >= 0, heads_in, 0)[:, None] + c[None, :], mask=ok, other=0.0
+                   ).to(tl.float32)
+
+
+@jit
+def _code_part(rows, key_ok, col0, RANK: tl.constexpr, W: tl.constexpr, WIDE: tl.constexpr, BITS: tl.constexpr,
+               ASM: tl.constexpr):
+    """(BLOCK_N, W) WIDE: columns col0 .. col0 + W - 1 of a tile's latent rows (``rows`` (BLOCK_N, 1) their
+    addresses), widened from their own codes (kernels/mla_decode.py _widened, not pure: where loaded)."""
+    c = col0 + tl.arange(0, W)
+    codes = tl.load(rows + c[None, :], mask=key_ok[:, None] & (c < RANK)[None, :], other=0.0)
+    return _widened(codes, WIDE, BITS, ASM, False)
+
+
+@jit
+def _mla_decode_parts_kernel(q_lat_ptr, q_rope_ptr, cache_ptr, part_ptr, lse_ptr, block_tables_ptr, ctx_ptr,
+                             num_heads, splits, min_span, scale_log2, stride_lt, stride_lh, stride_rt, stride_rh,
+                             stride_cb, stride_cs, stride_bt, RANK: tl.constexpr, ROPE: tl.constexpr,
+                             RANK_PAD: tl.constexpr, ROPE_PAD: tl.constexpr, PAGE: tl.constexpr,
+                             BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
+                             DIRECT: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
+                             PARTS: tl.constexpr, BITS: tl.constexpr = False, ASM: tl.constexpr = False):
+    """Program (s, hb, split) as kernels/mla_decode.py _mla_decode_kernel's (its docstring: the split's keys, the
+    log2-unit scores, the lse, a split past the context), the latent in PARTS (2 or 4) column parts of W columns.
+    Parts 2 and 3 exist only where PARTS == 4 (constexpr branches: never traced otherwise)."""
+    W: tl.constexpr = RANK_PAD // PARTS
+    pdl_prologue(PDL)
+    seq = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    split = tl.program_id(2)
+    head_ok = heads < num_heads
+    context_len = tl.load(ctx_ptr + seq)
+    span = tl.maximum(tl.cdiv(tl.cdiv(context_len, splits), BLOCK_N) * BLOCK_N, min_span)
+    first = split * span
+    last = tl.minimum(first + span, context_len)
+    p = tl.arange(0, ROPE_PAD)
+    n = tl.arange(0, BLOCK_N)
+    load_q = heads < tl.where(first < last, num_heads, 0)  # a split past the context loads nothing
+    heads_in = tl.where(load_q, heads * stride_lh, -1)
+    q_row = q_lat_ptr + seq * stride_lt
+    q0 = _query_part(q_row, 0, heads_in, RANK, W)
+    q1 = _query_part(q_row, W, heads_in, RANK, W)
+    q_max = tl.maximum(tl.max(tl.abs(q0), 1), tl.max(tl.abs(q1), 1))  # (BLOCK_H,), for the bits path
+    if PARTS == 4:
+        q2 = _query_part(q_row, 2 * W, heads_in, RANK, W)
+        q3 = _query_part(q_row, 3 * W, heads_in, RANK, W)
+        q_max = tl.maximum(q_max, tl.maximum(tl.max(tl.abs(q2), 1), tl.max(tl.abs(q3), 1)))
+    q_rope = tl.load(q_rope_ptr + seq * stride_rt + heads[:, None] * stride_rh + p[None, :],
+                     mask=load_q[:, None] & (p < ROPE)[None, :], other=0.0)  # (BLOCK_H, ROPE_PAD)
+    if BITS:  # kernels/mla_decode.py _bits_queries over the parts: one power of two a head across all of them
+        WIDE: tl.constexpr = tl.float16 if q_rope.dtype == tl.float16 else q_rope.dtype
+        q_rope = q_rope.to(tl.float32)
+        up, score_scale = _bits_query_scale(tl.maximum(q_max, tl.max(tl.abs(q_rope), 1)), scale_log2, WIDE)
+        up = up[:, None]
+        PROB_SCALE: tl.constexpr = 256.0 if WIDE == tl.float16 else 1.329227995784916e+36  # 2^8, 2^120
+    else:
+        WIDE: tl.constexpr = q_rope.dtype
+        up = 1.0
+        score_scale = tl.full([BLOCK_H], scale_log2, tl.float32)
+        PROB_SCALE: tl.constexpr = 1.0
+    q_rope = (q_rope * up).to(WIDE)
+    q0 = (q0 * up).to(WIDE)
+    q1 = (q1 * up).to(WIDE)
+    acc0 = tl.zeros([BLOCK_H, W], dtype=tl.float32)
+    acc1 = tl.zeros([BLOCK_H, W], dtype=tl.float32)
+    if PARTS == 4:
+        q2 = (q2 * up).to(WIDE)
+        q3 = (q3 * up).to(WIDE)
+        acc2 = tl.zeros([BLOCK_H, W], dtype=tl.float32)
+        acc3 = tl.zeros([BLOCK_H, W], dtype=tl.float32)
+    m = tl.full([BLOCK_H], -float("inf"), dtype=tl.float32)
+    denom = tl.zeros([BLOCK_H], dtype=tl.float32)
+    table = block_tables_ptr + seq * stride_bt
+    for start in tl.range(first, last, BLOCK_N, num_stages=STAGES):  # cp.async copies, STAGES tiles in flight
+        key_ok = start + n < last
+        block = tl.load(table + start // PAGE, mask=start < last, other=0).to(tl.int64)  # one page's run of rows
+        rows = (cache_ptr + block * stride_cb + (start % PAGE) * stride_cs + n * stride_cs)[:, None]  # (BLOCK_N, 1)
+        k_rope = _widened(tl.load(rows + RANK + p[None, :], mask=key_ok[:, None] & (p < ROPE)[None, :], other=0.0),
+                          WIDE, BITS, ASM, False)
+        c0 = _code_part(rows, key_ok, 0, RANK, W, WIDE, BITS, ASM)
+        c1 = _code_part(rows, key_ok, W, RANK, W, WIDE, BITS, ASM)
+        scores = (tl.dot(q_rope, tl.trans(k_rope), input_precision=DOT_PRECISION)
+                  + tl.dot(q0, tl.trans(c0), input_precision=DOT_PRECISION)
+                  + tl.dot(q1, tl.trans(c1), input_precision=DOT_PRECISION))  # (BLOCK_H, BLOCK_N) float32
+        if PARTS == 4:
+            c2 = _code_part(rows, key_ok, 2 * W, RANK, W, WIDE, BITS, ASM)
+            c3 = _code_part(rows, key_ok, 3 * W, RANK, W, WIDE, BITS, ASM)
+            scores += (tl.dot(q2, tl.trans(c2), input_precision=DOT_PRECISION)
+                       + tl.dot(q3, tl.trans(c3), input_precision=DOT_PRECISION))
+        # kernels/mla_decode.py _fold_tile's online softmax (the loop visits only tiles holding a visible key)
+        scores = tl.where(key_ok[None, :], scores * score_scale[:, None], -float("inf"))
+        m_new = tl.maximum(m, tl.max(scores, 1))
+        alpha = tl.exp2(m - m_new)
+        probs = tl.exp2(scores - m_new[:, None])
+        weights = (probs if PROB_SCALE == 1.0 else probs * PROB_SCALE).to(WIDE)
+        denom = denom * alpha + tl.sum(probs, 1)
+        m = m_new
+        acc0 = acc0 * alpha[:, None] + tl.dot(weights, c0, input_precision=DOT_PRECISION)
+        acc1 = acc1 * alpha[:, None] + tl.dot(weights, c1, input_precision=DOT_PRECISION)
+        if PARTS == 4:
+            acc2 = acc2 * alpha[:, None] + tl.dot(weights, c2, input_precision=DOT_PRECISION)
+            acc3 = acc3 * alpha[:, None] + tl.dot(weights, c3, input_precision=DOT_PRECISION)
+    lse = (m + tl.log2(tl.where(denom > 0, denom, 1.0))) / 1.4426950408889634  # natural-log units
+    w = tl.arange(0, W)
+    store_split_output(part_ptr, lse_ptr, acc0, denom, lse, seq, heads, head_ok, w, num_heads, splits, split, RANK,
+                       DIRECT, True)
+    store_split_output(part_ptr, lse_ptr, acc1, denom, lse, seq, heads, head_ok, W + w, num_heads, splits, split,
+                       RANK, DIRECT, False)
+    if PARTS == 4:
+        store_split_output(part_ptr, lse_ptr, acc2, denom, lse, seq, heads, head_ok, 2 * W + w, num_heads, splits,
+                           split, RANK, DIRECT, False)
+        store_split_output(part_ptr, lse_ptr, acc3, denom, lse, seq, heads, head_ok, 3 * W + w, num_heads, splits,
+                           split, RANK, DIRECT, False)
+
+
+def column_parts_fit(rank: int, parts: int) -> bool:
+    """Whether the latent's padded width splits into ``parts`` parts of at least MIN_PART_COLUMNS columns."""
+    rank_pad = max(16, triton.next_power_of_2(rank))
+    return parts in COLUMN_PARTS and rank_pad // parts >= MIN_PART_COLUMNS
+
+
+def mla_decode_parts_launch(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor,
+                            block_tables: torch.Tensor, context_lens: torch.Tensor, part: torch.Tensor,
+                            lse: torch.Tensor, scale: float, splits: int, min_span: int, block_h: int,
+                            tiling: tuple[int, int, int], parts: int, bits: bool = False) -> None:
+    """kernels/mla_decode.py mla_decode_launch's launch (same arguments and outputs) of the column-parts kernel:
+    ``parts`` 2 or 4 (column_parts_fit), a pipelined ``tiling`` (STAGES >= 1); the caller checked both."""
+    num_seqs, num_heads, rank = q_latent.shape
+    rope = q_rope.shape[-1]
+    block_n, num_warps, stages = tiling
+    assert parts in (2, 4) and column_parts_fit(rank, parts) and stages >= 1, (parts, rank, tiling)
+    assert decode_tile_fits(cache.shape[1], block_n) and min_span % block_n == 0, (cache.shape[1], block_n, min_span)
+    assert q_latent.stride(-1) == 1 and q_rope.stride(-1) == 1
+    _mla_decode_parts_kernel[(num_seqs, triton.cdiv(num_heads, block_h), splits)](
+        q_latent, q_rope, cache, part, lse, block_tables, context_lens, num_heads, splits, min_span,
+        scale * LOG2E, q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
+        cache.stride(0), cache.stride(1), block_tables.stride(0),
+        RANK=rank, ROPE=rope, RANK_PAD=max(16, triton.next_power_of_2(rank)),
+        ROPE_PAD=max(16, triton.next_power_of_2(rope)), PAGE=cache.shape[1], BLOCK_H=block_h, BLOCK_N=block_n,
+        STAGES=stages, DIRECT=splits == 1, DOT_PRECISION="ieee" if q_latent.dtype == torch.float32 else "tf32",
+        PARTS=parts, BITS=bits, ASM=bits and q_latent.is_cuda, num_warps=num_warps, **pdl_options(q_latent))
