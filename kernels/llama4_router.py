@@ -11,7 +11,7 @@ Shapes (T tokens, H hidden, E experts; top-1 only):
        weights (T, 1) float32: ones (the experts' kernels take a weight a row; the score is in the input)
        shared_input: the shared expert's input: h, or (``quantize``) kernels/fp8.py QuantizedRows of h
        residual: x + residual (``norm``), else None
-``shared_slot`` S (a shared expert stacked as expert S of the routed experts' stacks: engine/models/llama4.py):
+``shared_slot`` S (the shared expert as the experts' id S, kernels/moe_gemv.py SharedExpert: engine/models/llama4.py):
 rows, ids and weights hold 2T rows, the T routed ones then the shared expert's: rows[T + t] = h[t], ids[T + t] = S,
 and shared_input is that half of rows (the experts' one launch pair then runs both, and nothing is quantized).
 All with the roundings of the unfused torch path: the logits rounded to the model dtype (the router Linear's

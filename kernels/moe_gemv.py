@@ -31,6 +31,9 @@ Shapes (T tokens, H hidden, E experts, I expert width on this rank, K experts a 
 2. down: grid (T * K, ceil(H / BLOCK_N)): rows of expert e's down over all of I against act[a], the scales
    likewise, plus the down bias, times the routing weight in float32, rounded once: out_k[a].
 
+A ``SharedExpert`` (Llama 4's shared expert) is expert E beyond the stacks: rows whose given id is E read its own
+tensors, each program choosing its weight and scale bases by a scalar select (a program's rows are one expert's).
+
 Blocked scales need a tile's rows in one scale block: BLOCK_N divides 128 and I % 128 == 0
 (``gemv_supported``); 4-bit groups hold whole pieces (``int4_piece``). Tokens that share an expert read its rows once each (from L2 for all but the
 first); the load-time choice (kernels/moe_gemv_choice.py) keeps this path only at the token counts
@@ -46,6 +49,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -247,6 +251,29 @@ class GemvExperts:
                     down_zero=self.down_zero, epilogue=self.epilogue)
 
 
+class SharedExpert(NamedTuple):
+    """An expert outside the stacks that rows with id E (the stacks' expert count) go through, read where it lies
+    (Llama 4's shared expert: its Linears' weights; engine/models/llama4.py): gate_up (2I, H), down (H, I) and, FP8,
+    their scales, each of the stacks' slot shape, dtype and strides (model-dtype or FP8 experts; no biases).
+    Why not a slot of the stacks: an (E + 1) stack is a second copy of the routed experts at load (torch.cat), whose
+    freed E stacks fragmented the caching allocator until an H200's Scout FP8 load ran out of memory."""
+
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    gate_up_scale: torch.Tensor | None = None
+    down_scale: torch.Tensor | None = None
+
+    def suits(self, gate_up: torch.Tensor, down: torch.Tensor, gate_up_scale: torch.Tensor | None,
+              down_scale: torch.Tensor | None) -> bool:
+        """Whether each tensor has its stack's slot shape, dtype and strides (and scales where the stacks have them)."""
+        pairs = ((self.gate_up, gate_up), (self.down, down), (self.gate_up_scale, gate_up_scale),
+                 (self.down_scale, down_scale))
+        return all((mine is None) == (stack is None) and (
+            mine is None or (mine.shape == stack.shape[1:] and mine.dtype == stack.dtype
+                             and mine.stride() == stack.stride()[1:] and mine.device == stack.device))
+            for mine, stack in pairs)
+
+
 def scale_kind(gate_up: torch.Tensor, gate_up_scale: torch.Tensor | None) -> int:
     """NO_SCALES (model-dtype experts), ROW_SCALES (FP8 per channel), BLOCK_SCALES (FP8 128 x 128), INT4_GROUPS
     (4-bit codes in kernels/fused_moe_wna16.py's kernel layout, uint8, float32 scales) or MXFP4_GROUPS (E2M1 codes
@@ -300,9 +327,10 @@ def gemv_supported(x: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: torch.
 
 def moe_gemv_ref(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, topk_weights: torch.Tensor,
                  topk_ids: torch.Tensor, gate_up_scale: torch.Tensor | None = None,
-                 down_scale: torch.Tensor | None = None, epilogue: ExpertEpilogue = PLAIN_SILU) -> torch.Tensor:
+                 down_scale: torch.Tensor | None = None, epilogue: ExpertEpilogue = PLAIN_SILU,
+                 shared_expert: SharedExpert | None = None) -> torch.Tensor:
     """The module docstring's numerics, one (token, expert) at a time: out_k (T, K, H) in x's dtype. 4-bit and
-    MXFP4 experts: pass them dequantized (their ``dense`` widening), no scales."""
+    MXFP4 experts: pass them dequantized (their ``dense`` widening), no scales. Id E: ``shared_expert``."""
     num_tokens, hidden = x.shape
     top_k = topk_ids.shape[1]
     inter = gate_up.shape[1] // 2
@@ -310,11 +338,17 @@ def moe_gemv_ref(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top
     for t in range(num_tokens):
         for k in range(top_k):
             e = int(topk_ids[t, k])
-            h = x[t].float() @ _dequantized(gate_up[e], None if gate_up_scale is None else gate_up_scale[e]).T
+            if shared_expert is not None and e == gate_up.shape[0]:
+                w_gate_up, w_down, s_gate_up, s_down = shared_expert
+            else:
+                w_gate_up, w_down = gate_up[e], down[e]
+                s_gate_up = None if gate_up_scale is None else gate_up_scale[e]
+                s_down = None if down_scale is None else down_scale[e]
+            h = x[t].float() @ _dequantized(w_gate_up, s_gate_up).T
             if epilogue.gate_up_bias is not None:
                 h = h + epilogue.gate_up_bias[e].float()
             act = _activation_ref(h[:inter], h[inter:], epilogue).to(x.dtype)
-            y = act.float() @ _dequantized(down[e], None if down_scale is None else down_scale[e]).T
+            y = act.float() @ _dequantized(w_down, s_down).T
             if epilogue.down_bias is not None:
                 y = y + epilogue.down_bias[e].float()
             out[t, k] = (y * float(topk_weights[t, k])).to(x.dtype)
@@ -622,19 +656,36 @@ def _activated(gate, up, ACTIVATION: tl.constexpr, SWIGLU_LIMIT: tl.constexpr):
 
 
 @jit
+def _expert_bases(expert, e64, w_ptr, s_ptr, shared_w_ptr, shared_s_ptr, num_experts, stride_we, stride_se,
+                  HAS_SHARED: tl.constexpr):
+    """(expert e's weight base, its scale base): slot e of the stacks, or with HAS_SHARED and e == num_experts the
+    shared expert's own tensors (SharedExpert: the stacks' slot shapes and strides). A scalar select a program: each
+    program's rows belong to one expert."""
+    w_expert = w_ptr + e64 * stride_we
+    s_expert = s_ptr + e64 * stride_se
+    if HAS_SHARED:
+        is_shared = expert == num_experts
+        w_expert = tl.where(is_shared, shared_w_ptr, w_expert)
+        s_expert = tl.where(is_shared, shared_s_ptr, s_expert)
+    return w_expert, s_expert
+
+
+@jit
 def _gemv_gate_up_kernel(
     x_ptr, logits_ptr, ids_ptr, weights_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, act_ptr, part_ptr, arrivals_ptr,
-    num_experts, H, I, group, stride_x, stride_l, stride_we, stride_wn, stride_se, stride_sn, stride_be, stride_act,
+    shared_w_ptr, shared_s_ptr, num_experts, H, I, group, stride_x, stride_l, stride_we, stride_wn, stride_se,
+    stride_sn, stride_be, stride_act,
     TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, ROUTE_IN_KERNEL: tl.constexpr,
     RENORMALIZE: tl.constexpr, SCALES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, SWIGLU_LIMIT: tl.constexpr, PDL: tl.constexpr,
     AHEAD: tl.constexpr = False, ONE_LOAD: tl.constexpr = False, DOT: tl.constexpr = False, SPLIT: tl.constexpr = 1,
-    BITS: tl.constexpr = False, ASM: tl.constexpr = False,
+    BITS: tl.constexpr = False, ASM: tl.constexpr = False, HAS_SHARED: tl.constexpr = False,
 ):
     """act[a, rows] = SiLU(gate_e . x[t]) * (up_e . x[t]) for assignment a = program_id(0) (token t = a // TOP_K,
     expert e its slot's) and the BLOCK_N rows of tile program_id(1) (module docstring, step 1). DOT tiles with
     SPLIT > 1: program_id(2)'s share of H, its sums in part_ptr ((T * K * SPLIT, 2I) float32), the tile's last
-    arrival finishing (DOT_TILES)."""
+    arrival finishing (DOT_TILES). HAS_SHARED: expert id num_experts reads shared_w_ptr / shared_s_ptr
+    (SharedExpert)."""
     pdl_prologue(PDL)
     a = tl.program_id(0)
     tile = tl.program_id(1)
@@ -650,13 +701,15 @@ def _gemv_gate_up_kernel(
     else:
         expert = tl.load(ids_ptr + a)
     e64 = expert.to(tl.int64)
+    w_expert, s_expert = _expert_bases(expert, e64, w_ptr, s_ptr, shared_w_ptr, shared_s_ptr, num_experts, stride_we,
+                                       stride_se, HAS_SHARED)
     rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     rows_ok = rows < I
-    gate_rows = w_ptr + e64 * stride_we + rows.to(tl.int64)[:, None] * stride_wn
+    gate_rows = w_expert + rows.to(tl.int64)[:, None] * stride_wn
     x_row = x_ptr + token.to(tl.int64) * stride_x
     # the tile's scale rows (blocked: BLOCK_N divides 128 and I % 128 == 0, so gate's and up's rows each lie in one)
-    s_gate = s_ptr + e64 * stride_se + ((tile * BLOCK_N) // 128) * stride_sn
-    s_up = s_ptr + e64 * stride_se + ((tile * BLOCK_N + I) // 128) * stride_sn
+    s_gate = s_expert + ((tile * BLOCK_N) // 128) * stride_sn
+    s_up = s_expert + ((tile * BLOCK_N + I) // 128) * stride_sn
     acc = tl.zeros([BLOCK_N, SUB_K], dtype=tl.float32)
     if SCALES >= 3:  # H counts stored bytes; scale (/ zero) (E, groups, 2I): stride_sn is the group stride
         acc, acc_up = _stream_int4_rows(acc, acc, x_row, gate_rows, gate_rows + I * stride_wn, rows, rows + I, rows_ok,
@@ -681,8 +734,8 @@ def _gemv_gate_up_kernel(
                                      I, SPLIT)
     if last:  # (SPLIT 1: every program)
         if SCALES == 1:
-            gate *= tl.load(s_ptr + e64 * stride_se + rows, mask=rows_ok, other=0.0)
-            up *= tl.load(s_ptr + e64 * stride_se + I + rows, mask=rows_ok, other=0.0)
+            gate *= tl.load(s_expert + rows, mask=rows_ok, other=0.0)
+            up *= tl.load(s_expert + I + rows, mask=rows_ok, other=0.0)
         if HAS_BIAS:  # (E, 2I) rows [gate | up]
             gate += tl.load(bias_ptr + e64 * stride_be + rows, mask=rows_ok, other=0.0).to(tl.float32)
             up += tl.load(bias_ptr + e64 * stride_be + I + rows, mask=rows_ok, other=0.0).to(tl.float32)
@@ -692,11 +745,12 @@ def _gemv_gate_up_kernel(
 
 @jit
 def _gemv_down_kernel(
-    act_ptr, ids_ptr, weights_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, arrivals_ptr, H, I, group,
+    act_ptr, ids_ptr, weights_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, out_ptr, part_ptr, arrivals_ptr, shared_w_ptr,
+    shared_s_ptr, num_experts, H, I, group,
     stride_act, stride_we, stride_wn, stride_se, stride_sn, stride_be, stride_o,
     SCALES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, HAS_BIAS: tl.constexpr,
     PDL: tl.constexpr, AHEAD: tl.constexpr = False, ONE_LOAD: tl.constexpr = False, DOT: tl.constexpr = False,
-    SPLIT: tl.constexpr = 1, BITS: tl.constexpr = False, ASM: tl.constexpr = False,
+    SPLIT: tl.constexpr = 1, BITS: tl.constexpr = False, ASM: tl.constexpr = False, HAS_SHARED: tl.constexpr = False,
 ):
     """out_k[a, rows] = w_a * (down_e[rows] . act[a]) for assignment a = program_id(0) and the BLOCK_N rows of
     tile program_id(1) (module docstring, step 2). DOT tiles with SPLIT > 1: program_id(2)'s share of I, its sums
@@ -704,11 +758,14 @@ def _gemv_down_kernel(
     pdl_prologue(PDL)
     a = tl.program_id(0)
     tile = tl.program_id(1)
-    e64 = tl.load(ids_ptr + a).to(tl.int64)
+    expert = tl.load(ids_ptr + a)
+    e64 = expert.to(tl.int64)
+    w_expert, s_expert = _expert_bases(expert, e64, w_ptr, s_ptr, shared_w_ptr, shared_s_ptr, num_experts, stride_we,
+                                       stride_se, HAS_SHARED)
     rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     rows_ok = rows < H
-    w_rows = w_ptr + e64 * stride_we + rows.to(tl.int64)[:, None] * stride_wn
-    s_rows = s_ptr + e64 * stride_se + ((tile * BLOCK_N) // 128) * stride_sn
+    w_rows = w_expert + rows.to(tl.int64)[:, None] * stride_wn
+    s_rows = s_expert + ((tile * BLOCK_N) // 128) * stride_sn
     acc = tl.zeros([BLOCK_N, SUB_K], dtype=tl.float32)
     act_row = act_ptr + a.to(tl.int64) * stride_act
     if SCALES >= 3:  # I counts stored bytes; scale (/ zero) (E, groups, H)
@@ -736,19 +793,20 @@ def _gemv_down_kernel(
             for split in tl.static_range(SPLIT):  # (in split order: deterministic)
                 y += tl.load(part_ptr + (a * SPLIT + split).to(tl.int64) * H + rows, mask=rows_ok, other=0.0,
                              cache_modifier=".cg")
-            _finish_down(y, s_ptr, bias_ptr, weights_ptr, out_ptr, a, e64, rows, rows_ok, stride_se, stride_be,
-                         stride_o, SCALES, HAS_BIAS)
+            _finish_down(y, s_expert, bias_ptr, weights_ptr, out_ptr, a, e64, rows, rows_ok, stride_be, stride_o,
+                         SCALES, HAS_BIAS)
     else:
-        _finish_down(y, s_ptr, bias_ptr, weights_ptr, out_ptr, a, e64, rows, rows_ok, stride_se, stride_be, stride_o,
-                     SCALES, HAS_BIAS)
+        _finish_down(y, s_expert, bias_ptr, weights_ptr, out_ptr, a, e64, rows, rows_ok, stride_be, stride_o, SCALES,
+                     HAS_BIAS)
 
 
 @jit
-def _finish_down(y, s_ptr, bias_ptr, weights_ptr, out_ptr, a, e64, rows, rows_ok, stride_se, stride_be, stride_o,
+def _finish_down(y, s_expert, bias_ptr, weights_ptr, out_ptr, a, e64, rows, rows_ok, stride_be, stride_o,
                  SCALES: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """Row sums y (BLOCK_N,) float32 -> per-channel scales, bias, routing weight, rounded: out_k[a, rows]."""
+    """Row sums y (BLOCK_N,) float32 -> per-channel scales (s_expert: the expert's (H,)), bias, routing weight,
+    rounded: out_k[a, rows]."""
     if SCALES == 1:
-        y *= tl.load(s_ptr + e64 * stride_se + rows, mask=rows_ok, other=0.0)
+        y *= tl.load(s_expert + rows, mask=rows_ok, other=0.0)
     if HAS_BIAS:  # (E, H): the expert's row joins before its routing weight scales it
         y += tl.load(bias_ptr + e64 * stride_be + rows, mask=rows_ok, other=0.0).to(tl.float32)
     y *= tl.load(weights_ptr + a)
@@ -761,7 +819,7 @@ def moe_gemv_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, 
                     gate_up_scale: torch.Tensor | None = None, down_scale: torch.Tensor | None = None,
                     gate_up_zero: torch.Tensor | None = None, down_zero: torch.Tensor | None = None,
                     tiles: tuple | None = None, sum_experts: bool = True,
-                    epilogue: ExpertEpilogue = PLAIN_SILU) -> torch.Tensor:
+                    epilogue: ExpertEpilogue = PLAIN_SILU, shared_expert: SharedExpert | None = None) -> torch.Tensor:
     """The two launches: out_k (T, K, H), or summed over K (T, H) with ``sum_experts`` (in x's dtype, accumulated in
     float32). Routing from ``router_logits`` (T, E) inside gate_up's launch, or ``topk_weights`` / ``topk_ids``
     (T, K) given.
@@ -771,7 +829,8 @@ def moe_gemv_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, 
     gate_up / down uint8 (E, 2I, H / 2) / (E, H, I / 2), scales float32 and zeros uint8 (E, K / G, N)
     (kernels/fused_moe_wna16.py's kernel layout); MXFP4 experts: the same codes' shapes, E8M0 exponents uint8
     (E, K / 32, N) (kernels/fused_moe_mxfp4.py's kernel layout), no zeros; BLOCK_K counts stored bytes.
-    ``epilogue``: biases (gate_up (E, 2I), down (E, H), x's dtype) and the activation (silu, swiglu_clamped)."""
+    ``epilogue``: biases (gate_up (E, 2I), down (E, H), x's dtype) and the activation (silu, swiglu_clamped).
+    ``shared_expert``: rows with id E (given ids only) go through it, read in place (SharedExpert)."""
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = gate_up.shape
     inter = two_inter // 2
@@ -809,6 +868,11 @@ def moe_gemv_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, 
     gu_s, d_s = (gate_up_scale, down_scale) if kind else (weights, weights)  # (unread without scales)
     gu_z, d_z = (gate_up_zero, down_zero) if kind == INT4_GROUPS else (gate_up, down)  # (unread without zeros)
     gu_b, d_b = epilogue.gate_up_bias, epilogue.down_bias
+    if shared_expert is not None:
+        assert not route and kind in (NO_SCALES, ROW_SCALES, BLOCK_SCALES) and gu_b is None and d_b is None
+        assert shared_expert.suits(gate_up, down, gate_up_scale, down_scale)
+    shared_w = (gate_up, down) if shared_expert is None else shared_expert[:2]  # (unread without a shared expert)
+    shared_s = (gu_s, d_s) if shared_expert is None or not kind else shared_expert[2:]
     limit = float(epilogue.swiglu_limit) if epilogue.swiglu_limit is not None else 0.0
     gu_s3 = gu_s[..., None] if kind == ROW_SCALES else gu_s  # (per channel: the row index is added in the kernel)
     d_s3 = d_s[..., None] if kind == ROW_SCALES else d_s
@@ -822,7 +886,7 @@ def moe_gemv_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, 
         if g_split > 1 else weights
     _gemv_gate_up_kernel[(num_tokens * top_k, gu_tiles, g_split)](
         x, router_logits if route else x, ids, weights, gate_up, gu_s, gu_z, x if gu_b is None else gu_b, act,
-        gu_part, arrivals,
+        gu_part, arrivals, shared_w[0], shared_s[0],
         num_experts, k_gate_up, inter, group, x.stride(0), router_logits.stride(0) if route else 0, gate_up.stride(0),
         gate_up.stride(1), gu_s3.stride(0) if kind else 0, gu_s3.stride(1) if kind else 0,
         0 if gu_b is None else gu_b.stride(0), act.stride(0),
@@ -830,18 +894,18 @@ def moe_gemv_triton(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, 
         ROUTE_IN_KERNEL=route, RENORMALIZE=renormalize, SCALES=kind, BLOCK_N=gn, BLOCK_K=gk, SUB_K=gate_up_piece,
         HAS_BIAS=gu_b is not None, ACTIVATION=ACTIVATIONS[epilogue.activation], SWIGLU_LIMIT=limit,
         AHEAD=gate_up_ahead, ONE_LOAD=gate_up_once, DOT=gate_up_dot, SPLIT=g_split, BITS=gate_up_bits,
-        ASM=x.is_cuda, num_warps=gw, num_stages=gs, **pdl)
+        ASM=x.is_cuda, HAS_SHARED=shared_expert is not None, num_warps=gw, num_stages=gs, **pdl)
     out_k = torch.empty(num_tokens * top_k, hidden, dtype=x.dtype, device=x.device)
     d_part = torch.empty(num_tokens * top_k * d_split, hidden, dtype=torch.float32, device=x.device) \
         if d_split > 1 else weights
     _gemv_down_kernel[(num_tokens * top_k, d_tiles, d_split)](
-        act, ids, weights, down, d_s, d_z, act if d_b is None else d_b, out_k, d_part, arrivals, hidden, k_down,
-        group_down,
+        act, ids, weights, down, d_s, d_z, act if d_b is None else d_b, out_k, d_part, arrivals, shared_w[1],
+        shared_s[1], num_experts, hidden, k_down, group_down,
         act.stride(0), down.stride(0), down.stride(1), d_s3.stride(0) if kind else 0, d_s3.stride(1) if kind else 0,
         0 if d_b is None else d_b.stride(0), out_k.stride(0),
         SCALES=kind, BLOCK_N=dn, BLOCK_K=dk, SUB_K=down_piece, HAS_BIAS=d_b is not None, AHEAD=down_ahead,
-        ONE_LOAD=down_once, DOT=down_dot, SPLIT=d_split, BITS=down_bits, ASM=x.is_cuda, num_warps=dw, num_stages=ds,
-        **pdl)
+        ONE_LOAD=down_once, DOT=down_dot, SPLIT=d_split, BITS=down_bits, ASM=x.is_cuda,
+        HAS_SHARED=shared_expert is not None, num_warps=dw, num_stages=ds, **pdl)
     out_k = out_k.view(num_tokens, top_k, hidden)
     return out_k.sum(dim=1) if sum_experts else out_k  # (torch sums half types in float32, rounds once)
 

@@ -15,11 +15,12 @@ Maverick), following transformers' Llama4TextModel: the Llama block with
       out      = shared(x) + sum_k expert_{e_k}(s_k x)
 
   The fused expert kernels (kernels/fused_moe.py) run it as T * K rows x * s_k each routed to one
-  expert with weight 1. With $TRITONLLM_LLAMA4_STACK_SHARED=1 (off by default), where the shared expert
-  has a routed expert's shape and storage (Scout, Maverick), it is stacked at load as expert E beside the
-  routed ones (its Linears read views of that slot), and decode steps on CUDA run it as a second row of the
-  experts' launches: rows [x * s; x], ids [e; E] (kernels/llama4_router.py, which also holds the
-  post-attention norm), the two outputs left unsummed for the next norm.
+  expert with weight 1. With $TRITONLLM_LLAMA4_STACK_SHARED=1 (off by default), where the shared expert has a
+  routed expert's shape and storage (Scout, Maverick), decode steps whose 2T rows the experts' GEMV pair takes
+  (kernels/moe_gemv.py) run it as expert E beside the routed ones: rows [x * s; x], ids [e; E]
+  (kernels/llama4_router.py, which also holds the post-attention norm), the rows of id E reading the shared
+  expert's own Linear weights where they lie (kernels/moe_gemv.py SharedExpert: no copy), the two outputs left
+  unsummed for the next norm.
 
 Tensor parallelism: as the Llama block (heads) and engine/models/moe.py (experts sliced along
 their width); the shared expert's down projection is a partial sum that joins the routed part in
@@ -68,7 +69,7 @@ from kernels.fused_moe_wna16 import WNA16Experts, fused_moe_wna16_triton, gemv_q
 from kernels.llama4_attention import nope_attention, rope_chunked_attention
 from kernels.llama4_router import (ROUTE_ROWS, Top1Routing, reserve_route_workspace, route_top1_fits,
                                    route_top1_triton)
-from kernels.moe_gemv import GemvExperts, gemv_tiles, moe_gemv_triton
+from kernels.moe_gemv import GemvExperts, SharedExpert, gemv_tiles, moe_gemv_triton
 
 
 # "0": Llama 4's MoE layers route as the unfused torch path at every batch (the post-attention norm, the router
@@ -76,11 +77,17 @@ from kernels.moe_gemv import GemvExperts, gemv_tiles, moe_gemv_triton
 # kernels/llama4_router.py with the shared expert as the experts' second row. An A/B switch, read at every call (a
 # CUDA graph keeps what its capture saw).
 ONE_LAUNCH_ROUTING_ENV = "TRITONLLM_LLAMA4_ONE_LAUNCH_ROUTING"
-# "1": Llama4ForCausalLM.init_buffers stacks each MoE layer's shared expert beside its routed experts
-# (Llama4Experts.stack_shared_expert), so decode steps run it as the experts' second row. Default "0" (off): on an
-# H200 Scout's FP8 load then ran out of memory (call 7, 2026-12-01: 110 GiB allocated and 28 GiB reserved but
-# unallocated, the per-layer torch.cat's freed stacks left as fragments), until the stacks are declared with the
-# slot up front. Read once at load.
+# "1": Llama 4's shared expert rides as the experts' extra row at the GEMV pair's decode counts
+# (Llama4Experts.share_expert_rows); default "0": it runs through its own Linears at every batch. Read once at load
+# (init_buffers). Off until an H200 has timed it (benchmarks/next_gpu_runs.md), and FP8 rounds differently: the
+# shared expert's rows are W8A16 in the GEMV pair, W8A8 (per-token E4M3 activations) in its Linears (the tiny FP8
+# model: 2.2% relative RMS between the two, tests/engine/test_llama4_fp8.py); model-dtype experts agree to 1e-5.
+# The rows of id E read the shared expert's Linear weights in place (kernels/moe_gemv.py SharedExpert): an earlier
+# form torch.cat'ed it onto the expert stacks at load, and on an H200 Scout's FP8 load ran out of memory (call 7,
+# 2026-12-01: 110 GiB allocated and 28 GiB reserved but unallocated, each layer's freed E stack a fragment).
+# Why the GEMV pair alone takes it: each of its programs streams one expert's rows, so choosing the shared expert's
+# base is a scalar select a program; the grouped kernels' tiles span rows of one expert of the sorted stacks, and
+# rows past the GEMV counts (T > 4) keep the separate shared expert, as before.
 STACK_SHARED_ENV = "TRITONLLM_LLAMA4_STACK_SHARED"
 
 
@@ -109,34 +116,36 @@ class Llama4Experts(nn.Module):
                                           quantization=quantization)
         self.shared_down_proj = Linear(shared_local, hidden, bias=False, dtype=dtype, device=device,
                                        quantization=quantization)  # partial sum
-        self.shared_slot: int | None = None  # stack_shared_expert(): the shared expert's index in the stacks
+        self.shared_slot: int | None = None  # share_expert_rows(): the id E the shared expert's rows carry
 
-    @torch.no_grad()
-    def stack_shared_expert(self) -> None:
+    def share_expert_rows(self) -> None:
         """Once after loading: where the shared expert has a routed expert's shape and storage (Scout and Maverick:
-        one shared expert of the routed width; model-dtype or FP8 experts with its Linears in the same scheme), append
-        it to the expert stacks as expert E and make its Linears' weights and scales views of that slot (one copy).
-        Decode steps then run it as a second row of the experts' launches (forward_normed) instead of its own two
-        products, their activation quantizations and the add. A no-op otherwise, or when done."""
-        if self.shared_slot is not None or self.weight_only is not None:
-            return
-        pairs = {"gate_up_proj": self.shared_gate_up_proj, "down_proj": self.shared_down_proj}
+        one shared expert of the routed width; model-dtype or FP8 experts with its Linears in the same scheme and
+        layout), decode steps of the GEMV pair's row counts run it as expert E, a second row of the experts'
+        launches (forward_normed), instead of its own two products, their activation quantizations and the add.
+        Nothing is copied or moved: the rows of id E read its Linears' weights (shared_expert). A no-op otherwise."""
+        if self.weight_only is None and not any(getattr(linear, "int8", False) for linear in
+                                                (self.shared_gate_up_proj, self.shared_down_proj)):
+            fp8 = self.gate_up_proj.dtype == FP8_DTYPE
+            stacks = (self.gate_up_proj, self.down_proj) + ((self.gate_up_proj_scale, self.down_proj_scale) if fp8
+                                                            else (None, None))
+            shared = self.shared_expert()
+            same_blocks = not fp8 or all(linear.block_scales == (self.gate_up_proj_scale.dim() == 3)
+                                         for linear in (self.shared_gate_up_proj, self.shared_down_proj))
+            if same_blocks and shared.suits(*stacks[:2], *stacks[2:]):
+                self.shared_slot = self.gate_up_proj.shape[0]
+
+    def shared_expert(self) -> SharedExpert:
+        """The shared expert's Linears as kernels/moe_gemv.py's extra expert (their weights, FP8: their scales)."""
         fp8 = self.gate_up_proj.dtype == FP8_DTYPE
-        for name, linear in pairs.items():
-            stack = getattr(self, name)
-            if linear.weight.dtype != stack.dtype or linear.weight.shape != stack.shape[1:] or linear.int8:
-                return
-            scale = getattr(self, name + "_scale", None)
-            if fp8 and (linear.weight_scale is None or linear.weight_scale.shape != scale.shape[1:]
-                        or linear.block_scales != (scale.dim() == 3)):
-                return
-        slot = self.gate_up_proj.shape[0]
-        for name, linear in pairs.items():
-            for suffix, source in (("", "weight"), ("_scale", "weight_scale")) if fp8 else (("", "weight"),):
-                stacked = torch.cat([getattr(self, name + suffix), getattr(linear, source)[None]])
-                setattr(self, name + suffix, nn.Parameter(stacked, requires_grad=False))
-                setattr(linear, source, nn.Parameter(stacked[slot], requires_grad=False))
-        self.shared_slot = slot
+        gate_up, down = self.shared_gate_up_proj, self.shared_down_proj
+        scales = (gate_up.weight_scale, down.weight_scale) if fp8 else (None, None)
+        return SharedExpert(gate_up.weight, down.weight, *scales)
+
+    def shares_expert_rows(self, num_tokens: int) -> bool:
+        """Whether a one-launch routing of ``num_tokens`` (routes_in_one_launch) puts the shared expert's rows
+        beside the routed ones: shared (share_expert_rows) and its 2T rows at a count the GEMV pair takes."""
+        return self.shared_slot is not None and gemv_tiles(self.gate_up_proj, 2 * num_tokens) is not None
 
     @torch.no_grad()
     def prepare_weights(self) -> None:
@@ -147,9 +156,10 @@ class Llama4Experts(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x (T, hidden) -> (T, hidden), all-reduced over ranks. Top-1 decode steps on CUDA route in one launch
         (kernels/llama4_router.py), which also quantizes x for a per-channel FP8 shared expert; with the shared
-        expert stacked they return (T, 2, hidden) unsummed on one rank (_experts_and_shared)."""
+        expert's rows beside the routed ones (shares_expert_rows) they return (T, 2, hidden) unsummed on one rank
+        (_experts_and_shared)."""
         if self.routes_in_one_launch(x.shape[0]) and x.stride(1) == 1:
-            return self._experts_and_shared(self._route(x, None))
+            return self._experts_and_shared(self._route(x, None), self.shares_expert_rows(x.shape[0]))
         num_tokens, hidden = x.shape
         top_logits, ids = self.router(x).topk(self.top_k, dim=-1)
         scores = torch.sigmoid(top_logits.float()).to(x.dtype)  # (T, K), transformers' rounding
@@ -171,23 +181,23 @@ class Llama4Experts(nn.Module):
         """(forward of rms_norm(x + residual), the new residual) with the post-attention norm inside the routing
         launch; only where routes_in_one_launch(T). The output may be (T, 2, hidden) unsummed (forward's)."""
         routing = self._route(x, (residual, norm_weight, eps))
-        return self._experts_and_shared(routing), routing.residual
+        return self._experts_and_shared(routing, self.shares_expert_rows(x.shape[0])), routing.residual
 
     def _route(self, x: torch.Tensor, norm: tuple | None) -> Top1Routing:
-        """kernels/llama4_router.py's one launch: the shared expert's rows beside the routed ones where it is
-        stacked, else its input quantized for per-channel FP8 Linears."""
-        if self.shared_slot is not None:
+        """kernels/llama4_router.py's one launch: the shared expert's rows beside the routed ones where
+        shares_expert_rows, else its input quantized for per-channel FP8 Linears."""
+        if self.shares_expert_rows(x.shape[0]):
             return route_top1_triton(x, self.router.weight, norm=norm, shared_slot=self.shared_slot)
         quantize = self.shared_gate_up_proj.takes_quantized_rows(x)
         return route_top1_triton(x, self.router.weight, quantize=quantize, norm=norm)
 
-    def _experts_and_shared(self, routing: Top1Routing) -> torch.Tensor:
-        """The routed rows through their experts, plus the shared expert of the routing's shared input: with the
-        shared expert stacked, both in the experts' launches, returned unsummed on one rank ((T, 2, hidden), a
-        view of the (2T, hidden) rows: the next residual-add norm sums the two in its own pass, as
-        SparseMoeBlock's unsummed experts)."""
-        out = self.routed_experts(routing.rows, routing.ids, routing.weights)
-        if self.shared_slot is None:
+    def _experts_and_shared(self, routing: Top1Routing, shared_rows: bool) -> torch.Tensor:
+        """The routed rows through their experts, plus the shared expert of the routing's shared input: with its
+        rows beside them (``shared_rows``: _route gave them), both in the experts' launches, returned unsummed on
+        one rank ((T, 2, hidden), a view of the (2T, hidden) rows: the next residual-add norm sums the two in its
+        own pass, as SparseMoeBlock's unsummed experts)."""
+        out = self.routed_experts(routing.rows, routing.ids, routing.weights, shared_rows=shared_rows)
+        if not shared_rows:
             return self._plus_shared(out, routing.shared_input)
         both = out.view(2, -1, out.shape[1]).transpose(0, 1)  # (T, [routed, shared], hidden)
         return both if self.tp_group is None else tp_all_reduce(both.sum(dim=1), self.tp_group)
@@ -199,10 +209,12 @@ class Llama4Experts(nn.Module):
         out = routed + self.shared_down_proj(self.shared_gate_up_proj.gated(x, quantize_output=quantize))
         return out if self.tp_group is None else tp_all_reduce(out, self.tp_group)
 
-    def routed_experts(self, rows: torch.Tensor, ids: torch.Tensor, ones: torch.Tensor | None = None) -> torch.Tensor:
+    def routed_experts(self, rows: torch.Tensor, ids: torch.Tensor, ones: torch.Tensor | None = None, *,
+                       shared_rows: bool = False) -> torch.Tensor:
         """rows (R, hidden), each for the one expert of ids (R, 1) with weight 1 (``ones`` (R, 1) float32, or made
         here) -> (R, hidden): the GEMV pair at the row counts the load-time choice marked on gate_up (decode
-        steps), else the grouped kernels; unsummed (``sum_experts=False``: a row's one expert needs no sum)."""
+        steps), else the grouped kernels; unsummed (``sum_experts=False``: a row's one expert needs no sum).
+        ``shared_rows``: ids may be E, the shared expert (shares_expert_rows: the GEMV pair's counts alone)."""
         if ones is None:
             ones = torch.ones(rows.shape[0], 1, dtype=torch.float32, device=rows.device)
         if self.weight_only is not None:
@@ -210,8 +222,11 @@ class Llama4Experts(nn.Module):
         fp8 = self.gate_up_proj.dtype == FP8_DTYPE
         scales = dict(gate_up_scale=self.gate_up_proj_scale, down_scale=self.down_proj_scale) if fp8 else {}
         if use_triton(rows) and (tiles := gemv_tiles(self.gate_up_proj, rows.shape[0])) is not None:
+            shared = self.shared_expert() if shared_rows else None
             out = moe_gemv_triton(rows, self.gate_up_proj, self.down_proj, top_k=1, topk_weights=ones, topk_ids=ids,
-                                  tiles=tiles, sum_experts=False, **scales)
+                                  tiles=tiles, sum_experts=False, shared_expert=shared, **scales)
+        elif shared_rows:
+            raise AssertionError("the shared expert's rows take the GEMV pair alone (shares_expert_rows)")
         elif fp8:
             out = fused_moe_fp8(rows, self.gate_up_proj, self.gate_up_proj_scale, self.down_proj,
                                 self.down_proj_scale, ones, ids, sum_experts=False)
@@ -312,20 +327,14 @@ class Llama4ForCausalLM(LlamaForCausalLM):
 
     def init_buffers(self, device: torch.device) -> None:
         """LlamaForCausalLM's, the one routing launch's workspace, and (with $TRITONLLM_LLAMA4_STACK_SHARED=1) each
-        MoE layer's shared expert stacked beside its routed ones (once, after loading: stack_shared_expert)."""
+        MoE layer's shared expert as its experts' extra row (once, after loading: share_expert_rows; no copy)."""
         super().init_buffers(device)
-        stacked = False
-        stack_shared = os.environ.get(STACK_SHARED_ENV, "0").strip() == "1"
+        share = os.environ.get(STACK_SHARED_ENV, "0").strip() == "1"
         for layer in self.layers:
-            if stack_shared and isinstance(layer.moe, Llama4Experts) and layer.moe.shared_slot is None:
-                layer.moe.stack_shared_expert()
-                stacked = stacked or layer.moe.shared_slot is not None
+            if share and isinstance(layer.moe, Llama4Experts) and layer.moe.shared_slot is None:
+                layer.moe.share_expert_rows()
         if torch.device(device).type != "cuda":
             return
-        if stacked:
-            # Each layer's old stacks (a slot shorter than the new ones: never reused by the next layer's) went back
-            # to the caching allocator; hand them to the driver before the KV pool is sized from what is free.
-            torch.cuda.empty_cache()
         routers = {layer.moe.router.out_features for layer in self.layers
                    if isinstance(layer.moe, Llama4Experts) and layer.moe.routes_in_one_launch(1)}
         for num_experts in routers:  # the one-launch routing's workspace, before any graph captures it

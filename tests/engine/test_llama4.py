@@ -100,36 +100,42 @@ def test_engine_on_cuda_equals_transformers(llama4):
     assert_cuda_steps_equal_transformers(hf, engine_dir)
 
 
-@pytest.mark.parametrize("stacked", [False, True])
-def test_one_launch_routing_with_the_norm_equals_the_unfused_moe_block(llama4, stacked, monkeypatch):
+# The experts' GEMV pair at every decode count, as a load-time choice may mark it (few programs: the interpreter's time)
+GEMV_MARKS = {count: ((64, 128, 8, 2), (64, 128, 8, 2)) for count in (1, 2, 4, 8)}
+
+
+@pytest.mark.parametrize("shared_rows", [False, True])
+def test_one_launch_routing_with_the_norm_equals_the_unfused_moe_block(llama4, shared_rows, monkeypatch):
     """Llama4Experts.forward_normed (kernels/llama4_router.py: the post-attention residual add and norm, the router,
-    top-1, sigmoid and input scaling in one launch, as decode steps on CUDA run it; the shared expert stacked as
-    expert 4, a second row of the experts' launches, its Linears views of that slot) against the norm, then the
-    router Linear, topk, sigmoid and scaling in torch and the shared expert's Linears, on the tiny model's first MoE
-    layer. GPU, or TRITON_INTERPRET=1 on CPU (the experts then on their references)."""
+    top-1, sigmoid and input scaling in one launch, as decode steps on CUDA run it; the shared expert as expert 4, a
+    second row of the experts' GEMV pair that reads its Linears' weights where they lie, nothing copied) against the
+    norm, then the router Linear, topk, sigmoid and scaling in torch and the shared expert's Linears, on the tiny
+    model's first MoE layer. GPU, or TRITON_INTERPRET=1 on CPU (the experts' GEMV pair in the interpreter)."""
     import os
 
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("needs a CUDA device (or TRITON_INTERPRET=1)")
     from kernels.rmsnorm import rms_norm_ref
 
+    from kernels.moe_gemv import mark_gemv
+
     from engine.models.llama4 import STACK_SHARED_ENV
 
-    monkeypatch.setenv(STACK_SHARED_ENV, "1" if stacked else "0")
+    monkeypatch.setenv(STACK_SHARED_ENV, "1" if shared_rows else "0")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     layer = ModelRunner(llama4[1], device=device).model.layers[1]
     moe, norm_weight = layer.moe, layer.post_attn_norm.weight
+    monkeypatch.setattr("engine.models.llama4.use_triton", lambda tensor: True)  # (the interpreter's CPU tensors)
+    mark_gemv(moe.gate_up_proj, GEMV_MARKS)
     gen = torch.Generator().manual_seed(9)
     x, residual = (torch.randn(3, norm_weight.shape[0], generator=gen).to(device) for _ in range(2))
-    if stacked:
-        assert moe.shared_slot == 4 and moe.gate_up_proj.shape[0] == 5 and moe.down_proj.shape[0] == 5
-        assert moe.shared_gate_up_proj.weight.data_ptr() == moe.gate_up_proj[4].data_ptr()
-        assert moe.shared_down_proj.weight.data_ptr() == moe.down_proj[4].data_ptr()
-    else:
-        assert moe.shared_slot is None and moe.gate_up_proj.shape[0] == 4
+    assert moe.gate_up_proj.shape[0] == moe.down_proj.shape[0] == 4  # (no stacked copy)
+    assert moe.shared_slot == (4 if shared_rows else None)
+    assert moe.shares_expert_rows(3) == moe.shares_expert_rows(4) == shared_rows
+    assert not moe.shares_expert_rows(5)  # (10 rows: past the GEMV pair's counts)
     with torch.inference_mode():
         got, got_residual = moe.forward_normed(x, residual, norm_weight, layer.eps)
-        if stacked:
+        if shared_rows:
             assert got.shape == (3, 2, x.shape[1])  # [routed, shared] unsummed: the next norm sums them
             got = got.sum(dim=1)
         h, want_residual = rms_norm_ref(x, norm_weight, layer.eps, residual)
@@ -140,13 +146,14 @@ def test_one_launch_routing_with_the_norm_equals_the_unfused_moe_block(llama4, s
     assert len(set(ids.flatten().tolist())) > 1  # (the tokens go to different experts)
 
 
-@pytest.mark.parametrize("stacked", [False, True])
-def test_cuda_decode_path_in_the_interpreter_equals_transformers(llama4, stacked, monkeypatch):
+@pytest.mark.parametrize("shared_rows", [False, True])
+def test_cuda_decode_path_in_the_interpreter_equals_transformers(llama4, shared_rows, monkeypatch):
     """The code decode steps run on CUDA, on CPU through Triton's interpreter (TRITON_INTERPRET=1; on a GPU
     test_engine_on_cuda_equals_transformers covers it): the Llama 4 modules' kernel dispatch told it is on CUDA, so
     each layer's attention is the one decode kernel (kernels/llama4_attention.py), each MoE layer's post-attention
-    norm and routing the one launch with the shared expert stacked as expert 4 (kernels/llama4_router.py), and the
-    unsummed [routed, shared] rows go to the next norm. A prompt, then decode steps across the chunk boundaries at
+    norm and routing the one launch (kernels/llama4_router.py), the experts the GEMV pair (marked as a load-time
+    choice may), with the shared expert as its expert 4 (its own weights read in place), and the unsummed [routed,
+    shared] rows go to the next norm. A prompt, then decode steps across the chunk boundaries at
     16 and 24: transformers' float32 logits within 1e-4."""
     import os
 
@@ -155,9 +162,10 @@ def test_cuda_decode_path_in_the_interpreter_equals_transformers(llama4, stacked
     import engine.models.llama4 as llama4_model
     import kernels.chunked_attention
     import kernels.llama4_attention
+    import kernels.moe_gemv
     import kernels.rope_attention
 
-    calls = {"one-kernel attention": 0, "routing launch": 0}
+    calls = {"one-kernel attention": 0, "routing launch": 0, "shared expert rows": 0}
 
     def counted(name, function, counts=lambda kwargs: True):
         def call(*args, **kwargs):
@@ -172,11 +180,17 @@ def test_cuda_decode_path_in_the_interpreter_equals_transformers(llama4, stacked
                                 lambda kwargs: kwargs.get("new_kv") is not None))
     monkeypatch.setattr(llama4_model, "route_top1_triton",
                         counted("routing launch", llama4_model.route_top1_triton))
-    monkeypatch.setenv(llama4_model.STACK_SHARED_ENV, "1" if stacked else "0")
+    monkeypatch.setattr(llama4_model, "moe_gemv_triton",
+                        counted("shared expert rows", llama4_model.moe_gemv_triton,
+                                lambda kwargs: kwargs.get("shared_expert") is not None))
+    monkeypatch.setenv(llama4_model.STACK_SHARED_ENV, "1" if shared_rows else "0")
     hf, engine_dir = llama4
     runner = ModelRunner(engine_dir)
     slots = [layer.moe.shared_slot for layer in runner.model.layers if layer.moe is not None]
-    assert slots == ([4, 4] if stacked else [None, None])
+    assert slots == ([4, 4] if shared_rows else [None, None])
+    for layer in runner.model.layers:
+        if layer.moe is not None:
+            kernels.moe_gemv.mark_gemv(layer.moe.gate_up_proj, GEMV_MARKS)
     session = PagedSession(runner, num_blocks=64)
     sequence = random_tokens(27, 4)
     expected = hf_logits(hf, sequence)
@@ -185,7 +199,9 @@ def test_cuda_decode_path_in_the_interpreter_equals_transformers(llama4, stacked
     for pos in range(10, 27):
         (decode,) = session.step([(0, [sequence[pos]])])
         assert (decode - expected[pos:pos + 1]).abs().max().item() <= 1e-4, pos
-    assert calls == {"one-kernel attention": 4 * 17, "routing launch": 2 * 18}
+    # (the 10-token prompt routes in the launch too, its 20 rows past the GEMV pair's counts: no shared rows)
+    assert calls == {"one-kernel attention": 4 * 17, "routing launch": 2 * 18,
+                     "shared expert rows": 2 * 17 if shared_rows else 0}
 
 
 def test_one_launch_routing_switch(llama4, monkeypatch):

@@ -90,23 +90,79 @@ def test_fp8_logits_are_the_dequantized_weights_within_activation_rounding(engin
     assert ((quantized - unquantized).norm() / unquantized.norm()).item() < 0.10
 
 
-@pytest.mark.parametrize("quantization", ["fp8", "fp8_block"])
-def test_shared_expert_is_stacked_beside_the_routed_ones_as_views(engines, quantization, monkeypatch):
-    """Llama4Experts.stack_shared_expert at load ($TRITONLLM_LLAMA4_STACK_SHARED=1): the shared expert's E4M3 codes
-    and scales become expert 4 of the stacks (per channel or per block), and its Linears read views of that slot (one copy)."""
-    from engine.executor.runner import ModelRunner
+@pytest.mark.parametrize("quantization", [None, "fp8", "fp8_block"])
+def test_shared_expert_rows_read_its_linears_in_place(quantization, monkeypatch):
+    """Llama4Experts.share_expert_rows at init_buffers ($TRITONLLM_LLAMA4_STACK_SHARED=1; off by default): the
+    shared expert becomes the experts' id 4 without a copy: every parameter's storage (the expert stacks', the
+    shared Linears') is where it was before, the stacks still hold the 4 routed experts, and the GEMV pair's
+    SharedExpert is the Linears' own weights and scales (per channel or per block)."""
+    from engine.convert import model_config_from_hf
+    from engine.executor.random_weights import materialize_random_weights
     from engine.models.llama4 import STACK_SHARED_ENV
 
-    assert ModelRunner(engines[quantization]).model.layers[1].moe.shared_slot is None  # (off by default)
-    monkeypatch.setenv(STACK_SHARED_ENV, "1")
-    moe = ModelRunner(engines[quantization]).model.layers[1].moe
-    assert moe.shared_slot == 4
-    for name, linear in (("gate_up_proj", moe.shared_gate_up_proj), ("down_proj", moe.shared_down_proj)):
-        stack, scales = getattr(moe, name), getattr(moe, name + "_scale")
-        assert stack.shape[0] == scales.shape[0] == 5 and stack.dtype == torch.float8_e4m3fn
-        assert linear.weight.data_ptr() == stack[4].data_ptr() and linear.weight.shape == stack.shape[1:]
-        assert linear.weight_scale.data_ptr() == scales[4].data_ptr()
-        assert scales.dim() == (3 if quantization == "fp8_block" else 2)
+    cfg = model_config_from_hf(llama4_of_trained_scale().config)
+    for switch, slot in ((None, None), ("0", None), ("1", 4)):
+        if switch is None:
+            monkeypatch.delenv(STACK_SHARED_ENV, raising=False)  # (the default: off)
+        else:
+            monkeypatch.setenv(STACK_SHARED_ENV, switch)
+        model = materialize_random_weights(Llama4ForCausalLM(cfg, device="meta", quantization=quantization),
+                                           torch.device("cpu"), seed=0)
+        before = {name: (t.data_ptr(), tuple(t.shape)) for name, t in model.state_dict().items()}
+        model.init_buffers(torch.device("cpu"))
+        assert {name: (t.data_ptr(), tuple(t.shape)) for name, t in model.state_dict().items()} == before
+        moe = model.layers[1].moe
+        assert moe.shared_slot == slot and moe.gate_up_proj.shape[0] == moe.down_proj.shape[0] == 4
+    shared = moe.shared_expert()
+    assert shared.gate_up is moe.shared_gate_up_proj.weight and shared.down is moe.shared_down_proj.weight
+    if quantization is not None:
+        assert shared.gate_up_scale is moe.shared_gate_up_proj.weight_scale
+        assert shared.down_scale.dim() == moe.down_proj_scale.dim() - 1 == (2 if quantization == "fp8_block" else 1)
+
+
+@pytest.mark.parametrize("quantization", [None, "fp8", "fp8_block"])
+def test_shared_expert_rows_keep_the_argmax_and_logits(engines, quantization, monkeypatch, tmp_path):
+    """Decode steps as CUDA runs them, in Triton's interpreter (TRITON_INTERPRET=1): the MoE layers' one-launch
+    routing and the experts' GEMV pair (marked at every decode count, as a load-time choice may), with the shared
+    expert as the pair's expert 4 ($TRITONLLM_LLAMA4_STACK_SHARED=1) against the switch off (its own Linears and
+    the add), over 12 teacher-forced decode steps. Float32 model: the same products, the same argmax at every
+    step, logits within 1e-5. FP8: the shared expert's W8A16 rows against its W8A8 Linears (per-token E4M3
+    activations) differ by that rounding: measured relative RMS 2.2-2.3% between the two, argmax agreement 1.0
+    (bounds 3%, 0.9); each 4.2-4.4% from the oracle (the float32 engine of the same weights dequantized), within
+    the FP8 engines' 6%. (Free-running greedy ids of this tiny random model diverged at the third step in fp8:
+    two logits within that rounding.)"""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("TRITON_INTERPRET=1 only (on a GPU the Scout command in benchmarks/next_gpu_runs.md measures it)")
+    import engine.models.llama4 as llama4_model
+    from engine.executor.runner import ModelRunner
+    from engine_testing import PagedSession
+    from kernels.moe_gemv import mark_gemv
+
+    monkeypatch.setattr(llama4_model, "use_triton", lambda tensor: True)
+    oracle = None if quantization is None else dequantized_engine(engines[quantization], str(tmp_path / "oracle"))
+    runs = {}
+    for name, engine_dir, switch in (("off", engines[quantization], "0"), ("on", engines[quantization], "1"),
+                                     ("oracle", oracle, "1")):
+        if engine_dir is None:
+            continue
+        monkeypatch.setenv(llama4_model.STACK_SHARED_ENV, switch)
+        runner = ModelRunner(engine_dir)
+        for layer in runner.model.layers:
+            if layer.moe is not None:
+                assert layer.moe.shared_slot == (4 if switch == "1" else None)
+                mark_gemv(layer.moe.gate_up_proj, {count: ((64, 128, 8, 2), (64, 128, 8, 2)) for count in (1, 2, 4, 8)})
+        session = PagedSession(runner, num_blocks=16)
+        session.step([(0, IDS[:6])])
+        runs[name] = torch.cat([session.step([(0, [token])])[0] for token in IDS[6:18]])
+    off, on = runs["off"], runs["on"]
+    if quantization is None:
+        assert torch.equal(on.argmax(-1), off.argmax(-1))
+        assert ((on - off).abs().max() / off.abs().max()).item() <= 1e-5
+        return
+    relative = {name: ((runs[name] - runs["oracle"]).norm() / runs["oracle"].norm()).item() for name in ("off", "on")}
+    between = ((on - off).norm() / off.norm()).item()
+    assert between < 0.03 and (on.argmax(-1) == off.argmax(-1)).float().mean().item() >= 0.9, between
+    assert max(relative.values()) < 0.06, relative  # (test_fp8_logits_are_the_dequantized_weights_...'s bound)
 
 
 def test_int8_sq_is_refused_by_name(engines, tmp_path, capsys):

@@ -230,6 +230,41 @@ def test_dot_tiles_equal_the_reference(device, num_tokens, kind, layout, tiles):
         assert torch.equal(again, out)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind, tiles", [
+    ("model", ((64, 128, 8, 2), (64, 128, 8, 2))),
+    ("fp8_channel", ((64, 128, 4, 3, "db"), (64, 128, 8, 2))),
+    ("fp8_block", ((64, 128, 8, 2), (64, 128, 4, 3, "db2"))),
+])
+def test_shared_expert_read_in_place_equals_it_stacked(device, kind, tiles):
+    """A SharedExpert (Llama 4's shared expert as the experts' extra row, read from its own tensors): rows with id E
+    give exactly what the same kernels give with it stacked as expert E (torch.cat, the load-time copy this avoids),
+    and the reference; the routed rows beside them are untouched. Plain and DOT tiles, each weight kind."""
+    from kernels.moe_gemv import SharedExpert
+
+    gate_up, gu_s, down, d_s = experts(kind, seed=95)  # EXPERTS of them: the last is the shared one
+    routed = [t[:-1].clone() if t is not None else None for t in (gate_up, gu_s, down, d_s)]
+    shared = SharedExpert(*(t[-1].clone() if t is not None else None for t in (gate_up, down, gu_s, d_s)))
+    ids = torch.tensor([[2], [5], [EXPERTS - 1], [EXPERTS - 1]], dtype=torch.int32)  # [routed; shared] rows
+    x = randn(4, HIDDEN, seed=96)
+    ones = torch.ones(4, 1)
+    on = lambda *tensors: [t.to(device) if t is not None else None for t in tensors]  # noqa: E731
+    x_d, ids_d, ones_d, gate_up_d, gu_s_d, down_d, d_s_d = on(x, ids, ones, gate_up, gu_s, down, d_s)
+    r_gate_up, r_gu_s, r_down, r_d_s = on(*routed)
+    shared = SharedExpert(*on(*shared))
+    assert shared.suits(r_gate_up, r_down, r_gu_s, r_d_s)
+    got = moe_gemv_triton(x_d, r_gate_up, r_down, top_k=1, topk_weights=ones_d, topk_ids=ids_d, gate_up_scale=r_gu_s,
+                          down_scale=r_d_s, tiles=tiles, sum_experts=False, shared_expert=shared)
+    stacked = moe_gemv_triton(x_d, gate_up_d, down_d, top_k=1, topk_weights=ones_d, topk_ids=ids_d,
+                              gate_up_scale=gu_s_d, down_scale=d_s_d, tiles=tiles, sum_experts=False)
+    assert torch.equal(got, stacked)
+    ref = moe_gemv_ref(x, routed[0], routed[2], ones, ids, routed[1], routed[3],
+                       shared_expert=SharedExpert(*(t.cpu() if t is not None else None for t in shared)))
+    assert torch.equal(ref, moe_gemv_ref(x, gate_up, down, ones, ids, gu_s, d_s))
+    assert relative_error(got.cpu(), ref) < TOLERANCES[torch.float32]
+    assert not shared.suits(r_gate_up, r_down[:, :, :64], r_gu_s, r_d_s)  # (a slot shape it does not have)
+
+
 def test_dot_tiles_are_candidates_of_the_model_dtype_and_fp8_alone(monkeypatch):
     """DOT tiles: candidates of model-dtype and FP8 experts by default (none with $TRITONLLM_MOE_GEMV_DOT=0), not of
     4-bit codes; blocked scales need BLOCK_K <= 128 (one scale block a step); the split is the options' digits."""
@@ -397,6 +432,20 @@ def test_compiles_for_sm90_without_spills(kind, which, tiles, tmp_path, monkeypa
     """Triton's compiler and ptxas (no GPU) on the Qwen3-30B-A3B shape's kernels for every candidate (MXFP4:
     gpt-oss's, with its biases and clamped SwiGLU; AHEAD and DOT tiles as $TRITONLLM_MOE_GEMV_AHEAD=1 and
     $TRITONLLM_MOE_GEMV_DOT=1 have them timed): no local memory (spills)."""
+    assert_compiles_without_spills(kind, which, tiles, tmp_path, monkeypatch)
+
+
+@AOT
+@pytest.mark.parametrize("kind", [NO_SCALES, ROW_SCALES, BLOCK_SCALES])
+@pytest.mark.parametrize("which", ["gate_up", "down"])
+@pytest.mark.parametrize("tiles", [(16, 128, 1, 4, "d"), (16, 128, 1, 4, "db"), (8, 1024, 4, 2)])
+def test_shared_expert_compiles_for_sm90_without_spills(kind, which, tiles, tmp_path, monkeypatch):
+    """With a SharedExpert (HAS_SHARED: each program's weight and scale bases a scalar select of two pointers) the
+    kernels Llama 4 Scout's choice takes (DOT / BITS, and the plain (8, 1024, 4, 2)) compile without spills."""
+    assert_compiles_without_spills(kind, which, tiles, tmp_path, monkeypatch, shared=True)
+
+
+def assert_compiles_without_spills(kind, which, tiles, tmp_path, monkeypatch, shared=False):
     from kernels.moe_gemv import (AHEAD_ENV, DOT_COLS, DOT_ENV, _gemv_down_kernel, _gemv_gate_up_kernel, ahead,
                                   bits_tile, dot_tile, one_load, step_sums, tile_split)
 
@@ -410,14 +459,15 @@ def test_compiles_for_sm90_without_spills(kind, which, tiles, tmp_path, monkeypa
     mxfp4 = kind == MXFP4_GROUPS
     pointers = dict(x_ptr="*bf16", logits_ptr="*bf16", ids_ptr="*i32", weights_ptr="*fp32", w_ptr=w,
                     s_ptr="*u8" if mxfp4 else "*fp32", z_ptr="*u8", bias_ptr="*bf16", act_ptr="*bf16", out_ptr="*bf16",
-                    part_ptr="*fp32", arrivals_ptr="*i32")
-    const = dict(TOP_K=4 if mxfp4 else 8, K_PAD=4 if mxfp4 else 8, E_PAD=32 if mxfp4 else 128, ROUTE_IN_KERNEL=True,
-                 RENORMALIZE=True, SCALES=kind, BLOCK_N=block_n, BLOCK_K=block_k,
+                    part_ptr="*fp32", arrivals_ptr="*i32", shared_w_ptr=w, shared_s_ptr="*u8" if mxfp4 else "*fp32")
+    top_k = 1 if shared else 4 if mxfp4 else 8  # (shared: Llama 4's top-1 rows, the ids given)
+    const = dict(TOP_K=top_k, K_PAD=top_k, E_PAD=32 if mxfp4 else 128, ROUTE_IN_KERNEL=not shared, RENORMALIZE=True,
+                 SCALES=kind, BLOCK_N=block_n, BLOCK_K=block_k,
                  SUB_K=32 if mxfp4 else DOT_COLS if dot_tile(tiles)
                  else (1 if step_sums(tiles) or one_load(tiles) else block_k) if ahead(tiles)
                  else min(block_k, 128), HAS_BIAS=mxfp4, ACTIVATION=int(mxfp4), SWIGLU_LIMIT=7.0 if mxfp4 else 0.0,
                  PDL=True, AHEAD=ahead(tiles) and not one_load(tiles), ONE_LOAD=one_load(tiles), DOT=dot_tile(tiles),
-                 SPLIT=tile_split(tiles), BITS=bits_tile(tiles), ASM=True)
+                 SPLIT=tile_split(tiles), BITS=bits_tile(tiles), ASM=True, HAS_SHARED=shared)
     aligned = ("H", "I", "group", "stride_x", "stride_l", "stride_we", "stride_wn", "stride_act", "stride_o", "stride_se",
                "stride_sn", "stride_be")
     compiled = compile_for_sm90(fn, pointers, const, warps=warps, stages=stages, aligned_int=lambda name: name in aligned)
