@@ -239,14 +239,18 @@ def test_dot_tiles_equal_the_reference(device, num_tokens, kind, layout, tiles):
 def test_shared_expert_read_in_place_equals_it_stacked(device, kind, tiles):
     """A SharedExpert (Llama 4's shared expert as the experts' extra row, read from its own tensors): rows with id E
     give exactly what the same kernels give with it stacked as expert E (torch.cat, the load-time copy this avoids),
-    and the reference; the routed rows beside them are untouched. Plain and DOT tiles, each weight kind."""
+    and the reference; the routed rows beside them are untouched. Plain and DOT tiles, each weight kind (bfloat16
+    activations on the GPU, float32 in the interpreter)."""
     from kernels.moe_gemv import SharedExpert
 
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
     gate_up, gu_s, down, d_s = experts(kind, seed=95)  # EXPERTS of them: the last is the shared one
+    if kind == "model":
+        gate_up, down = gate_up.to(dtype), down.to(dtype)
     routed = [t[:-1].clone() if t is not None else None for t in (gate_up, gu_s, down, d_s)]
     shared = SharedExpert(*(t[-1].clone() if t is not None else None for t in (gate_up, down, gu_s, d_s)))
     ids = torch.tensor([[2], [5], [EXPERTS - 1], [EXPERTS - 1]], dtype=torch.int32)  # [routed; shared] rows
-    x = randn(4, HIDDEN, seed=96)
+    x = randn(4, HIDDEN, seed=96).to(dtype)
     ones = torch.ones(4, 1)
     on = lambda *tensors: [t.to(device) if t is not None else None for t in tensors]  # noqa: E731
     x_d, ids_d, ones_d, gate_up_d, gu_s_d, down_d, d_s_d = on(x, ids, ones, gate_up, gu_s, down, d_s)
@@ -261,7 +265,7 @@ def test_shared_expert_read_in_place_equals_it_stacked(device, kind, tiles):
     ref = moe_gemv_ref(x, routed[0], routed[2], ones, ids, routed[1], routed[3],
                        shared_expert=SharedExpert(*(t.cpu() if t is not None else None for t in shared)))
     assert torch.equal(ref, moe_gemv_ref(x, gate_up, down, ones, ids, gu_s, d_s))
-    assert relative_error(got.cpu(), ref) < TOLERANCES[torch.float32]
+    assert relative_error(got.cpu(), ref) < TOLERANCES[dtype]
     assert not shared.suits(r_gate_up, r_down[:, :, :64], r_gu_s, r_d_s)  # (a slot shape it does not have)
 
 
