@@ -26,7 +26,7 @@ from kernels.head_matmul import MAX_TOKENS as HEAD_MATMUL_MAX_TOKENS, head_matmu
 from kernels.mla_attention import write_latent_cache_ref
 from kernels.rmsnorm import _rms_normalized, rms_norm_ref
 from kernels.rotary import _position_cos_sin, _rotate_heads, _rotated_heads, apply_rotary_ref
-from kernels.triton_attention import cache_value, slot_row
+from kernels.paged_kv_math import cache_value, slot_row
 
 
 def latent_rope_write_ref(q_rope: torch.Tensor, kv: torch.Tensor, norm_weight: torch.Tensor, eps: float,

@@ -22,7 +22,7 @@ import math
 import torch
 
 from kernels._triton import dense, jit, pdl_options, pdl_prologue, tl, triton, use_triton
-from kernels.triton_attention import cache_value, rotate_pair, slot_row
+from kernels.paged_kv_math import cache_value, rotate_pair, slot_row
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> torch.Tensor:

@@ -95,6 +95,8 @@ from kernels._triton import (TensorDescriptor, dense, hopper_or_later, jit, num_
                              power_of_2_floor, resident_programs, tl, triton)
 from kernels.attention_metadata import AttentionMetadata
 from kernels.e4m3_bits import bits_factor, converted_f16, widened_bits
+from kernels.keys_major_decode import keys_major_decode, keys_major_decode_on, keys_major_decode_supported
+from kernels.paged_kv_math import cache_value, rotate_neox, slot_row
 
 _LOG2E = 1.4426950408889634
 # Which sequences one launch of the attention kernel serves (SEQ_KIND): a mixed batch runs its
@@ -103,21 +105,6 @@ ALL_SEQS, MULTI_TOKEN, ONE_TOKEN = 0, 1, 2
 # ----------------------------------------------------------------------------------------------
 # KV write
 # ----------------------------------------------------------------------------------------------
-
-
-@jit
-def cache_value(x, cache_ptr):
-    """x as the pool stores it; an FP8 pool saturates at +-448 (E4M3 has no infinity)."""
-    if cache_ptr.dtype.element_ty == tl.float8e4nv:
-        return tl.minimum(tl.maximum(x.to(tl.float32), -448.0), 448.0).to(tl.float8e4nv)
-    return x.to(cache_ptr.dtype.element_ty)
-
-
-@jit
-def slot_row(cache_ptr, slot, stride_block, stride_row, PAGE_SIZE: tl.constexpr):
-    """Where slot ``slot`` of a pool (block slot // PAGE_SIZE, row slot % PAGE_SIZE) starts, through
-    the pool's strides (the runner's pool is a head-major view); its KV heads follow at the head stride."""
-    return cache_ptr + slot // PAGE_SIZE * stride_block + slot % PAGE_SIZE * stride_row
 
 
 @jit
@@ -168,25 +155,6 @@ def write_kv_cache_triton(
 # ----------------------------------------------------------------------------------------------
 # Attention
 # ----------------------------------------------------------------------------------------------
-
-
-@jit
-def rotate_pair(x1, x2, cos, sin):
-    """One rotary rotation in fp32: the pair (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin). Every
-    rotary kernel (kernels/rotary.py's and the decode attention's) computes it here, so they round alike."""
-    x1 = x1.to(tl.float32)
-    x2 = x2.to(tl.float32)
-    return x1 * cos - x2 * sin, x2 * cos + x1 * sin
-
-
-@jit
-def rotate_neox(x, partner, cos, sin, first_half):
-    """Rotary on whole heads laid out as two halves (``kernels/rotary.py``, is_neox): ``x`` and
-    ``partner`` (the element HEAD_DIM / 2 away) of any shape [..., HEAD_DIM], cos / sin fp32
-    broadcastable to it. A first-half element is its pair's x1, a second-half one its pair's x2."""
-    as_first, _ = rotate_pair(x, partner, cos, sin)
-    _, as_second = rotate_pair(partner, x, cos, sin)
-    return tl.where(first_half, as_first, as_second).to(x.dtype)
 
 
 @jit
@@ -1162,6 +1130,14 @@ def paged_attention_triton(
     decode_config = _decode_config(meta, group, num_kv_heads, q.device, num_splits, keys_bound, dim_pad, kv_itemsize,
                                    tma_pages=kv_itemsize == 1 and _tma_readable(k_cache, v_cache, 32))
     if meta.is_decode_only:
+        plain_layer = (sliding_window is None and logit_softcap is None and sinks is None and alibi_slopes is None
+                       and not norm_args)
+        if keys_major_decode_on() and keys_major_decode_supported(group, plain_layer=plain_layer):
+            # Opt-in ($TRITONLLM_DECODE_KEYS_MAJOR=1): the keys as the products' rows, same config, splits, merge.
+            _decode_keys_major(q, k_cache, v_cache, out, meta, tables, lens, active_splits, slots, scale,
+                               decode_config, dim_pad,
+                               None if new_kv is None else (new_k, new_v, positions, cos_sin_cache if rotate else None))
+            return out
         launch(decode_config, (1, num_seqs, num_kv_heads), ALL_SEQS, tile_map=False)
         return out
     # A mixed batch: its prompt chunks take prefill tiles, its decode rows (sequences with one new
@@ -1188,6 +1164,32 @@ def paged_attention_triton(
         launch(prefill_config, grid, MULTI_TOKEN, tile_map=tile_map)
     launch(decode_config, (1, num_seqs, num_kv_heads), ONE_TOKEN, tile_map=False)
     return out
+
+
+def _decode_keys_major(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
+                       meta: AttentionMetadata, tables: torch.Tensor, lens: torch.Tensor,
+                       active_splits: torch.Tensor | None, slots: torch.Tensor, scale: float, config: tuple,
+                       dim_pad: int, new_kv: tuple | None) -> None:
+    """A decode-only batch by kernels/keys_major_decode.py's kernel (paged_attention_triton's arguments, dense),
+    its splits' partial results merged by _merge_splits_kernel as the default kernel's are."""
+    num_seqs, num_heads, head_dim = q.shape
+    num_splits = config[4]
+    dynamic = num_splits > 1 and meta.decode_split_plan is not None  # a decode graph's replay picks its splits
+    parts = None
+    if num_splits > 1:
+        parts = (torch.empty(num_splits, num_seqs, num_heads, dim_pad, dtype=torch.float32, device=q.device),
+                 torch.empty(num_splits, num_seqs, num_heads, dtype=torch.float32, device=q.device))
+    fp16_math = k_cache.element_size() == 1 and q.dtype != torch.float32
+    widening = fp8_widening(config[1]) if fp16_math else (False, V_BY_TRITON)
+    keys_major_decode(q, k_cache, v_cache, out, parts, tables, lens, active_splits if dynamic else None,
+                      scale * _LOG2E, config, dim_pad, widening, new_kv, slots)
+    if parts is not None:
+        part_out, part_lse = parts
+        ps, pt, ph = part_out.stride()[:3]
+        _merge_splits_kernel[(num_seqs, num_heads)](
+            part_out, part_lse, out, lens, active_splits if dynamic else lens, ps, pt, ph, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, DIM_PAD=dim_pad, NUM_SPLITS=num_splits, BY_SEQUENCE=False, DYNAMIC_SPLITS=dynamic,
+            num_warps=1, **pdl_options(q))
 
 
 def _short_step_plan(meta: AttentionMetadata, num_tokens: int, group: int, num_kv_heads: int, head_dim: int,

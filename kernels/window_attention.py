@@ -31,7 +31,7 @@ import os
 import torch
 
 from kernels._triton import jit, tl, triton, use_triton
-from kernels.triton_attention import rotate_pair
+from kernels.paged_kv_math import rotate_pair
 
 MAX_RUN = 128  # the longest run one program takes whole (its key tile); longer runs: rotary + SDPA
 # (heads a program, warps a program); TILING_ENV "h,w" overrides it. On the H200 (2026-11-30 call 34, the 7B tower at

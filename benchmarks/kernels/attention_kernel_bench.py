@@ -33,7 +33,8 @@ tiling does with them: wave quantization of long-context batches).
 every one of kernels/triton_attention.py FP8_WIDENINGS: the $TRITONLLM_ATTN_FP8_BITS switch), in the served form
 (``+rotary append``) with Triton's widening, the default one and "v" where run, and at 8-64 sequences over 16k
 keys or more with the key splits forced to 1 / 2 / 4 / 8; ``--grid_more`` adds FP8 variants by words
-(parsed_variant: widening, TMA, tiling, splits, split policy, served form), ``--grid_no_standard`` runs only those,
+(parsed_variant: widening, TMA, tiling, splits, split policy, served form, the keys-major kernel ``km``),
+``--grid_no_standard`` runs only those,
 ``--grid_cases`` other cases. Each case's pool is built once for all its variants. Reported besides us a layer:
 the K/V bytes read per second, their share of benchmarks/common.py copy_bandwidth (an eager 2 GiB copy, read +
 written bytes, measured first in the same process), and the decode config each variant launched.
@@ -226,10 +227,12 @@ def grid_variants(pool: str, name: str, widenings: list[str]) -> list[tuple[str,
 def parsed_variant(spec: str) -> tuple[str, dict, int | None, bool, tuple | None]:
     """A --grid_more variant: space-separated words, ``bits=W`` ($TRITONLLM_ATTN_FP8_BITS), ``tma=all|0``
     ($TRITONLLM_DECODE_TMA), ``tile=BN:WARPS:STAGES[:tma]`` (the decode tiling forced), ``splits=N`` (forced),
-    ``policy=h200|h100`` ($TRITONLLM_DECODE_SPLIT_POLICY), ``rotary`` (the served form)."""
-    from kernels import triton_attention
+    ``policy=h200|h100`` ($TRITONLLM_DECODE_SPLIT_POLICY), ``rotary`` (the served form), ``km`` (decode by the
+    keys-major kernel, kernels/keys_major_decode.py: $TRITONLLM_DECODE_KEYS_MAJOR=1, with the same config and
+    splits; a variant without it runs the default kernel whatever the environment says)."""
+    from kernels import keys_major_decode, triton_attention
 
-    env, splits, rotary, tiling = {}, None, False, None
+    env, splits, rotary, tiling = {keys_major_decode.DECODE_KEYS_MAJOR_ENV: "0"}, None, False, None
     for word in spec.split():
         key, _, value = word.partition("=")
         if key == "bits":
@@ -245,8 +248,10 @@ def parsed_variant(spec: str) -> tuple[str, dict, int | None, bool, tuple | None
             rotary = True
         elif key == "policy":
             env[triton_attention.DECODE_SPLIT_POLICY_ENV] = value
+        elif word == "km":
+            env[keys_major_decode.DECODE_KEYS_MAJOR_ENV] = "1"
         else:
-            raise ValueError(f"--grid_more word {word!r}: bits=, tma=, tile=, splits=, policy= or rotary")
+            raise ValueError(f"--grid_more word {word!r}: bits=, tma=, tile=, splits=, policy=, rotary or km")
     return spec, env, splits, rotary, tiling
 
 
@@ -341,7 +346,7 @@ def main() -> None:
     parser.add_argument("--grid_cases", default="", help="comma list of 'decode BxC' cases for --grid (its own: all)")
     parser.add_argument("--grid_more", default="",
                         help="';'-separated extra --grid variants of FP8 pools, each words of bits=W tma=all|0 "
-                             "tile=BN:WARPS:STAGES[:tma] splits=N policy=h200|h100 rotary (parsed_variant)")
+                             "tile=BN:WARPS:STAGES[:tma] splits=N policy=h200|h100 rotary km (parsed_variant)")
     parser.add_argument("--grid_no_standard", action="store_true", help="--grid: only the --grid_more variants")
     parser.add_argument("--markdown", default=None, help="append the table to this file")
     args = parser.parse_args()
