@@ -39,7 +39,7 @@ from kernels.mla_decode import (DECODE_BATCHED_MIN_SPAN, DECODE_BATCHED_PROGRAMS
                                 DECODE_TILING_FP8_BITS, DECODE_TILING_ONE_WAVE, decode_kernel_default,
                                 decode_tile_fits, mla_decode_launch, widens_by_bits)
 from kernels import mla_decode
-from kernels.mla_decode_parts import column_parts_fit, mla_decode_parts_launch
+from kernels.mla_decode_parts import COLUMN_PARTS, column_parts_fit, mla_decode_parts_launch
 from kernels.mla_partials import store_split_output
 from kernels.online_softmax import online_softmax_step
 
@@ -427,7 +427,7 @@ def mla_attention_triton(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: to
     keys as rows. ``bits_pure``: kernels/mla_decode.py _widened_pair's BITS_PURE (A/B runs). ``long_span``:
     decode_splits' (None: DECODE_LONG_SPAN; 0: the grid always covers the GPU DECODE_SPLITS' times, the policy
     before). ``parts`` (None: kernels/mla_decode.py DECODE_COLUMN_PARTS where the latent's width allows it, else 1):
-    the decode kernel's latent in 2 or 4 column parts (kernels/mla_decode_parts.py), at DECODE_TILING_PARTS unless
+    the decode kernel's latent in 2, 4 or 8 column parts (kernels/mla_decode_parts.py), at DECODE_TILING_PARTS' unless
     ``decode_tiling`` is given; asked for by name, a latent too narrow for them (column_parts_fit), a register
     prefetch tiling or keys as rows is a ValueError."""
     num_tokens, num_heads, rank = q_latent.shape
@@ -440,7 +440,7 @@ def mla_attention_triton(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: to
     parts = _column_parts(parts, rank, decode_tiling, keys_major)
     tiling, keys_major_default = decode_tiling, False
     if tiling is None and parts > 1:
-        tiling = mla_decode.DECODE_TILING_PARTS
+        tiling = mla_decode.DECODE_TILING_PARTS[parts]
     if tiling is None:
         tiling, keys_major_default = decode_tiling_for(
             fp8_pool, bits, cache.shape[1], num_tokens, num_heads, block_h, q_latent.device, meta.max_context_len,
@@ -484,10 +484,10 @@ def _column_parts(parts: int | None, rank: int, tiling: tuple[int, int, int] | N
 
     if parts is None:
         return mla_decode.DECODE_COLUMN_PARTS if fits(mla_decode.DECODE_COLUMN_PARTS) else 1
-    if parts not in (1, 2, 4) or not fits(parts):
-        raise ValueError(f"parts={parts!r}: the decode kernel's latent splits into 1, 2 or 4 column parts of at least "
-                         f"16 columns (this latent: {rank}), under a pipelined tiling (STAGES >= 1; got {tiling}) with "
-                         f"the keys as columns (keys_major={keys_major})")
+    if parts not in COLUMN_PARTS or not fits(parts):
+        raise ValueError(f"parts={parts!r}: the decode kernel's latent splits into 1, 2, 4 or 8 column parts of at "
+                         f"least 16 columns (this latent: {rank}), under a pipelined tiling (STAGES >= 1; got {tiling}) "
+                         f"with the keys as columns (keys_major={keys_major})")
     return parts
 
 

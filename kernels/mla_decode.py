@@ -264,14 +264,15 @@ DECODE_TILING_FP8_BITS = (32, 4, 3)
 DECODE_TILING_ONE_WAVE = (64, 4, 2)
 DECODE_ONE_WAVE_KEYS_MAJOR = True
 # The latent in column parts (kernels/mla_decode_parts.py): 1, this module's kernel (the default: parts never measured
-# on a GPU), or 2 / 4 parts of RANK_PAD / parts columns, at DECODE_TILING_PARTS unless a tiling is given. sm_90
-# compiles (ptxas, V2-Lite's 512 + 64, 16 heads, registers / shared memory): FP8 pool widened by bits, bf16 queries,
-# this kernel (32, 4, 3) 255 / 74 KB (2 programs an SM), (16, 4, 3) 244; parts 2 (32, 4, 3) 224, 4 parts (32, 4, 3)
-# 192, 2 parts (16, 4, 3) 196, 4 parts (16, 4, 3) 160 / 45 KB (float16 queries 164; 3 programs an SM), none spilled
-# and no byte loads from shared memory in the loop. bf16 pool: this kernel (32, 4, 3) 168 / 56 KB (3 an SM), 4 parts
-# (32, 4, 3) 195 (more), 4 parts (16, 4, 3) 125 / 37.5 KB (4 an SM).
+# on a GPU), or 2 / 4 / 8 parts of RANK_PAD / parts columns, at DECODE_TILING_PARTS[parts] unless a tiling is given.
+# sm_90 compiles (ptxas, V2-Lite's 512 + 64, 16 heads, registers / shared memory a program): FP8 pool widened by bits,
+# bf16 queries: this kernel (32, 4, 3) 255 / 74 KB (2 programs an SM), (16, 4, 3) 244; 2 parts (32, 4, 3) 222, 4
+# parts (32, 4, 3) 193, (16, 4, 3) 160 / 45 KB (3 an SM; float16 queries 164); 8 parts (32, 4, 3) 140 / 71 KB (3 an
+# SM; float16 queries 178), (16, 4, 3) 127 / 45 KB (4 an SM); none spilled, no byte loads from shared memory in the
+# loop. bf16 pool: this kernel (32, 4, 3) 168 / 56 KB (3 an SM); 4 parts (32, 4, 3) 195; 8 parts (32, 4, 3) 134 (3 an
+# SM), (16, 4, 3) 110 / 37.5 KB (4 an SM).
 DECODE_COLUMN_PARTS = 1
-DECODE_TILING_PARTS = (16, 4, 3)
+DECODE_TILING_PARTS = {2: (16, 4, 3), 4: (16, 4, 3), 8: (32, 4, 3)}
 # The decode kernel's split policy (kernels/mla_attention.py split_policy, mla_splits): (max_splits, min_span,
 # programs_per_sm) -- up to 128 splits, the grid covering the GPU 8 times, 32 keys a split at least; and from
 # DECODE_BATCHED_PROGRAMS (sequence x head-block) programs on, 128 keys a split at least (a split's float32

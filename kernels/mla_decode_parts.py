@@ -6,9 +6,9 @@ product the whole row as its N. For an FP8 pool widened by bits (kernels/e4m3_bi
 at (32, 4, 3): 2 programs an SM against the bf16 pool's 3 (168 registers), and FP8 pools reached 27-31% of the copy
 bandwidth, slower in absolute time than bf16 pools of twice the bytes (session 29, benchmarks/results/kernels.md).
 
-Here the latent's RANK_PAD columns are PARTS (2 or 4) tensors of W = RANK_PAD / PARTS columns each: the queries'
-parts q_i (BLOCK_H, W), a tile's parts c_i (BLOCK_N, W) loaded and widened each from its own codes, the sum's parts
-acc_i (BLOCK_H, W). The same sums in another grouping::
+Here the latent's RANK_PAD columns are PARTS (2, 4 or 8) tensors of W = RANK_PAD / PARTS columns each: the
+queries' parts q_i (BLOCK_H, W), a tile's parts c_i (BLOCK_N, W) loaded and widened each from its own codes, the
+sum's parts acc_i (BLOCK_H, W). The same sums in another grouping::
 
     scores = q_rope k_rope^T + sum_i q_i c_i^T        (BLOCK_H, BLOCK_N) float32
     acc_i  = acc_i * alpha + P c_i                    each part its own product
@@ -27,7 +27,7 @@ from kernels._triton import jit, pdl_options, pdl_prologue, tl, triton
 from kernels.mla_decode import LOG2E, _bits_query_scale, _widened, decode_tile_fits
 from kernels.mla_partials import store_split_output
 
-COLUMN_PARTS = (1, 2, 4)  # 1: kernels/mla_decode.py's kernel itself
+COLUMN_PARTS = (1, 2, 4, 8)  # 1: kernels/mla_decode.py's kernel itself
 MIN_PART_COLUMNS = 16  # a part is the K of the score product and the N of the value product: tensor cores' minimum
 
 
@@ -60,8 +60,8 @@ def _mla_decode_parts_kernel(q_lat_ptr, q_rope_ptr, cache_ptr, part_ptr, lse_ptr
                              DIRECT: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
                              PARTS: tl.constexpr, BITS: tl.constexpr = False, ASM: tl.constexpr = False):
     """Program (s, hb, split) as kernels/mla_decode.py _mla_decode_kernel's (its docstring: the split's keys, the
-    log2-unit scores, the lse, a split past the context), the latent in PARTS (2 or 4) column parts of W columns.
-    Parts 2 and 3 exist only where PARTS == 4 (constexpr branches: never traced otherwise)."""
+    log2-unit scores, the lse, a split past the context), the latent in PARTS (2, 4 or 8) column parts of W columns:
+    tuples of PARTS tensors, each built and used part by part (static loops: unrolled at compile time)."""
     W: tl.constexpr = RANK_PAD // PARTS
     pdl_prologue(PDL)
     seq = tl.program_id(0).to(tl.int64)
@@ -77,19 +77,17 @@ def _mla_decode_parts_kernel(q_lat_ptr, q_rope_ptr, cache_ptr, part_ptr, lse_ptr
     load_q = heads < tl.where(first < last, num_heads, 0)  # a split past the context loads nothing
     heads_in = tl.where(load_q, heads * stride_lh, -1)
     q_row = q_lat_ptr + seq * stride_lt
-    q0 = _query_part(q_row, 0, heads_in, RANK, W)
-    q1 = _query_part(q_row, W, heads_in, RANK, W)
-    q_max = tl.maximum(tl.max(tl.abs(q0), 1), tl.max(tl.abs(q1), 1))  # (BLOCK_H,), for the bits path
-    if PARTS == 4:
-        q2 = _query_part(q_row, 2 * W, heads_in, RANK, W)
-        q3 = _query_part(q_row, 3 * W, heads_in, RANK, W)
-        q_max = tl.maximum(q_max, tl.maximum(tl.max(tl.abs(q2), 1), tl.max(tl.abs(q3), 1)))
     q_rope = tl.load(q_rope_ptr + seq * stride_rt + heads[:, None] * stride_rh + p[None, :],
                      mask=load_q[:, None] & (p < ROPE)[None, :], other=0.0)  # (BLOCK_H, ROPE_PAD)
+    q_max = tl.max(tl.abs(q_rope.to(tl.float32)), 1)  # (BLOCK_H,) over every part, for the bits path
+    q_parts = ()  # PARTS x (BLOCK_H, W) float32
+    for i in tl.static_range(PARTS):
+        q_part = _query_part(q_row, i * W, heads_in, RANK, W)
+        q_max = tl.maximum(q_max, tl.max(tl.abs(q_part), 1))
+        q_parts = q_parts + (q_part,)
     if BITS:  # kernels/mla_decode.py _bits_queries over the parts: one power of two a head across all of them
         WIDE: tl.constexpr = tl.float16 if q_rope.dtype == tl.float16 else q_rope.dtype
-        q_rope = q_rope.to(tl.float32)
-        up, score_scale = _bits_query_scale(tl.maximum(q_max, tl.max(tl.abs(q_rope), 1)), scale_log2, WIDE)
+        up, score_scale = _bits_query_scale(q_max, scale_log2, WIDE)
         up = up[:, None]
         PROB_SCALE: tl.constexpr = 256.0 if WIDE == tl.float16 else 1.329227995784916e+36  # 2^8, 2^120
     else:
@@ -97,16 +95,12 @@ def _mla_decode_parts_kernel(q_lat_ptr, q_rope_ptr, cache_ptr, part_ptr, lse_ptr
         up = 1.0
         score_scale = tl.full([BLOCK_H], scale_log2, tl.float32)
         PROB_SCALE: tl.constexpr = 1.0
-    q_rope = (q_rope * up).to(WIDE)
-    q0 = (q0 * up).to(WIDE)
-    q1 = (q1 * up).to(WIDE)
-    acc0 = tl.zeros([BLOCK_H, W], dtype=tl.float32)
-    acc1 = tl.zeros([BLOCK_H, W], dtype=tl.float32)
-    if PARTS == 4:
-        q2 = (q2 * up).to(WIDE)
-        q3 = (q3 * up).to(WIDE)
-        acc2 = tl.zeros([BLOCK_H, W], dtype=tl.float32)
-        acc3 = tl.zeros([BLOCK_H, W], dtype=tl.float32)
+    q_rope = (q_rope.to(tl.float32) * up).to(WIDE)
+    queries = ()  # PARTS x (BLOCK_H, W) WIDE
+    sums = ()  # PARTS x (BLOCK_H, W) float32: the running sum's parts
+    for i in tl.static_range(PARTS):
+        queries = queries + ((q_parts[i] * up).to(WIDE),)
+        sums = sums + (tl.zeros([BLOCK_H, W], dtype=tl.float32),)
     m = tl.full([BLOCK_H], -float("inf"), dtype=tl.float32)
     denom = tl.zeros([BLOCK_H], dtype=tl.float32)
     table = block_tables_ptr + seq * stride_bt
@@ -116,16 +110,12 @@ def _mla_decode_parts_kernel(q_lat_ptr, q_rope_ptr, cache_ptr, part_ptr, lse_ptr
         rows = (cache_ptr + block * stride_cb + (start % PAGE) * stride_cs + n * stride_cs)[:, None]  # (BLOCK_N, 1)
         k_rope = _widened(tl.load(rows + RANK + p[None, :], mask=key_ok[:, None] & (p < ROPE)[None, :], other=0.0),
                           WIDE, BITS, ASM, False)
-        c0 = _code_part(rows, key_ok, 0, RANK, W, WIDE, BITS, ASM)
-        c1 = _code_part(rows, key_ok, W, RANK, W, WIDE, BITS, ASM)
-        scores = (tl.dot(q_rope, tl.trans(k_rope), input_precision=DOT_PRECISION)
-                  + tl.dot(q0, tl.trans(c0), input_precision=DOT_PRECISION)
-                  + tl.dot(q1, tl.trans(c1), input_precision=DOT_PRECISION))  # (BLOCK_H, BLOCK_N) float32
-        if PARTS == 4:
-            c2 = _code_part(rows, key_ok, 2 * W, RANK, W, WIDE, BITS, ASM)
-            c3 = _code_part(rows, key_ok, 3 * W, RANK, W, WIDE, BITS, ASM)
-            scores += (tl.dot(q2, tl.trans(c2), input_precision=DOT_PRECISION)
-                       + tl.dot(q3, tl.trans(c3), input_precision=DOT_PRECISION))
+        scores = tl.dot(q_rope, tl.trans(k_rope), input_precision=DOT_PRECISION)  # (BLOCK_H, BLOCK_N) float32
+        codes = ()  # PARTS x (BLOCK_N, W) WIDE: the tile's latent parts
+        for i in tl.static_range(PARTS):
+            code = _code_part(rows, key_ok, i * W, RANK, W, WIDE, BITS, ASM)
+            scores += tl.dot(queries[i], tl.trans(code), input_precision=DOT_PRECISION)
+            codes = codes + (code,)
         # kernels/mla_decode.py _fold_tile's online softmax (the loop visits only tiles holding a visible key)
         scores = tl.where(key_ok[None, :], scores * score_scale[:, None], -float("inf"))
         m_new = tl.maximum(m, tl.max(scores, 1))
@@ -134,22 +124,15 @@ def _mla_decode_parts_kernel(q_lat_ptr, q_rope_ptr, cache_ptr, part_ptr, lse_ptr
         weights = (probs if PROB_SCALE == 1.0 else probs * PROB_SCALE).to(WIDE)
         denom = denom * alpha + tl.sum(probs, 1)
         m = m_new
-        acc0 = acc0 * alpha[:, None] + tl.dot(weights, c0, input_precision=DOT_PRECISION)
-        acc1 = acc1 * alpha[:, None] + tl.dot(weights, c1, input_precision=DOT_PRECISION)
-        if PARTS == 4:
-            acc2 = acc2 * alpha[:, None] + tl.dot(weights, c2, input_precision=DOT_PRECISION)
-            acc3 = acc3 * alpha[:, None] + tl.dot(weights, c3, input_precision=DOT_PRECISION)
+        folded = ()
+        for i in tl.static_range(PARTS):
+            folded = folded + (sums[i] * alpha[:, None] + tl.dot(weights, codes[i], input_precision=DOT_PRECISION),)
+        sums = folded
     lse = (m + tl.log2(tl.where(denom > 0, denom, 1.0))) / 1.4426950408889634  # natural-log units
     w = tl.arange(0, W)
-    store_split_output(part_ptr, lse_ptr, acc0, denom, lse, seq, heads, head_ok, w, num_heads, splits, split, RANK,
-                       DIRECT, True)
-    store_split_output(part_ptr, lse_ptr, acc1, denom, lse, seq, heads, head_ok, W + w, num_heads, splits, split,
-                       RANK, DIRECT, False)
-    if PARTS == 4:
-        store_split_output(part_ptr, lse_ptr, acc2, denom, lse, seq, heads, head_ok, 2 * W + w, num_heads, splits,
-                           split, RANK, DIRECT, False)
-        store_split_output(part_ptr, lse_ptr, acc3, denom, lse, seq, heads, head_ok, 3 * W + w, num_heads, splits,
-                           split, RANK, DIRECT, False)
+    for i in tl.static_range(PARTS):  # the lse with the first part only
+        store_split_output(part_ptr, lse_ptr, sums[i], denom, lse, seq, heads, head_ok, i * W + w, num_heads, splits,
+                           split, RANK, DIRECT, i == 0)
 
 
 def column_parts_fit(rank: int, parts: int) -> bool:
@@ -163,11 +146,11 @@ def mla_decode_parts_launch(q_latent: torch.Tensor, q_rope: torch.Tensor, cache:
                             lse: torch.Tensor, scale: float, splits: int, min_span: int, block_h: int,
                             tiling: tuple[int, int, int], parts: int, bits: bool = False) -> None:
     """kernels/mla_decode.py mla_decode_launch's launch (same arguments and outputs) of the column-parts kernel:
-    ``parts`` 2 or 4 (column_parts_fit), a pipelined ``tiling`` (STAGES >= 1); the caller checked both."""
+    ``parts`` 2, 4 or 8 (column_parts_fit), a pipelined ``tiling`` (STAGES >= 1); the caller checked both."""
     num_seqs, num_heads, rank = q_latent.shape
     rope = q_rope.shape[-1]
     block_n, num_warps, stages = tiling
-    assert parts in (2, 4) and column_parts_fit(rank, parts) and stages >= 1, (parts, rank, tiling)
+    assert parts in COLUMN_PARTS[1:] and column_parts_fit(rank, parts) and stages >= 1, (parts, rank, tiling)
     assert decode_tile_fits(cache.shape[1], block_n) and min_span % block_n == 0, (cache.shape[1], block_n, min_span)
     assert q_latent.stride(-1) == 1 and q_rope.stride(-1) == 1
     _mla_decode_parts_kernel[(num_seqs, triton.cdiv(num_heads, block_h), splits)](

@@ -129,7 +129,7 @@ def parse_config(text: str) -> dict:
     products with the keys as rows (keys_major); "+bp" FP8 codes widened by a pure asm (bits_pure=1), "+bs"
     pure for the score product only (2); "+L<N>" the
     decode split policy's long_span (0: the grid always 8 times the SMs, the policy before session 29); "+p<N>" the
-    decode kernel's latent in N (2, 4) column parts (kernels/mla_decode_parts.py; "auto+p4": at DECODE_TILING_PARTS),
+    decode kernel's latent in N (2, 4, 8) column parts (kernels/mla_decode_parts.py; "auto+pN": DECODE_TILING_PARTS[N]),
     "+p1" the one-part kernel."""
     base, *options = text.split("+")
     widening = {}
@@ -202,7 +202,7 @@ def resolved(config: dict, pool: str, dtype: torch.dtype, num_tokens: int, heads
                                                    None, config.get("max_splits"), config.get("min_span"),
                                                    config.get("programs_per_sm"), config.get("long_span"))
             if config.get("parts", 1) > 1:  # mla_attention_triton's tiling for the column-parts kernel
-                tiling, keys_major = DECODE_TILING_PARTS, False
+                tiling, keys_major = DECODE_TILING_PARTS[config["parts"]], False
             out["decode_tiling"] = tiling
             out.setdefault("keys_major", keys_major)
     return out

@@ -263,8 +263,8 @@ DEEPSEEK_RANK, DEEPSEEK_ROPE = 512, 64  # kv_lora_rank and qk_rope_head_dim of D
                                               pytest.param(32, torch.float32, "16-bit", marks=pytest.mark.extended),
                                               (16, torch.bfloat16, "16-bit")])
 def test_decode_kernel_in_column_parts_equals_the_reference_at_deepseeks_shapes(device, heads, dtype, pool):
-    """kernels/mla_decode_parts.py: the latent in 2 and 4 column parts at DeepSeek's 512 + 64 per row, V2-Lite's 16
-    heads and a V3-like 32 (two head blocks); one split (DIRECT) at DECODE_TILING_PARTS and three (some past the
+    """kernels/mla_decode_parts.py: the latent in 2, 4 and 8 column parts at DeepSeek's 512 + 64 per row, V2-Lite's 16
+    heads and a V3-like 32 (two head blocks); one split (DIRECT) at DECODE_TILING_PARTS' and three (some past the
     shorter contexts) at (32, 4, 2); an FP8 pool widened by bits at its extremes (fp8_extremes: float16 queries the
     2^-8 widening, float32 the interpreter's stand-in for bfloat16's 2^-120, each head scaled over all its parts)
     and a 16-bit pool; equal to the reference and to the one-part kernel (kernels/mla_decode.py)."""
@@ -286,8 +286,8 @@ def test_decode_kernel_in_column_parts_equals_the_reference_at_deepseeks_shapes(
         tolerance = TOLERANCE[dtype]
     kw = dict(min_span=32, decode_kernel=True, fp8_bits=pool == "fp8")
     one_part = mla_attention_triton(q_latent, q_rope, cache, meta, 0.2, splits=1, parts=1, **kw).cpu().float()
-    # three splits (the interpreter's combine is its slow launch) once a case: 2 parts at 16 heads, 4 at 32
-    for splits, parts, tiling in ((1, 2, None), (1, 4, None), (3, 2 if heads == 16 else 4, (32, 4, 2))):
+    # three splits (the interpreter's combine is its slow launch) once a case: 2 parts at 16 heads, 8 at 32
+    for splits, parts, tiling in ((1, 2, None), (1, 4, None), (1, 8, None), (3, 2 if heads == 16 else 8, (32, 4, 2))):
         out = mla_attention_triton(q_latent, q_rope, cache, meta, 0.2, splits=splits, parts=parts,
                                    decode_tiling=tiling, **kw).cpu().float()
         assert torch.isfinite(out).all()
@@ -298,7 +298,7 @@ def test_decode_kernel_in_column_parts_equals_the_reference_at_deepseeks_shapes(
 
 def test_column_parts_are_off_unless_asked_and_must_fit(monkeypatch):
     """mla_attention_triton's ``parts``: unasked, kernels/mla_decode.py DECODE_COLUMN_PARTS (1: the one-part kernel)
-    where the latent is wide enough (parts of >= 16 columns), else 1; asked for, 2 or 4 parts at DECODE_TILING_PARTS
+    where the latent is wide enough (parts of >= 16 columns), else 1; asked for, 2, 4 or 8 parts at DECODE_TILING_PARTS
     unless a tiling is given, and a clear ValueError for a latent too narrow, a register-prefetch tiling, keys as
     rows or a count other than 1, 2, 4. Which launch ran (and its tiling, parts) is recorded; nothing runs."""
     from kernels import mla_decode
@@ -317,12 +317,14 @@ def test_column_parts_are_off_unless_asked_and_must_fit(monkeypatch):
 
     assert mla_decode.DECODE_COLUMN_PARTS == 1
     assert launch(64) == ("one", mla_decode.DECODE_TILING_FP8_BITS)
-    assert launch(64, parts=4) == (4, mla_decode.DECODE_TILING_PARTS)
+    assert launch(64, parts=4) == (4, mla_decode.DECODE_TILING_PARTS[4])
+    assert launch(128, parts=8) == (8, mla_decode.DECODE_TILING_PARTS[8])
     assert launch(64, parts=2, decode_tiling=(32, 4, 2)) == (2, (32, 4, 2))
     monkeypatch.setattr(mla_decode, "DECODE_COLUMN_PARTS", 4)
-    assert launch(64) == (4, mla_decode.DECODE_TILING_PARTS)
+    assert launch(64) == (4, mla_decode.DECODE_TILING_PARTS[4])
     assert launch(RANK) == ("one", mla_decode.DECODE_TILING_FP8_BITS)  # 32 padded columns: parts of 8, too narrow
-    for asked, why in ((dict(rank=RANK, parts=4), "this latent: 24"), (dict(rank=64, parts=3), "1, 2 or 4"),
+    for asked, why in ((dict(rank=RANK, parts=4), "this latent: 24"), (dict(rank=64, parts=3), "1, 2, 4 or 8"),
+                       (dict(rank=64, parts=8), "this latent: 64"),
                        (dict(rank=64, parts=2, decode_tiling=(32, 8, 0)), "STAGES >= 1"),
                        (dict(rank=64, parts=2, keys_major=True), "keys_major=True")):
         with pytest.raises(ValueError, match="parts=") as raised:
@@ -633,23 +635,25 @@ def loop_bodies(ptx: str) -> list[str]:
 
 
 @AOT_SM90
-@pytest.mark.parametrize("pool,q,bits", [("*fp8e4nv", "*bf16", True), ("*fp8e4nv", "*fp16", True),
-                                         ("*bf16", "*bf16", False)])
+@pytest.mark.parametrize("pool,q,bits,parts", [("*fp8e4nv", "*bf16", True, 4), ("*fp8e4nv", "*fp16", True, 4),
+                                               ("*bf16", "*bf16", False, 4), ("*fp8e4nv", "*bf16", True, 8),
+                                               ("*bf16", "*bf16", False, 8)])
 @pytest.mark.parametrize("direct", [False, True])
-def test_column_parts_decode_kernel_fits_three_programs_an_sm(pool, q, bits, direct, tmp_path):
-    """kernels/mla_decode_parts.py at DECODE_TILING_PARTS in 4 parts, DeepSeek's 512 + 64, 16 heads, pages of 64
-    (ptxas for sm_90, no GPU): at most 168 registers a thread (3 programs of 4 warps an SM; the one-part FP8 kernel
-    takes 255, 2 an SM) and 3 programs' shared memory, no spills (stack or local memory), the tile's loads pipelined
-    (cp.async), and in the loop no byte loads from shared memory; FP8 codes widened by PRMTs, no E4M3 conversion."""
+def test_column_parts_decode_kernel_fits_three_programs_an_sm(pool, q, bits, parts, direct, tmp_path):
+    """kernels/mla_decode_parts.py at DECODE_TILING_PARTS' in 4 parts ((16, 4, 3)) and 8 ((32, 4, 3)), DeepSeek's
+    512 + 64, 16 heads, pages of 64 (ptxas for sm_90, no GPU): at most 168 registers a thread (3 programs of 4 warps
+    an SM; the one-part FP8 kernel takes 255, 2 an SM) and 3 programs' shared memory, no spills (stack or local
+    memory), the tile's loads pipelined (cp.async), and in the loop no byte loads from shared memory; FP8 codes
+    widened by PRMTs, no E4M3 conversion. (float16 queries in 8 parts at (32, 4, 3) take 178: not asserted.)"""
     from kernels.mla_decode import DECODE_TILING_PARTS
     from kernels.mla_decode_parts import _mla_decode_parts_kernel
     from sm90_compile import registers, stack_bytes
 
-    block_n, warps, stages = DECODE_TILING_PARTS
+    block_n, warps, stages = DECODE_TILING_PARTS[parts]
     pointers = dict(q_lat_ptr=q, q_rope_ptr=q, cache_ptr=pool, part_ptr=q if direct else "*fp32",
                     lse_ptr="*fp32", block_tables_ptr="*i32", ctx_ptr="*i32")
     const = dict(RANK=512, ROPE=64, RANK_PAD=512, ROPE_PAD=64, PAGE=64, BLOCK_H=16, BLOCK_N=block_n, STAGES=stages,
-                 DIRECT=direct, DOT_PRECISION="tf32", PDL=False, PARTS=4, BITS=bits, ASM=bits)
+                 DIRECT=direct, DOT_PRECISION="tf32", PDL=False, PARTS=parts, BITS=bits, ASM=bits)
     compiled = compile_for_sm90(_mla_decode_parts_kernel, pointers, const, warps=warps, stages=1,
                                 floats=("scale_log2",), aligned_int=strides_but_block_table)
     ptx = compiled.asm["ptx"]
