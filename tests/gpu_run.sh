@@ -79,9 +79,13 @@ run_part() {  # NAME GPU WORKERS MEMORY_FRACTION DIST PATHS...: in the backgroun
     [ "$gpus" -gt 1 ] && export CUDA_VISIBLE_DEVICES=$gpu
     export TRITONLLM_GPU_MEMORY_FRACTION=$fraction
     export TRITONLLM_TEST_FAILURE_LOG=$work/failures-$name.txt
+    # tests/gpu_suite_order.py orders the collection in the workers, where xdist has set --dist to "no"
+    export TRITONLLM_GPU_SUITE_DIST=$dist
     : > "$TRITONLLM_TEST_FAILURE_LOG"
     start=$(date +%s)
-    timeout "$limit" "$PYTHON" -m pytest -v -rfEs --tb=short -p no:cacheprovider -n "$workers" --dist "$dist" \
+    # SIGINT, not SIGTERM: pytest stops as on Ctrl-C and still prints its summary and every duration so far
+    # (a part cut by the budget says where its time went); SIGKILL 10 s later if it has not stopped.
+    timeout -s INT -k 10 "$limit" "$PYTHON" -m pytest -v -rfEs --tb=short -p no:cacheprovider -n "$workers" --dist "$dist" \
       --no-loadscope-reorder --durations=0 --durations-min=1 "$@" > "$out/$name.log" 2>&1
     echo "$? $(( $(date +%s) - start ))" > "$work/$name.rc"
   ) &

@@ -29,13 +29,15 @@ BATCH = [(0, 1), (15, 1), (16, 1), (298, 1), (40, 1)]
 HEADS, KV_HEADS, HEAD_DIM, PAGE = 8, 2, 32, 16
 
 
-def every_code_pool(shape, seed: int) -> torch.Tensor:
+def every_code_pool(shape, seed: int, device: str = "cpu") -> torch.Tensor:
     """A pool of random E4M3 codes (all but NaN) whose first page also holds every extreme of each sign: 448,
-    the smallest subnormal 2^-9, the largest subnormal 7 * 2^-9, the smallest normal 2^-6 and zero."""
-    gen = torch.Generator().manual_seed(seed)
-    codes = torch.randint(0, 256, shape, generator=gen, dtype=torch.int32)
+    the smallest subnormal 2^-9, the largest subnormal 7 * 2^-9, the smallest normal 2^-6 and zero. Made on
+    ``device`` by its own generator: the Llama-heads cases' pools (800 contexts of ~800 keys, 0.6 G codes each)
+    took ~40 s of a suite worker's CPU."""
+    gen = torch.Generator(device).manual_seed(seed)
+    codes = torch.randint(0, 256, shape, generator=gen, dtype=torch.int32, device=device)
     codes = torch.where(codes % 128 == 127, codes - 1, codes)  # 0x7F / 0xFF are NaN: 448 instead
-    extremes = torch.tensor([0x7E, 0x01, 0x07, 0x08, 0x00])
+    extremes = torch.tensor([0x7E, 0x01, 0x07, 0x08, 0x00], device=device)
     extremes = torch.cat([extremes, extremes | 0x80])
     flat = codes.view(-1)
     flat[:extremes.numel()] = extremes
@@ -46,9 +48,10 @@ def every_code_pool(shape, seed: int) -> torch.Tensor:
 
 def fp8_decode_case(device: str, seed: int, q_scale: float, kv_heads: int = KV_HEADS, heads: int = HEADS,
                     head_dim: int = HEAD_DIM, batch=BATCH):
-    k, v, k_cache, v_cache, meta = make_batch(batch, kv_heads, head_dim, PAGE, torch.bfloat16, device, seed=seed)
-    k_cache = every_code_pool(k_cache.shape, seed + 1).to(device)
-    v_cache = every_code_pool(v_cache.shape, seed + 2).to(device)
+    k, v, k_cache, v_cache, meta = make_batch(batch, kv_heads, head_dim, PAGE, torch.bfloat16, device, seed=seed,
+                                              fill_pool=False)
+    k_cache = every_code_pool(k_cache.shape, seed + 1, device)
+    v_cache = every_code_pool(v_cache.shape, seed + 2, device)
     q = torch.randn(len(batch), heads, head_dim, generator=torch.Generator().manual_seed(seed + 3)) * q_scale
     return q.to(torch.bfloat16).to(device), k, v, k_cache, v_cache, meta
 

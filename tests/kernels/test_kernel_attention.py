@@ -21,10 +21,12 @@ HEAD_SHAPES = [(32, 8, 128), (9, 3, 64), (6, 6, 96)]
 
 
 def make_batch(cached_and_new: list[tuple[int, int]], num_kv_heads: int, head_dim: int, page_size: int,
-               dtype: torch.dtype, device: str, seed: int = 0):
+               dtype: torch.dtype, device: str, seed: int = 0, fill_pool: bool = True):
     """A pool holding each sequence's cached prefix, plus the new tokens' K/V and metadata.
 
     cached_and_new: per sequence (cached tokens, new tokens). Blocks are handed out shuffled.
+    fill_pool=False: the pool left as torch.empty makes it, for a caller that fills it itself (random normals
+    for hundreds of long contexts are seconds of CPU; the new tokens' K/V then come from other draws).
     """
     gen = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
@@ -35,8 +37,12 @@ def make_batch(cached_and_new: list[tuple[int, int]], num_kv_heads: int, head_di
     tables = [[free.pop() for _ in range(b)] for b in blocks_needed]
     max_blocks = max(blocks_needed)
     pool_shape = (num_blocks, page_size, num_kv_heads, head_dim)
-    k_cache = torch.randn(pool_shape, generator=gen).to(dtype).to(device)
-    v_cache = torch.randn(pool_shape, generator=gen).to(dtype).to(device)
+    if fill_pool:
+        k_cache = torch.randn(pool_shape, generator=gen).to(dtype).to(device)
+        v_cache = torch.randn(pool_shape, generator=gen).to(dtype).to(device)
+    else:
+        k_cache = torch.empty(pool_shape, dtype=dtype, device=device)
+        v_cache = torch.empty(pool_shape, dtype=dtype, device=device)
     slots, cu, ctx = [], [0], []
     for (cached, new), table in zip(cached_and_new, tables):
         slots += [table[p // page_size] * page_size + p % page_size for p in range(cached, cached + new)]

@@ -37,8 +37,10 @@ def test_slow_files_first_in_their_order_the_rest_as_collected():
 
 
 def test_the_conftest_hook_orders_a_gpu_suite_collection(monkeypatch):
-    """tests/conftest.py's collection hook applies it under $TRITONLLM_GPU_SUITE=1 (as one xdist worker of
-    two): the third slow group opens the first chunk; without the variable, the make-test file order."""
+    """tests/conftest.py's collection hook applies it under $TRITONLLM_GPU_SUITE=1 as one xdist worker of two
+    (whose config says --dist "no", as xdist's remote.py sets it; the part's mode in $TRITONLLM_GPU_SUITE_DIST,
+    as tests/gpu_run.sh exports it): the third slow group opens the first chunk; without the variable, the
+    make-test file order; without the part's mode, a worker cannot know it and leaves the order."""
     import importlib.util
 
     root = Path(__file__).resolve().parents[2]
@@ -46,12 +48,13 @@ def test_the_conftest_hook_orders_a_gpu_suite_collection(monkeypatch):
     spec = importlib.util.spec_from_file_location("tests_root_conftest", root / "tests" / "conftest.py")
     conftest = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(conftest)
-    config = SimpleNamespace(rootpath=root, getoption=lambda name, default=None: "load" if name == "dist" else default)
+    config = SimpleNamespace(rootpath=root, getoption=lambda name, default=None: "no" if name == "dist" else default)
     collection = ["tests/tools/test_gpu_suite_order.py::test_a", "tests/tools/test_gpu_suite_order.py::test_b",
                   SLOW_KERNEL_GROUPS[2][0] + "[3-200-576]"]
 
-    def collected(suite: str) -> list[str]:
+    def collected(suite: str, dist: str = "load") -> list[str]:
         monkeypatch.setenv("TRITONLLM_GPU_SUITE", suite)
+        monkeypatch.setenv("TRITONLLM_GPU_SUITE_DIST", dist)
         monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "2")
         ordered = items(*collection)
         conftest.pytest_collection_modifyitems(None, config, ordered)
@@ -59,3 +62,4 @@ def test_the_conftest_hook_orders_a_gpu_suite_collection(monkeypatch):
 
     assert collected("1")[0] == collection[2]
     assert collected("0")[0] == collection[0]  # (file order: tools before kernels)
+    assert collected("1", dist="")[0] == collection[0]  # the worker's own "no": nothing to order by
