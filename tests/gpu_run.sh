@@ -20,7 +20,7 @@
 # Prints one summary line per part, then each failure and error with its traceback (written as it
 # happens by tests/conftest.py, so a part cut by the budget still reports them).
 # OUT/<part>.log: each test's outcome (-v), every duration over 1 s and pytest's summary; OUT/failures.txt: the
-# tracebacks of all parts (at most 8 files come back from a device call).
+# tracebacks of all parts; OUT/kernel_choices.tgz: the choices made (at most 8 files come back from a device call).
 set -u
 out=${1:?usage: tests/gpu_run.sh OUT}
 mkdir -p "$out"
@@ -59,6 +59,16 @@ install_wheels() {
 }
 
 install_wheels
+# The load-time kernel choices (kernels/choice_cache.py) in one directory for every process of the three parts, so
+# a later test's engine hits what an earlier one timed; seeded from .gpu_choices/kernel_choices.tgz when that is
+# carried (a copy of an earlier run's $out/kernel_choices.tgz: a fresh machine starts cold, and each cold choice
+# compiles and times every candidate). Entries whose kernels or candidates changed since are re-timed (the key
+# holds their digests); tests/kernels/test_choice_cache.py keeps its cold-then-warm loads in a cache of its own.
+export TRITONLLM_KERNEL_CHOICE_CACHE=${TRITONLLM_KERNEL_CHOICE_CACHE:-/tmp/gpu_suite_kernel_choices}
+if [ -f .gpu_choices/kernel_choices.tgz ]; then
+  mkdir -p "$TRITONLLM_KERNEL_CHOICE_CACHE" && tar xzf .gpu_choices/kernel_choices.tgz -C "$TRITONLLM_KERNEL_CHOICE_CACHE" \
+    && echo "choices: $(ls "$TRITONLLM_KERNEL_CHOICE_CACHE" | wc -l) families from .gpu_choices/kernel_choices.tgz"
+fi
 export PYTHONPATH=$site:$PWD${PYTHONPATH:+:$PYTHONPATH}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export TRITONLLM_GPU_SUITE=1  # tests/gpu_suite_order.py: the long tests first, one worker each
@@ -130,5 +140,9 @@ echo "failures and errors:"
 cat "$work"/failures-*.txt > "$out/failures.txt"
 grep -E '^(FAILED|ERROR)' "$out/failures.txt" || echo "  none"
 head -c 6000 "$out/failures.txt"
+if [ -d "$TRITONLLM_KERNEL_CHOICE_CACHE" ]; then  # for the next run's .gpu_choices/ (README, "Tests and speed")
+  tar czf "$out/kernel_choices.tgz" -C "$TRITONLLM_KERNEL_CHOICE_CACHE" --exclude='*.lock' . \
+    && echo "choices: $(ls "$TRITONLLM_KERNEL_CHOICE_CACHE" | grep -vc '\.lock$') families in $out/kernel_choices.tgz"
+fi
 [ -f "$out/warm_cache.txt" ] && grep -E "^warm_triton_cache|not compiled" "$out/warm_cache.txt"
 echo "done in $(( $(date +%s) - t0 )) s"
