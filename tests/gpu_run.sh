@@ -125,6 +125,7 @@ for name in kernels engine executor; do
   read -r rc seconds < "$work/$name.rc"
   how="exit $rc"
   [ "$rc" -eq 124 ] && how="CUT by the budget"
+  [ "$rc" -eq 137 ] && how="CUT by the budget (SIGKILL: no summary)"  # timeout's -k, 10 s after its SIGINT
   printf '%-9s %s after %s s: %s passed, %s skipped, %s failed, %s errors\n' "$name:" "$how" "$seconds" \
     "$(outcomes "$name" PASSED)" "$(outcomes "$name" SKIPPED)" "$(outcomes "$name" FAILED)" "$(outcomes "$name" ERROR)"
 done
