@@ -31,8 +31,8 @@ import os
 import torch
 
 from kernels._triton import jit, pdl_options, pdl_prologue, tl, triton
-from kernels.e4m3_bits import bits_factor, converted_f16, widened_bits
-from kernels.paged_kv_math import cache_value, rotate_neox, slot_row
+from kernels.e4m3_bits import bits_factor
+from kernels.paged_kv_math import cache_value, paged_kv_tile, rotate_neox, slot_row, widened_kv
 
 DECODE_KEYS_MAJOR_ENV = "TRITONLLM_DECODE_KEYS_MAJOR"
 # The fewest columns (padded query heads) of a keys-major product: an MMA's N of 8 (mma.sync m16n8k16; sm_90's
@@ -67,34 +67,12 @@ def _attend_keys_major(
     walks only the one partial tile masked), so the running max is finite after it. SCALE_SCORES: multiply the
     scores by qk_scale (16/32-bit pools; fp16 math pre-scaled q). K_BITS / V_WIDEN: triton_attention._attend_keys'."""
     cols = tl.arange(0, BLOCK_N)
-    dims = tl.arange(0, DIM_PAD)
     for start in range(lo, hi, BLOCK_N):
         k_pos = start + cols
-        if MASKED:
-            k_valid = k_pos < kv_hi
-            block_id = tl.load(block_row + k_pos // PAGE_SIZE, mask=k_valid, other=0).to(tl.int64)
-            kv_mask = k_valid[:, None] & (dims < HEAD_DIM)[None, :]
-        else:
-            block_id = tl.load(block_row + k_pos // PAGE_SIZE).to(tl.int64)
-            kv_mask = (cols < BLOCK_N)[:, None] & (dims < HEAD_DIM)[None, :]
-        k_rows = block_id[:, None] * stride_kb + (k_pos % PAGE_SIZE)[:, None] * stride_ks + kv_head * stride_kh
-        v_rows = block_id[:, None] * stride_vb + (k_pos % PAGE_SIZE)[:, None] * stride_vs + kv_head * stride_vh
-        if MASKED or HEAD_DIM != DIM_PAD:
-            k = tl.load(k_cache_ptr + k_rows + dims[None, :], mask=kv_mask, other=0.0)
-            v = tl.load(v_cache_ptr + v_rows + dims[None, :], mask=kv_mask, other=0.0)
-        else:
-            k = tl.load(k_cache_ptr + k_rows + dims[None, :])
-            v = tl.load(v_cache_ptr + v_rows + dims[None, :])
-        if K_BITS:
-            k = widened_bits(k, tl.float16, ASM)
-        else:
-            k = k.to(q_t.dtype)  # an FP8 pool is widened here (a no-op otherwise)
-        if V_WIDEN == 1:  # V_BY_BITS
-            v = widened_bits(v, tl.float16, ASM, False)
-        elif V_WIDEN == 2:  # V_BY_CVT
-            v = converted_f16(v, ASM)
-        else:
-            v = v.to(q_t.dtype)
+        k, v, k_valid = paged_kv_tile(k_cache_ptr, v_cache_ptr, block_row, kv_head, k_pos, kv_hi, stride_kb,
+                                      stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, HEAD_DIM, DIM_PAD,
+                                      PAGE_SIZE, BLOCK_N, MASKED)
+        k, v = widened_kv(k, v, q_t.dtype, K_BITS, V_WIDEN, ASM)
         scores = tl.dot(k, q_t, input_precision=PRECISION)  # (BLOCK_N, G_PAD) float32
         if K_BITS:
             scores = scores * bits_factor(tl.float16)

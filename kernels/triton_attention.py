@@ -94,9 +94,9 @@ import torch
 from kernels._triton import (TensorDescriptor, dense, hopper_or_later, jit, num_sms, pdl_options, pdl_prologue,
                              power_of_2_floor, resident_programs, tl, triton)
 from kernels.attention_metadata import AttentionMetadata
-from kernels.e4m3_bits import bits_factor, converted_f16, widened_bits
+from kernels.e4m3_bits import bits_factor
 from kernels.keys_major_decode import keys_major_decode, keys_major_decode_on, keys_major_decode_supported
-from kernels.paged_kv_math import cache_value, rotate_neox, slot_row
+from kernels.paged_kv_math import cache_value, paged_kv_tile, rotate_neox, slot_row, widened_kv
 
 _LOG2E = 1.4426950408889634
 # Which sequences one launch of the attention kernel serves (SEQ_KIND): a mixed batch runs its
@@ -205,7 +205,6 @@ def _attend_keys(
     q * k * 2^-8 and p * v * 2^-8 stay far from float32's subnormals (fp16 q and p are >= 2^-24, k and v
     bits >= 2^-17: products >= 2^-41)."""
     cols = tl.arange(0, BLOCK_N)
-    dims = tl.arange(0, DIM_PAD)
     for start in range(lo, hi, BLOCK_N):
         k_pos = start + cols
         if TMA and not MASKED:
@@ -216,31 +215,10 @@ def _attend_keys(
             v = v_desc.load([(block_id * (stride_vb // HEAD_DIM) + kv_head * (stride_vh // HEAD_DIM)
                               + in_page).to(tl.int32), 0])
         else:
-            if MASKED:
-                k_valid = k_pos < kv_hi
-                block_id = tl.load(block_row + k_pos // PAGE_SIZE, mask=k_valid, other=0).to(tl.int64)
-                kv_mask = k_valid[:, None] & (dims < HEAD_DIM)[None, :]
-            else:
-                block_id = tl.load(block_row + k_pos // PAGE_SIZE).to(tl.int64)
-                kv_mask = (cols < BLOCK_N)[:, None] & (dims < HEAD_DIM)[None, :]
-            k_rows = block_id[:, None] * stride_kb + (k_pos % PAGE_SIZE)[:, None] * stride_ks + kv_head * stride_kh
-            v_rows = block_id[:, None] * stride_vb + (k_pos % PAGE_SIZE)[:, None] * stride_vs + kv_head * stride_vh
-            if MASKED or HEAD_DIM != DIM_PAD:
-                k = tl.load(k_cache_ptr + k_rows + dims[None, :], mask=kv_mask, other=0.0)
-                v = tl.load(v_cache_ptr + v_rows + dims[None, :], mask=kv_mask, other=0.0)
-            else:
-                k = tl.load(k_cache_ptr + k_rows + dims[None, :])
-                v = tl.load(v_cache_ptr + v_rows + dims[None, :])
-        if K_BITS:
-            k = widened_bits(k, tl.float16, ASM)
-        else:
-            k = k.to(q.dtype)  # an FP8 pool is widened here (a no-op otherwise)
-        if V_WIDEN == 1:  # V_BY_BITS (a jit function reads no module globals)
-            v = widened_bits(v, tl.float16, ASM, False)
-        elif V_WIDEN == 2:  # V_BY_CVT
-            v = converted_f16(v, ASM)
-        else:
-            v = v.to(q.dtype)
+            k, v, k_valid = paged_kv_tile(k_cache_ptr, v_cache_ptr, block_row, kv_head, k_pos, kv_hi, stride_kb,
+                                          stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, HEAD_DIM, DIM_PAD,
+                                          PAGE_SIZE, BLOCK_N, MASKED)
+        k, v = widened_kv(k, v, q.dtype, K_BITS, V_WIDEN, ASM)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         if K_BITS:  # exact (above)
             scores = scores * bits_factor(tl.float16)
