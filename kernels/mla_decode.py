@@ -159,6 +159,23 @@ def _widened_pair(latent, k_rope, WIDE: tl.constexpr, BITS: tl.constexpr, ASM: t
 
 
 @jit
+def split_program(ctx_ptr, num_heads, splits, min_span, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Program (s, hb, split) of a decode launch over the latent cache (this kernel's and
+    kernels/mla_decode_parts.py's): (seq (int64), heads (BLOCK_H,), split, head_ok, first, last, load_q). The split's
+    keys are [first, last) of sequence seq's context: spans of whole BLOCK_N tiles, at least min_span keys;
+    load_q: the heads whose queries the program loads (none for a split past the context)."""
+    seq = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    split = tl.program_id(2)
+    context_len = tl.load(ctx_ptr + seq)
+    span = tl.maximum(tl.cdiv(tl.cdiv(context_len, splits), BLOCK_N) * BLOCK_N, min_span)
+    first = split * span
+    last = tl.minimum(first + span, context_len)
+    load_q = heads < tl.where(first < last, num_heads, 0)  # a split past the context loads nothing
+    return seq, heads, split, heads < num_heads, first, last, load_q
+
+
+@jit
 def _mla_decode_kernel(q_lat_ptr, q_rope_ptr, cache_ptr, part_ptr, lse_ptr, block_tables_ptr, ctx_ptr, num_heads,
                        splits, min_span, scale_log2, stride_lt, stride_lh, stride_rt, stride_rh, stride_cb, stride_cs,
                        stride_bt, RANK: tl.constexpr, ROPE: tl.constexpr, RANK_PAD: tl.constexpr,
@@ -177,18 +194,11 @@ def _mla_decode_kernel(q_lat_ptr, q_rope_ptr, cache_ptr, part_ptr, lse_ptr, bloc
     KEYS_MAJOR (pipelined tilings, not PREFETCH): _fold_tile_keys_major's products, BLOCK_N >= 64 for sm_90's
     warpgroup MMA."""
     pdl_prologue(PDL)
-    seq = tl.program_id(0).to(tl.int64)
-    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    split = tl.program_id(2)
-    head_ok = heads < num_heads
-    context_len = tl.load(ctx_ptr + seq)
-    span = tl.maximum(tl.cdiv(tl.cdiv(context_len, splits), BLOCK_N) * BLOCK_N, min_span)
-    first = split * span
-    last = tl.minimum(first + span, context_len)
+    seq, heads, split, head_ok, first, last, load_q = split_program(ctx_ptr, num_heads, splits, min_span, BLOCK_H,
+                                                                    BLOCK_N)
     r = tl.arange(0, RANK_PAD)
     p = tl.arange(0, ROPE_PAD)
     n = tl.arange(0, BLOCK_N)
-    load_q = heads < tl.where(first < last, num_heads, 0)  # a split past the context loads nothing
     q_lat = tl.load(q_lat_ptr + seq * stride_lt + heads[:, None] * stride_lh + r[None, :],
                     mask=load_q[:, None] & (r < RANK)[None, :], other=0.0)  # (BLOCK_H, RANK_PAD)
     q_rope = tl.load(q_rope_ptr + seq * stride_rt + heads[:, None] * stride_rh + p[None, :],

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from kernels._triton import jit, pdl_options, pdl_prologue, tl, triton
-from kernels.mla_decode import LOG2E, _bits_query_scale, _widened, decode_tile_fits
+from kernels.mla_decode import LOG2E, _bits_query_scale, _widened, decode_tile_fits, split_program
 from kernels.mla_partials import store_split_output
 
 COLUMN_PARTS = (1, 2, 4, 8)  # 1: kernels/mla_decode.py's kernel itself
@@ -64,17 +64,10 @@ def _mla_decode_parts_kernel(q_lat_ptr, q_rope_ptr, cache_ptr, part_ptr, lse_ptr
     tuples of PARTS tensors, each built and used part by part (static loops: unrolled at compile time)."""
     W: tl.constexpr = RANK_PAD // PARTS
     pdl_prologue(PDL)
-    seq = tl.program_id(0).to(tl.int64)
-    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    split = tl.program_id(2)
-    head_ok = heads < num_heads
-    context_len = tl.load(ctx_ptr + seq)
-    span = tl.maximum(tl.cdiv(tl.cdiv(context_len, splits), BLOCK_N) * BLOCK_N, min_span)
-    first = split * span
-    last = tl.minimum(first + span, context_len)
+    seq, heads, split, head_ok, first, last, load_q = split_program(ctx_ptr, num_heads, splits, min_span, BLOCK_H,
+                                                                    BLOCK_N)
     p = tl.arange(0, ROPE_PAD)
     n = tl.arange(0, BLOCK_N)
-    load_q = heads < tl.where(first < last, num_heads, 0)  # a split past the context loads nothing
     heads_in = tl.where(load_q, heads * stride_lh, -1)
     q_row = q_lat_ptr + seq * stride_lt
     q_rope = tl.load(q_rope_ptr + seq * stride_rt + heads[:, None] * stride_rh + p[None, :],
