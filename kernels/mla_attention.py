@@ -402,7 +402,7 @@ def mla_attention_triton(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: to
                          decode_tiling: tuple[int, int, int] | None = None,
                          programs_per_sm: int | None = None, fp8_bits: bool | None = None,
                          combine_chunk: int | None = None, half_partials: bool | None = None,
-                         keys_major: bool | None = None, bits_pure: int = 0,
+                         keys_major: bool | None = None,
                          long_span: int | None = None, parts: int | None = None) -> torch.Tensor:
     """mla_attention_ref on the GPU (or Triton's interpreter): one program per (token, BLOCK_H heads,
     key split), the splits' outputs combined by their log-sum-exps (_mla_combine_kernel). Two
@@ -424,7 +424,7 @@ def mla_attention_triton(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: to
     ``combine_chunk``: the splits a combine load takes (None: COMBINE_SPLIT_CHUNK; 0: all the grid's at once, the
     combine before session 29). ``half_partials`` (None: HALF_PARTIALS): the splits' partials in the queries' 16-bit
     dtype, not float32. ``keys_major`` (None: decode_tiling_for's choice): the decode kernel's products with the
-    keys as rows. ``bits_pure``: kernels/mla_decode.py _widened_pair's BITS_PURE (A/B runs). ``long_span``:
+    keys as rows. ``long_span``:
     decode_splits' (None: DECODE_LONG_SPAN; 0: the grid always covers the GPU DECODE_SPLITS' times, the policy
     before). ``parts`` (None: kernels/mla_decode.py DECODE_COLUMN_PARTS where the latent's width allows it, else 1):
     the decode kernel's latent in 2, 4 or 8 column parts (kernels/mla_decode_parts.py), at DECODE_TILING_PARTS' unless
@@ -469,7 +469,7 @@ def mla_attention_triton(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: to
     elif use_decode:
         tables, lens = dense(meta.block_tables, meta.context_lens)  # read at ptr + i (tables: + row * row stride)
         mla_decode_launch(q_latent, q_rope, cache, tables, lens, part, lse, scale, splits, min_span, block_h, tiling,
-                          bits, keys_major, bits_pure)
+                          bits, keys_major)
     else:
         _mla_general_launch(q_latent, q_rope, cache, meta, part, lse, scale, splits, min_span, block_h, block_n,
                             num_warps, decode)

@@ -54,14 +54,13 @@ def _tile(cache_ptr, table, start, last, stride_cb, stride_cs, RANK: tl.constexp
 
 
 @jit
-def _fold_tile(q_lat, q_rope, latent, k_rope, latent_v, key_ok, m, denom, acc, score_scale, PROB_SCALE: tl.constexpr,
+def _fold_tile(q_lat, q_rope, latent, k_rope, key_ok, m, denom, acc, score_scale, PROB_SCALE: tl.constexpr,
                DOT_PRECISION: tl.constexpr):
     """One tile into the running (max, denominator, sum), scores in log2 units: the products' float32
     sums times ``score_scale`` (BLOCK_H,) (per head: _bits_queries). The value product
     takes the probabilities times PROB_SCALE (1, or the bits path's power of two: its latent at 2^-120 or
     2^-8, so the sum comes out at the latents' own scale; the denominator counts the plain ones). The tile
-    holds a visible key (the loop visits only those), so the new max is finite. ``latent_v``: the tile for the
-    value product (the same values as ``latent``; _widened_pair)."""
+    holds a visible key (the loop visits only those), so the new max is finite."""
     scores = (tl.dot(q_lat, tl.trans(latent), input_precision=DOT_PRECISION)
               + tl.dot(q_rope, tl.trans(k_rope), input_precision=DOT_PRECISION))  # (BLOCK_H, BLOCK_N) f32
     scores = tl.where(key_ok[None, :], scores * score_scale[:, None], -float("inf"))
@@ -69,12 +68,12 @@ def _fold_tile(q_lat, q_rope, latent, k_rope, latent_v, key_ok, m, denom, acc, s
     alpha = tl.exp2(m - m_new)
     probs = tl.exp2(scores - m_new[:, None])
     weights = probs if PROB_SCALE == 1.0 else probs * PROB_SCALE
-    acc = acc * alpha[:, None] + tl.dot(weights.to(latent_v.dtype), latent_v, input_precision=DOT_PRECISION)
+    acc = acc * alpha[:, None] + tl.dot(weights.to(latent.dtype), latent, input_precision=DOT_PRECISION)
     return m_new, denom * alpha + tl.sum(probs, 1), acc
 
 
 @jit
-def _fold_tile_keys_major(q_lat_t, q_rope_t, latent, k_rope, latent_v, key_ok, m, denom, acc_t, score_scale,
+def _fold_tile_keys_major(q_lat_t, q_rope_t, latent, k_rope, key_ok, m, denom, acc_t, score_scale,
                           PROB_SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """_fold_tile with the keys as the products' rows: scores (BLOCK_N, BLOCK_H) = latent q_lat_t + k_rope
     q_rope_t (the queries transposed, (RANK_PAD, BLOCK_H) and (ROPE_PAD, BLOCK_H)), acc_t (RANK_PAD, BLOCK_H) +=
@@ -88,7 +87,7 @@ def _fold_tile_keys_major(q_lat_t, q_rope_t, latent, k_rope, latent_v, key_ok, m
     alpha = tl.exp2(m - m_new)
     probs = tl.exp2(scores - m_new[None, :])
     weights = probs if PROB_SCALE == 1.0 else probs * PROB_SCALE
-    acc_t = acc_t * alpha[None, :] + tl.dot(tl.trans(latent_v), weights.to(latent_v.dtype),
+    acc_t = acc_t * alpha[None, :] + tl.dot(tl.trans(latent), weights.to(latent.dtype),
                                             input_precision=DOT_PRECISION)
     return m_new, denom * alpha + tl.sum(probs, 0), acc_t
 
@@ -131,31 +130,19 @@ def _bits_query_scale(q_max, scale_log2, WIDE: tl.constexpr):
 
 
 @jit
-def _widened(x, WIDE: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr, PURE: tl.constexpr):
+def _widened(x, WIDE: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr):
     """A loaded tile as the products' dtype: FP8 codes by bits (BITS: kernels/e4m3_bits.py, at 2^-120 or
-    2^-8; PURE: _widened_pair), else Triton's conversion (exact: E4M3 and the 16-bit pools fit WIDE)."""
+    2^-8), else Triton's conversion (exact: E4M3 and the 16-bit pools fit WIDE). The bits are widened once where
+    the codes were loaded (not pure), the 16-bit tile reaching both products through shared memory (ldmatrix):
+    marked pure, Triton moves the widening into each product's operand layout, and the value product's operand
+    (keys along K, across the rows) then reads the codes from shared memory a byte at a time (sm_90 compile of
+    (32, 4, 3): 128 ld.shared.b8 and 232 PRMTs a tile against 72 PRMTs). Session 29 call 4 (H200, V2-Lite, us a
+    layer, not pure / pure / pure for the score product alone): 32 x 32k 458.8 / 516.1 / 579.4, 64 x 8k 249.7 /
+    275.2 / 310.1, batch 1 x 32k 33.9 / 35.4 / 36.0."""
     if BITS:
-        return widened_bits(x, WIDE, ASM, PURE)
+        return widened_bits(x, WIDE, ASM, False)
     else:
         return x.to(WIDE)
-
-
-@jit
-def _widened_pair(latent, k_rope, WIDE: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr,
-                  BITS_PURE: tl.constexpr):
-    """(latent, k_rope, latent for the value product) as the products' dtype (_widened). BITS_PURE 0: the
-    codes widened once where they were loaded (not pure), the 16-bit tile reaching both products through shared
-    memory (ldmatrix); 1: the widening marked pure, which Triton moves into each product's operand layout --
-    the value product's operand (keys along K, across the rows) then reads the codes from shared memory a byte
-    at a time (sm_90 compile of (32, 4, 3): 128 ld.shared.b8 and 232 PRMTs a tile, against 72 PRMTs and no byte
-    loads for 0); 2: pure for the score product (its K, the latent's columns, contiguous: words of codes straight
-    into its operand layout), not pure for the value product. Session 29 call 4 (H200, V2-Lite, us a layer, forms
-    0 / 1 / 2): 32 x 32k 458.8 / 516.1 / 579.4, 64 x 8k 249.7 / 275.2 / 310.1, batch 1 x 32k 33.9 / 35.4 / 36.0."""
-    latent_w = _widened(latent, WIDE, BITS, ASM, BITS_PURE == 1)
-    if BITS_PURE == 2:
-        return _widened(latent, WIDE, BITS, ASM, True), _widened(k_rope, WIDE, BITS, ASM, True), latent_w
-    else:
-        return latent_w, _widened(k_rope, WIDE, BITS, ASM, BITS_PURE == 1), latent_w
 
 
 @jit
@@ -182,7 +169,7 @@ def _mla_decode_kernel(q_lat_ptr, q_rope_ptr, cache_ptr, part_ptr, lse_ptr, bloc
                        ROPE_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                        STAGES: tl.constexpr, PREFETCH: tl.constexpr, DIRECT: tl.constexpr,
                        DOT_PRECISION: tl.constexpr, PDL: tl.constexpr, BITS: tl.constexpr = False,
-                       ASM: tl.constexpr = False, KEYS_MAJOR: tl.constexpr = False, BITS_PURE: tl.constexpr = 0):
+                       ASM: tl.constexpr = False, KEYS_MAJOR: tl.constexpr = False):
     """Program (s, hb, split): sequence s's heads hb * BLOCK_H ... over split ``split`` of its keys
     0 .. context_len - 1 (its new token is the last). Scores in log2 units (scale_log2 = scale *
     log2 e: exp2 in the softmax); the lse written in natural-log units, as the combines read it.
@@ -219,10 +206,10 @@ def _mla_decode_kernel(q_lat_ptr, q_rope_ptr, cache_ptr, part_ptr, lse_ptr, bloc
         latent_next, rope_next = _tile(cache_ptr, table, first, last, stride_cb, stride_cs, RANK, ROPE, RANK_PAD,
                                        ROPE_PAD, PAGE, BLOCK_N)
         for start in range(first, last, BLOCK_N):
-            latent, k_rope, latent_v = _widened_pair(latent_next, rope_next, WIDE, BITS, ASM, BITS_PURE)
+            latent, k_rope = _widened(latent_next, WIDE, BITS, ASM), _widened(rope_next, WIDE, BITS, ASM)
             latent_next, rope_next = _tile(cache_ptr, table, start + BLOCK_N, last, stride_cb, stride_cs, RANK, ROPE,
                                            RANK_PAD, ROPE_PAD, PAGE, BLOCK_N)
-            m, denom, acc = _fold_tile(q_lat, q_rope, latent, k_rope, latent_v, start + n < last, m, denom, acc,
+            m, denom, acc = _fold_tile(q_lat, q_rope, latent, k_rope, start + n < last, m, denom, acc,
                                        score_scale, PROB_SCALE, DOT_PRECISION)
     elif KEYS_MAJOR:  # the products with the keys as rows (_fold_tile_keys_major), pipelined as below
         q_lat_t = tl.trans(q_lat)
@@ -231,16 +218,16 @@ def _mla_decode_kernel(q_lat_ptr, q_rope_ptr, cache_ptr, part_ptr, lse_ptr, bloc
         for start in tl.range(first, last, BLOCK_N, num_stages=STAGES):
             latent, k_rope = _tile(cache_ptr, table, start, last, stride_cb, stride_cs, RANK, ROPE, RANK_PAD,
                                    ROPE_PAD, PAGE, BLOCK_N)
-            latent, k_rope, latent_v = _widened_pair(latent, k_rope, WIDE, BITS, ASM, BITS_PURE)
-            m, denom, acc_t = _fold_tile_keys_major(q_lat_t, q_rope_t, latent, k_rope, latent_v, start + n < last, m,
+            latent, k_rope = _widened(latent, WIDE, BITS, ASM), _widened(k_rope, WIDE, BITS, ASM)
+            m, denom, acc_t = _fold_tile_keys_major(q_lat_t, q_rope_t, latent, k_rope, start + n < last, m,
                                                     denom, acc_t, score_scale, PROB_SCALE, DOT_PRECISION)
         acc = tl.trans(acc_t)
     else:  # Triton's pipeliner: STAGES tiles in flight as cp.async copies into shared memory
         for start in tl.range(first, last, BLOCK_N, num_stages=STAGES):
             latent, k_rope = _tile(cache_ptr, table, start, last, stride_cb, stride_cs, RANK, ROPE, RANK_PAD,
                                    ROPE_PAD, PAGE, BLOCK_N)
-            latent, k_rope, latent_v = _widened_pair(latent, k_rope, WIDE, BITS, ASM, BITS_PURE)
-            m, denom, acc = _fold_tile(q_lat, q_rope, latent, k_rope, latent_v, start + n < last, m, denom, acc,
+            latent, k_rope = _widened(latent, WIDE, BITS, ASM), _widened(k_rope, WIDE, BITS, ASM)
+            m, denom, acc = _fold_tile(q_lat, q_rope, latent, k_rope, start + n < last, m, denom, acc,
                                        score_scale, PROB_SCALE, DOT_PRECISION)
     lse = (m + tl.log2(tl.where(denom > 0, denom, 1.0))) / 1.4426950408889634  # natural-log units
     store_split_output(part_ptr, lse_ptr, acc, denom, lse, seq, heads, head_ok, r, num_heads, splits, split, RANK,
@@ -258,7 +245,7 @@ def _mla_decode_kernel(q_lat_ptr, q_rope_ptr, cache_ptr, part_ptr, lse_ptr, bloc
 DECODE_TILING = (32, 4, 3)
 DECODE_TILING_FP8 = (32, 8, 0)
 # FP8 pools widened by bits (BITS): the bf16 pool's tiling, the tile's 18 KB of codes pipelined as cp.async copies,
-# widened in registers once (_widened_pair). Session 29 calls 3-4 (H200, V2-Lite, us a layer): 32 x 32k 458.5
+# widened in registers once (_widened). Session 29 calls 3-4 (H200, V2-Lite, us a layer): 32 x 32k 458.5
 # (31% of the copy bandwidth) against 1,006.9 for the conversion and the general kernel before; 64 x 8k 248.4
 # against 495.8; 8 x 8k 47.1 against 88.8; batch 1 even (8.9 / 33.8 us at 1k / 32k). (32, 8, 0) and (32, 8, 3)
 # widened by bits were 1.4-1.5x slower than this at batch 32 (call 3).
@@ -339,12 +326,11 @@ def decode_tile_fits(page: int, block_n: int) -> bool:
 def mla_decode_launch(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
                       context_lens: torch.Tensor, part: torch.Tensor, lse: torch.Tensor, scale: float, splits: int,
                       min_span: int, block_h: int, tiling: tuple[int, int, int] = DECODE_TILING,
-                      bits: bool = False, keys_major: bool = False, bits_pure: int = 0) -> None:
+                      bits: bool = False, keys_major: bool = False) -> None:
     """One launch of _mla_decode_kernel over (sequences, head blocks, splits): ``part`` is the output
     (T, H, R) itself when splits == 1, else the partials; block_tables and context_lens dense
     (read at ptr + i). ``bits``: an FP8 pool's codes widened by bits (widens_by_bits says where it may).
     ``keys_major``: the products with the keys as rows (_fold_tile_keys_major; pipelined tilings only).
-    ``bits_pure``: _widened_pair's BITS_PURE (1: the form session 29's call 3 measured).
     The caller (kernels/mla_attention.py) checks decode_tile_fits and combines."""
     num_seqs, num_heads, rank = q_latent.shape
     rope = q_rope.shape[-1]
@@ -358,5 +344,5 @@ def mla_decode_launch(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch
         ROPE_PAD=max(16, triton.next_power_of_2(rope)), PAGE=cache.shape[1], BLOCK_H=block_h, BLOCK_N=block_n,
         STAGES=max(1, stages), PREFETCH=stages == 0, DIRECT=splits == 1,
         DOT_PRECISION="ieee" if q_latent.dtype == torch.float32 else "tf32", BITS=bits, ASM=bits and q_latent.is_cuda,
-        KEYS_MAJOR=keys_major and stages > 0, BITS_PURE=int(bits_pure),
+        KEYS_MAJOR=keys_major and stages > 0,
         num_warps=num_warps, **pdl_options(q_latent))

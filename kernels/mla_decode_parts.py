@@ -48,7 +48,7 @@ def _code_part(rows, key_ok, col0, RANK: tl.constexpr, W: tl.constexpr, WIDE: tl
     addresses), widened from their own codes (kernels/mla_decode.py _widened, not pure: where loaded)."""
     c = col0 + tl.arange(0, W)
     codes = tl.load(rows + c[None, :], mask=key_ok[:, None] & (c < RANK)[None, :], other=0.0)
-    return _widened(codes, WIDE, BITS, ASM, False)
+    return _widened(codes, WIDE, BITS, ASM)
 
 
 @jit
@@ -102,7 +102,7 @@ def _mla_decode_parts_kernel(q_lat_ptr, q_rope_ptr, cache_ptr, part_ptr, lse_ptr
         block = tl.load(table + start // PAGE, mask=start < last, other=0).to(tl.int64)  # one page's run of rows
         rows = (cache_ptr + block * stride_cb + (start % PAGE) * stride_cs + n * stride_cs)[:, None]  # (BLOCK_N, 1)
         k_rope = _widened(tl.load(rows + RANK + p[None, :], mask=key_ok[:, None] & (p < ROPE)[None, :], other=0.0),
-                          WIDE, BITS, ASM, False)
+                          WIDE, BITS, ASM)
         scores = tl.dot(q_rope, tl.trans(k_rope), input_precision=DOT_PRECISION)  # (BLOCK_H, BLOCK_N) float32
         codes = ()  # PARTS x (BLOCK_N, W) WIDE: the tile's latent parts
         for i in tl.static_range(PARTS):

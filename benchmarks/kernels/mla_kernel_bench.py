@@ -126,24 +126,21 @@ def parse_config(text: str) -> dict:
     TRITONLLM_MLA_FP8_BITS=0), "+bits" by bits (kernels/e4m3_bits.py), neither: the kernel's default;
     "+c<N>" the combine's loads N splits at a time (0: all the grid's, the combine before session 29);
     "+h" the splits' partials in the queries' dtype (half_partials), "+f" in float32; "+k" the decode kernel's
-    products with the keys as rows (keys_major); "+bp" FP8 codes widened by a pure asm (bits_pure=1), "+bs"
-    pure for the score product only (2); "+L<N>" the
+    products with the keys as rows (keys_major); "+L<N>" the
     decode split policy's long_span (0: the grid always 8 times the SMs, the policy before session 29); "+p<N>" the
     decode kernel's latent in N (2, 4, 8) column parts (kernels/mla_decode_parts.py; "auto+pN": DECODE_TILING_PARTS[N]),
     "+p1" the one-part kernel."""
     base, *options = text.split("+")
     widening = {}
     for option in options:
-        assert option in ("cvt", "bits", "h", "f", "k", "bp", "bs") or (option[:1] in "cLp" and option[1:].isdigit()), \
-            f"--configs {text!r}: the endings are +cvt, +bits, +c<splits>, +h, +f, +k, +bp, +bs, +L<keys> and +p<parts>"
+        assert option in ("cvt", "bits", "h", "f", "k") or (option[:1] in "cLp" and option[1:].isdigit()), \
+            f"--configs {text!r}: the endings are +cvt, +bits, +c<splits>, +h, +f, +k, +L<keys> and +p<parts>"
         if option in ("cvt", "bits"):
             widening["fp8_bits"] = option == "bits"
         elif option in ("h", "f"):
             widening["half_partials"] = option == "h"
         elif option == "k":
             widening["keys_major"] = True
-        elif option in ("bp", "bs"):
-            widening["bits_pure"] = 1 if option == "bp" else 2
         elif option[0] == "L":
             widening["long_span"] = int(option[1:])
         elif option[0] == "p":
@@ -169,7 +166,7 @@ def config_name(config: dict) -> str:
     ending = ("" if "fp8_bits" not in config else "+bits" if config["fp8_bits"] else "+cvt") + (
         "" if "combine_chunk" not in config else f"+c{config['combine_chunk']}") + (
         "" if "half_partials" not in config else "+h" if config["half_partials"] else "+f") + (
-        "+k" if config.get("keys_major") else "") + {0: "", 1: "+bp", 2: "+bs"}[config.get("bits_pure", 0)] + (
+        "+k" if config.get("keys_major") else "") + (
         "" if "long_span" not in config else f"+L{config['long_span']}") + (
         "" if "parts" not in config else f"+p{config['parts']}")
     if config.get("auto"):

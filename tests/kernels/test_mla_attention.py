@@ -233,8 +233,7 @@ def test_decode_kernel_widens_an_fp8_pool_by_bits_at_its_extremes(device, dtype,
     queries, one of +-448 among normal values under tiny queries, one under huge queries (one-hot
     softmax), one with a head of zero queries; float16 queries take the 2^-8 widening, the others 2^-120
     with each head's queries scaled to [2^120, 2^121) (float32: the interpreter's stand-in for bfloat16); three
-    splits' partials in float32 and in the queries' 16-bit dtype (half_partials); the widening marked pure
-    for both products or for the scores' alone (bits_pure 1, 2) alike."""
+    splits' partials in float32 and in the queries' 16-bit dtype (half_partials)."""
     if dtype not in low_precision_dtypes(device) + [torch.float32] and dtype != torch.float16:
         pytest.skip("the interpreter emulates bf16 dots loosely (kernel_testing.low_precision_dtypes); GPU only")
     if dtype == torch.float32 and device == "cuda":
@@ -245,9 +244,6 @@ def test_decode_kernel_widens_an_fp8_pool_by_bits_at_its_extremes(device, dtype,
         kw = dict(splits=splits, min_span=tiling[0], decode_tiling=tiling, decode_kernel=True, half_partials=half,
                   keys_major=keys_major)
         by_bits = mla_attention_triton(q_latent, q_rope, cache, meta, 0.2, fp8_bits=True, **kw).cpu().float()
-        for pure_form in (1, 2):
-            pure = mla_attention_triton(q_latent, q_rope, cache, meta, 0.2, fp8_bits=True, bits_pure=pure_form, **kw)
-            assert relative_error(pure.cpu().float(), by_bits) < tolerance, (splits, pure_form)
         converted = mla_attention_triton(q_latent, q_rope, cache, meta, 0.2, fp8_bits=False, **kw).cpu().float()
         assert torch.isfinite(by_bits).all()
         for seq in range(4):  # each sequence alone: the subnormal one's outputs are ~2^-7 of the others'
@@ -609,7 +605,7 @@ def test_decode_kernel_compiles_for_sm90_without_spills(pool, bits, q, keys_majo
                     lse_ptr="*fp32", block_tables_ptr="*i32", ctx_ptr="*i32")
     const = dict(RANK=512, ROPE=64, RANK_PAD=512, ROPE_PAD=64, PAGE=64, BLOCK_H=16, BLOCK_N=block_n,
                  STAGES=max(1, stages), PREFETCH=stages == 0, DIRECT=direct, DOT_PRECISION="tf32", PDL=False,
-                 BITS=bits, ASM=bits, KEYS_MAJOR=keys_major, BITS_PURE=0)
+                 BITS=bits, ASM=bits, KEYS_MAJOR=keys_major)
     compiled = compile_for_sm90(_mla_decode_kernel, pointers, const, warps=warps, stages=1, floats=("scale_log2",),
                                 aligned_int=strides_but_block_table)
     ptx = compiled.asm["ptx"]
