@@ -332,17 +332,29 @@ def mla_decode_launch(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch
     (read at ptr + i). ``bits``: an FP8 pool's codes widened by bits (widens_by_bits says where it may).
     ``keys_major``: the products with the keys as rows (_fold_tile_keys_major; pipelined tilings only).
     The caller (kernels/mla_attention.py) checks decode_tile_fits and combines."""
+    block_n, num_warps, stages = tiling
+    grid, args, meta = decode_launch_arguments(q_latent, q_rope, cache, block_tables, context_lens, part, lse, scale,
+                                               splits, min_span, block_h, block_n, bits)
+    _mla_decode_kernel[grid](*args, **meta, STAGES=max(1, stages), PREFETCH=stages == 0,
+                             KEYS_MAJOR=keys_major and stages > 0, num_warps=num_warps)
+
+
+def decode_launch_arguments(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor,
+                            block_tables: torch.Tensor, context_lens: torch.Tensor, part: torch.Tensor,
+                            lse: torch.Tensor, scale: float, splits: int, min_span: int, block_h: int, block_n: int,
+                            bits: bool) -> tuple[tuple, tuple, dict]:
+    """(grid, positional arguments, keyword arguments) both latent decode kernels share (_mla_decode_kernel and
+    kernels/mla_decode_parts.py's): the grid (sequences, head blocks, splits), the tensors, sizes and strides, and the
+    constexprs of the shapes, the output's form, the products' precision, the bits widening and PDL."""
     num_seqs, num_heads, rank = q_latent.shape
     rope = q_rope.shape[-1]
-    block_n, num_warps, stages = tiling
     assert decode_tile_fits(cache.shape[1], block_n) and min_span % block_n == 0, (cache.shape[1], block_n, min_span)
-    _mla_decode_kernel[(num_seqs, triton.cdiv(num_heads, block_h), splits)](
-        q_latent, q_rope, cache, part, lse, block_tables, context_lens, num_heads, splits, min_span,
-        scale * LOG2E, q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
-        cache.stride(0), cache.stride(1), block_tables.stride(0),
-        RANK=rank, ROPE=rope, RANK_PAD=max(16, triton.next_power_of_2(rank)),
-        ROPE_PAD=max(16, triton.next_power_of_2(rope)), PAGE=cache.shape[1], BLOCK_H=block_h, BLOCK_N=block_n,
-        STAGES=max(1, stages), PREFETCH=stages == 0, DIRECT=splits == 1,
-        DOT_PRECISION="ieee" if q_latent.dtype == torch.float32 else "tf32", BITS=bits, ASM=bits and q_latent.is_cuda,
-        KEYS_MAJOR=keys_major and stages > 0,
-        num_warps=num_warps, **pdl_options(q_latent))
+    args = (q_latent, q_rope, cache, part, lse, block_tables, context_lens, num_heads, splits, min_span,
+            scale * LOG2E, q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
+            cache.stride(0), cache.stride(1), block_tables.stride(0))
+    meta = dict(RANK=rank, ROPE=rope, RANK_PAD=max(16, triton.next_power_of_2(rank)),
+                ROPE_PAD=max(16, triton.next_power_of_2(rope)), PAGE=cache.shape[1], BLOCK_H=block_h,
+                BLOCK_N=block_n, DIRECT=splits == 1,
+                DOT_PRECISION="ieee" if q_latent.dtype == torch.float32 else "tf32", BITS=bits,
+                ASM=bits and q_latent.is_cuda, **pdl_options(q_latent))
+    return (num_seqs, triton.cdiv(num_heads, block_h), splits), args, meta

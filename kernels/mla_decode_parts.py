@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import jit, pdl_options, pdl_prologue, tl, triton
-from kernels.mla_decode import LOG2E, _bits_query_scale, _widened, decode_tile_fits, split_program
+from kernels._triton import jit, pdl_prologue, tl, triton
+from kernels.mla_decode import _bits_query_scale, _widened, decode_launch_arguments, split_program
 from kernels.mla_partials import store_split_output
 
 COLUMN_PARTS = (1, 2, 4, 8)  # 1: kernels/mla_decode.py's kernel itself
@@ -140,17 +140,10 @@ def mla_decode_parts_launch(q_latent: torch.Tensor, q_rope: torch.Tensor, cache:
                             tiling: tuple[int, int, int], parts: int, bits: bool = False) -> None:
     """kernels/mla_decode.py mla_decode_launch's launch (same arguments and outputs) of the column-parts kernel:
     ``parts`` 2, 4 or 8 (column_parts_fit), a pipelined ``tiling`` (STAGES >= 1); the caller checked both."""
-    num_seqs, num_heads, rank = q_latent.shape
-    rope = q_rope.shape[-1]
     block_n, num_warps, stages = tiling
-    assert parts in COLUMN_PARTS[1:] and column_parts_fit(rank, parts) and stages >= 1, (parts, rank, tiling)
-    assert decode_tile_fits(cache.shape[1], block_n) and min_span % block_n == 0, (cache.shape[1], block_n, min_span)
+    assert parts in COLUMN_PARTS[1:] and column_parts_fit(q_latent.shape[-1], parts) and stages >= 1, (
+        parts, q_latent.shape[-1], tiling)
     assert q_latent.stride(-1) == 1 and q_rope.stride(-1) == 1
-    _mla_decode_parts_kernel[(num_seqs, triton.cdiv(num_heads, block_h), splits)](
-        q_latent, q_rope, cache, part, lse, block_tables, context_lens, num_heads, splits, min_span,
-        scale * LOG2E, q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1),
-        cache.stride(0), cache.stride(1), block_tables.stride(0),
-        RANK=rank, ROPE=rope, RANK_PAD=max(16, triton.next_power_of_2(rank)),
-        ROPE_PAD=max(16, triton.next_power_of_2(rope)), PAGE=cache.shape[1], BLOCK_H=block_h, BLOCK_N=block_n,
-        STAGES=stages, DIRECT=splits == 1, DOT_PRECISION="ieee" if q_latent.dtype == torch.float32 else "tf32",
-        PARTS=parts, BITS=bits, ASM=bits and q_latent.is_cuda, num_warps=num_warps, **pdl_options(q_latent))
+    grid, args, meta = decode_launch_arguments(q_latent, q_rope, cache, block_tables, context_lens, part, lse, scale,
+                                               splits, min_span, block_h, block_n, bits)
+    _mla_decode_parts_kernel[grid](*args, **meta, STAGES=stages, PARTS=parts, num_warps=num_warps)
