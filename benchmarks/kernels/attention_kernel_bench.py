@@ -47,7 +47,6 @@ against another commit, run this file with PYTHONPATH at that commit's tree (its
 from __future__ import annotations
 
 import argparse
-import os
 
 import torch
 
@@ -259,6 +258,7 @@ def run_grid(pools: list[str], copy: float, widenings: list[str], cases: list[st
              standard: bool = True) -> list[dict]:
     """One row per (case, pool, variant) of --grid (``standard``: grid_variants'; then ``more``'s, FP8 pools only);
     each case's pool built once for its variants."""
+    from benchmarks.common import environment_set
     from kernels import triton_attention
 
     rows = []
@@ -273,8 +273,6 @@ def run_grid(pools: list[str], copy: float, widenings: list[str], cases: list[st
             q, k_cache, v_cache, meta = build_case(batch, pool_dtype)
             _, kv_bytes = work(batch, k_cache.element_size())
             for label, env, splits, rotary, tiling in variants:
-                saved = {key: os.environ.get(key) for key in env}
-                os.environ.update(env)
                 new_kv = rotary_append_inputs(q, meta) if rotary else None
                 call = lambda: triton_attention.paged_attention_triton(  # noqa: E731
                     q, k_cache, v_cache, meta, HEAD_DIM**-0.5, new_kv=new_kv)
@@ -285,15 +283,8 @@ def run_grid(pools: list[str], copy: float, widenings: list[str], cases: list[st
                     chosen.append(config if splits is None else config[:4] + (splits,) + config[5:])
                     return chosen[-1]
 
-                try:
-                    with forced("_decode_config", config_of):
-                        us = time_us(call)
-                finally:
-                    for key, value in saved.items():
-                        if value is None:
-                            os.environ.pop(key, None)
-                        else:
-                            os.environ[key] = value
+                with environment_set(env), forced("_decode_config", config_of):
+                    us = time_us(call)
                 tb_s = kv_bytes / us / 1e6
                 rows.append({"case": name, "pool": pool, "tiling": label, "us": round(us, 1),
                              "kv_tb_s": round(tb_s, 2), "pct_copy": round(100 * tb_s / copy, 1) if copy else 0.0})
