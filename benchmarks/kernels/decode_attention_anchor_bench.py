@@ -405,28 +405,18 @@ def forced_decode(entry: str):
     return forced("_decode_config", lambda default: (default[0], bn, warps, stages) + default[4:])
 
 
-class fp8_widening_set:
+def fp8_widening_set(widening: str):
     """Context manager: kernels/triton_attention.py's FP8 widening switch (an environment variable it reads at every
-    call) set to ``widening`` for the block, restored after."""
+    call) set to ``widening`` for the block, restored after (benchmarks/common.py environment_set). An unknown
+    widening is refused here, before any block is entered."""
+    from benchmarks.common import environment_set
+    from kernels import triton_attention
 
-    def __init__(self, widening: str):
-        from kernels import triton_attention
-
-        self.name = getattr(triton_attention, "FP8_WIDEN_ENV", None)
-        known = getattr(triton_attention, "FP8_WIDENINGS", {})
-        if self.name is None or widening not in known:
-            raise SystemExit(f"--ours_fp8_widenings: {widening!r} is not one of this kernel's widenings {sorted(known)}")
-        self.widening = widening
-
-    def __enter__(self):
-        self.before = os.environ.get(self.name)
-        os.environ[self.name] = self.widening
-
-    def __exit__(self, *exc):
-        if self.before is None:
-            os.environ.pop(self.name, None)
-        else:
-            os.environ[self.name] = self.before
+    name = getattr(triton_attention, "FP8_WIDEN_ENV", None)
+    known = getattr(triton_attention, "FP8_WIDENINGS", {})
+    if name is None or widening not in known:
+        raise SystemExit(f"--ours_fp8_widenings: {widening!r} is not one of this kernel's widenings {sorted(known)}")
+    return environment_set({name: widening})
 
 
 ANCHOR_VARIANTS = {"fi": (False, False), "fi tc": (True, False), "fi graph": (False, True),
