@@ -159,7 +159,8 @@ class Llama4Experts(nn.Module):
         expert's rows beside the routed ones (shares_expert_rows) they return (T, 2, hidden) unsummed on one rank
         (_experts_and_shared)."""
         if self.routes_in_one_launch(x.shape[0]) and x.stride(1) == 1:
-            return self._experts_and_shared(self._route(x, None), self.shares_expert_rows(x.shape[0]))
+            shared_rows = self.shares_expert_rows(x.shape[0])
+            return self._experts_and_shared(self._route(x, None, shared_rows), shared_rows)
         num_tokens, hidden = x.shape
         top_logits, ids = self.router(x).topk(self.top_k, dim=-1)
         scores = torch.sigmoid(top_logits.float()).to(x.dtype)  # (T, K), transformers' rounding
@@ -180,13 +181,14 @@ class Llama4Experts(nn.Module):
                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         """(forward of rms_norm(x + residual), the new residual) with the post-attention norm inside the routing
         launch; only where routes_in_one_launch(T). The output may be (T, 2, hidden) unsummed (forward's)."""
-        routing = self._route(x, (residual, norm_weight, eps))
-        return self._experts_and_shared(routing, self.shares_expert_rows(x.shape[0])), routing.residual
+        shared_rows = self.shares_expert_rows(x.shape[0])
+        routing = self._route(x, (residual, norm_weight, eps), shared_rows)
+        return self._experts_and_shared(routing, shared_rows), routing.residual
 
-    def _route(self, x: torch.Tensor, norm: tuple | None) -> Top1Routing:
+    def _route(self, x: torch.Tensor, norm: tuple | None, shared_rows: bool) -> Top1Routing:
         """kernels/llama4_router.py's one launch: the shared expert's rows beside the routed ones where
-        shares_expert_rows, else its input quantized for per-channel FP8 Linears."""
-        if self.shares_expert_rows(x.shape[0]):
+        ``shared_rows`` (shares_expert_rows of the batch), else its input quantized for per-channel FP8 Linears."""
+        if shared_rows:
             return route_top1_triton(x, self.router.weight, norm=norm, shared_slot=self.shared_slot)
         quantize = self.shared_gate_up_proj.takes_quantized_rows(x)
         return route_top1_triton(x, self.router.weight, quantize=quantize, norm=norm)
