@@ -82,6 +82,17 @@ TRT_LLM_SHAPES = [  # (ISL, OSL, requests, output tok/s)
 ]
 TRT_LLM_REQUESTS = {(i, o): n for i, o, n, _ in TRT_LLM_SHAPES}
 TRT_LLM_H100_FP8_TOK_S = {(i, o): t for i, o, _, t in TRT_LLM_SHAPES}
+# The same table's H200 column (same document, same method; none published for 1000/2000).
+TRT_LLM_H200_FP8_TOK_S = {(128, 128): 27911, (128, 2048): 26221, (128, 4096): 18027, (500, 2000): 20770,
+                          (1000, 1000): 17744, (2048, 128): 3538, (2048, 2048): 12194, (5000, 500): 3902,
+                          (20000, 2000): 1804}
+
+
+def trt_llm_column(gpu: str) -> tuple[str, dict]:
+    """The TensorRT-LLM 1.0 column a run on ``gpu`` (device_name) compares with: (its GPU's name, its figures by
+    (ISL, OSL)). The H200's on an H200 (the pool's GPUs differ from an H100 by ~1.4x in HBM bandwidth, so an
+    H100 figure flatters an H200 run at decode-bound shapes); the H100's anywhere else."""
+    return ("H200", TRT_LLM_H200_FP8_TOK_S) if "H200" in gpu else ("H100", TRT_LLM_H100_FP8_TOK_S)
 
 # Ours, FP8, one H100, 2026-11-25 at commit 1be4ad6 (issue 32's table). Only to estimate how long a
 # shape runs and to size --max-seconds-per-shape; bf16 is assumed at BF16_PRIOR_FACTOR of it.
@@ -450,15 +461,17 @@ def batch_text(row: dict) -> str:
             f"expected {b['expected_batch']:,} ({b['bound']})")
 
 
-def describe_row(row: dict, threshold: float) -> str:
-    """The console block of one shape, trtllm-bench's fields first."""
+def describe_row(row: dict, threshold: float, gpu: str) -> str:
+    """The console block of one shape, trtllm-bench's fields first; ``gpu`` picks TensorRT-LLM's column."""
     s, t = row["steady"], row["time"]
-    trt = TRT_LLM_H100_FP8_TOK_S.get((row["isl"], row["osl"])) if row["dtype"] == "fp8" else None
+    column, published = trt_llm_column(gpu)
+    trt = published.get((row["isl"], row["osl"])) if row["dtype"] == "fp8" else None
     lines = [
         f"=== {row['isl']}/{row['osl']} {row['dtype']}: {row['requests']:,} requests ({row['count_reason']}) ===",
         f"Request Throughput (req/sec):                {row['request_tok_s']:,.3f}",
         f"Total Output Throughput (tokens/sec):        {row['output_tok_s']:,.1f}"
-        + (f"   TensorRT-LLM 1.0 {trt:,} -> ratio {row['output_tok_s'] / trt:.2f}" if trt else "   TensorRT-LLM 1.0: n/a"),
+        + (f"   TensorRT-LLM 1.0 ({column}) {trt:,} -> ratio {row['output_tok_s'] / trt:.2f}" if trt
+           else f"   TensorRT-LLM 1.0 ({column}): n/a"),
         f"Total Token Throughput (tokens/sec):         {row['total_tok_s']:,.1f}",
         f"Total Latency (s):                           {row['seconds']:,.2f}  (enqueue {row['enqueue_seconds']:.2f} s)",
         f"Average request latency (ms):                {row['latency_ms_avg']:,.1f}",
@@ -486,6 +499,7 @@ def describe_row(row: dict, threshold: float) -> str:
 
 def markdown(results: dict) -> str:
     threshold = results["steady_threshold"]
+    column, published = trt_llm_column(results["gpu"])
     lines = [f"### Offline throughput, TensorRT-LLM 1.0's shapes ({results['model']}, random weights)", "",
              f"Commit {results['commit']}, {results['gpu']}, {results['date']}. `{results['command']}`.",
              f"Executor: chunked context on, max batch {results['max_batch_size']}, max_num_tokens "
@@ -494,7 +508,7 @@ def markdown(results: dict) -> str:
     for e in results.get("engines", []):
         lines.append(f"- {e['dtype']} engine, max_seq_len {e['max_seq_len']:,}: KV pool {e['kv_dtype']}, {e['kv_tokens']:,} "
                      f"tokens ({e['kv_bytes'] / 2**30:.1f} GiB, fraction {e['kv_fraction']}), loaded in {e['load_seconds']:.0f} s.")
-    lines += ["", "| ISL/OSL | dtype | requests | output tok/s | TensorRT-LLM 1.0 (H100 FP8) | ratio | req/s | "
+    lines += ["", f"| ISL/OSL | dtype | requests | output tok/s | TensorRT-LLM 1.0 ({column} FP8) | ratio | req/s | "
               "per-user tok/s (1/TPOT) | TTFT avg/p50/p90/p99 ms | TPOT avg/p50/p90/p99 ms | steady state |",
               "|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in results["rows"]:
@@ -502,7 +516,7 @@ def markdown(results: dict) -> str:
             lines.append(f"| {row['isl']}/{row['osl']} | {row['dtype']} | {row.get('requests', 0):,} | failed: "
                          f"{row['error'][:120]} | | | | | | | |")
             continue
-        trt = TRT_LLM_H100_FP8_TOK_S.get((row["isl"], row["osl"])) if row["dtype"] == "fp8" else None
+        trt = published.get((row["isl"], row["osl"])) if row["dtype"] == "fp8" else None
         reference, ratio = (f"{trt:,}", f"{row['output_tok_s'] / trt:.2f}") if trt else ("n/a", "n/a")
         lines.append(
             f"| {row['isl']}/{row['osl']} | {row['dtype']} | {row['requests']:,} | {row['output_tok_s']:,.0f} | "
@@ -697,7 +711,7 @@ def main(argv=None) -> dict:
             row["steady"]["reached"] = row["steady"].get("steady_share", 0.0) >= args.steady_threshold
             if estimate:
                 speed[label] = min(4.0, max(0.25, speed[label] * estimate / row["seconds"]))
-            print(describe_row(row, args.steady_threshold), flush=True)
+            print(describe_row(row, args.steady_threshold, results["gpu"]), flush=True)
         results["rows"].append(row)
         save()
     if executor is not None:

@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from benchmarks.engine.throughput_bench import (TRT_LLM_H100_FP8_TOK_S, batch_bounds, main, parse_args, parse_shapes,
-                                         request_count, steady_state)
+from benchmarks.engine.throughput_bench import (TRT_LLM_H100_FP8_TOK_S, batch_bounds, main, markdown, parse_args,
+                                                parse_shapes, request_count, steady_state, trt_llm_column)
 
 
 def test_two_tiny_shapes_print_the_fields_and_the_table(tmp_path, capsys):
@@ -61,6 +61,12 @@ def test_two_tiny_shapes_print_the_fields_and_the_table(tmp_path, capsys):
     fp8_row = next(line for line in table.splitlines() if line.startswith("| 128/128 | fp8 | 4 |"))
     ratio = rows[0]["output_tok_s"] / TRT_LLM_H100_FP8_TOK_S[(128, 128)]
     assert "| 28,312 |" in fp8_row and f"| {ratio:.2f} |" in fp8_row
+    assert "| TensorRT-LLM 1.0 (H100 FP8) |" in table  # (the CPU compares with the H100's column)
+    # On an H200 the same rows compare with TensorRT-LLM's H200 column, and the header says so.
+    h200_table = markdown({**results, "gpu": "NVIDIA H200"})
+    h200_row = next(line for line in h200_table.splitlines() if line.startswith("| 128/128 | fp8 | 4 |"))
+    assert "| TensorRT-LLM 1.0 (H200 FP8) |" in h200_table and "| 27,911 |" in h200_row
+    assert f"| {rows[0]['output_tok_s'] / 27911:.2f} |" in h200_row
     bf16_row = next(line for line in table.splitlines() if line.startswith("| 128/128 | bf16 | 4 |"))
     assert "| n/a | n/a |" in bf16_row  # none is published for bf16
     unpublished = next(line for line in table.splitlines() if line.startswith("| 512/16 | fp8 | 4 |"))
@@ -113,3 +119,12 @@ def test_request_counts_and_batch_bounds():
     args = parse_args([])
     count, why = request_count(2048, 128, None, args, 481, prior=2762.0, seconds_cap=60)
     assert count == 1294 and why.startswith("capped to ~60 s")
+
+
+def test_tensorrt_llm_column_follows_the_gpu():
+    """TensorRT-LLM 1.0 published an H100 and an H200 column (none for 1000/2000 on the H200): a run compares with its
+    own GPU's, and with the H100's on anything that is not an H200."""
+    assert trt_llm_column("NVIDIA H200")[0] == "H200" and trt_llm_column("NVIDIA H100 80GB HBM3")[0] == "H100"
+    h200 = trt_llm_column("NVIDIA H200")[1]
+    assert h200[(20000, 2000)] == 1804 and h200[(128, 128)] == 27911 and (1000, 2000) not in h200
+    assert trt_llm_column("cpu") == ("H100", TRT_LLM_H100_FP8_TOK_S)
