@@ -148,14 +148,17 @@ DOT_TILES = ((16, 128, 1, 4, DOT), (32, 128, 2, 4, DOT), (64, 128, 4, 3, DOT), (
 # at the end: 337 / 330 sm_90 instructions a warp's step), gate_up 19.9 / 19.4 and down 24.2 at one token, behind at
 # every count but gate_up at two (28.7 against 28.5).
 BITS_TILES = ((16, 128, 1, 4, DOT + BITS), (16, 128, 1, 4, DOT + BITS + "2"), (32, 128, 2, 4, DOT + BITS + "2"))
-# Not yet timed on a GPU, so not candidates (benchmarks/kernels/moe_gemv_bench.py --gemv-tiles times them): BITS tiles
-# whose blocked-scale steps span 2 / 4 scale blocks (_stream_wide_steps). Why: a 128-column step asks each of a
-# program's rows for 128 bytes, and the ~12,000 such requests in flight at one token (384 programs, 32 rows, 3
-# stages) land on as many DRAM pages; neither more stages nor more warps a program helped (calls 2 and 4), so the
-# next suspect is how the bytes are asked for: 256 / 512 contiguous bytes a row a step.
+# BITS tiles whose blocked-scale steps span 2 / 4 scale blocks (_stream_wide_steps): 256 / 512 contiguous bytes a row
+# a step, where a 128-column step asks each of a program's rows for 128 (~12,000 such requests in flight at one token
+# land on as many DRAM pages). Timed (H200, session 30 call 1, Qwen3-30B-A3B block-FP8, moe_gemv_bench --gemv-tiles,
+# the pair's us with down on (16, 128, 1, 4, db)): gate_up on (16, 256, 1, 4, db) 16.9 us at one token and 27.7 at two
+# against 17.9 / 29.4, on (16, 512, 1, 3, db) 17.3 / 31.6; down lost on both (20.9 / 22.2 against 16.9). So the
+# 256-column tile is a block-FP8 candidate (WIDE_STEP_CANDIDATES, for either product: the choice times each), the
+# 512-column one stays out (two compiles a cold load for a tile that never won).
 WIDE_STEP_TILES = ((16, 256, 1, 4, DOT + BITS), (16, 512, 1, 3, DOT + BITS))
+WIDE_STEP_CANDIDATES = WIDE_STEP_TILES[:1]
 GEMV_TILES = ((16, 512, 4, 2), (16, 256, 4, 2), (8, 512, 2, 2), (8, 1024, 4, 2), (16, 1024, 8, 2), (32, 256, 4, 2),
-              (32, 512, 8, 2), (64, 256, 8, 2)) + AHEAD_TILES + DOT_TILES + BITS_TILES
+              (32, 512, 8, 2), (64, 256, 8, 2)) + AHEAD_TILES + DOT_TILES + BITS_TILES + WIDE_STEP_CANDIDATES
 DEFAULT_TILES = ((16, 512, 4, 2), (16, 256, 4, 2))
 # FP8 experts' plain tiles while the DOT tiles are timed: the BITS tiles won at every count but one (Qwen3-30B-A3B
 # block-FP8 down at 2 tokens: (16, 256, 4, 2), also the down tile that gate_up's candidates are timed with), and
@@ -193,6 +196,8 @@ def _dot_candidate(tile: tuple, kind: int) -> bool:
         return False
     if kind == NO_SCALES:
         return not bits_tile(tile)
+    if tile in WIDE_STEP_CANDIDATES:
+        return kind == BLOCK_SCALES
     if kind == BLOCK_SCALES and tile[1] > SCALE_BLOCK:
         return False
     return bits_tile(tile)

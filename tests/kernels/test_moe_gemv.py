@@ -272,14 +272,16 @@ def test_shared_expert_read_in_place_equals_it_stacked(device, kind, tiles):
 def test_dot_tiles_are_candidates_of_the_model_dtype_and_fp8_alone(monkeypatch):
     """DOT tiles: candidates of model-dtype and FP8 experts by default (none with $TRITONLLM_MOE_GEMV_DOT=0), not of
     4-bit codes; blocked scales need BLOCK_K <= 128 (one scale block a step); the split is the options' digits."""
-    from kernels.moe_gemv import BITS_TILES, DOT_ENV, DOT_TILES, FP8_PLAIN_TILES, bits_tile, dot_tile, tile_split
+    from kernels.moe_gemv import (BITS_TILES, DOT_ENV, DOT_TILES, FP8_PLAIN_TILES, WIDE_STEP_CANDIDATES, bits_tile, dot_tile,
+                                  tile_split)
 
     monkeypatch.setenv(DOT_ENV, "0")
     assert not any(dot_tile(t) for t in candidate_tiles(BLOCK_SCALES)) and len(candidate_tiles(BLOCK_SCALES)) == 8
     monkeypatch.delenv(DOT_ENV)
     assert [t for t in candidate_tiles(NO_SCALES) if dot_tile(t)] == list(DOT_TILES)
+    assert {t for t in candidate_tiles(ROW_SCALES) if dot_tile(t)} == set(BITS_TILES)  # (FP8: widened by bits alone)
+    assert {t for t in candidate_tiles(BLOCK_SCALES) if dot_tile(t)} == set(BITS_TILES + WIDE_STEP_CANDIDATES)
     for kind in (ROW_SCALES, BLOCK_SCALES):
-        assert {t for t in candidate_tiles(kind) if dot_tile(t)} == set(BITS_TILES)  # (FP8: widened by bits alone)
         assert {t for t in candidate_tiles(kind) if not dot_tile(t)} == set(FP8_PLAIN_TILES)  # (beside them)
     assert len([t for t in candidate_tiles(NO_SCALES) if not dot_tile(t)]) == 8  # (model dtype: every plain tile)
     assert all(bits_tile(t) for t in BITS_TILES) and not any(bits_tile(t) for t in DOT_TILES)
@@ -291,7 +293,10 @@ def test_dot_tiles_are_candidates_of_the_model_dtype_and_fp8_alone(monkeypatch):
     assert gemv_supported(x, gate_up, gu_s, d_s, tiles=((16, 128, 1, 4, "d"), (32, 64, 2, 4, "d2")))
     assert gemv_supported(x, gate_up, gu_s, d_s, tiles=WIDE_STEP_TILES)  # (whole scale blocks a step)
     assert not gemv_supported(x, gate_up, gu_s, d_s, tiles=((16, 192, 1, 4, "d"), (32, 64, 2, 4, "d")))
-    assert not any(t in candidate_tiles(kind) for t in WIDE_STEP_TILES for kind in (ROW_SCALES, BLOCK_SCALES))
+    # (the 256-column step a block-FP8 candidate alone: it won gate_up on an H200; the 512-column one never won)
+    assert WIDE_STEP_CANDIDATES == ((16, 256, 1, 4, "db"),) and WIDE_STEP_CANDIDATES[0] in candidate_tiles(BLOCK_SCALES)
+    assert not any(t in candidate_tiles(ROW_SCALES) for t in WIDE_STEP_TILES)
+    assert not any(t in candidate_tiles(BLOCK_SCALES) for t in WIDE_STEP_TILES if t not in WIDE_STEP_CANDIDATES)
 
 
 def test_marks_and_support():
@@ -431,7 +436,7 @@ AOT = AOT_SM90
 @AOT
 @pytest.mark.parametrize("kind", [NO_SCALES, ROW_SCALES, BLOCK_SCALES, INT4_GROUPS, MXFP4_GROUPS])
 @pytest.mark.parametrize("which", ["gate_up", "down"])
-@pytest.mark.parametrize("tiles", GEMV_TILES + WIDE_STEP_TILES)
+@pytest.mark.parametrize("tiles", GEMV_TILES + tuple(t for t in WIDE_STEP_TILES if t not in GEMV_TILES))
 def test_compiles_for_sm90_without_spills(kind, which, tiles, tmp_path, monkeypatch):
     """Triton's compiler and ptxas (no GPU) on the Qwen3-30B-A3B shape's kernels for every candidate (MXFP4:
     gpt-oss's, with its biases and clamped SwiGLU; AHEAD and DOT tiles as $TRITONLLM_MOE_GEMV_AHEAD=1 and
@@ -457,7 +462,7 @@ def assert_compiles_without_spills(kind, which, tiles, tmp_path, monkeypatch, sh
     monkeypatch.setenv(DOT_ENV, "1")
     fn = _gemv_gate_up_kernel if which == "gate_up" else _gemv_down_kernel
     if tiles not in candidate_tiles(kind) and not (tiles in WIDE_STEP_TILES and kind == BLOCK_SCALES):
-        pytest.skip("not a candidate of this weight kind (candidate_tiles; WIDE_STEP_TILES: block-FP8's, untimed)")
+        pytest.skip("not a candidate of this weight kind (candidate_tiles; WIDE_STEP_TILES: block-FP8's alone)")
     block_n, block_k, warps, stages = tiles[:4]
     w = {NO_SCALES: "*bf16", INT4_GROUPS: "*u8", MXFP4_GROUPS: "*u8"}.get(kind, "*fp8e4nv")
     mxfp4 = kind == MXFP4_GROUPS
