@@ -1,5 +1,6 @@
 """Decode attention with the keys as the tensor-core products' rows ("keys-major", swap-AB), for GQA layers whose
-query-head group is smaller than the MMA's 16 rows: an opt-in variant of kernels/triton_attention.py's decode tiles.
+query-head group is smaller than the MMA's 16 rows: a variant of kernels/triton_attention.py's decode tiles, the
+default for FP8 pools in the 64-key 2-warp tiling (below).
 
 Why: the default decode tile puts a KV head's GROUP query heads (Llama-3.1-8B: 4) as the MMA's M rows, padded to 16,
 so 3/4 of every QK^T and PV product is padding; an FP8 pool moves twice the keys a second of a bf16 one for the same
@@ -22,7 +23,15 @@ FP8 pools (E4M3, scale 1): fp16 math as the default's (q pre-scaled by the softm
 range); K and V widened as triton_attention.fp8_widening says (kernels/e4m3_bits.py: Triton's conversion, V by bits
 or by the conversion unit kept in its loaded layout, K by bits). Exact either way (powers of two).
 
-Switch: $TRITONLLM_DECODE_KEYS_MAJOR=1 (read at every call; unset or 0: off, the served default).
+Where it runs (keys_major_decode_chosen, $TRITONLLM_DECODE_KEYS_MAJOR read at every call): unset or "auto" (the
+served default) on FP8 pools read with fp16 math in the 64-key, 2-warp decode tiling (KEYS_MAJOR_AUTO_TILING), where
+it measured faster; "1" wherever it can run (the bench's A/B, and 16-bit pools, never timed there); "0" never.
+H200 (2026-12-01, session 30 call 1, Llama-3.1-8B heads, head-major FP8 pool, the same 64 x 2 x 5 tiling and
+splits as the default kernel; us a layer, % of the copy bandwidth): 48 x 21,000 609 -> 563 (80 -> 87%), 64 x 20,480
+768 -> 727, 256 x 20,480 3,037 -> 2,847 (84 -> 90%), 8 x 20,480 106 -> 99, 256 x 8,192 1,224 -> 1,146, 64 x 8,192
+313 -> 295, 8 x 8,192 47.5 -> 43.9, 256 x 2,048 321 -> 298, 64 x 2,048 84 -> 79; the served rotary form alike. It
+lost in the 32 x 1 x 3 tiling of 1,024 x 2,048 (1,130 -> 1,401 us), and in 4-warp tilings (64 x 4 x 3, 128 x 4 x 3,
+64 x 4 x 5: 5-15% slower than the default kernel at 64 x 2 x 5), so those keep the default kernel.
 """
 from __future__ import annotations
 
@@ -40,12 +49,34 @@ DECODE_KEYS_MAJOR_ENV = "TRITONLLM_DECODE_KEYS_MAJOR"
 KEYS_MAJOR_MIN_COLUMNS = 8
 
 
-def keys_major_decode_on() -> bool:
-    """$TRITONLLM_DECODE_KEYS_MAJOR (read at every call): "1" on; unset / "0" off; anything else a clear error."""
-    chosen = os.environ.get(DECODE_KEYS_MAJOR_ENV, "").strip() or "0"
-    if chosen not in ("0", "1"):
-        raise ValueError(f"${DECODE_KEYS_MAJOR_ENV}={chosen!r}: 0 (the default kernel) or 1 (keys-major decode)")
-    return chosen == "1"
+# (BLOCK_N keys, warps) of the decode tilings whose FP8-pool launches take this kernel by default ("auto").
+KEYS_MAJOR_AUTO_TILING = (64, 2)
+DECODE_KEYS_MAJOR_MODES = ("auto", "0", "1")
+
+
+def keys_major_decode_mode() -> str:
+    """$TRITONLLM_DECODE_KEYS_MAJOR (read at every call): "auto" (also when unset or empty), "0" or "1"; anything
+    else a clear error naming the variable and the values it takes."""
+    chosen = os.environ.get(DECODE_KEYS_MAJOR_ENV, "").strip() or "auto"
+    if chosen not in DECODE_KEYS_MAJOR_MODES:
+        raise ValueError(f"${DECODE_KEYS_MAJOR_ENV}={chosen!r}: auto (the default: FP8 pools in the 64-key 2-warp "
+                         f"decode tiling), 0 (the default kernel always) or 1 (keys-major decode wherever it runs)")
+    return chosen
+
+
+def keys_major_decode_chosen(group: int, *, plain_layer: bool, fp8_pool: bool, fp16_math: bool,
+                             tiling: tuple) -> bool:
+    """Whether a decode-only launch runs this kernel: keys_major_decode_supported, then
+    $TRITONLLM_DECODE_KEYS_MAJOR: "1" yes, "0" no, "auto" for an FP8 pool read with fp16 math (not an fp32 engine's)
+    in a tiling of KEYS_MAJOR_AUTO_TILING's keys and warps without TMA reads. ``tiling``: the decode config's
+    (BLOCK_N, warps, stages[, TMA]) (triton_attention._decode_tiling)."""
+    mode = keys_major_decode_mode()
+    if mode == "0" or not keys_major_decode_supported(group, plain_layer=plain_layer):
+        return False
+    if mode == "1":
+        return True
+    tma = len(tiling) > 3 and bool(tiling[3])
+    return fp8_pool and fp16_math and tuple(tiling[:2]) == KEYS_MAJOR_AUTO_TILING and not tma
 
 
 def keys_major_columns(group: int) -> int:
@@ -203,7 +234,7 @@ def keys_major_decode_supported(group: int, *, plain_layer: bool) -> bool:
 def keys_major_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
                       parts: tuple[torch.Tensor, torch.Tensor] | None, tables: torch.Tensor, lens: torch.Tensor,
                       active_splits: torch.Tensor | None, qk_scale: float, config: tuple, dim_pad: int,
-                      widening: tuple[bool, int], new_kv: tuple | None, slots: torch.Tensor) -> None:
+                      widening: tuple[bool, int], new_kv: tuple | None, slots: torch.Tensor):
     """Decode-only attention by the keys-major kernel: into ``out`` (num_seqs, num_heads, head_dim) with one split,
     else into ``parts`` = (part_out (splits, num_seqs, num_heads, dim_pad), part_lse (splits, num_seqs, num_heads))
     float32 for triton_attention's merge. ``config``: the default decode config (BLOCK_M, BLOCK_N, warps, stages,
@@ -211,7 +242,8 @@ def keys_major_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     ``qk_scale``: the softmax scale times log2(e). ``tables``, ``lens``, ``slots``: dense block tables, context
     lengths and slots (read at ptr + i); ``active_splits``: a decode graph's dynamic split count
     (meta.decode_splits) or None; ``widening``: an FP8 pool's (K_BITS, V_WIDEN) (triton_attention.fp8_widening);
-    ``new_kv``: paged_attention_triton's (k, v, positions, cos_sin_cache or None), positions dense."""
+    ``new_kv``: paged_attention_triton's (k, v, positions, cos_sin_cache or None), positions dense.
+    Returns the launched compiled kernel (its registers and shared memory: the caller records its residency)."""
     num_seqs, num_heads, head_dim = q.shape
     page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -232,7 +264,7 @@ def keys_major_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         new_strides = (0, 0, 0, 0)
         rotate = False
     k_bits, v_widen = widening
-    _keys_major_decode_kernel[(1, num_seqs, num_kv_heads * num_splits)](
+    return _keys_major_decode_kernel[(1, num_seqs, num_kv_heads * num_splits)](
         q, k_cache, v_cache, out, part_out, part_lse, tables, lens, active_splits if dynamic else lens,
         new_k, new_v, positions, cos_sin, slots,
         qk_scale,

@@ -95,7 +95,7 @@ from kernels._triton import (TensorDescriptor, dense, hopper_or_later, jit, num_
                              power_of_2_floor, resident_programs, tl, triton)
 from kernels.attention_metadata import AttentionMetadata
 from kernels.e4m3_bits import bits_factor
-from kernels.keys_major_decode import keys_major_decode, keys_major_decode_on, keys_major_decode_supported
+from kernels.keys_major_decode import keys_major_decode, keys_major_decode_chosen
 from kernels.paged_kv_math import cache_value, paged_kv_tile, rotate_neox, slot_row, widened_kv
 
 _LOG2E = 1.4426950408889634
@@ -733,7 +733,8 @@ def prefill_tokens_per_tile(group: int, head_dim: int = 128, kv_itemsize: int = 
 
 def _decode_config(meta: AttentionMetadata, group: int, num_kv_heads: int, device: torch.device,
                    num_splits: int | None, sliding_window: int | None, dim_pad: int,
-                   kv_itemsize: int, tma_pages: bool = False) -> tuple[int, int, int, int, int, bool]:
+                   kv_itemsize: int, tma_pages: bool = False, plain_decode: bool = False,
+                   fp16_math: bool = True) -> tuple[int, int, int, int, int, bool]:
     """(BLOCK_M rows, BLOCK_N keys, warps, stages, splits, TMA) of decode rows: the smallest row tile that
     holds a GQA group (16, the tensor-core minimum) and key splits to fill the GPU (a window caps the
     keys a token reads, so it caps the splits too; a Python constant per layer, so CUDA graphs keep
@@ -745,7 +746,11 @@ def _decode_config(meta: AttentionMetadata, group: int, num_kv_heads: int, devic
     heads, a sweep of 27 tilings) that took batch 1024 at context 192 from 267 to 198 us per layer
     and batch 256 at context 1024 from 290 to 245 us (small programs, so more of them fit on an SM to
     keep reads in flight). A bf16 pool already reads at ~2.8 TB/s with the default tiling; heads of
-    256 keep 4 warps (one warp's accumulator would spill). Smaller FP8 batches: FP8_SHORT_CONTEXT_BATCH."""
+    256 keep 4 warps (one warp's accumulator would spill). Smaller FP8 batches: FP8_SHORT_CONTEXT_BATCH.
+
+    The splits go by the residency of the kernel that will run the tiling: ``plain_decode`` (a decode-only batch of
+    a layer kernels/keys_major_decode.py can take) with ``fp16_math`` (an FP8 pool read with fp16 math) is what
+    keys_major_decode_chosen needs to say whether that is the keys-major kernel (its own _DECODE_RESIDENT entry)."""
     wide = dim_pad > 128
     block_m = max(16, triton.next_power_of_2(group))
     tiling = _decode_tiling(meta.num_seqs, block_m, wide, kv_itemsize, tma_pages)
@@ -753,7 +758,10 @@ def _decode_config(meta: AttentionMetadata, group: int, num_kv_heads: int, devic
         keys_read = meta.max_context_len if sliding_window is None else min(meta.max_context_len, sliding_window)
         # (An fp32 engine's FP8 pool launches unwidened, under another key: not found here, it splits by covering.)
         widening = fp8_widening(tiling[0]) if kv_itemsize == 1 else (False, V_BY_TRITON)
-        resident = _DECODE_RESIDENT.get(_decode_tiling_key(device, block_m, tiling, dim_pad, kv_itemsize, widening))
+        keys_major = plain_decode and keys_major_decode_chosen(group, plain_layer=True, fp8_pool=kv_itemsize == 1,
+                                                               fp16_math=fp16_math, tiling=tiling)
+        resident = _DECODE_RESIDENT.get(_decode_tiling_key(device, block_m, tiling, dim_pad, kv_itemsize, widening,
+                                                           keys_major))
         sms = num_sms(device)
         num_splits = _decode_num_splits(meta.num_seqs, num_kv_heads, keys_read, sms, 64, resident)
         capacity = None if resident is None else resident * sms
@@ -786,10 +794,20 @@ def _decode_tiling(num_seqs: int, block_m: int, wide: bool, kv_itemsize: int,
 
 
 def _decode_tiling_key(device: torch.device, block_m: int, tiling: tuple, dim_pad: int, kv_itemsize: int,
-                       widening: tuple = (False, 0)) -> tuple:
+                       widening: tuple = (False, 0), keys_major: bool = False) -> tuple:
     """_DECODE_RESIDENT's key: what decides a decode program's registers and shared memory (widening: an FP8
-    pool's (K_BITS, V_WIDEN), fp8_widening)."""
-    return (device.index, block_m, *tiling, dim_pad, kv_itemsize, *widening)
+    pool's (K_BITS, V_WIDEN), fp8_widening; keys_major: kernels/keys_major_decode.py's kernel runs the tiling, not
+    _paged_attention_kernel)."""
+    return (device.index, block_m, *tiling, dim_pad, kv_itemsize, *widening, keys_major)
+
+
+def _record_residency(compiled, key: tuple, device: torch.device) -> None:
+    """_DECODE_RESIDENT[key] = how many programs of the launched decode kernel ``compiled`` an SM holds, once a key
+    (nothing under Triton's interpreter)."""
+    if key not in _DECODE_RESIDENT:
+        resident = resident_programs(compiled, device)
+        if resident is not None:
+            _DECODE_RESIDENT[key] = resident
 
 
 # FP8 pools, heads up to 128 wide: decode batches of at least this many sequences walk 32 keys at a
@@ -1089,11 +1107,8 @@ def paged_attention_triton(
         )
         if decode_tiles and q.is_cuda:  # a decode tiling: how many of its programs an SM holds
             tiling = (block_n, num_warps, num_stages, len(config) > 5 and bool(config[5]))
-            key = _decode_tiling_key(q.device, block_m, tiling, dim_pad, kv_itemsize, (k_bits, v_widen))
-            if key not in _DECODE_RESIDENT:
-                resident = resident_programs(compiled, q.device)
-                if resident is not None:
-                    _DECODE_RESIDENT[key] = resident
+            _record_residency(compiled, _decode_tiling_key(q.device, block_m, tiling, dim_pad, kv_itemsize,
+                                                           (k_bits, v_widen)), q.device)
         if num_splits > 1:
             by_sequence = seq_kind == ONE_TOKEN
             _merge_splits_kernel[(num_seqs if by_sequence else num_tokens, num_heads)](
@@ -1105,13 +1120,19 @@ def paged_attention_triton(
             )
 
     keys_bound = sliding_window if chunk_size is None else chunk_size  # the most keys a decode row reads
+    # A decode-only batch of a layer the keys-major kernel can take (kernels/keys_major_decode.py's scope).
+    plain_decode = meta.is_decode_only and (sliding_window is None and logit_softcap is None and sinks is None
+                                            and alibi_slopes is None and not norm_args)
+    fp16_math = kv_itemsize == 1 and q.dtype != torch.float32
     decode_config = _decode_config(meta, group, num_kv_heads, q.device, num_splits, keys_bound, dim_pad, kv_itemsize,
-                                   tma_pages=kv_itemsize == 1 and _tma_readable(k_cache, v_cache, 32))
+                                   tma_pages=kv_itemsize == 1 and _tma_readable(k_cache, v_cache, 32),
+                                   plain_decode=plain_decode, fp16_math=fp16_math)
     if meta.is_decode_only:
-        plain_layer = (sliding_window is None and logit_softcap is None and sinks is None and alibi_slopes is None
-                       and not norm_args)
-        if keys_major_decode_on() and keys_major_decode_supported(group, plain_layer=plain_layer):
-            # Opt-in ($TRITONLLM_DECODE_KEYS_MAJOR=1): the keys as the products' rows, same config, splits, merge.
+        tiling = (*decode_config[1:4], len(decode_config) > 5 and bool(decode_config[5]))
+        if plain_decode and keys_major_decode_chosen(group, plain_layer=True, fp8_pool=kv_itemsize == 1,
+                                                     fp16_math=fp16_math, tiling=tiling):
+            # The keys as the products' rows (FP8 pools in the 64-key 2-warp tiling unless
+            # $TRITONLLM_DECODE_KEYS_MAJOR says otherwise): same config, splits and merge.
             _decode_keys_major(q, k_cache, v_cache, out, meta, tables, lens, active_splits, slots, scale,
                                decode_config, dim_pad,
                                None if new_kv is None else (new_k, new_v, positions, cos_sin_cache if rotate else None))
@@ -1159,8 +1180,12 @@ def _decode_keys_major(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
                  torch.empty(num_splits, num_seqs, num_heads, dtype=torch.float32, device=q.device))
     fp16_math = k_cache.element_size() == 1 and q.dtype != torch.float32
     widening = fp8_widening(config[1]) if fp16_math else (False, V_BY_TRITON)
-    keys_major_decode(q, k_cache, v_cache, out, parts, tables, lens, active_splits if dynamic else None,
-                      scale * _LOG2E, config, dim_pad, widening, new_kv, slots)
+    compiled = keys_major_decode(q, k_cache, v_cache, out, parts, tables, lens, active_splits if dynamic else None,
+                                 scale * _LOG2E, config, dim_pad, widening, new_kv, slots)
+    if q.is_cuda:  # its programs an SM, under its own key: the splits of its next launches go by them
+        tiling = (*config[1:4], len(config) > 5 and bool(config[5]))
+        _record_residency(compiled, _decode_tiling_key(q.device, config[0], tiling, dim_pad, k_cache.element_size(),
+                                                       widening, keys_major=True), q.device)
     if parts is not None:
         part_out, part_lse = parts
         ps, pt, ph = part_out.stride()[:3]

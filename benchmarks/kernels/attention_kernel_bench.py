@@ -33,8 +33,9 @@ tiling does with them: wave quantization of long-context batches).
 every one of kernels/triton_attention.py FP8_WIDENINGS: the $TRITONLLM_ATTN_FP8_BITS switch), in the served form
 (``+rotary append``) with Triton's widening, the default one and "v" where run, and at 8-64 sequences over 16k
 keys or more with the key splits forced to 1 / 2 / 4 / 8; ``--grid_more`` adds FP8 variants by words
-(parsed_variant: widening, TMA, tiling, splits, split policy, served form, the keys-major kernel ``km``),
-``--grid_no_standard`` runs only those,
+(parsed_variant: widening, TMA, tiling, splits, split policy, served form, the keys-major kernel ``km`` / ``km=0``),
+for bf16 pools too (``--pool bf16 --grid_more "default;km"``: the keys-major kernel, never the default there, against
+the default kernel), ``--grid_no_standard`` runs only those,
 ``--grid_cases`` other cases. Each case's pool is built once for all its variants. Reported besides us a layer:
 the K/V bytes read per second, their share of benchmarks/common.py copy_bandwidth (an eager 2 GiB copy, read +
 written bytes, measured first in the same process), and the decode config each variant launched.
@@ -226,12 +227,14 @@ def grid_variants(pool: str, name: str, widenings: list[str]) -> list[tuple[str,
 def parsed_variant(spec: str) -> tuple[str, dict, int | None, bool, tuple | None]:
     """A --grid_more variant: space-separated words, ``bits=W`` ($TRITONLLM_ATTN_FP8_BITS), ``tma=all|0``
     ($TRITONLLM_DECODE_TMA), ``tile=BN:WARPS:STAGES[:tma]`` (the decode tiling forced), ``splits=N`` (forced),
-    ``policy=h200|h100`` ($TRITONLLM_DECODE_SPLIT_POLICY), ``rotary`` (the served form), ``km`` (decode by the
-    keys-major kernel, kernels/keys_major_decode.py: $TRITONLLM_DECODE_KEYS_MAJOR=1, with the same config and
-    splits; a variant without it runs the default kernel whatever the environment says)."""
+    ``policy=h200|h100`` ($TRITONLLM_DECODE_SPLIT_POLICY), ``rotary`` (the served form), ``km`` or ``km=1`` (decode
+    by the keys-major kernel, kernels/keys_major_decode.py, wherever it runs: $TRITONLLM_DECODE_KEYS_MAJOR=1, with
+    the same config and splits), ``km=0`` (the default kernel always), ``km=auto``, ``default`` (nothing forced).
+    A variant without a km word takes the served choice ("auto": keys-major on FP8 pools in the 64-key 2-warp
+    tiling) whatever the environment says."""
     from kernels import keys_major_decode, triton_attention
 
-    env, splits, rotary, tiling = {keys_major_decode.DECODE_KEYS_MAJOR_ENV: "0"}, None, False, None
+    env, splits, rotary, tiling = {keys_major_decode.DECODE_KEYS_MAJOR_ENV: "auto"}, None, False, None
     for word in spec.split():
         key, _, value = word.partition("=")
         if key == "bits":
@@ -247,19 +250,21 @@ def parsed_variant(spec: str) -> tuple[str, dict, int | None, bool, tuple | None
             rotary = True
         elif key == "policy":
             env[triton_attention.DECODE_SPLIT_POLICY_ENV] = value
-        elif word == "km":
-            env[keys_major_decode.DECODE_KEYS_MAJOR_ENV] = "1"
-        else:
-            raise ValueError(f"--grid_more word {word!r}: bits=, tma=, tile=, splits=, policy=, rotary or km")
+        elif key == "km" and value in ("", *keys_major_decode.DECODE_KEYS_MAJOR_MODES):
+            env[keys_major_decode.DECODE_KEYS_MAJOR_ENV] = value or "1"
+        elif word != "default":
+            raise ValueError(f"--grid_more word {word!r}: bits=, tma=, tile=, splits=, policy=, rotary, "
+                             f"km[=0|1|auto] or default")
     return spec, env, splits, rotary, tiling
 
 
 def run_grid(pools: list[str], copy: float, widenings: list[str], cases: list[str], more: list[str],
              standard: bool = True) -> list[dict]:
-    """One row per (case, pool, variant) of --grid (``standard``: grid_variants'; then ``more``'s, FP8 pools only);
-    each case's pool built once for its variants."""
+    """One row per (case, pool, variant) of --grid (``standard``: grid_variants'; then ``more``'s); each case's pool
+    built once for its variants. The config column ends in "km" where the keys-major kernel ran."""
     from benchmarks.common import environment_set
     from kernels import triton_attention
+    from kernels.keys_major_decode import keys_major_decode_chosen
 
     rows = []
     for pool in pools:
@@ -267,7 +272,7 @@ def run_grid(pools: list[str], copy: float, widenings: list[str], cases: list[st
         for name in cases:
             batch = case_batch(name)
             variants = grid_variants(pool, name, widenings) if standard else []
-            variants += [parsed_variant(spec) for spec in more] if pool == "fp8" else []
+            variants += [parsed_variant(spec) for spec in more]
             if not variants:
                 continue
             q, k_cache, v_cache, meta = build_case(batch, pool_dtype)
@@ -285,12 +290,16 @@ def run_grid(pools: list[str], copy: float, widenings: list[str], cases: list[st
 
                 with environment_set(env), forced("_decode_config", config_of):
                     us = time_us(call)
+                    tiling_run = (*chosen[-1][1:4], chosen[-1][5:6] == (True,))
+                    ran_km = meta.is_decode_only and keys_major_decode_chosen(
+                        NUM_HEADS // NUM_KV_HEADS, plain_layer=True, fp8_pool=pool == "fp8",
+                        fp16_math=pool == "fp8" and q.dtype != torch.float32, tiling=tiling_run)
                 tb_s = kv_bytes / us / 1e6
                 rows.append({"case": name, "pool": pool, "tiling": label, "us": round(us, 1),
                              "kv_tb_s": round(tb_s, 2), "pct_copy": round(100 * tb_s / copy, 1) if copy else 0.0})
                 block_m, block_n, warps, stages, used_splits = chosen[-1][:5]
                 rows[-1]["config"] = f"{block_n}x{warps}x{stages}{' tma' if chosen[-1][5:6] == (True,) else ''} " \
-                                     f"{used_splits} splits"
+                                     f"{used_splits} splits{' km' if ran_km else ''}"
                 print(f"{name} | {pool} | {label} | {us:.1f} us | {tb_s:.2f} TB/s | {rows[-1]['pct_copy']}% | "
                       f"{rows[-1]['config']}", flush=True)
             del q, k_cache, v_cache, meta
@@ -336,8 +345,9 @@ def main() -> None:
                         help="comma list of FP8 widenings for --grid (kernels/triton_attention.py FP8_WIDENINGS; all)")
     parser.add_argument("--grid_cases", default="", help="comma list of 'decode BxC' cases for --grid (its own: all)")
     parser.add_argument("--grid_more", default="",
-                        help="';'-separated extra --grid variants of FP8 pools, each words of bits=W tma=all|0 "
-                             "tile=BN:WARPS:STAGES[:tma] splits=N policy=h200|h100 rotary km (parsed_variant)")
+                        help="';'-separated extra --grid variants, each words of bits=W tma=all|0 "
+                             "tile=BN:WARPS:STAGES[:tma] splits=N policy=h200|h100 rotary km[=0|1|auto] default "
+                             "(parsed_variant)")
     parser.add_argument("--grid_no_standard", action="store_true", help="--grid: only the --grid_more variants")
     parser.add_argument("--markdown", default=None, help="append the table to this file")
     args = parser.parse_args()

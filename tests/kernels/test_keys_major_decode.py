@@ -1,5 +1,6 @@
-"""kernels/keys_major_decode.py, the opt-in decode attention with the keys as the products' rows
-($TRITONLLM_DECODE_KEYS_MAJOR=1), against the torch reference and against the default decode kernel.
+"""kernels/keys_major_decode.py, the decode attention with the keys as the products' rows (the default for FP8 pools
+in the 64-key 2-warp tiling; $TRITONLLM_DECODE_KEYS_MAJOR=0 / 1 force it off / on), against the torch reference and
+against the default decode kernel; where it runs by default and the splits it takes (its own residency).
 
 Cases: Llama-8B's heads (group 4, 128 dims), a group of 8 and of 1 (MHA, a head_dim that is not a power of two);
 16-bit (bf16; fp16 under the interpreter) and FP8 pools; contexts of 1 key, a page exactly, a page and one, a partial last page deep in the last split;
@@ -67,18 +68,136 @@ def test_keys_major_decode_matches_the_reference_and_the_default_kernel(device, 
     assert relative_error(out, default) < TOLERANCE[torch.bfloat16], relative_error(out, default)
 
 
+def keys_major_runs(monkeypatch) -> list[tuple]:
+    """The configs of the keys-major launches paged_attention_triton makes from now on (the kernel still runs)."""
+    runs = []
+    launch = triton_attention._decode_keys_major
+
+    def recorded(*args, **kwargs):
+        runs.append(args[10])  # the decode config
+        return launch(*args, **kwargs)
+
+    monkeypatch.setattr(triton_attention, "_decode_keys_major", recorded)
+    return runs
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("switch", ["1", None])
 @pytest.mark.parametrize("active", [1, 3])
-def test_keys_major_decode_runs_the_splits_a_graph_replay_asks_for(device, monkeypatch, active):
+def test_keys_major_decode_runs_the_splits_a_graph_replay_asks_for(device, monkeypatch, active, switch):
     """A decode graph's launch of 4 splits whose replay uses ``active`` of them (split-major programs, the merge
-    reading only those)."""
+    reading only those), forced on and by default (an FP8 pool in the 64-key 2-warp tiling)."""
     q, k_cache, v_cache, meta = decode_case(device, HEADS["group 8"], "fp8", seed=3)
     meta.decode_splits = torch.tensor([active], dtype=torch.int32, device=device)
     meta.decode_split_plan = (2, 528, 132)
-    monkeypatch.setenv(ENV, "1")
+    if switch is None:
+        monkeypatch.delenv(ENV, raising=False)
+    else:
+        monkeypatch.setenv(ENV, switch)
+    runs = keys_major_runs(monkeypatch)
     out = triton_attention.paged_attention_triton(q, k_cache, v_cache, meta, 64**-0.5, num_splits=4)
     ref = paged_attention_ref(q, k_cache, v_cache, meta, 64**-0.5)
+    assert [config[1:5] for config in runs] == [(64, 2, 5, 4)]
     assert relative_error(out, ref) < TOLERANCE[torch.bfloat16], relative_error(out, ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pool", ["16-bit", "fp8"])
+@pytest.mark.parametrize("large_batch_tiles", [False, True])
+@pytest.mark.parametrize("switch", [None, "0", "1"])
+def test_decode_takes_the_keys_major_kernel_where_the_switch_and_tiling_say(device, monkeypatch, pool,
+                                                                           large_batch_tiles, switch):
+    """Unset ("auto"): FP8 pools in the 64-key 2-warp tiling run the keys-major kernel; the large-batch tiling (32 x
+    1 x 3, FP8_SHORT_CONTEXT_BATCH lowered so 4 sequences take it) and 16-bit pools the default kernel. "0": never;
+    "1": always. Each within bf16's rounding of the reference."""
+    if switch is None:
+        monkeypatch.delenv(ENV, raising=False)
+    else:
+        monkeypatch.setenv(ENV, switch)
+    monkeypatch.delenv(triton_attention.FP8_WIDEN_ENV, raising=False)
+    if large_batch_tiles:
+        monkeypatch.setattr(triton_attention, "FP8_SHORT_CONTEXT_BATCH", 2)
+    q, k_cache, v_cache, meta = decode_case(device, HEADS["group 8"], pool, seed=7)
+    runs = keys_major_runs(monkeypatch)
+    out = triton_attention.paged_attention_triton(q, k_cache, v_cache, meta, 64**-0.5)
+    expected = switch == "1" or (switch is None and pool == "fp8" and not large_batch_tiles)
+    assert len(runs) == expected, runs
+    if expected and switch is None:
+        assert runs[0][1:3] == (64, 2)
+    ref = paged_attention_ref(q, k_cache, v_cache, meta, 64**-0.5)
+    assert relative_error(out, ref) < TOLERANCE[torch.bfloat16], relative_error(out, ref)
+
+
+def test_the_default_choice_goes_by_pool_math_tiling_and_layer(monkeypatch):
+    """keys_major_decode_chosen: unset or "auto" -> FP8 pools read with fp16 math in the 64-key 2-warp tiling (any
+    stages, no TMA); not the 32 x 1 x 3 / 32 x 1 x 6 TMA / 32 x 4 x 2 FP8 tilings, 4-warp ones, 16-bit pools, an
+    fp32 engine's FP8 pool, layers outside the kernel's scope or groups over 64. "1": wherever it can run; "0":
+    nowhere."""
+    def chosen(tiling, fp8_pool=True, fp16_math=True, plain_layer=True, group=4):
+        return keys_major.keys_major_decode_chosen(group, plain_layer=plain_layer, fp8_pool=fp8_pool,
+                                                   fp16_math=fp16_math, tiling=tiling)
+
+    served = [(64, 2, 5, False), (64, 2, 5), (64, 2, 3, False)]
+    others = [(32, 1, 3, False), (32, 1, 6, True), (32, 4, 2, False), (64, 4, 3, False), (128, 4, 3, False),
+              (64, 2, 5, True)]
+    for switch in (None, "", "auto"):
+        if switch is None:
+            monkeypatch.delenv(ENV, raising=False)
+        else:
+            monkeypatch.setenv(ENV, switch)
+        assert all(chosen(t) for t in served)
+        assert not any(chosen(t) for t in others)
+        assert not chosen((64, 2, 5, False), fp8_pool=False, fp16_math=False)  # a 16-bit pool's (64 x 4 x 3 anyway)
+        assert not chosen((64, 2, 5, False), fp16_math=False)  # an fp32 engine's FP8 pool
+        assert not chosen((64, 2, 5, False), plain_layer=False)
+        assert not chosen((64, 2, 5, False), group=65)
+    monkeypatch.setenv(ENV, "1")
+    assert all(chosen(t) for t in served + others)
+    assert chosen((64, 4, 3, False), fp8_pool=False, fp16_math=False)
+    assert not chosen((64, 2, 5, False), plain_layer=False) and not chosen((64, 2, 5, False), group=65)
+    monkeypatch.setenv(ENV, "0")
+    assert not any(chosen(t) for t in served + others)
+
+
+def test_a_keys_major_graph_capture_plans_its_replays_by_its_own_residency(monkeypatch):
+    """A decode graph's capture of a mid-size bucket (meta.decode_splits set) whose launches the keys-major kernel
+    runs records a split plan from that kernel's residency (its own _DECODE_RESIDENT key), so each replay's
+    decode_active_splits counts its waves; switched off, or for a layer outside its scope, the default kernel's.
+    (As test_kernel_attention's test_decode_graphs_of_mid_size_buckets_take_their_splits_per_replay for the default.)"""
+    from kernels.attention_metadata import AttentionMetadata
+
+    monkeypatch.setattr(triton_attention, "num_sms", lambda device: 132)
+    monkeypatch.delenv(triton_attention.FP8_WIDEN_ENV, raising=False)
+    monkeypatch.delenv(triton_attention.DECODE_SPLIT_POLICY_ENV, raising=False)
+    monkeypatch.setattr(triton_attention, "_DECODE_RESIDENT", {})
+    device = torch.device("cpu")
+    tiling = triton_attention._decode_tiling(48, 16, False, 1, False)
+    assert tiling[:2] == (64, 2)
+    widening = triton_attention.fp8_widening(tiling[0])
+    key = lambda km: triton_attention._decode_tiling_key(device, 16, tiling, 128, 1, widening, km)  # noqa: E731
+    triton_attention._DECODE_RESIDENT.update({key(False): 5, key(True): 3})
+
+    def captured(num_seqs, plain_decode=True):
+        meta = AttentionMetadata(slot_mapping=None, block_tables=None, cu_seqlens_q=None,
+                                 context_lens=torch.zeros(num_seqs), max_seqlen_q=1, max_context_len=22016,
+                                 is_decode_only=True, decode_splits=torch.ones(1, dtype=torch.int32))
+        splits = triton_attention._decode_config(meta, 4, 8, device, None, None, 128, 1,
+                                                 plain_decode=plain_decode)[4]
+        return meta.decode_split_plan, splits
+
+    monkeypatch.delenv(ENV, raising=False)
+    plan, splits = captured(48)
+    assert plan == (8, 3 * 132, 132) and splits == triton_attention.DYNAMIC_SPLITS_CAPTURED
+    assert captured(48, plain_decode=False)[0] == (8, 5 * 132, 132)
+    monkeypatch.setenv(ENV, "0")
+    default_plan = captured(48)[0]
+    assert default_plan == (8, 5 * 132, 132)
+    # A replay's count: the waves of the kernel the graph holds. 48 sequences over 21,000 keys: 384 programs, more
+    # than one wave of 3 an SM (396 programs at once) at 2 splits, within one of 5 (660).
+    replay = [triton_attention.decode_active_splits(p, 48, 21000) for p in (plan, default_plan)]
+    assert replay[0] == triton_attention._decode_num_splits(48, 8, 21000, 132, 64, 3)
+    assert replay[1] == triton_attention._decode_num_splits(48, 8, 21000, 132, 64, 5)
+    assert replay[0] != replay[1], replay
 
 
 @pytest.mark.gpu
@@ -143,14 +262,15 @@ def q_rotated(q: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -
     return (q.float() * cos + partner * sin).to(q.dtype)
 
 
-def test_the_switch_is_off_by_default_and_refuses_other_values(monkeypatch):
+def test_the_switch_is_auto_by_default_and_refuses_other_values(monkeypatch):
     monkeypatch.delenv(ENV, raising=False)
-    assert not keys_major.keys_major_decode_on()
-    monkeypatch.setenv(ENV, "1")
-    assert keys_major.keys_major_decode_on()
+    assert keys_major.keys_major_decode_mode() == "auto"
+    for switch in ("auto", "0", "1"):
+        monkeypatch.setenv(ENV, f" {switch} ")
+        assert keys_major.keys_major_decode_mode() == switch
     monkeypatch.setenv(ENV, "yes")
-    with pytest.raises(ValueError, match="TRITONLLM_DECODE_KEYS_MAJOR='yes': 0 .* or 1"):
-        keys_major.keys_major_decode_on()
+    with pytest.raises(ValueError, match="TRITONLLM_DECODE_KEYS_MAJOR='yes': auto .*, 0 .* or 1"):
+        keys_major.keys_major_decode_mode()
     assert keys_major.keys_major_columns(4) == 8 and keys_major.keys_major_columns(1) == 8
     assert keys_major.keys_major_columns(12) == 16
 
