@@ -128,6 +128,23 @@ def test_decode_takes_the_keys_major_kernel_where_the_switch_and_tiling_say(devi
     assert relative_error(out, ref) < TOLERANCE[torch.bfloat16], relative_error(out, ref)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a compiled kernel's resources exist on CUDA only")
+def test_keys_major_launch_records_its_own_residency(monkeypatch):
+    """The keys-major kernel's first launch of a tiling records its programs an SM under its own _DECODE_RESIDENT key
+    (the default kernel, which did not run, records nothing), and the next launch of that tiling still matches."""
+    monkeypatch.delenv(ENV, raising=False)
+    monkeypatch.setattr(triton_attention, "_DECODE_RESIDENT", {})
+    q, k_cache, v_cache, meta = decode_case("cuda", HEADS["llama-8b"], "fp8", seed=11)
+    for _ in range(2):
+        out = triton_attention.paged_attention_triton(q, k_cache, v_cache, meta, 128**-0.5)
+    recorded = triton_attention._DECODE_RESIDENT
+    assert recorded and all(key[-1] is True and key[2:4] == (64, 2) for key in recorded), recorded
+    assert all(1 <= n <= 32 for n in recorded.values()), recorded
+    ref = paged_attention_ref(q, k_cache, v_cache, meta, 128**-0.5)
+    assert relative_error(out, ref) < TOLERANCE[torch.bfloat16], relative_error(out, ref)
+
+
 def test_the_default_choice_goes_by_pool_math_tiling_and_layer(monkeypatch):
     """keys_major_decode_chosen: unset or "auto" -> FP8 pools read with fp16 math in the 64-key 2-warp tiling (any
     stages, no TMA); not the 32 x 1 x 3 / 32 x 1 x 6 TMA / 32 x 4 x 2 FP8 tilings, 4-warp ones, 16-bit pools, an
