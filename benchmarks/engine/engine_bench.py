@@ -396,19 +396,28 @@ def decode_synchronous(runner: ModelRunner, token: int, position: int, table: li
     """Greedy batch-1 decode from ``token`` at ``position``, each step's token read on the host before
     the next step starts (the executor's synchronous path): (tokens, seconds a step). The token is the sampler's
     greedy pick (kernels/sampling.greedy_tokens, as the executor's greedy rows), not torch.argmax: one program per
-    row, ~26 us for one row of 128k logits on an H100 against 3.4 (kernels/sampling.py), would add its own time. ``forward_times``: gets
+    row, ~26 us for one row of 128k logits on an H100 against 3.4 (kernels/sampling.py), would add its own time;
+    where the decode graph's head graph picked it (runner.forward's graph_logits, as the executor asks), its ids
+    (pick_greedy). ``forward_times``: gets
     each step's host seconds in runner.forward (inputs packed and copied, graph and LM head launched: the
     host's part of the step before the replay and the launches behind it)."""
     tokens, step_times = [], []
     for i in range(steps):
         started = time.perf_counter()
-        logits = runner.forward(decode_batch(token, position + i, table, page))
+        logits = runner.forward(decode_batch(token, position + i, table, page), graph_logits=True)
         if forward_times is not None:
             forward_times.append(time.perf_counter() - started)
-        token = int(greedy_tokens(logits).item())  # the sampler's sync: the next input needs this token
+        token = int(pick_greedy(runner, logits).item())  # the sampler's sync: the next input needs this token
         tokens.append(token)
         step_times.append(time.perf_counter() - started)
     return tokens, step_times
+
+
+def pick_greedy(runner: ModelRunner, logits: torch.Tensor) -> torch.Tensor:
+    """The greedy ids of a step's logits as the executor's sampler takes them: the decode graph's head graph's
+    (runner.greedy_of) where it picked them, else greedy_tokens."""
+    greedy = runner.greedy_of(logits)
+    return greedy_tokens(logits) if greedy is None else greedy
 
 
 def decode_overlapped(runner: ModelRunner, token: int, position: int, table: list[int], page: int,
@@ -430,7 +439,8 @@ def decode_overlapped(runner: ModelRunner, token: int, position: int, table: lis
     for i in range(steps):
         batch = decode_batch(token if i == 0 else placeholder(0), position + i, table, page)
         batch = dataclasses.replace(batch, sampled_tokens_slot=0)
-        sampled = greedy_tokens(runner.forward(batch))
+        logits = runner.forward(batch, graph_logits=True)
+        sampled = pick_greedy(runner, logits)
         runner.store_sampled_tokens(sampled, batch)
         host[i % 2].copy_(sampled, non_blocking=pinned)
         if pinned:
@@ -474,6 +484,37 @@ def decode_input_copies_ab(runner: ModelRunner, token: int, position: int, table
     return out
 
 
+def decode_head_graph_ab(runner: ModelRunner, token: int, position: int, table: list[int], page: int,
+                         steps: int = 128, rounds: int = 2) -> dict | None:
+    """decode_synchronous and decode_overlapped with the decode graph's LM head and greedy pick launched eagerly
+    after the replay (``eager``) and replayed from its head graph (``graph``, cuda_graphs.py), in turns, ``rounds``
+    times: per way the median step of each loop and the median host time in runner.forward (ms; the first 16 steps
+    of each loop left out). None without a head graph at batch 1. The tokens are the same either way
+    (``same_tokens``)."""
+    graphs = getattr(runner, "decode_graphs", None)
+    if graphs is None or graphs.bucket_for(1) not in getattr(graphs, "head_graphs", {}):
+        return None
+    was, out, tokens = graphs.use_head_graphs, {}, set()
+    series = {(way, part): [] for way in ("eager", "graph") for part in ("sync", "forward", "overlapped")}
+    try:
+        for _ in range(rounds):
+            for way in ("eager", "graph"):
+                graphs.use_head_graphs = way == "graph"
+                forward: list[float] = []
+                ids, times = decode_synchronous(runner, token, position, table, page, steps, forward)
+                series[way, "sync"] += times[16:]
+                series[way, "forward"] += forward[16:]
+                again, times = decode_overlapped(runner, token, position, table, page, steps)
+                series[way, "overlapped"] += times[16:]
+                tokens.update((tuple(ids), tuple(again)))
+    finally:
+        graphs.use_head_graphs = was
+    for (way, part), values in series.items():
+        out[f"{way}_{part}_ms"] = statistics.median(values) * 1e3
+    out["same_tokens"] = len(tokens) == 1
+    return out
+
+
 def decode_host_parts(runner: ModelRunner, token: int, position: int, table: list[int], page: int,
                       steps: int = 128) -> dict | None:
     """Where the host time of a synchronous batch-1 step goes (decode_synchronous's loop, timed part by part; ms,
@@ -482,20 +523,46 @@ def decode_host_parts(runner: ModelRunner, token: int, position: int, table: lis
     runner.forward (the LM head's launch), ``pick_ms`` the token pick's launches (greedy_tokens), ``wait_ms`` the
     token's .item() (the device's graph, LM head and pick, less what the host spent after the replay), ``step_ms``
     the whole step. The GPU idles from a step's .item() to its next replay reaching the device: ``to_replay_ms``
-    plus the loop's own work and the launch's latency. None without decode graphs."""
+    plus the loop's own work and the launch's latency. ``to_replay_ms`` in parts: ``enter_ms`` forward's call to
+    DecodeGraphs.run's wait for the last copy (inference mode, try_run, fits, the bucket), ``copy_wait_ms`` that wait
+    (an event synchronize), ``pack_ms`` fill_decode_inputs, ``copy_ms`` the splits and the staging copy's call,
+    ``copy_record_ms`` the copy's event record, ``to_launch_ms`` from it to the replay() call. The LM head and pick
+    run eagerly here (no graph_logits). None without decode graphs."""
+    import engine.executor.cuda_graphs as cuda_graphs
+
     graphs = getattr(runner, "decode_graphs", None)
     if graphs is None:
         return None
     graph = graphs.graphs[graphs.bucket_for(1)]
-    replay, marks = graph.replay, [0.0, 0.0]
+    replay, marks = graph.replay, [0.0] * 8
+    fill, event = cuda_graphs.fill_decode_inputs, graphs._copied
 
     def timed_replay() -> None:
         marks[0] = time.perf_counter()
         replay()
         marks[1] = time.perf_counter()
 
-    series = {name: [] for name in ("to_replay", "replay", "after_replay", "pick", "wait", "step")}
+    def timed_fill(*args) -> None:
+        marks[4] = time.perf_counter()
+        fill(*args)
+        marks[5] = time.perf_counter()
+
+    class TimedEvent:  # DecodeGraphs.run's copy event: its synchronize and record timed
+        def synchronize(self) -> None:
+            marks[2] = time.perf_counter()
+            event.synchronize()
+            marks[3] = time.perf_counter()
+
+        def record(self) -> None:
+            marks[6] = time.perf_counter()
+            event.record()
+            marks[7] = time.perf_counter()
+
+    names = ("to_replay", "replay", "after_replay", "pick", "wait", "step", "enter", "copy_wait", "pack", "copy",
+             "copy_record", "to_launch")
+    series = {name: [] for name in names}
     graph.replay = timed_replay  # (an instance attribute: DecodeGraphs.run calls it)
+    graphs._copied, cuda_graphs.fill_decode_inputs = TimedEvent(), timed_fill
     try:
         for i in range(steps):
             began = time.perf_counter()
@@ -509,10 +576,14 @@ def decode_host_parts(runner: ModelRunner, token: int, position: int, table: lis
             ended = time.perf_counter()
             for name, value in (("to_replay", marks[0] - called), ("replay", marks[1] - marks[0]),
                                 ("after_replay", returned - marks[1]), ("pick", launched - returned),
-                                ("wait", ended - launched), ("step", ended - began)):
+                                ("wait", ended - launched), ("step", ended - began), ("enter", marks[2] - called),
+                                ("copy_wait", marks[3] - marks[2]), ("pack", marks[5] - marks[4]),
+                                ("copy", marks[6] - marks[5]), ("copy_record", marks[7] - marks[6]),
+                                ("to_launch", marks[0] - marks[7])):
                 series[name].append(value)
     finally:
         del graph.replay
+        graphs._copied, cuda_graphs.fill_decode_inputs = event, fill
     return {f"{name}_ms": statistics.median(values[16:]) * 1e3 for name, values in series.items()}
 
 
@@ -520,9 +591,14 @@ def decode_outside_graph_text(d: dict) -> str:
     """The decode entry's parts outside the graph as one clause: LM head, argmax, host in forward, and the
     A/B of the inputs' copies ("" where they were not measured)."""
     parts, ab, host = d.get("step_parts"), d.get("input_copies_ab"), d.get("host_parts")
+    head = d.get("head_graph_ab")
     text = f"host in forward {d['host_forward_ms_median']:.3f} ms" if "host_forward_ms_median" in d else ""
     if host:
-        text += (f" (synchronous step's host: to the replay {host['to_replay_ms']:.3f}, replay() "
+        text += (f" (synchronous step's host, head eager: to the replay {host['to_replay_ms']:.3f} = enter "
+                 f"{host.get('enter_ms', float('nan')):.3f} + copy wait {host.get('copy_wait_ms', float('nan')):.3f} "
+                 f"+ pack {host.get('pack_ms', float('nan')):.3f} + copy {host.get('copy_ms', float('nan')):.3f} + "
+                 f"record {host.get('copy_record_ms', float('nan')):.3f} + to launch "
+                 f"{host.get('to_launch_ms', float('nan')):.3f}, replay() "
                  f"{host['replay_ms']:.3f}, after it {host['after_replay_ms']:.3f}, pick {host['pick_ms']:.3f}, "
                  f".item() {host['wait_ms']:.3f}, step {host['step_ms']:.3f} ms)")
     if parts:
@@ -535,7 +611,13 @@ def decode_outside_graph_text(d: dict) -> str:
                  f"{ab['one_sync_ms']:.3f} ms, host in forward {ab['separate_forward_ms']:.3f} -> "
                  f"{ab['one_forward_ms']:.3f}, overlapped {ab['separate_overlapped_ms']:.3f} -> "
                  f"{ab['one_overlapped_ms']:.3f} (same tokens: {ab['same_tokens']})")
-    errors = [f"{key}: {d[key]}" for key in ("host_parts_error", "step_parts_error", "input_copies_ab_error") if key in d]
+    if head:
+        text += (f"; LM head + pick launched -> in a head graph: step {head['eager_sync_ms']:.3f} -> "
+                 f"{head['graph_sync_ms']:.3f} ms, host in forward {head['eager_forward_ms']:.3f} -> "
+                 f"{head['graph_forward_ms']:.3f}, overlapped {head['eager_overlapped_ms']:.3f} -> "
+                 f"{head['graph_overlapped_ms']:.3f} (same tokens: {head['same_tokens']})")
+    errors = [f"{key}: {d[key]}" for key in ("host_parts_error", "step_parts_error", "input_copies_ab_error",
+                                             "head_graph_ab_error") if key in d]
     return text + "".join(f"; FAILED {error}" for error in errors)
 
 
@@ -568,7 +650,8 @@ def bench_decode(results: dict, runner: ModelRunner, prompt_len: int = 128, step
         # first run had them after it: the graph alone 2.93 ms there against 2.62 before it)
         parts = {"host_parts": lambda: decode_host_parts(runner, token, prompt_len, table, page),
                  "step_parts": lambda: decode_step_parts(runner, 1),  # what a step runs on the device outside its graph
-                 "input_copies_ab": lambda: decode_input_copies_ab(runner, token, prompt_len, table, page)}
+                 "input_copies_ab": lambda: decode_input_copies_ab(runner, token, prompt_len, table, page),
+                 "head_graph_ab": lambda: decode_head_graph_ab(runner, token, prompt_len, table, page)}
         for name, measure in parts.items():
             try:  # (diagnostics, each on its own: a failure must not cost the run the other figures)
                 entry[name] = measure()

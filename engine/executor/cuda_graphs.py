@@ -11,8 +11,15 @@ batch size is replayed. Rows past the batch are padding:
 slot -1 (the KV write skips it), context length 1 over block 0 (a harmless read), and their
 outputs are ignored. Token ids may be placeholders for tokens the previous step sampled and the
 host has not seen yet: the graph itself replaces them from the ``sampled_tokens`` ring
-(engine/executor/overlap.py), so the next step needs no host round trip. The graph returns the final hidden states; logits are computed outside
-it, so the graphs hold no (batch, vocab) buffers.
+(engine/executor/overlap.py), so the next step needs no host round trip. The graph returns the final hidden states.
+
+Small buckets (up to HEAD_GRAPH_MAX_ROWS rows) also get a *head graph* when the runner hands a ``head``
+(its LM head: hidden -> float32 logits): the logits and their greedy pick (kernels/sampling.greedy_tokens)
+replayed right after the step's graph (``replay_head``), where launched from Python they cost the host
+~0.3 ms a step on the H200 (session 29, V2-Lite: LM head 0.18 ms, pick 0.13 ms of host). Its outputs are
+static buffers that the next step overwrites: a caller asks for them only where it consumes a step's logits
+before its next forward (ModelRunner.forward's ``graph_logits``). Larger buckets keep the eager LM head:
+their (bucket, vocab) float32 logits would hold hundreds of MB beside the KV pool.
 
 Invariants: the KV pool tensor is never reallocated after capture (the graphs hold its
 address); capture uses ``max_context_len = max_seq_len`` so the attention kernel's grid (its
@@ -27,6 +34,7 @@ import glob
 import hashlib
 import itertools
 import os
+import sys
 
 import numpy as np
 import torch
@@ -38,11 +46,16 @@ from kernels._triton import PDL_ALLOWED, PDL_ENV, pdl_supported, set_pdl
 from kernels.attention_metadata import AttentionMetadata
 from kernels.linear import graph_capture, replay_time_ms, side_stream
 from kernels.lora import LoraBatchBuffers
+from kernels.sampling import greedy_tokens
 from kernels.triton_attention import MAX_DECODE_SPLITS, decode_active_splits
 
 
 # "0": DecodeGraphs copy a step's inputs one by one as before their staging buffer (a benchmark's A/B switch)
 DECODE_ONE_COPY_ENV = "TRITONLLM_DECODE_ONE_COPY"
+# "0": no head graphs (the LM head and the greedy pick launched eagerly after the replay, as before them)
+DECODE_HEAD_GRAPH_ENV = "TRITONLLM_DECODE_HEAD_GRAPH"
+# Buckets up to this many rows get a head graph: (8, 152k) float32 logits are 4.9 MB.
+HEAD_GRAPH_MAX_ROWS = 8
 
 
 def default_buckets(max_batch_size: int) -> list[int]:
@@ -60,8 +73,16 @@ class DecodeGraphs:
 
     def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor, *, tokens_per_block: int,
                  max_seq_len: int, max_batch_size: int, buckets: list[int] | None = None,
-                 sampled_tokens: torch.Tensor | None = None, lora_slots: int = 0, taps=None):
+                 sampled_tokens: torch.Tensor | None = None, lora_slots: int = 0, taps=None, head=None):
         self.model = model
+        # ``head``: hidden (n, hidden) -> float32 logits (n, vocab), captured with the greedy pick for the
+        # buckets up to HEAD_GRAPH_MAX_ROWS (module docstring); None: no head graphs.
+        self.head = head if os.environ.get(DECODE_HEAD_GRAPH_ENV, "1") != "0" else None
+        self.head_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}  # bucket -> (bucket, vocab) float32, the head graph's output
+        self.greedy: dict[int, torch.Tensor] = {}  # bucket -> (bucket,) int64, greedy_tokens of those logits
+        self.use_head_graphs = True  # (a benchmark's A/B switch: False launches the head eagerly)
+        self._last_plain = None  # bucket of the last replay when it was the plain graph (a head graph reads it)
         # engine/executor/layer_taps.py: each graph's tapped streams (its static outputs), by bucket
         self.taps, self.tapped, self.lora_tapped = taps, {}, {}
         # Models with Mamba layers: each row's state slot rides in a static buffer too (-1 on padding
@@ -162,7 +183,26 @@ class DecodeGraphs:
                 self.lora_graphs[bs], self.lora_hidden[bs] = capture_forward(self.model, args, self.sampled_tokens, pool)
                 if self.taps is not None:
                     self.lora_tapped[bs] = self.taps.captured()
+        if self.head is not None:
+            try:
+                for bs in (b for b in self.buckets if b <= HEAD_GRAPH_MAX_ROWS):
+                    self.head_graphs[bs], self.logits[bs], self.greedy[bs] = capture_head(self.head, self.hidden[bs],
+                                                                                          pool)
+            except Exception as error:  # noqa: BLE001  (a head that cannot be captured stays eager: same logits)
+                self.head_graphs, self.logits, self.greedy = {}, {}, {}
+                print(f"engine: the decode graphs' LM head stays eager ({type(error).__name__}: {error})",
+                      file=sys.stderr, flush=True)
         torch.cuda.synchronize()
+
+    def replay_head(self, num_seqs: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(logits (num_seqs, vocab) float32, greedy ids (num_seqs,) int64) of the step just replayed, from its
+        bucket's head graph; None where there is none (a larger bucket, a LoRA step, the switch off). Both are
+        views of static buffers: the next step overwrites them."""
+        bucket = self._last_plain
+        if not self.use_head_graphs or bucket not in self.head_graphs or self.bucket_for(num_seqs) != bucket:
+            return None
+        self.head_graphs[bucket].replay()
+        return self.logits[bucket][:num_seqs], self.greedy[bucket][:num_seqs]
 
     def try_run(self, batch, rotary_positions: list[int] | None = None) -> torch.Tensor | None:
         """A runner ForwardBatch -> hidden rows of its logits_indices, or None when the batch is not
@@ -226,6 +266,7 @@ class DecodeGraphs:
             self.dev_staging[:end].copy_(self.host_staging[:end], non_blocking=True)
         self._copied.record()
         self.replays[bucket] += 1
+        self._last_plain = None if lora_slots is not None else bucket
         if lora_slots is not None:
             self.lora_buffers.fill(lora_slots, [1] * bs)
             self.lora_graphs[bucket].replay()
@@ -302,6 +343,23 @@ def set_staging_views(owner, staging: torch.Tensor, prefix: str, shapes: dict[st
     for name, shape in shapes.items():
         view = staging[offsets[name]:offsets[name] + int(np.prod(shape))]
         setattr(owner, f"{prefix}_{name}", view.view(torch.int64).view(3, -1) if name == "i64" else view.view(shape))
+
+
+def capture_head(head, hidden: torch.Tensor, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]:
+    """A head graph over a decode graph's static ``hidden`` (bucket, hidden): (graph, its float32 logits
+    (bucket, vocab), their greedy ids (bucket,) int64), captured into ``pool`` after two warm-up runs on the
+    side stream, as capture_forward does."""
+    stream = side_stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            greedy_tokens(head(hidden))
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with graph_capture(graph, pool=pool, capture_error_mode="thread_local"):
+        logits = head(hidden)
+        greedy = greedy_tokens(logits)
+    return graph, logits, greedy
 
 
 def capture_forward(model: torch.nn.Module, args: tuple, sampled_tokens: torch.Tensor,

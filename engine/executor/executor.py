@@ -19,6 +19,7 @@ for the steps); speculative/start_proposer.py and speculative/executor_drafts.py
 """
 from __future__ import annotations
 
+import inspect
 import itertools
 import threading
 import time
@@ -206,6 +207,9 @@ class Executor(Admission, Finishing):
         self.pipelined = make_pipelined_steps(self)  # pipeline stages: several steps in flight, or None
         # pipeline stages: steps that only draw are sampled on the last stage (engine/pipeline/runner.py)
         self._last_stage_sampling = bool(getattr(self.runner, "samples_on_last_stage", False))
+        # Runners whose forward may hand a decode graph's head-graph logits and greedy ids (ModelRunner's own;
+        # the encoder-decoder, pipeline and tensor-parallel leaders' forwards take no graph_logits)
+        self._graph_logits = "graph_logits" in inspect.signature(self.runner.forward).parameters
 
     def _init_guided_decoding(self, engine_dir: str) -> None:
         self.grammars: GrammarCache | None = None
@@ -430,9 +434,14 @@ class Executor(Admission, Finishing):
             rotary = step_rotary_of(plan.scheduled, batch) if self._mrope_request_ids else None
             spans = image_spans.step_span_ahead_of(plan.scheduled, self.limits.vocab_size) if (
                 self._image_spans and prompt_embeds is not None) else None
+            # graph_logits: this step's logits are read before the next forward (sampled below; a guided step's in
+            # _finish_in_flight, before the next launch), unless requests keep them (_sync_request_ids) or drafts
+            # verify against them
             logits = self.runner.forward(batch, **({} if prompt_embeds is None else {"prompt_embeds": prompt_embeds}),
                                          **({} if rotary is None else {"rotary": rotary}),
-                                         **({} if spans is None else {"span_ahead": spans}))
+                                         **({} if spans is None else {"span_ahead": spans}),
+                                         **({"graph_logits": True} if self._graph_logits and not (
+                                             self._sync_request_ids or drafted) else {}))
             # A constrained row samples after the previous step's tokens reach its matcher (_sample_guided).
             guided = self.token_masks is not None and any(seq.grammar is not None for seq, _ in sampling)
             if batch.sample_on_last_stage:  # (``logits``: the token ids the last stage sampled)
@@ -570,7 +579,8 @@ class Executor(Admission, Finishing):
                 md.token_bitmask, md.token_bitmask_rows = token_masks
             sample_rows = [row for _, row in sampling]
             all_rows = sample_rows == list(range(len(logits)))  # plain decode: no gather needed
-            out = sample(logits if all_rows else logits[sample_rows], md)
+            out = sample(logits if all_rows else logits[sample_rows], md,
+                         self.runner.greedy_of(logits) if all_rows and self._graph_logits else None)
         except Exception:
             self._store_no_tokens(len(seqs), logits.device, batch)  # then the step fails
             raise

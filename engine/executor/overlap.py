@@ -105,7 +105,9 @@ class TokenTransfer:
         self._top_rows = top_rows
         tensors = [token_ids, log_probs, top_log_prob_ids, top_log_probs]
         if token_ids.device.type != "cuda" or pinned is None:
-            self._ids, self._log_probs, self._top_ids, self._top_values = tensors
+            # (the ids copied: they may be a decode graph's head-graph output, which the next step, launched
+            # before this transfer is read, overwrites; on CUDA the copy home below is ordered before that step)
+            self._ids, self._log_probs, self._top_ids, self._top_values = [token_ids.clone()] + tensors[1:]
             return
         self._ids, self._log_probs, self._top_ids, self._top_values = (
             None if t is None else _copy_home(t, buffer) for t, buffer in zip(tensors, pinned))

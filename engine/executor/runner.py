@@ -148,6 +148,7 @@ class ModelRunner:
         self.prefill_graphs: PrefillGraphs | None = None  # steps with prompt tokens (engine/executor/prefill_graphs.py)
         self.keep_hidden_rows = False  # forward() keeps the scored rows' hidden states (_logits)
         self.last_hidden_rows: torch.Tensor | None = None
+        self.graph_greedy: tuple[torch.Tensor, torch.Tensor] | None = None  # forward's head graph's (logits, ids)
         self.layer_taps: LayerTaps | None = None  # tap_layers(): layers' streams after each forward, graphs too
         # Tree methods (the executor sets it before the capture): rows of up to this many tokens verify
         # token trees through graphs of their own (engine/executor/prefill_graphs.py); 0: eagerly.
@@ -218,6 +219,17 @@ class ModelRunner:
         """What the decode graphs capture: ``module(input_ids, positions, kv_cache, meta) -> hidden``
         (a pipeline stage's share of the forward, engine/pipeline/stage.py StageStep)."""
         return self.model
+
+    @property
+    def graph_head(self):
+        """What the decode graphs' head graphs capture after a step (cuda_graphs.py: the LM head, then the greedy
+        pick): the model's compute_logits, on one rank without adapters (a tensor-parallel head gathers across
+        ranks, a pipeline stage may hold no head, an adapter may change it); None: the head stays eager."""
+        build = self.build_config
+        if build.tp_size != 1 or build.pp_size != 1 or self.lora_pools is not None or type(self).graph_model is not \
+                ModelRunner.graph_model:
+            return None
+        return self.model.compute_logits
 
     @property
     def kv_layers(self) -> int:
@@ -363,7 +375,8 @@ class ModelRunner:
         self.decode_graphs = DecodeGraphs(self.graph_model, self.kv_cache, tokens_per_block=self.tokens_per_block,
                                           max_seq_len=build.max_seq_len, max_batch_size=build.max_batch_size,
                                           sampled_tokens=self.sampled_tokens, taps=self.layer_taps,
-                                          lora_slots=0 if self.lora_pools is None else self.lora_pools.num_slots)
+                                          lora_slots=0 if self.lora_pools is None else self.lora_pools.num_slots,
+                                          head=self.graph_head)
         # (cold Triton cache: a compile per candidate; kernels/choice_cache.py skips the losers of stored choices)
         with choice_cache.counting() as cached, load_phase(
                 lambda: f"load-time kernel choices (cached: {cached['hits']} of {cached['lookups']}"
@@ -493,7 +506,7 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, *, all_logits: bool = False,
                 prompt_embeds: PromptEmbeds | None = None, rotary: StepRotary | None = None,
-                span_ahead: torch.Tensor | None = None) -> torch.Tensor:
+                span_ahead: torch.Tensor | None = None, graph_logits: bool = False) -> torch.Tensor:
         """Run one packed step; float32 logits (len(logits_indices), vocab), or (num_tokens, vocab)
         for every new token when ``all_logits`` (context logits). ``prompt_embeds``: rows of prompt
         tables that replace the embeddings of some of the batch's tokens (engine/executor/prompt_table.py).
@@ -501,7 +514,10 @@ class ModelRunner:
         the prefill graphs' table twins in a vision-language engine (engine/executor/table_graphs.py; a
         decode-only step with deltas its decode graph), else run eagerly. ``span_ahead``: (num_tokens,) int32, how many later new tokens of its
         sequence each token also sees (image spans, engine/executor/image_spans.py;
-        AttentionMetadata.span_ahead); such steps run eagerly."""
+        AttentionMetadata.span_ahead); such steps run eagerly. ``graph_logits``: the caller reads the logits (and
+        greedy_of's ids) before its next forward, so a decode graph's head graph may give them (static buffers the
+        next step overwrites; engine/executor/cuda_graphs.py); else they are the step's own."""
+        self.graph_greedy = None
         if self.kv_cache is None:
             raise RuntimeError("allocate_kv_cache() must run before forward()")
         # M-RoPE decode rows rotate at position + delta from the engine's table: the decode graphs' positions
@@ -511,6 +527,11 @@ class ModelRunner:
                 and (rotary is None or rotary.rows is None)):
             hidden = self.decode_graphs.try_run(batch, None if rotary is None else rotary.indices)
             if hidden is not None:  # a decode-only batch, replayed from its bucket's graph
+                head = (self.decode_graphs.replay_head(len(hidden)) if graph_logits and not self.keep_hidden_rows
+                        and batch.logits_indices == list(range(len(hidden))) else None)
+                if head is not None:  # its LM head and greedy pick replayed too
+                    self.graph_greedy = head
+                    return head[0]
                 return self._logits(hidden)
         if self.prefill_graphs is not None and graphs_may_run:  # table / M-RoPE rows: its table twins
             hidden = self.prefill_graphs.try_run(batch, prompt_embeds, rotary)
@@ -534,6 +555,12 @@ class ModelRunner:
         if not all_logits:
             hidden = hidden[self._to_device(batch.logits_indices, torch.int64)]
         return self._logits(hidden)
+
+    def greedy_of(self, logits: torch.Tensor) -> torch.Tensor | None:
+        """The greedy ids (n,) int64 of ``logits`` where the last forward's head graph picked them (``logits`` the
+        very tensor that forward returned with ``graph_logits``), else None (the caller picks them)."""
+        head = self.graph_greedy
+        return head[1] if head is not None and head[0] is logits else None
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The logits of the step's scored rows; with ``keep_hidden_rows`` (Medusa heads read them,

@@ -329,11 +329,13 @@ def worst_case_metadata(rows: int, vocab_size: int, device) -> SamplingMetadata:
         top_log_prob_rows=tuple(range(rows)), max_top_log_probs=min(5, vocab_size))
 
 
-def sample(logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
-    """Next token for every row of ``logits`` (B, vocab); see the module docstring for the pipeline."""
-    logits = process_logits(logits, md)
+def sample(logits: torch.Tensor, md: SamplingMetadata, greedy: torch.Tensor | None = None) -> SamplerOutput:
+    """Next token for every row of ``logits`` (B, vocab); see the module docstring for the pipeline.
+    ``greedy``: greedy_tokens(logits) already picked (a decode graph's head graph, ModelRunner.greedy_of),
+    taken where every row is greedy and nothing changed the logits."""
+    raw, logits = logits, process_logits(logits, md)
     if md.all_greedy:
-        token_ids = greedy_tokens(logits)
+        token_ids = greedy if greedy is not None and logits is raw else greedy_tokens(logits)
     else:
         scaled = logits / torch.where(md.temperature > 0, md.temperature, 1.0).unsqueeze(1)
         logits = torch.where(md.is_greedy.unsqueeze(1), logits, scaled)

@@ -5,7 +5,8 @@ graphs' static inputs, which graph a step picks, padding rows, layer taps read a
 forward once into its outputs (the "capture") and return a graph whose ``replay`` reruns the forward
 over the same static inputs and copies the result, and the tapped layers' streams, into those outputs;
 pinned memory and CUDA events become no-ops; ``ModelRunner.capture_cuda_graphs`` builds the decode and
-prefill graphs on the CPU as it would on CUDA (without the kernel choices). Replays are counted by the
+prefill graphs on the CPU as it would on CUDA (without the kernel choices), the decode graphs' head graphs
+(LM head and greedy pick, replayed as "head") included. Replays are counted by the
 forward's class and kind. What this does not check: the kernels' behaviour under a real capture (the
 gpu-marked tests do).
 """
@@ -60,12 +61,27 @@ def emulate_cuda_graphs(monkeypatch) -> collections.Counter:
         kind = "decode" if args[3].is_decode_only else "prefill"
         return _Graph(forward, hidden, taps_of.get(id(model)), f"{type(model).__name__}-{kind}", replays), hidden
 
+    def capture_head(head, hidden, pool):
+        from kernels.sampling import greedy_tokens
+
+        with torch.inference_mode():
+            logits = head(hidden)
+            greedy = greedy_tokens(logits)
+
+        def forward_head():  # the head graph's two outputs rerun over the static hidden rows
+            fresh = head(hidden)
+            greedy.copy_(greedy_tokens(fresh))
+            return fresh
+
+        return _Graph(forward_head, logits, None, "head", replays), logits, greedy
+
     def capture_cuda_graphs(runner: ModelRunner) -> None:
         build, cfg = runner.build_config, runner.model_config
         taps_of[id(runner.model)] = runner.layer_taps
         runner.decode_graphs = cuda_graphs.DecodeGraphs(
             runner.graph_model, runner.kv_cache, tokens_per_block=runner.tokens_per_block, max_seq_len=build.max_seq_len,
-            max_batch_size=build.max_batch_size, sampled_tokens=runner.sampled_tokens, taps=runner.layer_taps)
+            max_batch_size=build.max_batch_size, sampled_tokens=runner.sampled_tokens, taps=runner.layer_taps,
+            head=runner.graph_head)
         runner.decode_graphs.capture()
         buckets = prefill_graphs.model_token_buckets(runner.model, build.max_num_tokens)
         if runner.prefill_graphs_enabled() and buckets:
@@ -83,6 +99,7 @@ def emulate_cuda_graphs(monkeypatch) -> collections.Counter:
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *args, **kwargs: None)
     monkeypatch.setattr(cuda_graphs, "capture_forward", capture_forward)
+    monkeypatch.setattr(cuda_graphs, "capture_head", capture_head)
     monkeypatch.setattr(prefill_graphs, "capture_forward", capture_forward)
     monkeypatch.setattr(ModelRunner, "capture_cuda_graphs", capture_cuda_graphs)
     return replays

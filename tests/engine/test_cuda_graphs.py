@@ -175,6 +175,124 @@ def test_emulated_decode_graphs_read_each_step_and_give_the_eager_logits(tmp_pat
         torch.testing.assert_close(graphed, eager, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("num_seqs", [1, 3, 9])
+def test_emulated_head_graphs_give_the_eager_logits_and_greedy_ids(tmp_path, monkeypatch, num_seqs):
+    """The decode graphs' head graphs (the LM head and greedy pick replayed after a step of up to 8 rows,
+    cuda_graphs.py) on the CPU emulation: forward(graph_logits=True) gives the eager step's logits and greedy_of
+    their argmax, from the head graph (its replay counted) in buckets 1 and 4; at 9 rows (bucket 16, no head graph)
+    and without graph_logits the head stays eager and greedy_of says None. Also with the switch off (no head graphs)."""
+    from graph_emulation import emulate_cuda_graphs
+
+    from engine.executor.cuda_graphs import HEAD_GRAPH_MAX_ROWS
+
+    replays = emulate_cuda_graphs(monkeypatch)
+    runner = ModelRunner(config_only_engine(tmp_path, "float32", max_batch_size=16, max_num_tokens=128), device="cpu")
+    runner.allocate_kv_cache(400)
+    prompt_lens = [13 + 7 * i % 29 for i in range(num_seqs)]
+    prefill, decode = prefill_then_decode_batches(num_seqs, prompt_lens, steps=3, page=16)
+    runner.forward(prefill)
+    runner.capture_cuda_graphs()
+    graphs = runner.decode_graphs
+    assert sorted(graphs.head_graphs) == [b for b in graphs.buckets if b <= HEAD_GRAPH_MAX_ROWS] == [1, 2, 4, 8]
+    in_head = graphs.bucket_for(num_seqs) <= HEAD_GRAPH_MAX_ROWS
+    for step in range(3):
+        batch = decode(step)
+        heads = replays["head"]
+        graphed = runner.forward(batch, graph_logits=True)
+        greedy = runner.greedy_of(graphed)
+        assert replays["head"] == heads + in_head and (greedy is not None) == in_head
+        assert runner.greedy_of(graphed.clone()) is None  # only the very logits of the head graph
+        runner.decode_graphs = None  # the same step eagerly (rewrites the same K/V slots)
+        eager = runner.forward(batch)
+        runner.decode_graphs = graphs
+        torch.testing.assert_close(graphed, eager, rtol=1e-5, atol=1e-5)
+        if in_head:
+            assert greedy.tolist() == eager.argmax(-1).tolist()
+        plain = runner.forward(batch)  # without graph_logits: the step's own logits, picked by the caller
+        assert runner.greedy_of(plain) is None and replays["head"] == heads + in_head
+        torch.testing.assert_close(plain, eager, rtol=1e-5, atol=1e-5)
+    graphs.use_head_graphs = False  # the bench's A/B switch: the head launched eagerly again
+    assert runner.forward(decode(0), graph_logits=True) is not None and runner.graph_greedy is None
+
+
+def test_head_graphs_switched_off_by_the_environment(tmp_path, monkeypatch):
+    from graph_emulation import emulate_cuda_graphs
+
+    from engine.executor.cuda_graphs import DECODE_HEAD_GRAPH_ENV
+
+    monkeypatch.setenv(DECODE_HEAD_GRAPH_ENV, "0")
+    emulate_cuda_graphs(monkeypatch)
+    runner = ModelRunner(config_only_engine(tmp_path, "float32", max_batch_size=4, max_num_tokens=64), device="cpu")
+    runner.allocate_kv_cache(64)
+    runner.capture_cuda_graphs()
+    assert runner.decode_graphs.head_graphs == {} and runner.decode_graphs.head is None
+
+
+def test_executor_serves_the_same_tokens_with_and_without_head_graphs(tmp_path, monkeypatch):
+    """An executor over emulated decode graphs (graph_emulation.py) serves the same tokens with the head graphs
+    (its greedy rows take the head graph's ids, a seeded draw its logits) as with $TRITONLLM_DECODE_HEAD_GRAPH=0:
+    three greedy requests (decode steps of 1-3 rows: buckets 1, 2, 4), a seeded draw beside them, and a request
+    with a repetition penalty (the synchronous path: it keeps the eager head)."""
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "executor"))
+    from executor_testing import collect, final_tokens
+    from graph_emulation import emulate_cuda_graphs
+
+    from engine.executor.cuda_graphs import DECODE_HEAD_GRAPH_ENV
+    from engine.executor.executor import Executor, ExecutorConfig
+    from engine.executor.request import OutputConfig, Request, SamplingConfig
+
+    engine_dir = config_only_engine(tmp_path, "float32", max_batch_size=8, max_num_tokens=128)
+    exclude = OutputConfig(exclude_input_from_output=True)
+    prompts = [[3, 17, 5, 99, 42], [8, 1, 44], [7, 7, 2, 9, 30, 31, 4]]
+
+    def served(head: str) -> tuple[list[list[int]], int]:
+        monkeypatch.setenv(DECODE_HEAD_GRAPH_ENV, head)
+        replays = emulate_cuda_graphs(monkeypatch)
+        greedy = [Request(p, 6 + i, output=exclude) for i, p in enumerate(prompts)]
+        drawn = Request(prompts[0], 6, sampling=SamplingConfig(temperature=0.8, seed=11), output=exclude)
+        with Executor(engine_dir, ExecutorConfig(device="cpu")) as ex:
+            ids = ex.enqueue_requests(greedy + [drawn])
+            responses = collect(ex, ids)
+            tokens = [final_tokens(responses[i]) for i in ids]
+            [penalized] = ex.enqueue_requests([Request(prompts[1], 5, output=exclude,
+                                                       sampling=SamplingConfig(repetition_penalty=1.3))])
+            tokens.append(final_tokens(collect(ex, [penalized])[penalized]))
+        return tokens, replays["head"]
+
+    with_head, head_replays = served("1")
+    without, none = served("0")
+    assert with_head == without and head_replays > 0 and none == 0
+    assert [len(t) for t in with_head] == [6, 7, 8, 6, 5]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+@pytest.mark.parametrize("num_seqs", [1, 3])
+def test_head_graph_logits_and_greedy_ids_match_the_eager_head(tmp_path, num_seqs):
+    """On CUDA: a decode step's head graph (LM head + greedy pick captured after the step's graph) gives the
+    logits of the eager LM head over the same hidden rows and their argmax."""
+    from kernels.sampling import greedy_tokens
+
+    runner = ModelRunner(config_only_engine(tmp_path, "bfloat16"), device="cuda")
+    runner.allocate_kv_cache(400)
+    prompt_lens = [13 + 7 * i % 29 for i in range(num_seqs)]
+    prefill, decode = prefill_then_decode_batches(num_seqs, prompt_lens, steps=4, page=16)
+    runner.forward(prefill)
+    runner.capture_cuda_graphs()
+    graphs = runner.decode_graphs
+    assert graphs.bucket_for(num_seqs) in graphs.head_graphs
+    for step in range(4):
+        logits = runner.forward(decode(step), graph_logits=True)
+        greedy = runner.greedy_of(logits)
+        assert greedy is not None
+        hidden = graphs.hidden[graphs.bucket_for(num_seqs)][:num_seqs]
+        eager = runner.model.compute_logits(hidden)
+        torch.testing.assert_close(logits, eager, rtol=1e-3, atol=1e-3)
+        assert greedy.tolist() == greedy_tokens(eager).tolist() == eager.argmax(-1).tolist()
+
+
 # A 16-wide-head Llama as small as the draft engine "small_limits" of test_speculative_draft_model.py.
 SMALL = dict(TINY, vocab_size=128, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128,
              max_position_embeddings=64)

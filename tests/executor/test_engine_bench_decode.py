@@ -110,13 +110,51 @@ def test_input_copies_ab_and_host_parts_replay_every_step(tiny_engine, monkeypat
     ab = decode_input_copies_ab(runner, 3, len(prompt), list(range(1, 16)), runner.tokens_per_block, steps=18,
                                 rounds=1)
     assert ab["same_tokens"] and runner.decode_graphs.separate_copies is False
-    assert sum(replays.values()) - sum(before.values()) == 2 * 2 * 18
+    decode = "LlamaForCausalLM-decode"
+    assert replays[decode] - before[decode] == 2 * 2 * 18  # (and as many head graphs: the loops take their ids)
+    assert replays["head"] - before["head"] == 2 * 2 * 18
     assert all(ab[f"{way}_{part}_ms"] > 0 for way in ("separate", "one") for part in ("sync", "forward", "overlapped"))
     assert "in one copy: step" in decode_outside_graph_text({"input_copies_ab": ab})
     # decode_host_parts: the synchronous loop part by part, its replays timed through the graph's replay()
-    before, graph = replays.copy(), runner.decode_graphs.graphs[1]
+    import engine.executor.cuda_graphs as cuda_graphs
+
+    before, graph, graphs = replays.copy(), runner.decode_graphs.graphs[1], runner.decode_graphs
+    event, fill = graphs._copied, cuda_graphs.fill_decode_inputs
     host = decode_host_parts(runner, 3, len(prompt), list(range(1, 16)), runner.tokens_per_block, steps=18)
+    # (the LM head and pick eager there: no head graph replayed)
     assert sum(replays.values()) - sum(before.values()) == 18 and "replay" not in vars(graph)  # its own again
-    assert set(host) == {f"{part}_ms" for part in ("to_replay", "replay", "after_replay", "pick", "wait", "step")}
+    assert graphs._copied is event and cuda_graphs.fill_decode_inputs is fill  # the timed stand-ins gone again
+    parts = ("enter", "copy_wait", "pack", "copy", "copy_record", "to_launch")
+    assert set(host) == {f"{part}_ms" for part in ("to_replay", "replay", "after_replay", "pick", "wait", "step")
+                         + parts}
     assert all(value >= 0 for value in host.values()) and host["step_ms"] > 0
+    # the parts of the way to the replay are its time, each step's parts summing to it (medians: roughly)
+    assert 0.5 * host["to_replay_ms"] <= sum(host[f"{part}_ms"] for part in parts) <= 2 * host["to_replay_ms"]
     assert decode_host_parts(ModelRunner(tiny_engine), 3, 5, [1], runner.tokens_per_block) is None  # no graphs
+
+
+def test_head_graph_ab_gives_the_same_tokens_both_ways(tiny_engine, monkeypatch):
+    """decode_head_graph_ab (the decode section's A/B of the LM head and greedy pick launched after the replay
+    against replayed from the batch-1 head graph, cuda_graphs.py) on the emulated graphs: both loops decode the
+    same tokens both ways, only the graph way replays head graphs (one a step), and the switch is left as it was."""
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "engine"))
+    from graph_emulation import emulate_cuda_graphs
+
+    from benchmarks.engine.engine_bench import decode_head_graph_ab, decode_outside_graph_text
+
+    replays = emulate_cuda_graphs(monkeypatch)
+    runner = ModelRunner(tiny_engine)
+    runner.allocate_kv_cache(16)
+    prompt, table = [5, 9, 2, 7, 11], list(range(1, 16))
+    assert decode_head_graph_ab(runner, 3, len(prompt), table, runner.tokens_per_block) is None  # no graphs
+    runner.capture_cuda_graphs()
+    runner.forward(decode_batch_of(prompt, runner.tokens_per_block, table))
+    before = replays.copy()
+    ab = decode_head_graph_ab(runner, 3, len(prompt), table, runner.tokens_per_block, steps=18, rounds=1)
+    assert ab["same_tokens"] and runner.decode_graphs.use_head_graphs is True
+    assert replays["LlamaForCausalLM-decode"] - before["LlamaForCausalLM-decode"] == 2 * 2 * 18
+    assert replays["head"] - before["head"] == 2 * 18  # the graph way's steps only
+    assert all(ab[f"{way}_{part}_ms"] > 0 for way in ("eager", "graph") for part in ("sync", "forward", "overlapped"))
+    assert "in a head graph: step" in decode_outside_graph_text({"head_graph_ab": ab})
