@@ -42,11 +42,24 @@ def _tile(cache_ptr, table, start, last, stride_cb, stride_cs, RANK: tl.constexp
     (latent (BLOCK_N, RANK_PAD), k_rope (BLOCK_N, ROPE_PAD)), zeros from ``last`` on. The tile is one
     page's contiguous run (start a multiple of BLOCK_N, which divides PAGE); a tile wholly past
     ``last`` (the prefetch after the final one) loads nothing."""
+    return _tile_in(cache_ptr, _page_of(table, start, last, PAGE), start, last, stride_cb, stride_cs, RANK, ROPE,
+                    RANK_PAD, ROPE_PAD, PAGE, BLOCK_N)
+
+
+@jit
+def _page_of(table, start, last, PAGE: tl.constexpr):
+    """The pool block (int64) holding key ``start`` of a sequence (block table ``table``); 0 past ``last``."""
+    return tl.load(table + start // PAGE, mask=start < last, other=0).to(tl.int64)
+
+
+@jit
+def _tile_in(cache_ptr, block, start, last, stride_cb, stride_cs, RANK: tl.constexpr, ROPE: tl.constexpr,
+             RANK_PAD: tl.constexpr, ROPE_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """_tile's rows from pool block ``block`` (_page_of's, looked up by the caller)."""
     n = tl.arange(0, BLOCK_N)
     r = tl.arange(0, RANK_PAD)
     p = tl.arange(0, ROPE_PAD)
     key_ok = start + n < last
-    block = tl.load(table + start // PAGE, mask=start < last, other=0).to(tl.int64)
     rows = cache_ptr + block * stride_cb + (start % PAGE) * stride_cs + n[:, None] * stride_cs
     latent = tl.load(rows + r[None, :], mask=key_ok[:, None] & (r < RANK)[None, :], other=0.0)
     k_rope = tl.load(rows + RANK + p[None, :], mask=key_ok[:, None] & (p < ROPE)[None, :], other=0.0)
@@ -169,7 +182,8 @@ def _mla_decode_kernel(q_lat_ptr, q_rope_ptr, cache_ptr, part_ptr, lse_ptr, bloc
                        ROPE_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                        STAGES: tl.constexpr, PREFETCH: tl.constexpr, DIRECT: tl.constexpr,
                        DOT_PRECISION: tl.constexpr, PDL: tl.constexpr, BITS: tl.constexpr = False,
-                       ASM: tl.constexpr = False, KEYS_MAJOR: tl.constexpr = False):
+                       ASM: tl.constexpr = False, KEYS_MAJOR: tl.constexpr = False,
+                       TABLE_AHEAD: tl.constexpr = False):
     """Program (s, hb, split): sequence s's heads hb * BLOCK_H ... over split ``split`` of its keys
     0 .. context_len - 1 (its new token is the last). Scores in log2 units (scale_log2 = scale *
     log2 e: exp2 in the softmax); the lse written in natural-log units, as the combines read it.
@@ -179,7 +193,7 @@ def _mla_decode_kernel(q_lat_ptr, q_rope_ptr, cache_ptr, part_ptr, lse_ptr, bloc
     interpreter), the queries and scales of _bits_queries, the value product's probabilities times the
     bits factor: no E4M3 conversion instruction (16 lanes a clock an SM on the H200) in the loop.
     KEYS_MAJOR (pipelined tilings, not PREFETCH): _fold_tile_keys_major's products, BLOCK_N >= 64 for sm_90's
-    warpgroup MMA."""
+    warpgroup MMA. TABLE_AHEAD (pipelined tilings): each tile's page looked up a tile ahead (DECODE_TABLE_AHEAD)."""
     pdl_prologue(PDL)
     seq, heads, split, head_ok, first, last, load_q = split_program(ctx_ptr, num_heads, splits, min_span, BLOCK_H,
                                                                     BLOCK_N)
@@ -215,17 +229,29 @@ def _mla_decode_kernel(q_lat_ptr, q_rope_ptr, cache_ptr, part_ptr, lse_ptr, bloc
         q_lat_t = tl.trans(q_lat)
         q_rope_t = tl.trans(q_rope)
         acc_t = tl.zeros([RANK_PAD, BLOCK_H], dtype=tl.float32)
+        block_next = _page_of(table, first, last, PAGE)  # TABLE_AHEAD: the next tile's page, a tile ahead
         for start in tl.range(first, last, BLOCK_N, num_stages=STAGES):
-            latent, k_rope = _tile(cache_ptr, table, start, last, stride_cb, stride_cs, RANK, ROPE, RANK_PAD,
-                                   ROPE_PAD, PAGE, BLOCK_N)
+            if TABLE_AHEAD:
+                block = block_next
+                block_next = _page_of(table, start + BLOCK_N, last, PAGE)
+            else:
+                block = _page_of(table, start, last, PAGE)
+            latent, k_rope = _tile_in(cache_ptr, block, start, last, stride_cb, stride_cs, RANK, ROPE, RANK_PAD,
+                                      ROPE_PAD, PAGE, BLOCK_N)
             latent, k_rope = _widened(latent, WIDE, BITS, ASM), _widened(k_rope, WIDE, BITS, ASM)
             m, denom, acc_t = _fold_tile_keys_major(q_lat_t, q_rope_t, latent, k_rope, start + n < last, m,
                                                     denom, acc_t, score_scale, PROB_SCALE, DOT_PRECISION)
         acc = tl.trans(acc_t)
-    else:  # Triton's pipeliner: STAGES tiles in flight as cp.async copies into shared memory
+    else:  # Triton's pipeliner: cp.async copies into shared memory (TABLE_AHEAD: STAGES - 1 tiles ahead, else one)
+        block_next = _page_of(table, first, last, PAGE)
         for start in tl.range(first, last, BLOCK_N, num_stages=STAGES):
-            latent, k_rope = _tile(cache_ptr, table, start, last, stride_cb, stride_cs, RANK, ROPE, RANK_PAD,
-                                   ROPE_PAD, PAGE, BLOCK_N)
+            if TABLE_AHEAD:
+                block = block_next
+                block_next = _page_of(table, start + BLOCK_N, last, PAGE)
+            else:
+                block = _page_of(table, start, last, PAGE)
+            latent, k_rope = _tile_in(cache_ptr, block, start, last, stride_cb, stride_cs, RANK, ROPE, RANK_PAD,
+                                      ROPE_PAD, PAGE, BLOCK_N)
             latent, k_rope = _widened(latent, WIDE, BITS, ASM), _widened(k_rope, WIDE, BITS, ASM)
             m, denom, acc = _fold_tile(q_lat, q_rope, latent, k_rope, start + n < last, m, denom, acc,
                                        score_scale, PROB_SCALE, DOT_PRECISION)
@@ -260,16 +286,41 @@ DECODE_TILING_FP8_BITS = (32, 4, 3)
 # 349.4, 64 x 8k 226.5 / 194.7 (8 warps: slower everywhere). FP8 pools spill there (384-1,184 B of stack).
 DECODE_TILING_ONE_WAVE = (64, 4, 2)
 DECODE_ONE_WAVE_KEYS_MAJOR = True
-# The latent in column parts (kernels/mla_decode_parts.py): 1, this module's kernel (the default: parts never measured
-# on a GPU), or 2 / 4 / 8 parts of RANK_PAD / parts columns, at DECODE_TILING_PARTS[parts] unless a tiling is given.
+# The latent in column parts (kernels/mla_decode_parts.py): 1, this module's kernel, or 2 / 4 / 8 parts of
+# RANK_PAD / parts columns, at DECODE_TILING_PARTS[parts] unless a tiling is given.
 # sm_90 compiles (ptxas, V2-Lite's 512 + 64, 16 heads, registers / shared memory a program): FP8 pool widened by bits,
 # bf16 queries: this kernel (32, 4, 3) 255 / 74 KB (2 programs an SM), (16, 4, 3) 244; 2 parts (32, 4, 3) 222, 4
 # parts (32, 4, 3) 193, (16, 4, 3) 160 / 45 KB (3 an SM; float16 queries 164); 8 parts (32, 4, 3) 140 / 71 KB (3 an
 # SM; float16 queries 178), (16, 4, 3) 127 / 45 KB (4 an SM); none spilled, no byte loads from shared memory in the
 # loop. bf16 pool: this kernel (32, 4, 3) 168 / 56 KB (3 an SM); 4 parts (32, 4, 3) 195; 8 parts (32, 4, 3) 134 (3 an
 # SM), (16, 4, 3) 110 / 37.5 KB (4 an SM).
-DECODE_COLUMN_PARTS = 1
+# Session 30 call 1 (H200, V2-Lite, us a layer, auto / auto+p8 = 8 parts at the same (32, 4, 3) tile; splits;
+# grid programs = batch x splits, 16 heads in one head block): FP8 pool widened by bits 8 x 8k 47.4 / 45.5 (66
+# splits: 528 programs), 8 x 32k 131.3 / 135.5 (528), 32 x 8k 128.0 / 133.3 (17: 544), 32 x 32k 463.8 / 409.9 (33:
+# 1,056), 64 x 8k 249.9 / 222.0 (17: 1,088), 64 x 32k 988.0 / 742.8 (1,088); bf16 pool 8 x 8k 43.7 / 42.4, 8 x 32k
+# 108.2 / 116.0, 32 x 8k 103.2 / 116.7, 32 x 32k 346.2 / 341.6, 64 x 8k 196.2 / 191.4, 64 x 32k 705.7 / 621.1. 8 parts
+# won wherever the grid covered the 132 SMs 8 times (1,056-1,088 programs: the split policy's long splits, >= 384
+# keys each; 3 programs an SM against 2 for the FP8 pool) and lost at 4 times (528-544: 8 x 32k, 32 x 8k by 3-13%)
+# but for 8 x 8k (+3-4%, 124-key splits). So: DECODE_COLUMN_PARTS parts where the grid holds at least
+# DECODE_PARTS_PROGRAMS_PER_SM programs an SM (kernels/mla_attention.py default_column_parts; between 4 and 8 times,
+# the two coverings the split policy makes), unless parts or a tiling is asked for.
+DECODE_COLUMN_PARTS = 8
+DECODE_PARTS_PROGRAMS_PER_SM = 6
 DECODE_TILING_PARTS = {2: (16, 4, 3), 4: (16, 4, 3), 8: (32, 4, 3)}
+# Each tile's page looked up a tile ahead (TABLE_AHEAD: the block-table entry a loop-carried register) instead of in
+# the tile's own step. Why: with the lookup in the step, Triton's pipeliner puts the block-table load in stage 0 and
+# the tile's copy in stage 1 whatever STAGES is, and gives the tile ONE shared-memory buffer: the copy of tile i + 1
+# is issued after tile i's products have read the buffer and waited for at the top of step i + 1, so a program never
+# overlaps its own loads with its products; only the other programs on the SM hide them (sm_90 compiles, session 30:
+# STAGES 3 or 4, bf16 and FP8 pools alike, one (32, 512) buffer). Looked up ahead, the copy has no load in front of it
+# in its step and gets STAGES - 1 buffers (STAGES 3: two; bf16 pool (32, 4, 3) 56 -> 93 KB and 168 -> 255
+# registers with 136 B of spills, 2 programs an SM instead of 3; FP8 pool widened by bits 74 -> 92 KB, 255 -> 249
+# registers, no spills, 2 an SM either way; 8 parts FP8 (32, 4, 3) 140 -> 180 registers, 71 -> 89 KB: 2 an SM, not
+# 3). Off until measured.
+DECODE_TABLE_AHEAD = False
+# FP8 pools through kernels/mla_decode_fp8_scores.py (the score product in FP8 on warpgroup MMAs, the queries an E4M3
+# pair): off until measured on a GPU (its module docstring says why it exists).
+DECODE_FP8_SCORES = False
 # The decode kernel's split policy (kernels/mla_attention.py split_policy, mla_splits): (max_splits, min_span,
 # programs_per_sm) -- up to 128 splits, the grid covering the GPU 8 times, 32 keys a split at least; and from
 # DECODE_BATCHED_PROGRAMS (sequence x head-block) programs on, 128 keys a split at least (a split's float32
@@ -326,17 +377,19 @@ def decode_tile_fits(page: int, block_n: int) -> bool:
 def mla_decode_launch(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
                       context_lens: torch.Tensor, part: torch.Tensor, lse: torch.Tensor, scale: float, splits: int,
                       min_span: int, block_h: int, tiling: tuple[int, int, int] = DECODE_TILING,
-                      bits: bool = False, keys_major: bool = False) -> None:
+                      bits: bool = False, keys_major: bool = False, table_ahead: bool = False) -> None:
     """One launch of _mla_decode_kernel over (sequences, head blocks, splits): ``part`` is the output
     (T, H, R) itself when splits == 1, else the partials; block_tables and context_lens dense
     (read at ptr + i). ``bits``: an FP8 pool's codes widened by bits (widens_by_bits says where it may).
     ``keys_major``: the products with the keys as rows (_fold_tile_keys_major; pipelined tilings only).
+    ``table_ahead``: each tile's page looked up a tile ahead (DECODE_TABLE_AHEAD; pipelined tilings only).
     The caller (kernels/mla_attention.py) checks decode_tile_fits and combines."""
     block_n, num_warps, stages = tiling
     grid, args, meta = decode_launch_arguments(q_latent, q_rope, cache, block_tables, context_lens, part, lse, scale,
                                                splits, min_span, block_h, block_n, bits)
     _mla_decode_kernel[grid](*args, **meta, STAGES=max(1, stages), PREFETCH=stages == 0,
-                             KEYS_MAJOR=keys_major and stages > 0, num_warps=num_warps)
+                             KEYS_MAJOR=keys_major and stages > 0, TABLE_AHEAD=table_ahead and stages > 0,
+                             num_warps=num_warps)
 
 
 def decode_launch_arguments(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor,

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from kernels._triton import jit, pdl_prologue, tl, triton
-from kernels.mla_decode import _bits_query_scale, _widened, decode_launch_arguments, split_program
+from kernels.mla_decode import _page_of, _bits_query_scale, _widened, decode_launch_arguments, split_program
 from kernels.mla_partials import store_split_output
 
 COLUMN_PARTS = (1, 2, 4, 8)  # 1: kernels/mla_decode.py's kernel itself
@@ -58,7 +58,8 @@ def _mla_decode_parts_kernel(q_lat_ptr, q_rope_ptr, cache_ptr, part_ptr, lse_ptr
                              RANK_PAD: tl.constexpr, ROPE_PAD: tl.constexpr, PAGE: tl.constexpr,
                              BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
                              DIRECT: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr,
-                             PARTS: tl.constexpr, BITS: tl.constexpr = False, ASM: tl.constexpr = False):
+                             PARTS: tl.constexpr, BITS: tl.constexpr = False, ASM: tl.constexpr = False,
+                             TABLE_AHEAD: tl.constexpr = False):
     """Program (s, hb, split) as kernels/mla_decode.py _mla_decode_kernel's (its docstring: the split's keys, the
     log2-unit scores, the lse, a split past the context), the latent in PARTS (2, 4 or 8) column parts of W columns:
     tuples of PARTS tensors, each built and used part by part (static loops: unrolled at compile time)."""
@@ -97,9 +98,14 @@ def _mla_decode_parts_kernel(q_lat_ptr, q_rope_ptr, cache_ptr, part_ptr, lse_ptr
     m = tl.full([BLOCK_H], -float("inf"), dtype=tl.float32)
     denom = tl.zeros([BLOCK_H], dtype=tl.float32)
     table = block_tables_ptr + seq * stride_bt
+    block_next = _page_of(table, first, last, PAGE)
     for start in tl.range(first, last, BLOCK_N, num_stages=STAGES):  # cp.async copies, STAGES tiles in flight
         key_ok = start + n < last
-        block = tl.load(table + start // PAGE, mask=start < last, other=0).to(tl.int64)  # one page's run of rows
+        if TABLE_AHEAD:  # kernels/mla_decode.py DECODE_TABLE_AHEAD: the page looked up a tile ahead
+            block = block_next
+            block_next = _page_of(table, start + BLOCK_N, last, PAGE)
+        else:
+            block = _page_of(table, start, last, PAGE)  # one page's run of rows
         rows = (cache_ptr + block * stride_cb + (start % PAGE) * stride_cs + n * stride_cs)[:, None]  # (BLOCK_N, 1)
         k_rope = _widened(tl.load(rows + RANK + p[None, :], mask=key_ok[:, None] & (p < ROPE)[None, :], other=0.0),
                           WIDE, BITS, ASM)
@@ -137,13 +143,16 @@ def column_parts_fit(rank: int, parts: int) -> bool:
 def mla_decode_parts_launch(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: torch.Tensor,
                             block_tables: torch.Tensor, context_lens: torch.Tensor, part: torch.Tensor,
                             lse: torch.Tensor, scale: float, splits: int, min_span: int, block_h: int,
-                            tiling: tuple[int, int, int], parts: int, bits: bool = False) -> None:
+                            tiling: tuple[int, int, int], parts: int, bits: bool = False,
+                            table_ahead: bool = False) -> None:
     """kernels/mla_decode.py mla_decode_launch's launch (same arguments and outputs) of the column-parts kernel:
-    ``parts`` 2, 4 or 8 (column_parts_fit), a pipelined ``tiling`` (STAGES >= 1); the caller checked both."""
+    ``parts`` 2, 4 or 8 (column_parts_fit), a pipelined ``tiling`` (STAGES >= 1); the caller checked both.
+    ``table_ahead``: each tile's page looked up a tile ahead (kernels/mla_decode.py DECODE_TABLE_AHEAD)."""
     block_n, num_warps, stages = tiling
     assert parts in COLUMN_PARTS[1:] and column_parts_fit(q_latent.shape[-1], parts) and stages >= 1, (
         parts, q_latent.shape[-1], tiling)
     assert q_latent.stride(-1) == 1 and q_rope.stride(-1) == 1
     grid, args, meta = decode_launch_arguments(q_latent, q_rope, cache, block_tables, context_lens, part, lse, scale,
                                                splits, min_span, block_h, block_n, bits)
-    _mla_decode_parts_kernel[grid](*args, **meta, STAGES=stages, PARTS=parts, num_warps=num_warps)
+    _mla_decode_parts_kernel[grid](*args, **meta, STAGES=stages, PARTS=parts, TABLE_AHEAD=table_ahead,
+                                   num_warps=num_warps)
