@@ -10,6 +10,6 @@ export PYTHONPATH=$PWD COLUMNS=400
 P=${PYTHON:-/opt/torch/.venv/bin/python3}
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv,noheader > $OUT/gpu.txt
 TRITONLLM_DECODE_KEYS_MAJOR=1 timeout 560 $P benchmarks/engine/throughput_bench.py --shapes 20000/2000 --dtype fp8 --max-seq-len max \
-  --max-batch-size 1024 --max-num-tokens 8192 --kv-fraction 0.95 --waves 3 --stall-seconds 120 \
+  --max-batch-size 1024 --max-num-tokens 8192 --kv-fraction 0.95 --waves 3 --stall-seconds 400 \
   --out $OUT/long.json --markdown $OUT/long.md > $OUT/long.log 2>&1; echo "throughput rc $?"
 grep -v -i warn $OUT/long.log | cut -c1-400 | tail -40
