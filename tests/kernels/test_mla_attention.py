@@ -824,3 +824,30 @@ def test_decode_tiles_are_multi_buffered_only_with_their_page_looked_up_ahead(po
                                         floats=("scale_log2",), aligned_int=strides_but_block_table)
             buffers = re.findall(r"local_alloc : \(\) -> !ttg.memdesc<(\d+)x32x512x", compiled.asm["ttgir"])
             assert buffers == [str(stages - 1 if ahead else 1)], (stages, ahead, buffers)
+
+
+@AOT_SM90
+@pytest.mark.parametrize("pool,bits", [("*bf16", False), ("*fp8e4nv", True)])
+def test_column_parts_with_pages_ahead_keep_three_tiles_in_flight_at_three_programs_an_sm(pool, bits, tmp_path):
+    """The 8-part kernel (kernels/mla_decode_parts.py) at (16, 4, 4) with each tile's page looked up a tile ahead
+    (TABLE_AHEAD; the bench's d16:4:4+p8+t), V2-Lite's 512 + 64, 16 heads (ptxas for sm_90, no GPU): the tile's
+    parts in 3 shared-memory buffers (one without it), at most 168 registers (FP8 146, bf16 152) and 3 programs'
+    shared memory: 3 programs an SM with 48 keys each in flight, against (32, 4, 3)'s single-buffered 32."""
+    import re
+
+    from kernels.mla_decode_parts import _mla_decode_parts_kernel
+    from sm90_compile import registers, stack_bytes
+
+    for ahead in (False, True):
+        pointers = dict(q_lat_ptr="*bf16", q_rope_ptr="*bf16", cache_ptr=pool, part_ptr="*fp32", lse_ptr="*fp32",
+                        block_tables_ptr="*i32", ctx_ptr="*i32")
+        const = dict(RANK=512, ROPE=64, RANK_PAD=512, ROPE_PAD=64, PAGE=64, BLOCK_H=16, BLOCK_N=16, STAGES=4,
+                     DIRECT=False, DOT_PRECISION="tf32", PDL=False, PARTS=8, BITS=bits, ASM=bits, TABLE_AHEAD=ahead)
+        compiled = compile_for_sm90(_mla_decode_parts_kernel, pointers, const, warps=4, stages=4,
+                                    floats=("scale_log2",), aligned_int=strides_but_block_table)
+        buffers = set(re.findall(r"local_alloc : \(\) -> !ttg.memdesc<(\d+)x16x64x", compiled.asm["ttgir"]))
+        assert buffers == {"3" if ahead else "1"}, (ahead, buffers)
+    assert 3 * compiled.metadata.shared <= 227 * 1024, compiled.metadata.shared
+    usage = resource_usage_or_skip(compiled, tmp_path)
+    assert "LOCAL:0 " in usage and stack_bytes(usage) == 0, usage
+    assert registers(usage) <= 168, usage
