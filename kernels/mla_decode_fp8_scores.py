@@ -38,7 +38,9 @@ from kernels.mla_decode_parts import _query_part
 from kernels.mla_partials import store_split_output
 
 # (BLOCK_N, num_warps, STAGES): one warpgroup, the keys the MMA's M = 64; 3 stages: 2 buffers with TABLE_AHEAD (sm_90:
-# 244 registers, 104 KB, 2 programs an SM; without it one buffer, 251 registers, 68 KB)
+# 230 registers, 104 KB, 2 programs an SM). 4 parts: 237 registers but 112 KB, one program an SM. Triton waits for
+# each warpgroup MMA before the next (26 waits a step: 18 score, 8 value products), so fewer, wider parts would cut
+# waits, but not within 2 programs' shared memory.
 FP8_SCORES_TILING = (64, 4, 3)
 FP8_SCORES_PARTS = 8  # the latent's column parts (kernel docstring)
 E4M3_LO_FACTOR = tl.constexpr(16.0)  # lo = e4m3((q' - hi) * 16): |q' - hi| <= 8 (half a step at [128, 256)): <= 128
@@ -126,15 +128,15 @@ def _mla_decode_fp8_scores_kernel(q_lat_ptr, q_rope_ptr, cache_ptr, part_ptr, ls
             block = _page_of(table, start, last, PAGE)  # one page's run of rows
         rows = (cache_ptr + block * stride_cb + (start % PAGE) * stride_cs + n * stride_cs)[:, None]  # (BLOCK_N, 1)
         k_rope = tl.load(rows + RANK + p[None, :], mask=key_ok[:, None] & (p < ROPE)[None, :], other=0.0)
-        hi = tl.dot(k_rope, rope_hi_t)  # (BLOCK_N, BLOCK_H) float32, E4M3 codes as stored
-        lo = tl.dot(k_rope, rope_lo_t)
-        codes = ()  # PARTS x (BLOCK_N, W) E4M3
+        codes = ()  # PARTS x (BLOCK_N, W) E4M3, all loaded before the products (sm_90: 230 registers, 244 interleaved)
         for i in tl.static_range(PARTS):
             c = i * W + tl.arange(0, W)
-            code = tl.load(rows + c[None, :], mask=key_ok[:, None] & (c < RANK)[None, :], other=0.0)
-            hi = tl.dot(code, his[i], hi)
-            lo = tl.dot(code, los[i], lo)
-            codes = codes + (code,)
+            codes = codes + (tl.load(rows + c[None, :], mask=key_ok[:, None] & (c < RANK)[None, :], other=0.0),)
+        hi = tl.dot(k_rope, rope_hi_t)  # (BLOCK_N, BLOCK_H) float32, E4M3 codes as stored
+        lo = tl.dot(k_rope, rope_lo_t)
+        for i in tl.static_range(PARTS):
+            hi = tl.dot(codes[i], his[i], hi)
+            lo = tl.dot(codes[i], los[i], lo)
         scores = (hi + lo * (1.0 / E4M3_LO_FACTOR)) * score_scale[None, :]
         scores = tl.where(key_ok[:, None], scores, -float("inf"))
         m_new = tl.maximum(m, tl.max(scores, 0))  # the loop visits only tiles holding a visible key: finite
