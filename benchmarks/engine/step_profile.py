@@ -11,6 +11,9 @@ from a CUDA graph, so the profiler sees each kernel; a graph replays the same ke
 ``--graph``: decode shapes as the executor serves them (its load-time kernel choices first), the
 step's CUDA graph replayed 10 times under the profiler (figures per replay; a graph's kernels are
 what the served step runs, e.g. the Triton skinny GEMMs an eager step leaves to cuBLAS).
+``--bucket 96 --page_order in_order,shuffled --kv_gib 123.5`` (with ``--graph``; issue 51): the graph captured for
+the executor's bucket (padding rows and all), profiled once per page order over a pool as large as the engine's
+(shuffled: the batch's pages drawn from all of it).
 ``--sweep_splits 1,2,4,8``: for each decode shape, the step's time (CUDA events, median of 5) with the
 decode attention's key splits forced to each count, beside the count the kernel chooses itself.
 Random weights of the named shape (benchmarks/common.py MODELS), made on the device. Each step runs
@@ -71,26 +74,56 @@ def profile_step(runner, batch) -> dict:
     return profile_calls(lambda: runner.forward(batch), calls=1)
 
 
-def profile_decode_graph(runner, batch_size: int, context: int, replays: int = 10) -> dict:
-    """The decode step as the executor serves it: one CUDA graph of ``batch_size`` sequences at
-    ``context`` tokens, replayed ``replays`` times under the profiler; figures are per replay."""
+def graph_tables(batch_size: int, per_seq: int, num_blocks: int, order: str, seed: int = 0) -> list[list[int]]:
+    """Block tables of ``batch_size`` sequences of ``per_seq`` pages each in a pool of ``num_blocks`` blocks:
+    "in_order", each sequence's pages adjacent (block 0 on; a fresh pool's free list hands them out so);
+    "shuffled", distinct blocks drawn at random from the whole pool (where a long-running engine's churned free
+    list leaves a request's pages: a 123 GiB pool's pages then lie all over it, for the GPU's TLBs to cover)."""
+    import random
+
+    needed = batch_size * per_seq
+    if needed > num_blocks:
+        raise ValueError(f"{batch_size} sequences of {per_seq} pages need {needed} blocks; the pool has {num_blocks}")
+    if order == "in_order":
+        ids = list(range(needed))
+    elif order == "shuffled":
+        ids = random.Random(seed).sample(range(num_blocks), needed)
+    else:
+        raise ValueError(f"page order {order!r}: in_order or shuffled")
+    return [ids[i * per_seq:(i + 1) * per_seq] for i in range(batch_size)]
+
+
+def profile_decode_graph(runner, batch_size: int, context: int, replays: int = 10, bucket: int | None = None,
+                         orders: tuple[str, ...] = ("in_order",)) -> dict:
+    """The decode step as the executor serves it: one CUDA graph captured for ``bucket`` rows (default
+    ``batch_size``; the executor's bucket holds a few padding rows, as there), ``batch_size`` sequences at
+    ``context`` tokens replayed ``replays`` times under the profiler; figures are per replay. One result per
+    page order of ``orders`` (graph_tables over the whole pool; the first's is the top level, the others' under
+    "by_order")."""
     import torch
 
     from engine.executor.cuda_graphs import DecodeGraphs
 
+    bucket = bucket or batch_size
     per_seq = -(-(context + 1) // runner.tokens_per_block)
-    tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch_size)]
     graphs = DecodeGraphs(runner.model, runner.kv_cache, tokens_per_block=runner.tokens_per_block,
-                          max_seq_len=runner.build_config.max_seq_len, max_batch_size=batch_size, buckets=[batch_size])
+                          max_seq_len=runner.build_config.max_seq_len, max_batch_size=bucket, buckets=[bucket])
     graphs.capture()
-    graphs.run([1] * batch_size, [context] * batch_size, [context + 1] * batch_size, tables)
-    graph = graphs.graphs[batch_size]
-    for _ in range(3):
-        graph.replay()
-    result = profile_calls(graph.replay, calls=replays)
+    results = {}
+    for order in orders:
+        tables = graph_tables(batch_size, per_seq, runner.kv_cache.shape[2], order)
+        graphs.run([1] * batch_size, [context] * batch_size, [context + 1] * batch_size, tables)
+        graph = graphs.graphs[bucket]
+        for _ in range(3):
+            graph.replay()
+        results[order] = profile_calls(graph.replay, calls=replays)
+        results[order].update(page_order=order, bucket=bucket)
     del graphs, graph
     torch.cuda.empty_cache()
-    return result
+    first = results.pop(orders[0])
+    if results:
+        first["by_order"] = results
+    return first
 
 
 def profile_calls(call, calls: int) -> dict:
@@ -190,6 +223,14 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--sweep_splits", default=None, help="comma list of decode key-split counts")
     parser.add_argument("--graph", action="store_true",
                         help="decode shapes as served: the step's CUDA graph replayed under the profiler")
+    parser.add_argument("--bucket", type=int, default=0,
+                        help="--graph: capture the graph for this many rows (the executor's bucket of the batch, e.g. "
+                             "96 for 91; its extra rows are padding); default the batch")
+    parser.add_argument("--page_order", default="in_order",
+                        help="--graph: comma list of in_order / shuffled (graph_tables), one profile each")
+    parser.add_argument("--kv_gib", type=float, default=0.0,
+                        help="a KV pool of this many GiB (all layers; the engine's: 123.5 for Llama-8B's FP8 pool at "
+                             "0.95 of an H200), capped at 0.95 of the free memory; default: the shapes' pages")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
 
@@ -207,7 +248,13 @@ def main(argv: list[str] | None = None) -> dict:
     if getattr(runner.model, "uses_state_cache", False):  # hybrids: state slots before the KV pool, as the executor
         runner.allocate_state_cache(max(max_batch, 8))
     blocks = max(count * -(-(length + 1) // runner.tokens_per_block) for _, count, length in shapes)
+    if args.kv_gib:
+        per_block = runner.kv_block_bytes_for(args.kv_cache_dtype or "auto")
+        room = int(0.95 * torch.cuda.mem_get_info()[0]) // per_block
+        blocks = max(blocks, min(int(args.kv_gib * 2**30) // per_block, room))
     runner.allocate_kv_cache(blocks, args.kv_cache_dtype)
+    print(f"KV pool: {blocks:,} blocks of {runner.tokens_per_block} tokens, "
+          f"{runner.kv_cache.numel() * runner.kv_cache.element_size() / 2**30:.1f} GiB")
     print(f"{torch.cuda.get_device_name()}, {args.model} {args.dtype} quantization={args.quantization} "
           f"kv={args.kv_cache_dtype or args.dtype}, commit {os.environ.get('BENCH_COMMIT', '?')}")
     results = {}
@@ -220,12 +267,18 @@ def main(argv: list[str] | None = None) -> dict:
     for kind, count, length in shapes:
         new_tokens = length if kind == "prefill" else 1
         if kind == "decode" and args.graph:
-            result = profile_decode_graph(runner, count, length)
+            result = profile_decode_graph(runner, count, length, bucket=args.bucket or None,
+                                          orders=tuple(args.page_order.split(",")))
             kind = "decode graph"
         else:
             result = profile_step(runner, step_batch(runner, count, new_tokens, length))
         title = f"{kind} {count}x{length}"
-        print_profile(title, result)
+        if "page_order" in result:
+            print_profile(f"{title} ({result['page_order']} pages, bucket {result['bucket']})", result)
+            for order, other in result.get("by_order", {}).items():
+                print_profile(f"{title} ({order} pages, bucket {other['bucket']})", other)
+        else:
+            print_profile(title, result)
         if kind == "decode" and args.sweep_splits:
             result["splits_ms"] = sweep_splits(runner, step_batch(runner, count, 1, length),
                                                int_list(args.sweep_splits))

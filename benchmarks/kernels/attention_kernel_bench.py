@@ -25,6 +25,13 @@ the default is the engine's (blocks, PAGE, KV heads, HEAD_DIM).
 ``--rotary_append``: decode cases once more in the form a served decode step runs them (kernels/
 rope_attention.py: q and the new k arrive unrotated; the kernel rotates them and writes the new K/V).
 
+``--layers 32 --pool_gib 123.5`` (issue 51: a served decode step's address translation): the pool holds 32 layers in
+the engine's memory order (engine/executor/runner.py allocate_kv_cache) and is at least that large, the batch's pages
+spread over all of it; each timed call attends over every layer in turn (a different part of the pool each time, as a
+served step does, where the default replays one layer's few GiB) and figures are per layer. Against the default
+(one layer, just the batch's pages), and with ``--page_order in_order``, it tells whether pages scattered over a
+pool far larger than the TLBs cover slow the reads.
+
 ``--splits 1,2,4``: decode cases again with the key splits forced to each count (what the default
 tiling does with them: wave quantization of long-context batches).
 
@@ -71,36 +78,63 @@ CASES: dict[str, list[tuple[int, int]]] = {
 
 PAGE_ORDER = "shuffled"  # or "in_order": --page_order
 POOL_LAYOUT = "token_major"  # or "head_major": --pool_layout
+POOL_LAYERS = 1  # --layers: the pool holds this many layers, and each timed call attends over every one in turn
+POOL_GIB = 0.0  # --pool_gib: the pool (all its layers, K and V) at least this large, the batch's pages spread over it
+
+
+def pool_num_blocks(needed: int, layers: int, pool_gib: float, itemsize: int) -> int:
+    """Blocks of the pool: the ``needed`` pages of the batch and block 0 (the tables' padding), or as many as
+    ``pool_gib`` GiB of ``layers`` layers' K and V hold, whichever is more."""
+    block_bytes = 2 * layers * PAGE * NUM_KV_HEADS * HEAD_DIM * itemsize
+    return max(needed + 1, int(pool_gib * 2**30) // block_bytes)
+
+
+def page_ids(needed: int, num_blocks: int, order: str, gen: torch.Generator | None = None) -> torch.Tensor:
+    """The ``needed`` block ids the batch's pages take, in table order, from blocks 1 .. num_blocks - 1 (block 0:
+    table padding): "shuffled", drawn at random from the whole pool (a large pool's pages land all over it, as the
+    engine's do after its free list has churned); "in_order", 1, 2, ... (each sequence's pages adjacent)."""
+    assert needed < num_blocks, f"{needed} pages do not fit {num_blocks} blocks with block 0 kept for padding"
+    if order == "in_order":
+        return torch.arange(1, needed + 1, device=getattr(gen, "device", "cpu"))
+    return torch.randperm(num_blocks - 1, generator=gen, device=getattr(gen, "device", "cpu"))[:needed] + 1
+
+
+def layered_pool(num_blocks: int, layers: int, pool_dtype: torch.dtype, layout: str, device,
+                 gen: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(k_cache, v_cache), each (layers, num_blocks, PAGE, KV heads, HEAD_DIM) views of one pool in the engine's
+    memory order (engine/executor/runner.py allocate_kv_cache: layers, then K / V, then blocks), random values.
+    head_major: each block stores its heads one after another, each head's page one contiguous run, and the
+    views permute it back (the kernels read the pool through its strides). Filled a layer's K or V at a time
+    (random bf16 rounded to the pool's type: one plane's temporary, not the whole pool's)."""
+    inner = (NUM_KV_HEADS, PAGE) if layout == "head_major" else (PAGE, NUM_KV_HEADS)
+    pool = torch.empty((layers, 2, num_blocks, *inner, HEAD_DIM), dtype=pool_dtype, device=device)
+    for layer in range(layers):
+        for plane in range(2):
+            pool[layer, plane] = torch.randn(pool.shape[2:], device=device, dtype=torch.bfloat16, generator=gen)
+    if layout == "head_major":
+        pool = pool.transpose(3, 4)
+    return pool[:, 0], pool[:, 1]
 
 
 def build_case(batch: list[tuple[int, int]], pool_dtype: torch.dtype, seed: int = 0):
-    """(q, k_cache, v_cache, meta) on CUDA: contexts in pages of one pool, random values. Pages are
-    shuffled over the pool, or handed out in order (each sequence's pages adjacent, as a served pool's
-    first-in-first-out free list mostly leaves a prompt's pages)."""
+    """(q, k_cache, v_cache, meta) on CUDA: contexts in pages of one pool, random values; k_cache and v_cache are
+    (POOL_LAYERS, blocks, PAGE, KV heads, HEAD_DIM) (attention_call attends over each layer). Pages are shuffled
+    over the pool (POOL_GIB: a pool that large), or handed out in order (each sequence's pages adjacent, as a
+    served pool's first-in-first-out free list mostly leaves a prompt's pages)."""
     from kernels.attention_metadata import AttentionMetadata
 
     gen = torch.Generator(device="cuda").manual_seed(seed)
     pages = [-(-(c + n) // PAGE) for c, n in batch]
-    num_blocks = sum(pages) + 1
-    if PAGE_ORDER == "in_order":
-        order = torch.arange(1, num_blocks, device="cuda")
-    else:
-        order = torch.randperm(num_blocks - 1, generator=gen, device="cuda") + 1  # block 0: table padding
+    itemsize = torch.empty((), dtype=pool_dtype).element_size()
+    num_blocks = pool_num_blocks(sum(pages), POOL_LAYERS, POOL_GIB, itemsize)
+    order = page_ids(sum(pages), num_blocks, PAGE_ORDER, gen)
     width = max(pages)
     tables = torch.zeros(len(batch), width, dtype=torch.int32, device="cuda")
     start = 0
     for i, count in enumerate(pages):
         tables[i, :count] = order[start:start + count].int()
         start += count
-    # Kernels take the pool as (blocks, PAGE, KV heads, HEAD_DIM) through its strides; head_major stores
-    # each head's page as one contiguous run (PAGE * HEAD_DIM values) and hands the kernels a permuted view.
-    shape = (num_blocks, PAGE, NUM_KV_HEADS, HEAD_DIM)
-    if POOL_LAYOUT == "head_major":
-        shape = (num_blocks, NUM_KV_HEADS, PAGE, HEAD_DIM)
-    k_cache = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=gen).to(pool_dtype)
-    v_cache = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=gen).to(pool_dtype)
-    if POOL_LAYOUT == "head_major":
-        k_cache, v_cache = k_cache.transpose(1, 2), v_cache.transpose(1, 2)
+    k_cache, v_cache = layered_pool(num_blocks, POOL_LAYERS, pool_dtype, POOL_LAYOUT, "cuda", gen)
     q_lens = [n for _, n in batch]
     contexts = [c + n for c, n in batch]
     cu = [0]
@@ -136,10 +170,31 @@ def work(batch: list[tuple[int, int]], kv_itemsize: int) -> tuple[float, float]:
     return flops, kv_bytes
 
 
-def time_us(fn, calls: int = 10) -> float:
+def time_us(fn, calls: int = 10, layers: int = 1) -> float:
     """Device microseconds of one fn() call (kernels/linear.py graph_time_ms: a CUDA graph of ``calls``
-    calls, replayed 3 times after a warm-up replay)."""
-    return graph_time_ms(fn, repeat=calls) * 1000.0
+    calls, replayed 3 times after a warm-up replay), per layer where a call attends over ``layers`` layers
+    (attention_call; one call a graph then: 32 layers of a long-context batch are tens of ms)."""
+    calls = calls if layers == 1 else 1
+    return graph_time_ms(fn, repeat=calls) * 1000.0 / layers
+
+
+def attention_call(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta, new_kv=None, attend=None):
+    """A call of the batch's attention over each layer of the pool in turn (k_cache, v_cache: (layers, blocks,
+    PAGE, KV heads, HEAD_DIM), build_case), as a served step walks its layers: each layer's K/V another part of
+    the pool (with --layers 32 and a pool as large as the engine's, the GPU's address translation sees what a
+    served decode step shows it). ``attend``: kernels/triton_attention.py paged_attention_triton (or a function
+    of its signature: the tests' torch reference); returns the last layer's output."""
+    if attend is None:
+        from kernels.triton_attention import paged_attention_triton as attend
+    extra = {} if new_kv is None else {"new_kv": new_kv}
+
+    def call():
+        out = None
+        for layer in range(k_cache.shape[0]):
+            out = attend(q, k_cache[layer], v_cache[layer], meta, HEAD_DIM**-0.5, **extra)
+        return out
+
+    return call
 
 
 def rotary_append_inputs(q: torch.Tensor, meta) -> tuple:
@@ -168,8 +223,6 @@ def case_batch(name: str) -> list[tuple[int, int]]:
 
 
 def run_case(name: str, pool: str, tiling: str = "default", rotary_append: bool = False) -> dict:
-    from kernels import triton_attention
-
     batch = case_batch(name)
     pool_dtype = torch.float8_e4m3fn if pool == "fp8" else torch.bfloat16
     q, k_cache, v_cache, meta = build_case(batch, pool_dtype)
@@ -177,7 +230,7 @@ def run_case(name: str, pool: str, tiling: str = "default", rotary_append: bool 
     new_kv = rotary_append_inputs(q, meta) if rotary_append and meta.is_decode_only else None
     if new_kv is not None:
         tiling += " +rotary append"
-    us = time_us(lambda: triton_attention.paged_attention_triton(q, k_cache, v_cache, meta, scale, new_kv=new_kv))
+    us = time_us(attention_call(q, k_cache, v_cache, meta, new_kv), layers=k_cache.shape[0])
     flops, kv_bytes = work(batch, k_cache.element_size())
     del q, k_cache, v_cache, meta
     torch.cuda.empty_cache()
@@ -263,7 +316,6 @@ def run_grid(pools: list[str], copy: float, widenings: list[str], cases: list[st
     """One row per (case, pool, variant) of --grid (``standard``: grid_variants'; then ``more``'s); each case's pool
     built once for its variants. The config column ends in "km" where the keys-major kernel ran."""
     from benchmarks.common import environment_set
-    from kernels import triton_attention
     from kernels.keys_major_decode import keys_major_decode_chosen
 
     rows = []
@@ -279,8 +331,7 @@ def run_grid(pools: list[str], copy: float, widenings: list[str], cases: list[st
             _, kv_bytes = work(batch, k_cache.element_size())
             for label, env, splits, rotary, tiling in variants:
                 new_kv = rotary_append_inputs(q, meta) if rotary else None
-                call = lambda: triton_attention.paged_attention_triton(  # noqa: E731
-                    q, k_cache, v_cache, meta, HEAD_DIM**-0.5, new_kv=new_kv)
+                call = attention_call(q, k_cache, v_cache, meta, new_kv)
                 chosen = []  # the decode config each launch took (the last: the timed graph's)
 
                 def config_of(default, splits=splits, tiling=tiling):
@@ -289,7 +340,7 @@ def run_grid(pools: list[str], copy: float, widenings: list[str], cases: list[st
                     return chosen[-1]
 
                 with environment_set(env), forced("_decode_config", config_of):
-                    us = time_us(call)
+                    us = time_us(call, layers=k_cache.shape[0])
                     tiling_run = (*chosen[-1][1:4], chosen[-1][5:6] == (True,))
                     ran_km = meta.is_decode_only and keys_major_decode_chosen(
                         NUM_HEADS // NUM_KV_HEADS, plain_layer=True, fp8_pool=pool == "fp8",
@@ -338,6 +389,12 @@ def main() -> None:
                         help="head_major: each KV head's page contiguous (the kernels read it through strides)")
     parser.add_argument("--page_order", choices=["shuffled", "in_order"], default="shuffled",
                         help="pages of the contexts: shuffled over the pool, or each sequence's adjacent")
+    parser.add_argument("--layers", type=int, default=1,
+                        help="the pool holds this many layers (the engine's memory order) and each timed call attends "
+                             "over every one in turn; figures per layer")
+    parser.add_argument("--pool_gib", type=float, default=0.0,
+                        help="the pool (all layers, K and V) at least this many GiB, the batch's pages spread over it "
+                             "(shuffled; default: just the batch's pages)")
     parser.add_argument("--grid", action="store_true",
                         help="issue 51's decode table instead of --cases: 2k/8k/20k x 8/64/256 and 1024 x 2k, each FP8 "
                              "widening, the served form, forced splits at 20k; with the K/V rate's share of a copy")
@@ -351,8 +408,9 @@ def main() -> None:
     parser.add_argument("--grid_no_standard", action="store_true", help="--grid: only the --grid_more variants")
     parser.add_argument("--markdown", default=None, help="append the table to this file")
     args = parser.parse_args()
-    global PAGE_ORDER, POOL_LAYOUT
-    PAGE_ORDER, POOL_LAYOUT = args.page_order, args.pool_layout
+    global PAGE_ORDER, POOL_LAYOUT, POOL_LAYERS, POOL_GIB
+    PAGE_ORDER, POOL_LAYOUT, POOL_LAYERS, POOL_GIB = args.page_order, args.pool_layout, args.layers, args.pool_gib
+    print(f"pool: {POOL_LAYOUT}, {POOL_LAYERS} layer(s), at least {POOL_GIB:g} GiB, pages {PAGE_ORDER}", flush=True)
     if args.grid:
         copy = copy_tb_s()
         print(f"{torch.cuda.get_device_name()}: device-to-device copy of 2 GiB {copy:.2f} TB/s (read + written, "
