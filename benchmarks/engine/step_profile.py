@@ -117,7 +117,11 @@ def profile_decode_graph(runner, batch_size: int, context: int, replays: int = 1
         for _ in range(3):
             graph.replay()
         results[order] = profile_calls(graph.replay, calls=replays)
-        results[order].update(page_order=order, bucket=bucket)
+        # the key splits this replay's decode attention used (decode_active_splits; the grid's all where the bucket
+        # keeps one count) and the plan they came from: (KV heads, programs the GPU holds at once, SMs)
+        plan = graphs.metas[bucket].decode_split_plan
+        results[order].update(page_order=order, bucket=bucket, split_plan=plan,
+                              active_splits=int(graphs.host_splits[0]) if plan is not None else None)
     del graphs, graph
     torch.cuda.empty_cache()
     first = results.pop(orders[0])
@@ -274,9 +278,12 @@ def main(argv: list[str] | None = None) -> dict:
             result = profile_step(runner, step_batch(runner, count, new_tokens, length))
         title = f"{kind} {count}x{length}"
         if "page_order" in result:
-            print_profile(f"{title} ({result['page_order']} pages, bucket {result['bucket']})", result)
-            for order, other in result.get("by_order", {}).items():
-                print_profile(f"{title} ({order} pages, bucket {other['bucket']})", other)
+            for one in (result, *result.get("by_order", {}).values()):
+                print_profile(f"{title} ({one['page_order']} pages, bucket {one['bucket']}; decode splits "
+                              f"{one['active_splits'] or 'as captured'}, plan {one['split_plan']})", one)
+            import kernels.triton_attention as attention
+
+            print(f"decode programs an SM holds, by tiling: {getattr(attention, '_DECODE_RESIDENT', '?')}")
         else:
             print_profile(title, result)
         if kind == "decode" and args.sweep_splits:
