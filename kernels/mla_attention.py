@@ -431,8 +431,9 @@ def mla_attention_triton(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: to
     before). ``parts``: the decode kernel's latent in 2, 4 or 8 column parts (kernels/mla_decode_parts.py), at
     DECODE_TILING_PARTS' unless ``decode_tiling`` is given; asked for by name, a latent too narrow for them
     (column_parts_fit), a register prefetch tiling or keys as rows is a ValueError; None: default_column_parts' (by
-    the grid, where no tiling is given). ``table_ahead`` (None: kernels/mla_decode.py DECODE_TABLE_AHEAD): the decode
-    kernels' tile pages looked up a tile ahead (pipelined tilings). ``fp8_scores`` (None: DECODE_FP8_SCORES): an FP8
+    the grid, where no tiling is given). ``table_ahead`` (None: kernels/mla_decode.py DECODE_PARTS_TABLE_AHEAD for the
+    column-parts kernel, else DECODE_TABLE_AHEAD): the decode kernels' tile pages looked up a tile ahead (pipelined
+    tilings). ``fp8_scores`` (None: DECODE_FP8_SCORES): an FP8
     pool's decode through kernels/mla_decode_fp8_scores.py (the score product in FP8 on warpgroup MMAs) at
     FP8_SCORES_TILING unless ``decode_tiling`` is given; asked for where it cannot run (not an FP8 pool, queries
     not 16-bit on CUDA) or with ``parts`` / ``keys_major``, a ValueError."""
@@ -465,8 +466,11 @@ def mla_attention_triton(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: to
                                       programs_per_sm, long_span)
     splits = splits or planned
     if use_decode and asked_parts is None and decode_tiling is None and not fp8_scores:
-        parts = default_column_parts(rank, tiling, keys_major, programs * splits, q_latent.device)
-    table_ahead = mla_decode.DECODE_TABLE_AHEAD if table_ahead is None else table_ahead
+        parts = default_column_parts(rank, tiling, keys_major, programs * splits, q_latent.device, cache.shape[1])
+        if parts > 1:
+            tiling = mla_decode.DECODE_TILING_PARTS[parts]
+    if table_ahead is None:
+        table_ahead = mla_decode.DECODE_PARTS_TABLE_AHEAD if parts > 1 else mla_decode.DECODE_TABLE_AHEAD
     out = torch.empty(q_latent.shape, dtype=q_latent.dtype, device=q_latent.device)  # (T, H, R) contiguous
     if splits == 1:
         part, lse = out, out  # DIRECT: the kernel writes the output itself (lse unused)
@@ -493,15 +497,20 @@ def mla_attention_triton(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: to
     return _combine(q_latent, part, lse, out, splits, w_uv, combine_chunk)
 
 
-def default_column_parts(rank: int, tiling: tuple[int, int, int], keys_major: bool, programs: int, device) -> int:
+def default_column_parts(rank: int, tiling: tuple[int, int, int], keys_major: bool, programs: int, device,
+                         page: int) -> int:
     """The decode kernel's column parts where none were asked for (kernels/mla_decode.py DECODE_COLUMN_PARTS, the
     rule and its figures there): DECODE_COLUMN_PARTS where the launch's grid (``programs``: tokens x head blocks x
     splits) covers the GPU's SMs at least DECODE_PARTS_PROGRAMS_PER_SM times, the latent splits into such parts
-    (column_parts_fit) and the default ``tiling`` is the parts' own (DECODE_TILING_PARTS: the same tile, so the
-    splits stand), keys not as rows; else 1. Host values only (graph-safe)."""
+    (column_parts_fit), the default ``tiling`` is pipelined with the keys as columns and DECODE_TILING_PARTS' tile
+    divides both it (so the splits counted for it stand: their min_span is a multiple of it) and the ``page``;
+    else 1. The caller then launches at DECODE_TILING_PARTS[parts]. Host values only (graph-safe)."""
     n = mla_decode.DECODE_COLUMN_PARTS
-    if n == 1 or keys_major or not column_parts_fit(rank, n) or tuple(tiling) != mla_decode.DECODE_TILING_PARTS[n]:
-        return 1  # the parts' own tile only: the splits were counted for it
+    if n == 1 or keys_major or tiling[2] < 1 or not column_parts_fit(rank, n):
+        return 1
+    block_n = mla_decode.DECODE_TILING_PARTS[n][0]
+    if tiling[0] % block_n or not decode_tile_fits(page, block_n):
+        return 1
     return n if programs >= mla_decode.DECODE_PARTS_PROGRAMS_PER_SM * num_sms(device) else 1
 
 

@@ -318,6 +318,7 @@ DECODE_TILING_PARTS = {2: (16, 4, 3), 4: (16, 4, 3), 8: (32, 4, 3)}
 # registers, no spills, 2 an SM either way; 8 parts FP8 (32, 4, 3) 140 -> 180 registers, 71 -> 89 KB: 2 an SM, not
 # 3). Off until measured.
 DECODE_TABLE_AHEAD = False
+DECODE_PARTS_TABLE_AHEAD = False  # the same for the column-parts kernel
 # FP8 pools through kernels/mla_decode_fp8_scores.py (the score product in FP8 on warpgroup MMAs, the queries an E4M3
 # pair): off until measured on a GPU (its module docstring says why it exists).
 DECODE_FP8_SCORES = False

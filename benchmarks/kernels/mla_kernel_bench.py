@@ -64,6 +64,7 @@ from benchmarks.common import (command_line, copy_bandwidth, cuda_time_ms, git_c
                                int_list, machine_summary, print_table, utc_now)
 from kernels.attention import KV_FP8_DTYPE  # noqa: E402
 from kernels.attention_metadata import AttentionMetadata  # noqa: E402
+from kernels import mla_decode  # noqa: E402
 from kernels.mla_decode import DECODE_TILING, DECODE_TILING_PARTS, decode_kernel_default, widens_by_bits  # noqa: E402
 from kernels.mla_attention import (MAX_SPLITS, MIN_SPAN, decode_kernel_enabled, decode_tiling_for,  # noqa: E402
                                    default_column_parts, launch_splits, mla_attention_ref, mla_attention_triton)
@@ -218,11 +219,15 @@ def resolved(config: dict, pool: str, dtype: torch.dtype, num_tokens: int, heads
                 splits = launch_splits(num_tokens, heads, 16, device, True, tiling[0], max_context_len,
                                        config.get("max_splits"), config.get("min_span"),
                                        config.get("programs_per_sm"), config.get("long_span"))[0]
-                parts = default_column_parts(rank, tiling, keys_major, num_tokens * -(-heads // 16) * splits, device)
+                parts = default_column_parts(rank, tiling, keys_major, num_tokens * -(-heads // 16) * splits, device,
+                                             PAGE)
                 if parts > 1:
-                    out["parts"] = parts
+                    out["parts"], tiling = parts, DECODE_TILING_PARTS[parts]
             out["decode_tiling"] = tiling
             out.setdefault("keys_major", keys_major)
+            if "table_ahead" not in out and not out.get("fp8_scores"):  # mla_attention_triton's default
+                out["table_ahead"] = (mla_decode.DECODE_PARTS_TABLE_AHEAD if out.get("parts", 1) > 1
+                                      else mla_decode.DECODE_TABLE_AHEAD)
     return out
 
 

@@ -396,7 +396,7 @@ def test_column_parts_by_the_grid_unless_asked_and_must_fit(monkeypatch):
     launched = []
     monkeypatch.setattr(mla_attention_module, "mla_decode_launch", lambda *a: launched.append(("one", a[11])))
     monkeypatch.setattr(mla_attention_module, "mla_decode_parts_launch",
-                        lambda *a: launched.append((a[12], a[11])))
+                        lambda *a: launched.append((a[12], a[11]) + ((a[14],) if a[14] else ())))
     monkeypatch.setattr(mla_attention_module, "_combine", lambda q, part, lse, out, *a: out)  # many splits' combine
 
     def launch(rank, splits=1, **kw):
@@ -418,6 +418,14 @@ def test_column_parts_by_the_grid_unless_asked_and_must_fit(monkeypatch):
     assert launch(64, parts=4) == (4, mla_decode.DECODE_TILING_PARTS[4])
     assert launch(128, parts=8) == (8, mla_decode.DECODE_TILING_PARTS[8])
     assert launch(64, parts=2, decode_tiling=(32, 4, 2)) == (2, (32, 4, 2))
+    # another parts tile whose keys divide the default's (the splits stand), and pages looked up ahead for parts alone
+    monkeypatch.setattr(mla_decode, "DECODE_TILING_PARTS", {**mla_decode.DECODE_TILING_PARTS, 8: (16, 4, 4)})
+    monkeypatch.setattr(mla_decode, "DECODE_PARTS_TABLE_AHEAD", True)
+    assert launch(128, splits=many) == (8, (16, 4, 4), True)
+    assert launch(128, splits=many, table_ahead=False) == (8, (16, 4, 4))
+    assert launch(128, splits=many - 1) == ("one", mla_decode.DECODE_TILING_FP8_BITS)
+    monkeypatch.setattr(mla_decode, "DECODE_TILING_PARTS", {**mla_decode.DECODE_TILING_PARTS, 8: (64, 4, 2)})
+    assert launch(128, splits=many) == ("one", mla_decode.DECODE_TILING_FP8_BITS)  # 64 keys: not within 32-key spans
     monkeypatch.setattr(mla_decode, "DECODE_COLUMN_PARTS", 1)
     assert launch(128, splits=many) == ("one", mla_decode.DECODE_TILING_FP8_BITS)
     for asked, why in ((dict(rank=RANK, parts=4), "this latent: 24"), (dict(rank=64, parts=3), "1, 2, 4 or 8"),
