@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> dict:
     shapes = [("prefill", *dims(s)) for s in args.prefill] + [("decode", *dims(s)) for s in args.decode]
     max_context = max(length for _, _, length in shapes)
     max_tokens = max(count * length if kind == "prefill" else count for kind, count, length in shapes)
-    max_batch = max(count for _, count, _ in shapes)
+    max_batch = max([count for _, count, _ in shapes] + [args.bucket])  # (the graph's bucket: rows its buffers hold)
     engine_dir = write_config_only_engine(args.model, args.dtype, max(max_batch, 8), max_context + 64,
                                           max(max_tokens, 8192), 32, quantization=args.quantization)
     runner = ModelRunner(engine_dir, device="cuda")
