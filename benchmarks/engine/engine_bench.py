@@ -587,6 +587,49 @@ def decode_host_parts(runner: ModelRunner, token: int, position: int, table: lis
     return {f"{name}_ms": statistics.median(values[16:]) * 1e3 for name, values in series.items()}
 
 
+def host_call_costs(runner: ModelRunner, calls: int = 200) -> dict | None:
+    """What each host call of a decode step costs on this machine alone, in a loop of ``calls`` (us a call, median of
+    5 loops), the GPU idle: ``pinned_copy`` the decode graphs' staging copy at batch 1 (copy_ of the bucket-1 span,
+    non_blocking, from the pinned buffer), ``event_record`` / ``event_sync`` their copy event's record and wait (the
+    event done), ``empty`` a torch.empty on the device, ``replay`` the batch-1 graph's replay() call and ``head_replay``
+    its head graph's (where captured), ``greedy_launch`` greedy_tokens of one row (3 allocations, 2 Triton launches),
+    ``python_pack`` fill_decode_inputs of one row. Says what of decode_host_parts' "to the replay" is CUDA calls and
+    what Python. None without decode graphs."""
+    from engine.executor.cuda_graphs import fill_decode_inputs
+
+    graphs = getattr(runner, "decode_graphs", None)
+    if graphs is None or runner.device.type != "cuda":
+        return None
+    end = graphs._tables_at + graphs.max_blocks  # (the bucket-1 span, as DecodeGraphs.run copies it)
+    dev, host, event = graphs.dev_staging[:end], graphs.host_staging[:end], torch.cuda.Event()
+    event.record()
+    logits = torch.zeros(1, runner.vocab_size, dtype=torch.float32, device=runner.device)
+    np_i64, np_ctx, np_tables = graphs._np_i64.copy(), graphs._np_ctx.copy(), graphs._np_tables.copy()
+    page = runner.tokens_per_block
+    table = [1, 2]  # (a row at position page + 1: its slot in the table's second block)
+    work = {"pinned_copy": lambda: dev.copy_(host, non_blocking=True), "event_record": event.record,
+            "event_sync": event.synchronize, "empty": lambda: torch.empty(1, dtype=torch.int64, device=runner.device),
+            "greedy_launch": lambda: greedy_tokens(logits),
+            "python_pack": lambda: fill_decode_inputs(np_i64, np_ctx, np_tables, [5], [page + 1], [page + 2], [table],
+                                                      page, 1)}
+    if 1 in graphs.graphs:
+        work["replay"] = graphs.graphs[1].replay
+    if 1 in getattr(graphs, "head_graphs", {}):
+        work["head_replay"] = graphs.head_graphs[1].replay
+    out = {}
+    for name, call in work.items():
+        loops = []
+        for _ in range(5):
+            torch.cuda.synchronize()
+            started = time.perf_counter()
+            for _ in range(calls if "replay" not in name else 20):  # (a replay queues a whole graph's work)
+                call()
+            loops.append((time.perf_counter() - started) / (calls if "replay" not in name else 20) * 1e6)
+        out[f"{name}_us"] = statistics.median(loops)
+    torch.cuda.synchronize()
+    return out
+
+
 def decode_outside_graph_text(d: dict) -> str:
     """The decode entry's parts outside the graph as one clause: LM head, argmax, host in forward, and the
     A/B of the inputs' copies ("" where they were not measured)."""
@@ -611,13 +654,16 @@ def decode_outside_graph_text(d: dict) -> str:
                  f"{ab['one_sync_ms']:.3f} ms, host in forward {ab['separate_forward_ms']:.3f} -> "
                  f"{ab['one_forward_ms']:.3f}, overlapped {ab['separate_overlapped_ms']:.3f} -> "
                  f"{ab['one_overlapped_ms']:.3f} (same tokens: {ab['same_tokens']})")
+    costs = d.get("host_call_costs")
+    if costs:
+        text += "; host calls alone, us: " + ", ".join(f"{k[:-3]} {v:.1f}" for k, v in costs.items())
     if head:
         text += (f"; LM head + pick launched -> in a head graph: step {head['eager_sync_ms']:.3f} -> "
                  f"{head['graph_sync_ms']:.3f} ms, host in forward {head['eager_forward_ms']:.3f} -> "
                  f"{head['graph_forward_ms']:.3f}, overlapped {head['eager_overlapped_ms']:.3f} -> "
                  f"{head['graph_overlapped_ms']:.3f} (same tokens: {head['same_tokens']})")
     errors = [f"{key}: {d[key]}" for key in ("host_parts_error", "step_parts_error", "input_copies_ab_error",
-                                             "head_graph_ab_error") if key in d]
+                                             "head_graph_ab_error", "host_call_costs_error") if key in d]
     return text + "".join(f"; FAILED {error}" for error in errors)
 
 
@@ -651,7 +697,8 @@ def bench_decode(results: dict, runner: ModelRunner, prompt_len: int = 128, step
         parts = {"host_parts": lambda: decode_host_parts(runner, token, prompt_len, table, page),
                  "step_parts": lambda: decode_step_parts(runner, 1),  # what a step runs on the device outside its graph
                  "input_copies_ab": lambda: decode_input_copies_ab(runner, token, prompt_len, table, page),
-                 "head_graph_ab": lambda: decode_head_graph_ab(runner, token, prompt_len, table, page)}
+                 "head_graph_ab": lambda: decode_head_graph_ab(runner, token, prompt_len, table, page),
+                 "host_call_costs": lambda: host_call_costs(runner)}
         for name, measure in parts.items():
             try:  # (diagnostics, each on its own: a failure must not cost the run the other figures)
                 entry[name] = measure()

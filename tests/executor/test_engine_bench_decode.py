@@ -62,6 +62,9 @@ def test_decode_step_parts_need_a_decode_graph(tiny_engine):
     runner = ModelRunner(tiny_engine)
     runner.allocate_kv_cache(16)
     assert runner.decode_graphs is None and decode_step_parts(runner, 4) is None
+    from benchmarks.engine.engine_bench import host_call_costs
+
+    assert host_call_costs(runner) is None  # (its per-call costs: CUDA only)
 
 
 @pytest.mark.gpu
