@@ -39,7 +39,6 @@ from kernels.mla_decode import (DECODE_BATCHED_MIN_SPAN, DECODE_BATCHED_PROGRAMS
                                 DECODE_TILING_FP8_BITS, DECODE_TILING_ONE_WAVE, decode_kernel_default,
                                 decode_tile_fits, mla_decode_launch, widens_by_bits)
 from kernels import mla_decode
-from kernels.mla_decode_fp8_scores import FP8_SCORES_TILING, fp8_scores_fit, mla_decode_fp8_scores_launch
 from kernels.mla_decode_parts import COLUMN_PARTS, column_parts_fit, mla_decode_parts_launch
 from kernels.mla_partials import store_split_output
 from kernels.online_softmax import online_softmax_step
@@ -404,8 +403,8 @@ def mla_attention_triton(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: to
                          programs_per_sm: int | None = None, fp8_bits: bool | None = None,
                          combine_chunk: int | None = None, half_partials: bool | None = None,
                          keys_major: bool | None = None,
-                         long_span: int | None = None, parts: int | None = None, table_ahead: bool | None = None,
-                         fp8_scores: bool | None = None) -> torch.Tensor:
+                         long_span: int | None = None, parts: int | None = None,
+                         table_ahead: bool | None = None) -> torch.Tensor:
     """mla_attention_ref on the GPU (or Triton's interpreter): one program per (token, BLOCK_H heads,
     key split), the splits' outputs combined by their log-sum-exps (_mla_combine_kernel). Two
     launches (one with a single split) besides cu_seqlens' token map; no host sync (CUDA-graph safe):
@@ -431,12 +430,8 @@ def mla_attention_triton(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: to
     before). ``parts``: the decode kernel's latent in 2, 4 or 8 column parts (kernels/mla_decode_parts.py), at
     DECODE_TILING_PARTS' unless ``decode_tiling`` is given; asked for by name, a latent too narrow for them
     (column_parts_fit), a register prefetch tiling or keys as rows is a ValueError; None: default_column_parts' (by
-    the grid, where no tiling is given). ``table_ahead`` (None: kernels/mla_decode.py DECODE_PARTS_TABLE_AHEAD for the
-    column-parts kernel, else DECODE_TABLE_AHEAD): the decode kernels' tile pages looked up a tile ahead (pipelined
-    tilings). ``fp8_scores`` (None: DECODE_FP8_SCORES): an FP8
-    pool's decode through kernels/mla_decode_fp8_scores.py (the score product in FP8 on warpgroup MMAs) at
-    FP8_SCORES_TILING unless ``decode_tiling`` is given; asked for where it cannot run (not an FP8 pool, queries
-    not 16-bit on CUDA) or with ``parts`` / ``keys_major``, a ValueError."""
+    the grid, where no tiling is given). ``table_ahead`` (None: kernels/mla_decode.py DECODE_TABLE_AHEAD, off:
+    it lost): the decode kernels' tile pages looked up a tile ahead (pipelined tilings)."""
     num_tokens, num_heads, rank = q_latent.shape
     assert q_latent.stride(-1) == 1 and q_rope.stride(-1) == 1 and cache.stride(-1) == 1
     if num_tokens == 0:
@@ -444,12 +439,9 @@ def mla_attention_triton(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: to
     decode = meta.is_decode_only and meta.tree_mask is None and num_tokens == meta.context_lens.shape[0]
     fp8_pool = cache.dtype == KV_FP8_DTYPE
     bits = widens_by_bits(fp8_pool, q_latent.dtype, q_latent.is_cuda, fp8_bits)
-    fp8_scores = _fp8_scores(fp8_scores, fp8_pool, q_latent, parts, keys_major)
     asked_parts = parts
-    parts = 1 if fp8_scores else _column_parts(parts, rank, decode_tiling, keys_major)
+    parts = _column_parts(parts, rank, decode_tiling, keys_major)
     tiling, keys_major_default = decode_tiling, False
-    if tiling is None and fp8_scores:
-        tiling = FP8_SCORES_TILING
     if tiling is None and parts > 1:
         tiling = mla_decode.DECODE_TILING_PARTS[parts]
     if tiling is None:
@@ -465,12 +457,11 @@ def mla_attention_triton(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: to
                                       tiling[0] if use_decode else block_n, meta.max_context_len, max_splits, min_span,
                                       programs_per_sm, long_span)
     splits = splits or planned
-    if use_decode and asked_parts is None and decode_tiling is None and not fp8_scores:
+    if use_decode and asked_parts is None and decode_tiling is None:
         parts = default_column_parts(rank, tiling, keys_major, programs * splits, q_latent.device, cache.shape[1])
         if parts > 1:
             tiling = mla_decode.DECODE_TILING_PARTS[parts]
-    if table_ahead is None:
-        table_ahead = mla_decode.DECODE_PARTS_TABLE_AHEAD if parts > 1 else mla_decode.DECODE_TABLE_AHEAD
+    table_ahead = mla_decode.DECODE_TABLE_AHEAD if table_ahead is None else table_ahead
     out = torch.empty(q_latent.shape, dtype=q_latent.dtype, device=q_latent.device)  # (T, H, R) contiguous
     if splits == 1:
         part, lse = out, out  # DIRECT: the kernel writes the output itself (lse unused)
@@ -479,11 +470,7 @@ def mla_attention_triton(q_latent: torch.Tensor, q_rope: torch.Tensor, cache: to
         part_dtype = q_latent.dtype if half and q_latent.dtype in (torch.bfloat16, torch.float16) else torch.float32
         part = torch.empty(num_tokens, splits, num_heads, rank, dtype=part_dtype, device=q_latent.device)
         lse = torch.empty(num_tokens, num_heads, splits, dtype=torch.float32, device=q_latent.device)
-    if use_decode and fp8_scores:
-        tables, lens = dense(meta.block_tables, meta.context_lens)  # read at ptr + i (tables: + row * row stride)
-        mla_decode_fp8_scores_launch(q_latent, q_rope, cache, tables, lens, part, lse, scale, splits, min_span,
-                                     block_h, tiling, table_ahead=table_ahead)
-    elif use_decode and parts > 1:
+    if use_decode and parts > 1:
         tables, lens = dense(meta.block_tables, meta.context_lens)  # read at ptr + i (tables: + row * row stride)
         mla_decode_parts_launch(q_latent, q_rope, cache, tables, lens, part, lse, scale, splits, min_span, block_h,
                                 tiling, parts, bits, table_ahead)
@@ -512,23 +499,6 @@ def default_column_parts(rank: int, tiling: tuple[int, int, int], keys_major: bo
     if tiling[0] % block_n or not decode_tile_fits(page, block_n):
         return 1
     return n if programs >= mla_decode.DECODE_PARTS_PROGRAMS_PER_SM * num_sms(device) else 1
-
-
-def _fp8_scores(asked: bool | None, fp8_pool: bool, q_latent: torch.Tensor, parts: int | None,
-                keys_major: bool | None) -> bool:
-    """mla_attention_triton's ``fp8_scores`` resolved: None takes kernels/mla_decode.py DECODE_FP8_SCORES where the
-    kernel can run (kernels/mla_decode_fp8_scores.py fp8_scores_fit); True asked where it cannot, or with column
-    parts or keys_major named (its own layout: keys as rows, the latent in its own parts), is a ValueError."""
-    fits = fp8_scores_fit(fp8_pool, q_latent.dtype, q_latent.is_cuda)
-    if asked is None:
-        return mla_decode.DECODE_FP8_SCORES and fits and parts is None and keys_major is None
-    if asked and not fits:
-        raise ValueError(f"fp8_scores=True: the FP8-score decode kernel reads an FP8 pool (this one: "
-                         f"{'FP8' if fp8_pool else 'not FP8'}) with 16-bit queries on CUDA (these: {q_latent.dtype})")
-    if asked and (parts is not None or keys_major is not None):
-        raise ValueError(f"fp8_scores=True: the FP8-score decode kernel has its own layout (keys as rows, its own "
-                         f"column parts); got parts={parts!r}, keys_major={keys_major!r}: leave both None")
-    return asked
 
 
 def _column_parts(parts: int | None, rank: int, tiling: tuple[int, int, int] | None, keys_major: bool | None) -> int:

@@ -303,7 +303,9 @@ DECODE_ONE_WAVE_KEYS_MAJOR = True
 # keys each; 3 programs an SM against 2 for the FP8 pool) and lost at 4 times (528-544: 8 x 32k, 32 x 8k by 3-13%)
 # but for 8 x 8k (+3-4%, 124-key splits). So: DECODE_COLUMN_PARTS parts where the grid holds at least
 # DECODE_PARTS_PROGRAMS_PER_SM programs an SM (kernels/mla_attention.py default_column_parts; between 4 and 8 times,
-# the two coverings the split policy makes), unless parts or a tiling is asked for.
+# the two coverings the split policy makes), unless parts or a tiling is asked for. Call 4 (the rule against the one-part
+# kernel): FP8 64 x 32k 744.4 / 939.3, 64 x 8k 220.5 / 249.3, 32 x 32k 399.4 / 458.6; bf16 64 x 32k 629.6 (90% of the
+# copy bandwidth) / 719.5; every other row within 1%.
 DECODE_COLUMN_PARTS = 8
 DECODE_PARTS_PROGRAMS_PER_SM = 6
 DECODE_TILING_PARTS = {2: (16, 4, 3), 4: (16, 4, 3), 8: (32, 4, 3)}
@@ -317,11 +319,16 @@ DECODE_TILING_PARTS = {2: (16, 4, 3), 4: (16, 4, 3), 8: (32, 4, 3)}
 # registers with 136 B of spills, 2 programs an SM instead of 3; FP8 pool widened by bits 74 -> 92 KB, 255 -> 249
 # registers, no spills, 2 an SM either way; 8 parts FP8 (32, 4, 3) 140 -> 180 registers, 71 -> 89 KB: 2 an SM, not
 # 3). Off until measured.
+# Session 30 call 4 (H200, V2-Lite, us a layer, the one-part kernel without / with it): it LOST everywhere, FP8 pool
+# 8-12% (64 x 32k 939.3 / 1,052.8, 32 x 32k 458.6 / 500.8, 8 x 8k 47.1 / 51.4), bf16 pool 23-44% (64 x 32k 719.5 /
+# 1,034.8, 32 x 8k 104.0 / 140.8): a program's own loads overlapping its products is not what bounds this kernel (the
+# FP8 one kept its 2 programs an SM and still lost). 8 parts at (16, 4, 4) with it (3 buffers, 3 programs an SM):
+# 2.6-3.7x slower than the default (FP8 64 x 32k 2,365.5 against 744.4). Kept, off, for A/B runs (+t).
 DECODE_TABLE_AHEAD = False
-DECODE_PARTS_TABLE_AHEAD = False  # the same for the column-parts kernel
-# FP8 pools through kernels/mla_decode_fp8_scores.py (the score product in FP8 on warpgroup MMAs, the queries an E4M3
-# pair): off until measured on a GPU (its module docstring says why it exists).
-DECODE_FP8_SCORES = False
+# Not kept (session 30): FP8 pools' score product on sm_90's E4M3 warpgroup MMAs (keys as rows, 64-key tiles, the
+# queries an E4M3 pair hi + lo / 16, the value product widened by bits in 8 column parts): 1.4-1.7x slower than the
+# default at every measured shape (call 4: 32 x 32k 653.4 against 399.4 us, 8 x 32k 189.6 / 131.0, 1 x 1k 15.1 /
+# 8.8; 1.7-2.7e-3 of the reference): Triton waits for each of its 26 warpgroup MMAs a step before the next.
 # The decode kernel's split policy (kernels/mla_attention.py split_policy, mla_splits): (max_splits, min_span,
 # programs_per_sm) -- up to 128 splits, the grid covering the GPU 8 times, 32 keys a split at least; and from
 # DECODE_BATCHED_PROGRAMS (sequence x head-block) programs on, 128 keys a split at least (a split's float32

@@ -68,7 +68,6 @@ from kernels import mla_decode  # noqa: E402
 from kernels.mla_decode import DECODE_TILING, DECODE_TILING_PARTS, decode_kernel_default, widens_by_bits  # noqa: E402
 from kernels.mla_attention import (MAX_SPLITS, MIN_SPAN, decode_kernel_enabled, decode_tiling_for,  # noqa: E402
                                    default_column_parts, launch_splits, mla_attention_ref, mla_attention_triton)
-from kernels.mla_decode_fp8_scores import FP8_SCORES_TILING  # noqa: E402
 
 SHAPES = {"v3": dict(heads=128, rank=512, rope=64), "v2_lite": dict(heads=16, rank=512, rope=64),
           "tiny": dict(heads=4, rank=32, rope=8)}
@@ -132,19 +131,15 @@ def parse_config(text: str) -> dict:
     decode split policy's long_span (0: the grid always 8 times the SMs, the policy before session 29); "+p<N>" the
     decode kernel's latent in N (2, 4, 8) column parts (kernels/mla_decode_parts.py; "auto+pN": DECODE_TILING_PARTS[N]),
     "+p1" the one-part kernel ("auto" alone: kernels/mla_attention.py default_column_parts' choice); "+t" each tile's
-    page looked up a tile ahead (table_ahead: kernels/mla_decode.py DECODE_TABLE_AHEAD), "+t0" not; "+q8" an FP8
-    pool's score product in FP8 (fp8_scores: kernels/mla_decode_fp8_scores.py; "auto+q8": FP8_SCORES_TILING)."""
+    page looked up a tile ahead (table_ahead: kernels/mla_decode.py DECODE_TABLE_AHEAD), "+t0" not."""
     base, *options = text.split("+")
     widening = {}
     for option in options:
-        assert option in ("cvt", "bits", "h", "f", "k", "t", "t0", "q8") or (
+        assert option in ("cvt", "bits", "h", "f", "k", "t", "t0") or (
             option[:1] in "cLp" and option[1:].isdigit()), \
-            f"--configs {text!r}: the endings are +cvt, +bits, +c<splits>, +h, +f, +k, +L<keys>, +p<parts>, +t, +t0, " \
-            "+q8"
+            f"--configs {text!r}: the endings are +cvt, +bits, +c<splits>, +h, +f, +k, +L<keys>, +p<parts>, +t, +t0"
         if option in ("t", "t0"):
             widening["table_ahead"] = option == "t"
-        elif option == "q8":
-            widening["fp8_scores"] = True
         elif option in ("cvt", "bits"):
             widening["fp8_bits"] = option == "bits"
         elif option in ("h", "f"):
@@ -179,8 +174,7 @@ def config_name(config: dict) -> str:
         "+k" if config.get("keys_major") else "") + (
         "" if "long_span" not in config else f"+L{config['long_span']}") + (
         "" if "parts" not in config else f"+p{config['parts']}") + (
-        "" if "table_ahead" not in config else "+t" if config["table_ahead"] else "+t0") + (
-        "+q8" if config.get("fp8_scores") else "")
+        "" if "table_ahead" not in config else "+t" if config["table_ahead"] else "+t0")
     if config.get("auto"):
         return "auto" + ending
     if config.get("decode_kernel"):
@@ -198,8 +192,8 @@ def resolved(config: dict, pool: str, dtype: torch.dtype, num_tokens: int, heads
              device="cuda", max_context_len: int | None = None, rank: int = 512) -> dict:
     """``config`` as mla_attention_triton resolves it for a step (``decode``: every sequence one new token)
     on a CUDA device: an "auto" one through the same rules (decode_kernel_enabled, kernels/mla_decode.py
-    widens_by_bits and decode_kernel_default, kernels/mla_attention.py decode_tiling_for and default_column_parts,
-    the FP8-score kernel's FP8_SCORES_TILING); fp8_bits filled in."""
+    widens_by_bits and decode_kernel_default, kernels/mla_attention.py decode_tiling_for and default_column_parts);
+    fp8_bits filled in."""
     fp8_pool = pool == "fp8"
     bits = widens_by_bits(fp8_pool, dtype, True, config.get("fp8_bits"))
     out = dict(kernel_args(config), fp8_bits=bits)
@@ -211,9 +205,7 @@ def resolved(config: dict, pool: str, dtype: torch.dtype, num_tokens: int, heads
             tiling, keys_major = decode_tiling_for(fp8_pool, bits, PAGE, num_tokens, heads, 16, device, max_context_len,
                                                    None, config.get("max_splits"), config.get("min_span"),
                                                    config.get("programs_per_sm"), config.get("long_span"))
-            if config.get("fp8_scores") and pool == "fp8":  # mla_attention_triton's tiling for the FP8-score kernel
-                tiling, keys_major = FP8_SCORES_TILING, False
-            elif config.get("parts", 1) > 1:  # mla_attention_triton's tiling for the column-parts kernel
+            if config.get("parts", 1) > 1:  # mla_attention_triton's tiling for the column-parts kernel
                 tiling, keys_major = DECODE_TILING_PARTS[config["parts"]], False
             elif "parts" not in config:  # default_column_parts, once the grid is known
                 splits = launch_splits(num_tokens, heads, 16, device, True, tiling[0], max_context_len,
@@ -225,9 +217,7 @@ def resolved(config: dict, pool: str, dtype: torch.dtype, num_tokens: int, heads
                     out["parts"], tiling = parts, DECODE_TILING_PARTS[parts]
             out["decode_tiling"] = tiling
             out.setdefault("keys_major", keys_major)
-            if "table_ahead" not in out and not out.get("fp8_scores"):  # mla_attention_triton's default
-                out["table_ahead"] = (mla_decode.DECODE_PARTS_TABLE_AHEAD if out.get("parts", 1) > 1
-                                      else mla_decode.DECODE_TABLE_AHEAD)
+            out.setdefault("table_ahead", mla_decode.DECODE_TABLE_AHEAD)  # mla_attention_triton's default
     return out
 
 
@@ -237,8 +227,6 @@ def chosen_name(config: dict, pool: str) -> str:
     if not config.get("decode_kernel"):
         return "general"
     widening = ("+bits" if config["fp8_bits"] else "+cvt") if pool == "fp8" else ""
-    if config.get("fp8_scores") and pool == "fp8":
-        widening = "+q8"
     return "d" + ":".join(map(str, config["decode_tiling"])) + widening + ("+k" if config.get("keys_major") else "") + (
         f"+p{config['parts']}" if config.get("parts", 1) > 1 else "") + ("+t" if config.get("table_ahead") else "")
 

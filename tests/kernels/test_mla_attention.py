@@ -292,77 +292,6 @@ def test_decode_kernel_in_column_parts_equals_the_reference_at_deepseeks_shapes(
             assert relative_error(out[seq], want[seq].float()) < tolerance, (splits, parts, seq)
 
 
-def e4m3_pair_queries(q_latent: torch.Tensor, q_rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The queries as kernels/mla_decode_fp8_scores.py's score product sees them (float32): each head's scaled by
-    2^(7 - e) (its largest to [128, 256)), hi = E4M3 of that, lo = E4M3 of 16 x the rest, (hi + lo / 16) / 2^(7 - e)."""
-    q = torch.cat([q_latent.float(), q_rope.float()], -1)
-    e = torch.floor(torch.log2(q.abs().amax(-1, keepdim=True))).clamp(min=-100)
-    up = 2.0 ** (7 - e)
-    hi = (q * up).to(KV_FP8_DTYPE).float()
-    q = (hi + ((q * up - hi) * 16).to(KV_FP8_DTYPE).float() / 16) / up
-    rank = q_latent.shape[-1]
-    return q[..., :rank].contiguous(), q[..., rank:].contiguous()
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_fp8_score_kernel_is_the_reference_of_its_e4m3_query_pair(device, dtype):
-    """kernels/mla_decode_fp8_scores.py (fp8_scores=True) at DeepSeek's 512 + 64, 16 heads, an FP8 pool at its
-    extremes (fp8_extremes), one split (DIRECT) and three (some past the shorter contexts), each tile's page looked up
-    in its step and a tile ahead: equal to the reference of the queries as its E4M3 pair carries them (within the
-    queries' dtype's tolerance), and to the plain reference within 1e-2 (the pair keeps ~2^-9 of a head's largest
-    query: on these rows 2.7e-3, where bfloat16 queries' own rounding gives 7.8e-3)."""
-    if dtype == torch.bfloat16 and device == "cpu":
-        pytest.skip("the interpreter emulates bf16 dots loosely (kernel_testing.low_precision_dtypes); GPU only")
-    if dtype == torch.float32 and device == "cuda":
-        pytest.skip("the FP8-score kernel takes 16-bit queries on the GPU (fp8_scores_fit)")
-    cache, meta, q_latent, q_rope, want = fp8_extremes(device, dtype, 16, DEEPSEEK_RANK, DEEPSEEK_ROPE)
-    pair_latent, pair_rope = e4m3_pair_queries(q_latent.cpu(), q_rope.cpu())
-    want_pair = mla_attention_ref(pair_latent, pair_rope, cache.cpu().float().to(KV_FP8_DTYPE), _on_cpu(meta), 0.2)
-    tolerance = TOLERANCE[dtype] * 3
-    for splits, ahead in ((1, False), (1, True), (3, True)):
-        out = mla_attention_triton(q_latent, q_rope, cache, meta, 0.2, splits=splits, min_span=64, decode_kernel=True,
-                                   fp8_scores=True, table_ahead=ahead).cpu().float()
-        assert torch.isfinite(out).all()
-        for seq in range(4):  # each sequence alone (fp8_extremes: the subnormal one's outputs ~2^-7 the others')
-            assert relative_error(out[seq], want_pair[seq].float()) < max(tolerance, 3e-5), (splits, ahead, seq)
-            assert relative_error(out[seq], want[seq].float()) < 1e-2, (splits, ahead, seq)
-
-
-def test_fp8_scores_are_off_unless_asked_and_refused_where_they_cannot_run(monkeypatch):
-    """mla_attention_triton's ``fp8_scores``: None takes kernels/mla_decode.py DECODE_FP8_SCORES (False); True runs
-    kernels/mla_decode_fp8_scores.py at FP8_SCORES_TILING unless a tiling is given; asked for over a 16-bit pool, or
-    with column parts or keys_major named, a ValueError naming the field. Which launch ran is recorded; nothing
-    runs."""
-    from kernels import mla_decode
-    from kernels.mla_decode_fp8_scores import FP8_SCORES_TILING
-
-    launched = []
-    monkeypatch.setattr(mla_attention_module, "mla_decode_launch", lambda *a: launched.append(("one", a[11])))
-    monkeypatch.setattr(mla_attention_module, "mla_decode_fp8_scores_launch",
-                        lambda *a, **kw: launched.append(("fp8_scores", a[11], kw["table_ahead"])))
-
-    def launch(cache_dtype=KV_FP8_DTYPE, **kw):
-        _, cache, meta = paged_batch([40, 9], [1, 1], page=64, rank=64, cache_dtype=cache_dtype)
-        launched.clear()
-        mla_attention_triton(torch.zeros(2, HEADS, 64), torch.zeros(2, HEADS, ROPE), cache, meta, 0.2, splits=1,
-                             decode_kernel=True, **kw)
-        return launched[0]
-
-    assert mla_decode.DECODE_FP8_SCORES is False
-    assert launch() == ("one", mla_decode.DECODE_TILING_FP8_BITS)
-    assert launch(fp8_scores=True) == ("fp8_scores", FP8_SCORES_TILING, False)
-    assert launch(fp8_scores=True, table_ahead=True, decode_tiling=(64, 4, 2)) == ("fp8_scores", (64, 4, 2), True)
-    monkeypatch.setattr(mla_decode, "DECODE_FP8_SCORES", True)
-    assert launch()[0] == "fp8_scores"
-    assert launch(cache_dtype=torch.float32)[0] == "one"  # a 16-bit pool: never by default
-    for asked, why in ((dict(cache_dtype=torch.float32, fp8_scores=True), "an FP8 pool"),
-                       (dict(fp8_scores=True, parts=2), "parts=2"),
-                       (dict(fp8_scores=True, keys_major=True), "keys_major=True")):
-        with pytest.raises(ValueError, match="fp8_scores=True") as raised:
-            launch(**asked)
-        assert why in str(raised.value), (asked, str(raised.value))
-
-
 @pytest.mark.parametrize("kernel", ["keys as columns", "keys as rows", "2 column parts"])
 def test_tile_pages_looked_up_a_tile_ahead_give_the_same_attention(device, kernel):
     """table_ahead=True (kernels/mla_decode.py DECODE_TABLE_AHEAD: each tile's page a loop-carried lookup a tile
@@ -418,11 +347,10 @@ def test_column_parts_by_the_grid_unless_asked_and_must_fit(monkeypatch):
     assert launch(64, parts=4) == (4, mla_decode.DECODE_TILING_PARTS[4])
     assert launch(128, parts=8) == (8, mla_decode.DECODE_TILING_PARTS[8])
     assert launch(64, parts=2, decode_tiling=(32, 4, 2)) == (2, (32, 4, 2))
-    # another parts tile whose keys divide the default's (the splits stand), and pages looked up ahead for parts alone
+    # another parts tile whose keys divide the default's (the splits stand); pages looked up ahead where asked
     monkeypatch.setattr(mla_decode, "DECODE_TILING_PARTS", {**mla_decode.DECODE_TILING_PARTS, 8: (16, 4, 4)})
-    monkeypatch.setattr(mla_decode, "DECODE_PARTS_TABLE_AHEAD", True)
-    assert launch(128, splits=many) == (8, (16, 4, 4), True)
-    assert launch(128, splits=many, table_ahead=False) == (8, (16, 4, 4))
+    assert launch(128, splits=many) == (8, (16, 4, 4))
+    assert launch(128, splits=many, table_ahead=True) == (8, (16, 4, 4), True)
     assert launch(128, splits=many - 1) == ("one", mla_decode.DECODE_TILING_FP8_BITS)
     monkeypatch.setattr(mla_decode, "DECODE_TILING_PARTS", {**mla_decode.DECODE_TILING_PARTS, 8: (64, 4, 2)})
     assert launch(128, splits=many) == ("one", mla_decode.DECODE_TILING_FP8_BITS)  # 64 keys: not within 32-key spans
@@ -774,43 +702,6 @@ def test_column_parts_decode_kernel_fits_three_programs_an_sm(pool, q, bits, par
 
 
 @AOT_SM90
-@pytest.mark.parametrize("q", ["*bf16", "*fp16"])
-@pytest.mark.parametrize("ahead", [False, True])
-@pytest.mark.parametrize("direct", [False, True])
-def test_fp8_score_kernel_compiles_to_fp8_warpgroup_mmas_without_spills(q, ahead, direct, tmp_path):
-    """kernels/mla_decode_fp8_scores.py at FP8_SCORES_TILING, DeepSeek's 512 + 64, 16 heads, pages of 64 (ptxas for
-    sm_90, no GPU): the score product as E4M3 warpgroup MMAs (wgmma ...e4m3.e4m3, the codes as stored), the value
-    product as 16-bit ones, no E4M3 widening by the conversion unit and no byte loads from shared memory in the loop,
-    the tiles' loads as cp.async copies, no spills (stack or local memory) and at most 2 programs' worth of registers
-    and shared memory an SM; each tile's page looked up a tile ahead (TABLE_AHEAD), the tile double-buffered."""
-    import re
-
-    from kernels.mla_decode_fp8_scores import FP8_SCORES_PARTS, FP8_SCORES_TILING, _mla_decode_fp8_scores_kernel
-    from sm90_compile import registers, stack_bytes
-
-    block_n, warps, stages = FP8_SCORES_TILING
-    pointers = dict(q_lat_ptr=q, q_rope_ptr=q, cache_ptr="*fp8e4nv", part_ptr=q if direct else "*fp32",
-                    lse_ptr="*fp32", block_tables_ptr="*i32", ctx_ptr="*i32")
-    const = dict(RANK=512, ROPE=64, RANK_PAD=512, ROPE_PAD=64, PAGE=64, BLOCK_H=16, BLOCK_N=block_n, STAGES=stages,
-                 DIRECT=direct, DOT_PRECISION="tf32", PDL=False, PARTS=FP8_SCORES_PARTS, ASM=True, TABLE_AHEAD=ahead)
-    compiled = compile_for_sm90(_mla_decode_fp8_scores_kernel, pointers, const, warps=warps, stages=1,
-                                floats=("scale_log2",), aligned_int=strides_but_block_table)
-    ptx = compiled.asm["ptx"]
-    wide = "bf16" if q == "*bf16" else "f16"
-    assert "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3" in ptx
-    assert f"wgmma.mma_async.sync.aligned.m64n16k16.f32.{wide}.{wide}" in ptx and "mma.sync" not in ptx
-    assert "cp.async" in ptx and "prmt.b32" in ptx
-    loops = loop_bodies(ptx)
-    assert loops and not any(word in body for body in loops for word in ("ld.shared.b8", "ld.shared.u8", "e4m3x2"))
-    buffers = re.findall(r"local_alloc : \(\) -> !ttg.memdesc<(\d+)x64x64xf8E4M3FN", compiled.asm["ttgir"])
-    assert min(map(int, buffers)) == (stages - 1 if ahead else 1), buffers  # the latent parts' (the rope's: one more)
-    assert 2 * compiled.metadata.shared <= 227 * 1024, compiled.metadata.shared
-    usage = resource_usage_or_skip(compiled, tmp_path)
-    assert "LOCAL:0 " in usage and stack_bytes(usage) == 0, usage
-    assert registers(usage) <= 255, usage
-
-
-@AOT_SM90
 @pytest.mark.parametrize("pool,bits", [("*bf16", False), ("*fp8e4nv", True)])
 def test_decode_tiles_are_multi_buffered_only_with_their_page_looked_up_ahead(pool, bits):
     """Why kernels/mla_decode.py DECODE_TABLE_AHEAD exists (sm_90 compile, the decode kernel at (32, 4, 3) and
@@ -833,29 +724,3 @@ def test_decode_tiles_are_multi_buffered_only_with_their_page_looked_up_ahead(po
             buffers = re.findall(r"local_alloc : \(\) -> !ttg.memdesc<(\d+)x32x512x", compiled.asm["ttgir"])
             assert buffers == [str(stages - 1 if ahead else 1)], (stages, ahead, buffers)
 
-
-@AOT_SM90
-@pytest.mark.parametrize("pool,bits", [("*bf16", False), ("*fp8e4nv", True)])
-def test_column_parts_with_pages_ahead_keep_three_tiles_in_flight_at_three_programs_an_sm(pool, bits, tmp_path):
-    """The 8-part kernel (kernels/mla_decode_parts.py) at (16, 4, 4) with each tile's page looked up a tile ahead
-    (TABLE_AHEAD; the bench's d16:4:4+p8+t), V2-Lite's 512 + 64, 16 heads (ptxas for sm_90, no GPU): the tile's
-    parts in 3 shared-memory buffers (one without it), at most 168 registers (FP8 146, bf16 152) and 3 programs'
-    shared memory: 3 programs an SM with 48 keys each in flight, against (32, 4, 3)'s single-buffered 32."""
-    import re
-
-    from kernels.mla_decode_parts import _mla_decode_parts_kernel
-    from sm90_compile import registers, stack_bytes
-
-    for ahead in (False, True):
-        pointers = dict(q_lat_ptr="*bf16", q_rope_ptr="*bf16", cache_ptr=pool, part_ptr="*fp32", lse_ptr="*fp32",
-                        block_tables_ptr="*i32", ctx_ptr="*i32")
-        const = dict(RANK=512, ROPE=64, RANK_PAD=512, ROPE_PAD=64, PAGE=64, BLOCK_H=16, BLOCK_N=16, STAGES=4,
-                     DIRECT=False, DOT_PRECISION="tf32", PDL=False, PARTS=8, BITS=bits, ASM=bits, TABLE_AHEAD=ahead)
-        compiled = compile_for_sm90(_mla_decode_parts_kernel, pointers, const, warps=4, stages=4,
-                                    floats=("scale_log2",), aligned_int=strides_but_block_table)
-        buffers = set(re.findall(r"local_alloc : \(\) -> !ttg.memdesc<(\d+)x16x64x", compiled.asm["ttgir"]))
-        assert buffers == {"3" if ahead else "1"}, (ahead, buffers)
-    assert 3 * compiled.metadata.shared <= 227 * 1024, compiled.metadata.shared
-    usage = resource_usage_or_skip(compiled, tmp_path)
-    assert "LOCAL:0 " in usage and stack_bytes(usage) == 0, usage
-    assert registers(usage) <= 168, usage
