@@ -24,14 +24,19 @@ range); K and V widened as triton_attention.fp8_widening says (kernels/e4m3_bits
 or by the conversion unit kept in its loaded layout, K by bits). Exact either way (powers of two).
 
 Where it runs (keys_major_decode_chosen, $TRITONLLM_DECODE_KEYS_MAJOR read at every call): unset or "auto" (the
-served default) on FP8 pools read with fp16 math in the 64-key, 2-warp decode tiling (KEYS_MAJOR_AUTO_TILING), where
-it measured faster; "1" wherever it can run (the bench's A/B, and 16-bit pools, never timed there); "0" never.
-H200 (2026-12-01, session 30 call 1, Llama-3.1-8B heads, head-major FP8 pool, the same 64 x 2 x 5 tiling and
-splits as the default kernel; us a layer, % of the copy bandwidth): 48 x 21,000 609 -> 563 (80 -> 87%), 64 x 20,480
+served default) where it measured faster: FP8 pools read with fp16 math in the 64-key 2-warp tiling
+(KEYS_MAJOR_AUTO_FP8), and 16-bit pools in their 64-key 4-warp 3-stage tiling (KEYS_MAJOR_AUTO_16BIT) when the launch
+splits the keys; "1" wherever it can run (the bench's A/B); "0" never.
+FP8, H200 (2026-12-01, session 30 calls 1 and 4, Llama-3.1-8B heads, head-major pool, the same 64 x 2 x 5 tiling and
+splits as the default kernel; us a layer): 48 x 21,000 609 -> 563 (80 -> 87% of the copy bandwidth), 64 x 20,480
 768 -> 727, 256 x 20,480 3,037 -> 2,847 (84 -> 90%), 8 x 20,480 106 -> 99, 256 x 8,192 1,224 -> 1,146, 64 x 8,192
 313 -> 295, 8 x 8,192 47.5 -> 43.9, 256 x 2,048 321 -> 298, 64 x 2,048 84 -> 79; the served rotary form alike. It
 lost in the 32 x 1 x 3 tiling of 1,024 x 2,048 (1,130 -> 1,401 us), and in 4-warp tilings (64 x 4 x 3, 128 x 4 x 3,
 64 x 4 x 5: 5-15% slower than the default kernel at 64 x 2 x 5), so those keep the default kernel.
+bf16 (call 4, 64 x 4 x 3 both): 8 x 8,192 89.0 -> 71.2 us (71 -> 89% of copy), 8 x 20,480 213 -> 162 (74 -> 98%),
+both 8 splits; unsplit batches were within 4% either way (256 x 8,192 2,092 -> 2,166, 256 x 2,048 577 -> 554), so
+16-bit pools take it only for split launches. Their splits go by the default kernel's residency (3 programs an SM),
+not its own (4): with its own, 64 x 8,192 took 1 split where the default took 16 (681 against 553 us).
 """
 from __future__ import annotations
 
@@ -49,8 +54,10 @@ DECODE_KEYS_MAJOR_ENV = "TRITONLLM_DECODE_KEYS_MAJOR"
 KEYS_MAJOR_MIN_COLUMNS = 8
 
 
-# (BLOCK_N keys, warps) of the decode tilings whose FP8-pool launches take this kernel by default ("auto").
-KEYS_MAJOR_AUTO_TILING = (64, 2)
+# (BLOCK_N keys, warps) of the decode tilings whose FP8-pool launches take this kernel by default ("auto"), and
+# (BLOCK_N, warps, stages) of the 16-bit pools' tiling whose split launches do.
+KEYS_MAJOR_AUTO_FP8 = (64, 2)
+KEYS_MAJOR_AUTO_16BIT = (64, 4, 3)
 DECODE_KEYS_MAJOR_MODES = ("auto", "0", "1")
 
 
@@ -64,19 +71,29 @@ def keys_major_decode_mode() -> str:
     return chosen
 
 
-def keys_major_decode_chosen(group: int, *, plain_layer: bool, fp8_pool: bool, fp16_math: bool,
-                             tiling: tuple) -> bool:
+def keys_major_decode_chosen(group: int, *, plain_layer: bool, kv_itemsize: int, fp32_queries: bool, tiling: tuple,
+                             splits: int = 1) -> bool:
     """Whether a decode-only launch runs this kernel: keys_major_decode_supported, then
-    $TRITONLLM_DECODE_KEYS_MAJOR: "1" yes, "0" no, "auto" for an FP8 pool read with fp16 math (not an fp32 engine's)
-    in a tiling of KEYS_MAJOR_AUTO_TILING's keys and warps without TMA reads. ``tiling``: the decode config's
-    (BLOCK_N, warps, stages[, TMA]) (triton_attention._decode_tiling)."""
+    $TRITONLLM_DECODE_KEYS_MAJOR: "1" yes, "0" no, "auto" for 16-bit queries (not an fp32 engine's) over an FP8 pool
+    (``kv_itemsize`` 1) in a tiling of KEYS_MAJOR_AUTO_FP8's keys and warps, or over a 16-bit pool (2) in
+    KEYS_MAJOR_AUTO_16BIT's tiling with ``splits`` > 1, without TMA reads either way. ``tiling``: the decode config's
+    (BLOCK_N, warps, stages[, TMA]) (triton_attention._decode_tiling); ``splits``: its key splits."""
     mode = keys_major_decode_mode()
     if mode == "0" or not keys_major_decode_supported(group, plain_layer=plain_layer):
         return False
     if mode == "1":
         return True
-    tma = len(tiling) > 3 and bool(tiling[3])
-    return fp8_pool and fp16_math and tuple(tiling[:2]) == KEYS_MAJOR_AUTO_TILING and not tma
+    if fp32_queries or (len(tiling) > 3 and bool(tiling[3])):
+        return False
+    if kv_itemsize == 1:
+        return tuple(tiling[:2]) == KEYS_MAJOR_AUTO_FP8
+    return kv_itemsize == 2 and tuple(tiling[:3]) == KEYS_MAJOR_AUTO_16BIT and splits > 1
+
+
+def keys_major_own_residency(kv_itemsize: int) -> bool:
+    """Whether a keys-major launch's splits go by its own programs an SM (FP8 pools: 4, as the default kernel's at 64
+    x 2 x 5) rather than the default kernel's in that tiling (16-bit pools: see the module's docstring)."""
+    return kv_itemsize == 1
 
 
 def keys_major_columns(group: int) -> int:

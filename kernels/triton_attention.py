@@ -95,7 +95,7 @@ from kernels._triton import (TensorDescriptor, dense, hopper_or_later, jit, num_
                              power_of_2_floor, resident_programs, tl, triton)
 from kernels.attention_metadata import AttentionMetadata
 from kernels.e4m3_bits import bits_factor
-from kernels.keys_major_decode import keys_major_decode, keys_major_decode_chosen
+from kernels.keys_major_decode import keys_major_decode, keys_major_decode_chosen, keys_major_own_residency
 from kernels.paged_kv_math import cache_value, paged_kv_tile, rotate_neox, slot_row, widened_kv
 
 _LOG2E = 1.4426950408889634
@@ -734,7 +734,7 @@ def prefill_tokens_per_tile(group: int, head_dim: int = 128, kv_itemsize: int = 
 def _decode_config(meta: AttentionMetadata, group: int, num_kv_heads: int, device: torch.device,
                    num_splits: int | None, sliding_window: int | None, dim_pad: int,
                    kv_itemsize: int, tma_pages: bool = False, plain_decode: bool = False,
-                   fp16_math: bool = True) -> tuple[int, int, int, int, int, bool]:
+                   fp32_queries: bool = False) -> tuple[int, int, int, int, int, bool]:
     """(BLOCK_M rows, BLOCK_N keys, warps, stages, splits, TMA) of decode rows: the smallest row tile that
     holds a GQA group (16, the tensor-core minimum) and key splits to fill the GPU (a window caps the
     keys a token reads, so it caps the splits too; a Python constant per layer, so CUDA graphs keep
@@ -748,9 +748,10 @@ def _decode_config(meta: AttentionMetadata, group: int, num_kv_heads: int, devic
     keep reads in flight). A bf16 pool already reads at ~2.8 TB/s with the default tiling; heads of
     256 keep 4 warps (one warp's accumulator would spill). Smaller FP8 batches: FP8_SHORT_CONTEXT_BATCH.
 
-    The splits go by the residency of the kernel that will run the tiling: ``plain_decode`` (a decode-only batch of
-    a layer kernels/keys_major_decode.py can take) with ``fp16_math`` (an FP8 pool read with fp16 math) is what
-    keys_major_decode_chosen needs to say whether that is the keys-major kernel (its own _DECODE_RESIDENT entry)."""
+    On FP8 pools the splits go by the residency of the kernel that will run the tiling: ``plain_decode`` (a
+    decode-only batch of a layer kernels/keys_major_decode.py can take) with ``fp32_queries`` (an fp32 engine's) is
+    what keys_major_decode_chosen needs to say whether that is the keys-major kernel (its own _DECODE_RESIDENT
+    entry). 16-bit pools split by the default kernel's residency whichever runs (keys_major_own_residency)."""
     wide = dim_pad > 128
     block_m = max(16, triton.next_power_of_2(group))
     tiling = _decode_tiling(meta.num_seqs, block_m, wide, kv_itemsize, tma_pages)
@@ -758,8 +759,8 @@ def _decode_config(meta: AttentionMetadata, group: int, num_kv_heads: int, devic
         keys_read = meta.max_context_len if sliding_window is None else min(meta.max_context_len, sliding_window)
         # (An fp32 engine's FP8 pool launches unwidened, under another key: not found here, it splits by covering.)
         widening = fp8_widening(tiling[0]) if kv_itemsize == 1 else (False, V_BY_TRITON)
-        keys_major = plain_decode and keys_major_decode_chosen(group, plain_layer=True, fp8_pool=kv_itemsize == 1,
-                                                               fp16_math=fp16_math, tiling=tiling)
+        keys_major = plain_decode and keys_major_own_residency(kv_itemsize) and keys_major_decode_chosen(
+            group, plain_layer=True, kv_itemsize=kv_itemsize, fp32_queries=fp32_queries, tiling=tiling)
         resident = _DECODE_RESIDENT.get(_decode_tiling_key(device, block_m, tiling, dim_pad, kv_itemsize, widening,
                                                            keys_major))
         sms = num_sms(device)
@@ -1123,16 +1124,16 @@ def paged_attention_triton(
     # A decode-only batch of a layer the keys-major kernel can take (kernels/keys_major_decode.py's scope).
     plain_decode = meta.is_decode_only and (sliding_window is None and logit_softcap is None and sinks is None
                                             and alibi_slopes is None and not norm_args)
-    fp16_math = kv_itemsize == 1 and q.dtype != torch.float32
     decode_config = _decode_config(meta, group, num_kv_heads, q.device, num_splits, keys_bound, dim_pad, kv_itemsize,
                                    tma_pages=kv_itemsize == 1 and _tma_readable(k_cache, v_cache, 32),
-                                   plain_decode=plain_decode, fp16_math=fp16_math)
+                                   plain_decode=plain_decode, fp32_queries=q.dtype == torch.float32)
     if meta.is_decode_only:
         tiling = (*decode_config[1:4], len(decode_config) > 5 and bool(decode_config[5]))
-        if plain_decode and keys_major_decode_chosen(group, plain_layer=True, fp8_pool=kv_itemsize == 1,
-                                                     fp16_math=fp16_math, tiling=tiling):
-            # The keys as the products' rows (FP8 pools in the 64-key 2-warp tiling unless
-            # $TRITONLLM_DECODE_KEYS_MAJOR says otherwise): same config, splits and merge.
+        if plain_decode and keys_major_decode_chosen(group, plain_layer=True, kv_itemsize=kv_itemsize,
+                                                     fp32_queries=q.dtype == torch.float32, tiling=tiling,
+                                                     splits=decode_config[4]):
+            # The keys as the products' rows (FP8 pools in the 64-key 2-warp tiling, 16-bit pools' split launches,
+            # unless $TRITONLLM_DECODE_KEYS_MAJOR says otherwise): same config, splits and merge.
             _decode_keys_major(q, k_cache, v_cache, out, meta, tables, lens, active_splits, slots, scale,
                                decode_config, dim_pad,
                                None if new_kv is None else (new_k, new_v, positions, cos_sin_cache if rotate else None))
@@ -1182,7 +1183,7 @@ def _decode_keys_major(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
     widening = fp8_widening(config[1]) if fp16_math else (False, V_BY_TRITON)
     compiled = keys_major_decode(q, k_cache, v_cache, out, parts, tables, lens, active_splits if dynamic else None,
                                  scale * _LOG2E, config, dim_pad, widening, new_kv, slots)
-    if q.is_cuda:  # its programs an SM, under its own key: the splits of its next launches go by them
+    if q.is_cuda:  # its programs an SM, under its own key: the splits of its next FP8 launches go by them
         tiling = (*config[1:4], len(config) > 5 and bool(config[5]))
         _record_residency(compiled, _decode_tiling_key(q.device, config[0], tiling, dim_pad, k_cache.element_size(),
                                                        widening, keys_major=True), q.device)

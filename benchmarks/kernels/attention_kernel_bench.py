@@ -41,8 +41,8 @@ every one of kernels/triton_attention.py FP8_WIDENINGS: the $TRITONLLM_ATTN_FP8_
 (``+rotary append``) with Triton's widening, the default one and "v" where run, and at 8-64 sequences over 16k
 keys or more with the key splits forced to 1 / 2 / 4 / 8; ``--grid_more`` adds FP8 variants by words
 (parsed_variant: widening, TMA, tiling, splits, split policy, served form, the keys-major kernel ``km`` / ``km=0``),
-for bf16 pools too (``--pool bf16 --grid_more "default;km"``: the keys-major kernel, never the default there, against
-the default kernel), ``--grid_no_standard`` runs only those,
+for bf16 pools too (``--pool bf16 --grid_more "default;km=0"``: the served choice, keys-major for split launches,
+against the default kernel), ``--grid_no_standard`` runs only those,
 ``--grid_cases`` other cases. Each case's pool is built once for all its variants. Reported besides us a layer:
 the K/V bytes read per second, their share of benchmarks/common.py copy_bandwidth (an eager 2 GiB copy, read +
 written bytes, measured first in the same process), and the decode config each variant launched.
@@ -284,7 +284,7 @@ def parsed_variant(spec: str) -> tuple[str, dict, int | None, bool, tuple | None
     by the keys-major kernel, kernels/keys_major_decode.py, wherever it runs: $TRITONLLM_DECODE_KEYS_MAJOR=1, with
     the same config and splits), ``km=0`` (the default kernel always), ``km=auto``, ``default`` (nothing forced).
     A variant without a km word takes the served choice ("auto": keys-major on FP8 pools in the 64-key 2-warp
-    tiling) whatever the environment says."""
+    tiling and for 16-bit pools' split launches) whatever the environment says."""
     from kernels import keys_major_decode, triton_attention
 
     env, splits, rotary, tiling = {keys_major_decode.DECODE_KEYS_MAJOR_ENV: "auto"}, None, False, None
@@ -343,8 +343,8 @@ def run_grid(pools: list[str], copy: float, widenings: list[str], cases: list[st
                     us = time_us(call, layers=k_cache.shape[0])
                     tiling_run = (*chosen[-1][1:4], chosen[-1][5:6] == (True,))
                     ran_km = meta.is_decode_only and keys_major_decode_chosen(
-                        NUM_HEADS // NUM_KV_HEADS, plain_layer=True, fp8_pool=pool == "fp8",
-                        fp16_math=pool == "fp8" and q.dtype != torch.float32, tiling=tiling_run)
+                        NUM_HEADS // NUM_KV_HEADS, plain_layer=True, kv_itemsize=k_cache.element_size(),
+                        fp32_queries=q.dtype == torch.float32, tiling=tiling_run, splits=chosen[-1][4])
                 tb_s = kv_bytes / us / 1e6
                 rows.append({"case": name, "pool": pool, "tiling": label, "us": round(us, 1),
                              "kv_tb_s": round(tb_s, 2), "pct_copy": round(100 * tb_s / copy, 1) if copy else 0.0})

@@ -103,27 +103,34 @@ def test_keys_major_decode_runs_the_splits_a_graph_replay_asks_for(device, monke
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("pool", ["16-bit", "fp8"])
-@pytest.mark.parametrize("large_batch_tiles", [False, True])
+@pytest.mark.parametrize("launch", ["split", "one split", "large-batch tiles"])
 @pytest.mark.parametrize("switch", [None, "0", "1"])
-def test_decode_takes_the_keys_major_kernel_where_the_switch_and_tiling_say(device, monkeypatch, pool,
-                                                                           large_batch_tiles, switch):
-    """Unset ("auto"): FP8 pools in the 64-key 2-warp tiling run the keys-major kernel; the large-batch tiling (32 x
-    1 x 3, FP8_SHORT_CONTEXT_BATCH lowered so 4 sequences take it) and 16-bit pools the default kernel. "0": never;
-    "1": always. Each within bf16's rounding of the reference."""
+def test_decode_takes_the_keys_major_kernel_where_the_switch_and_tiling_say(device, monkeypatch, pool, launch, switch):
+    """Unset ("auto"): FP8 pools in the 64-key 2-warp tiling run the keys-major kernel, split or not; the FP8
+    large-batch tiling (32 x 1 x 3, FP8_SHORT_CONTEXT_BATCH lowered so 4 sequences take it) the default kernel;
+    16-bit pools (64 x 4 x 3) the keys-major kernel when the launch splits the keys (4 sequences of 2 KV heads over
+    299 keys: 2 splits), else the default kernel. "0": never; "1": always. Each within bf16's rounding of the
+    reference."""
     if switch is None:
         monkeypatch.delenv(ENV, raising=False)
     else:
         monkeypatch.setenv(ENV, switch)
     monkeypatch.delenv(triton_attention.FP8_WIDEN_ENV, raising=False)
-    if large_batch_tiles:
+    if launch == "large-batch tiles":
         monkeypatch.setattr(triton_attention, "FP8_SHORT_CONTEXT_BATCH", 2)
     q, k_cache, v_cache, meta = decode_case(device, HEADS["group 8"], pool, seed=7)
     runs = keys_major_runs(monkeypatch)
-    out = triton_attention.paged_attention_triton(q, k_cache, v_cache, meta, 64**-0.5)
-    expected = switch == "1" or (switch is None and pool == "fp8" and not large_batch_tiles)
+    out = triton_attention.paged_attention_triton(q, k_cache, v_cache, meta, 64**-0.5,
+                                                  num_splits=1 if launch == "one split" else None)
+    if pool == "fp8":
+        by_default = launch != "large-batch tiles"
+    else:
+        by_default = launch != "one split"
+    expected = switch == "1" or (switch is None and by_default)
     assert len(runs) == expected, runs
     if expected and switch is None:
-        assert runs[0][1:3] == (64, 2)
+        assert runs[0][1:3] == ((64, 2) if pool == "fp8" else (64, 4))
+        assert pool == "fp8" or runs[0][4] > 1
     ref = paged_attention_ref(q, k_cache, v_cache, meta, 64**-0.5)
     assert relative_error(out, ref) < TOLERANCE[torch.bfloat16], relative_error(out, ref)
 
@@ -145,35 +152,41 @@ def test_keys_major_launch_records_its_own_residency(monkeypatch):
     assert relative_error(out, ref) < TOLERANCE[torch.bfloat16], relative_error(out, ref)
 
 
-def test_the_default_choice_goes_by_pool_math_tiling_and_layer(monkeypatch):
-    """keys_major_decode_chosen: unset or "auto" -> FP8 pools read with fp16 math in the 64-key 2-warp tiling (any
-    stages, no TMA); not the 32 x 1 x 3 / 32 x 1 x 6 TMA / 32 x 4 x 2 FP8 tilings, 4-warp ones, 16-bit pools, an
-    fp32 engine's FP8 pool, layers outside the kernel's scope or groups over 64. "1": wherever it can run; "0":
-    nowhere."""
-    def chosen(tiling, fp8_pool=True, fp16_math=True, plain_layer=True, group=4):
-        return keys_major.keys_major_decode_chosen(group, plain_layer=plain_layer, fp8_pool=fp8_pool,
-                                                   fp16_math=fp16_math, tiling=tiling)
+def test_the_default_choice_goes_by_pool_math_tiling_splits_and_layer(monkeypatch):
+    """keys_major_decode_chosen: unset or "auto" -> FP8 pools under 16-bit queries in the 64-key 2-warp tiling (any
+    stages, split or not, no TMA), 16-bit pools in 64 x 4 x 3 when split; not the 32 x 1 x 3 / 32 x 1 x 6 TMA /
+    32 x 4 x 2 FP8 tilings, 4-warp FP8 ones, an unsplit 16-bit launch or a wide-head (64 x 4 x 2) one, fp32
+    queries, fp32 pools, layers outside the kernel's scope or groups over 64. "1": wherever it can run; "0": nowhere."""
+    def chosen(tiling, kv_itemsize=1, splits=1, fp32_queries=False, plain_layer=True, group=4):
+        return keys_major.keys_major_decode_chosen(group, plain_layer=plain_layer, kv_itemsize=kv_itemsize,
+                                                   fp32_queries=fp32_queries, tiling=tiling, splits=splits)
 
-    served = [(64, 2, 5, False), (64, 2, 5), (64, 2, 3, False)]
-    others = [(32, 1, 3, False), (32, 1, 6, True), (32, 4, 2, False), (64, 4, 3, False), (128, 4, 3, False),
-              (64, 2, 5, True)]
+    served = [dict(tiling=(64, 2, 5, False)), dict(tiling=(64, 2, 5)), dict(tiling=(64, 2, 3, False)),
+              dict(tiling=(64, 2, 5, False), splits=8), dict(tiling=(64, 4, 3, False), kv_itemsize=2, splits=2),
+              dict(tiling=(64, 4, 3, False), kv_itemsize=2, splits=16)]
+    others = [dict(tiling=t) for t in [(32, 1, 3, False), (32, 1, 6, True), (32, 4, 2, False), (64, 4, 3, False),
+                                       (128, 4, 3, False), (64, 2, 5, True)]]
+    others += [dict(tiling=(64, 4, 3, False), kv_itemsize=2), dict(tiling=(64, 4, 2, False), kv_itemsize=2, splits=8),
+               dict(tiling=(64, 4, 3, True), kv_itemsize=2, splits=8), dict(tiling=(64, 2, 5, False), kv_itemsize=2,
+                                                                            splits=8),
+               dict(tiling=(64, 4, 3, False), kv_itemsize=4, splits=8),
+               dict(tiling=(64, 2, 5, False), fp32_queries=True),
+               dict(tiling=(64, 4, 3, False), kv_itemsize=2, splits=8, fp32_queries=True)]
+    outside = [dict(tiling=(64, 2, 5, False), plain_layer=False), dict(tiling=(64, 2, 5, False), group=65),
+               dict(tiling=(64, 4, 3, False), kv_itemsize=2, splits=8, plain_layer=False)]
     for switch in (None, "", "auto"):
         if switch is None:
             monkeypatch.delenv(ENV, raising=False)
         else:
             monkeypatch.setenv(ENV, switch)
-        assert all(chosen(t) for t in served)
-        assert not any(chosen(t) for t in others)
-        assert not chosen((64, 2, 5, False), fp8_pool=False, fp16_math=False)  # a 16-bit pool's (64 x 4 x 3 anyway)
-        assert not chosen((64, 2, 5, False), fp16_math=False)  # an fp32 engine's FP8 pool
-        assert not chosen((64, 2, 5, False), plain_layer=False)
-        assert not chosen((64, 2, 5, False), group=65)
+        assert all(chosen(**c) for c in served)
+        assert not any(chosen(**c) for c in others + outside)
     monkeypatch.setenv(ENV, "1")
-    assert all(chosen(t) for t in served + others)
-    assert chosen((64, 4, 3, False), fp8_pool=False, fp16_math=False)
-    assert not chosen((64, 2, 5, False), plain_layer=False) and not chosen((64, 2, 5, False), group=65)
+    assert all(chosen(**c) for c in served + others)
+    assert not any(chosen(**c) for c in outside)
     monkeypatch.setenv(ENV, "0")
-    assert not any(chosen(t) for t in served + others)
+    assert not any(chosen(**c) for c in served + others)
+    assert keys_major.keys_major_own_residency(1) and not keys_major.keys_major_own_residency(2)
 
 
 def test_a_keys_major_graph_capture_plans_its_replays_by_its_own_residency(monkeypatch):
@@ -194,11 +207,11 @@ def test_a_keys_major_graph_capture_plans_its_replays_by_its_own_residency(monke
     key = lambda km: triton_attention._decode_tiling_key(device, 16, tiling, 128, 1, widening, km)  # noqa: E731
     triton_attention._DECODE_RESIDENT.update({key(False): 5, key(True): 3})
 
-    def captured(num_seqs, plain_decode=True):
+    def captured(num_seqs, plain_decode=True, kv_itemsize=1):
         meta = AttentionMetadata(slot_mapping=None, block_tables=None, cu_seqlens_q=None,
                                  context_lens=torch.zeros(num_seqs), max_seqlen_q=1, max_context_len=22016,
                                  is_decode_only=True, decode_splits=torch.ones(1, dtype=torch.int32))
-        splits = triton_attention._decode_config(meta, 4, 8, device, None, None, 128, 1,
+        splits = triton_attention._decode_config(meta, 4, 8, device, None, None, 128, kv_itemsize,
                                                  plain_decode=plain_decode)[4]
         return meta.decode_split_plan, splits
 
@@ -215,6 +228,14 @@ def test_a_keys_major_graph_capture_plans_its_replays_by_its_own_residency(monke
     assert replay[0] == triton_attention._decode_num_splits(48, 8, 21000, 132, 64, 3)
     assert replay[1] == triton_attention._decode_num_splits(48, 8, 21000, 132, 64, 5)
     assert replay[0] != replay[1], replay
+    # 16-bit pools split by the default kernel's residency whichever kernel runs (the keys-major one's left 64 x
+    # 8,192 on a bf16 pool at 1 split, 681 us against the default's 553 with 16).
+    monkeypatch.delenv(ENV, raising=False)
+    tiling_16 = triton_attention._decode_tiling(48, 16, False, 2, False)
+    key_16 = lambda km: triton_attention._decode_tiling_key(device, 16, tiling_16, 128, 2,  # noqa: E731
+                                                            (False, triton_attention.V_BY_TRITON), km)
+    triton_attention._DECODE_RESIDENT.update({key_16(False): 5, key_16(True): 3})
+    assert captured(48, kv_itemsize=2)[0] == (8, 5 * 132, 132)
 
 
 @pytest.mark.gpu
