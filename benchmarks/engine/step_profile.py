@@ -130,6 +130,22 @@ def profile_decode_graph(runner, batch_size: int, context: int, replays: int = 1
     return first
 
 
+def profile_without_pdl(profile) -> dict:
+    """``profile()`` (a graph captured and profiled) with the Triton kernels launched without programmatic dependent
+    launch (kernels/_triton.py set_pdl), then PDL as it was. Why: under PDL a kernel's programs start while the one
+    before still runs and wait in griddepcontrol.wait, so the profiler's duration of, e.g., the split merge after a
+    multi-wave decode attention holds the attention's last wave (issue 51: 382 us a launch, its kernels 12 ms over
+    the step's time); launched plainly, each kernel's time is its own."""
+    from kernels import _triton
+
+    was = _triton._pdl_enabled
+    _triton.set_pdl(False)
+    try:
+        return profile()
+    finally:
+        _triton.set_pdl(was)
+
+
 def profile_calls(call, calls: int) -> dict:
     """Kernel families, the top kernels and launches of ``calls`` calls of ``call``, per call."""
     import torch
@@ -207,6 +223,9 @@ def sweep_splits(runner, batch, counts: list[int]) -> dict:
 def print_profile(title: str, result: dict) -> None:
     print(f"\n{title}: step {result['step_ms']:.2f} ms (CUDA events), kernels {result['kernels_ms']:.2f} ms "
           f"in {result['launches']} launches")
+    if result["kernels_ms"] > 1.02 * result["step_ms"]:
+        print(f"(the kernels' times overlap by {result['kernels_ms'] - result['step_ms']:.2f} ms: under PDL a kernel's "
+              "programs start early and wait in griddepcontrol.wait for the one before; --pdl_ab shows each alone)")
     print("| family | ms | share |\n|---|---|---|")
     for family, ms in result["families_ms"].items():
         print(f"| {family} | {ms:.2f} | {ms / result['kernels_ms']:.0%} |")
@@ -232,6 +251,9 @@ def main(argv: list[str] | None = None) -> dict:
                              "96 for 91; its extra rows are padding); default the batch")
     parser.add_argument("--page_order", default="in_order",
                         help="--graph: comma list of in_order / shuffled (graph_tables), one profile each")
+    parser.add_argument("--pdl_ab", action="store_true",
+                        help="--graph: where the load chose PDL, the graph captured and profiled once more without it "
+                             "(each kernel's own time; under PDL a kernel's time holds its wait on the one before)")
     parser.add_argument("--kv_gib", type=float, default=0.0,
                         help="a KV pool of this many GiB (all layers; the engine's: 123.5 for Llama-8B's FP8 pool at "
                              "0.95 of an H200), capped at 0.95 of the free memory; default: the shapes' pages")
@@ -284,6 +306,12 @@ def main(argv: list[str] | None = None) -> dict:
             import kernels.triton_attention as attention
 
             print(f"decode programs an SM holds, by tiling: {getattr(attention, '_DECODE_RESIDENT', '?')}")
+            if args.pdl_ab and getattr(runner, "launch_choice", {}).get("pdl"):
+                result["pdl_off"] = profile_without_pdl(
+                    lambda: profile_decode_graph(runner, count, length, bucket=args.bucket or None,
+                                                 orders=tuple(args.page_order.split(","))[:1]))
+                print_profile(f"{title} (PDL off: each kernel's own time; {result['pdl_off']['page_order']} pages)",
+                              result["pdl_off"])
         else:
             print_profile(title, result)
         if kind == "decode" and args.sweep_splits:

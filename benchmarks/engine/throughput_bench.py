@@ -401,6 +401,7 @@ def where_time_went(history: list, wall_seconds: float, executor, context: int) 
         try:  # a diagnostic: a failure here must not cost the shape's figures
             out["bucket_graph_ms"] = decode_graph_ms(executor.runner, round(out["bucket_batch_mean"]), context)
             out["bucket_graph_context"] = context
+            out["bucket_graph_splits"] = graph_splits_text(graphs, bucket)
         except Exception as error:  # noqa: BLE001
             print(f"  (decode graph alone not timed: {error!r})", flush=True)
     return out
@@ -421,6 +422,19 @@ def decode_graph_ms(runner, batch: int, context: int) -> float:
         return float("nan")  # wider than the graphs' block tables
     # Timed without graphs.run's host work: its buffers now hold this batch.
     return cuda_time_ms(graphs.graphs[graphs.bucket_for(batch)].replay, warmup=1, repeat=5)
+
+
+def graph_splits_text(graphs, bucket: int) -> str:
+    """How the decode attention of ``bucket``'s graph split its keys in the replay just run: the count its host
+    asked for and the plan it came from (kernels/triton_attention.py decode_active_splits), or that it has no plan
+    and keeps the splits its capture chose. Why it is reported: issue 51's 91 x 21,000 graph took 50 ms where 41 was
+    due, captured without the keys-major kernel's residency and so with one split and no plan (1,478 us a layer
+    against 1,136 with 2)."""
+    plan = graphs.metas[bucket].decode_split_plan
+    if plan is None:
+        return "no split plan: the splits its capture chose"
+    _, capacity, sms = plan  # (KV heads, programs the GPU holds at once, SMs)
+    return f"{int(graphs.host_splits[0])} splits a replay ({capacity} programs at once on {sms} SMs)"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -448,7 +462,8 @@ def time_text(t: dict) -> str:
     if "bucket" in t:
         text += f"; decode at batch {t['bucket_batch_mean']:,.0f}: {t['bucket_step_ms_mean']:.2f} ms/step"
         if "bucket_graph_ms" in t:
-            text += f" vs graph {t['bucket_graph_ms']:.2f} ms (alone, context {t.get('bucket_graph_context', '?')})"
+            text += f" vs graph {t['bucket_graph_ms']:.2f} ms (alone, context {t.get('bucket_graph_context', '?')}"
+            text += f"; {t['bucket_graph_splits']})" if "bucket_graph_splits" in t else ")"
     return text
 
 

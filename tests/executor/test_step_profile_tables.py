@@ -1,5 +1,5 @@
-"""benchmarks/engine/step_profile.py graph_tables (issue 51's --page_order): the decode graph's block tables,
-each sequence's pages adjacent or drawn from the whole pool. Pure Python."""
+"""benchmarks/engine/step_profile.py (issue 51): graph_tables (--page_order: the decode graph's block tables,
+each sequence's pages adjacent or drawn from the whole pool) and profile_without_pdl (--pdl_ab). No GPU."""
 from __future__ import annotations
 
 import pytest
@@ -25,3 +25,20 @@ def test_graph_tables_refuse_a_small_pool_and_unknown_orders():
         graph_tables(3, 4, 10, "in_order")
     with pytest.raises(ValueError, match="in_order or shuffled"):
         graph_tables(1, 1, 10, "random")
+
+
+def test_profile_without_pdl_turns_it_off_for_the_call_and_restores_it(monkeypatch):
+    from benchmarks.engine.step_profile import profile_without_pdl
+    from kernels import _triton
+
+    monkeypatch.setattr(_triton, "PDL_ALLOWED", True)
+    monkeypatch.setattr(_triton, "_pdl_enabled", True)
+    assert profile_without_pdl(lambda: _triton._pdl_enabled) is False
+    assert _triton._pdl_enabled is True
+
+    def failing():
+        raise RuntimeError("capture failed")
+
+    with pytest.raises(RuntimeError, match="capture failed"):
+        profile_without_pdl(failing)
+    assert _triton._pdl_enabled is True  # restored on the way out of an error too

@@ -1,12 +1,14 @@
 """benchmarks/engine/throughput_bench.py on CPU (tiny shape): a TensorRT-LLM shape (128/128) and one it publishes
 no figure for (512/16) through the executor print trtllm-bench's fields and the table against TensorRT-LLM's
 figure (or n/a), with numbers that add up;
-the steady-state check tells a run of many waves from one of two; request counts and batch bounds."""
+the steady-state check tells a run of many waves from one of two; request counts and batch bounds; the graph-alone
+figure's split report."""
 import json
 from types import SimpleNamespace
 
 import pytest
 
+from benchmarks.engine import throughput_bench as tb
 from benchmarks.engine.throughput_bench import (TRT_LLM_H100_FP8_TOK_S, batch_bounds, main, markdown, parse_args,
                                                 parse_shapes, request_count, steady_state, trt_llm_column)
 
@@ -128,3 +130,24 @@ def test_tensorrt_llm_column_follows_the_gpu():
     h200 = trt_llm_column("NVIDIA H200")[1]
     assert h200[(20000, 2000)] == 1804 and h200[(128, 128)] == 27911 and (1000, 2000) not in h200
     assert trt_llm_column("cpu") == ("H100", TRT_LLM_H100_FP8_TOK_S)
+
+
+def test_the_graph_alone_figure_says_how_its_attention_split_its_keys():
+    """Issue 51: a decode graph captured without its kernel's residency kept one split and no plan (50 ms where 41
+    was due); the "where the time went" line now says which way the timed replay split."""
+    import torch
+
+    def graphs(plan, splits):  # DecodeGraphs' two fields it reads (a DecodeGraphs needs CUDA)
+        return SimpleNamespace(metas={96: SimpleNamespace(decode_split_plan=plan)},
+                               host_splits=torch.tensor([splits], dtype=torch.int32))
+
+    planned = tb.graph_splits_text(graphs((8, 528, 132), 2), 96)
+    assert planned == "2 splits a replay (528 programs at once on 132 SMs)"
+    assert tb.graph_splits_text(graphs(None, 16), 96) == "no split plan: the splits its capture chose"
+    time = {"context_share": 0.4, "context_steps": 675, "decode_share": 0.6, "decode_steps": 5556, "bucket": 96,
+            "bucket_batch_mean": 91.0, "bucket_step_ms_mean": 41.2, "bucket_graph_ms": 40.8,
+            "bucket_graph_context": 21000, "bucket_graph_splits": planned}
+    assert tb.time_text(time).endswith("vs graph 40.80 ms (alone, context 21000; 2 splits a replay (528 programs at "
+                                       "once on 132 SMs))")
+    del time["bucket_graph_splits"]  # a JSON from before the field
+    assert tb.time_text(time).endswith("vs graph 40.80 ms (alone, context 21000)")
