@@ -276,7 +276,8 @@ def test_head_graph_logits_and_greedy_ids_match_the_eager_head(tmp_path, num_seq
     3 rows in bucket 4)."""
     from kernels.sampling import greedy_tokens
 
-    runner = ModelRunner(config_only_engine(tmp_path, "bfloat16"), device="cuda")
+    # (max_batch_size 4: buckets 1, 2, 4 only, so the capture stays short; a 24-row engine's took > 22 s on the H200)
+    runner = ModelRunner(config_only_engine(tmp_path, "bfloat16", max_batch_size=4), device="cuda")
     runner.allocate_kv_cache(400)
     prompt_lens = [13 + 7 * i % 29 for i in range(num_seqs)]
     prefill, decode = prefill_then_decode_batches(num_seqs, prompt_lens, steps=4, page=16)
