@@ -454,21 +454,17 @@ def decode_overlapped(runner: ModelRunner, token: int, position: int, table: lis
     return tokens, step_times
 
 
-def decode_input_copies_ab(runner: ModelRunner, token: int, position: int, table: list[int], page: int,
-                           steps: int = 128, rounds: int = 2) -> dict | None:
-    """decode_synchronous and decode_overlapped with the decode graphs' inputs copied one by one (as before their
-    staging buffer: DecodeGraphs.separate_copies) and in one copy, in turns, ``rounds`` times: per way, the median
-    step of each loop and the median host time in runner.forward (ms; the first 16 steps of each loop left out).
-    None without decode graphs. The tokens are the same either way (``same_tokens``)."""
-    graphs = getattr(runner, "decode_graphs", None)
-    if graphs is None or not hasattr(graphs, "separate_copies"):
-        return None
-    was, out, tokens = graphs.separate_copies, {}, set()
-    series = {(way, part): [] for way in ("separate", "one") for part in ("sync", "forward", "overlapped")}
+def _decode_loops_ab(runner: ModelRunner, token: int, position: int, table: list[int], page: int, steps: int,
+                     rounds: int, graphs, attribute: str, ways: dict[str, bool]) -> dict:
+    """decode_synchronous and decode_overlapped with ``graphs.<attribute>`` set to each of ``ways``' values in turn,
+    ``rounds`` times (restored after): per way the median step of each loop and the median host time in
+    runner.forward (ms; the first 16 steps of each loop left out), and whether every loop gave the same tokens."""
+    was, out, tokens = getattr(graphs, attribute), {}, set()
+    series = {(way, part): [] for way in ways for part in ("sync", "forward", "overlapped")}
     try:
         for _ in range(rounds):
-            for way in ("separate", "one"):
-                graphs.separate_copies = way == "separate"
+            for way, value in ways.items():
+                setattr(graphs, attribute, value)
                 forward: list[float] = []
                 ids, times = decode_synchronous(runner, token, position, table, page, steps, forward)
                 series[way, "sync"] += times[16:]
@@ -477,42 +473,33 @@ def decode_input_copies_ab(runner: ModelRunner, token: int, position: int, table
                 series[way, "overlapped"] += times[16:]
                 tokens.update((tuple(ids), tuple(again)))
     finally:
-        graphs.separate_copies = was
+        setattr(graphs, attribute, was)
     for (way, part), values in series.items():
         out[f"{way}_{part}_ms"] = statistics.median(values) * 1e3
     out["same_tokens"] = len(tokens) == 1
     return out
+
+
+def decode_input_copies_ab(runner: ModelRunner, token: int, position: int, table: list[int], page: int,
+                           steps: int = 128, rounds: int = 2) -> dict | None:
+    """The decode graphs' inputs copied one by one (``separate``: DecodeGraphs.separate_copies, as before their
+    staging buffer) against in one copy (``one``), by _decode_loops_ab. None without decode graphs."""
+    graphs = getattr(runner, "decode_graphs", None)
+    if graphs is None or not hasattr(graphs, "separate_copies"):
+        return None
+    return _decode_loops_ab(runner, token, position, table, page, steps, rounds, graphs, "separate_copies",
+                            {"separate": True, "one": False})
 
 
 def decode_head_graph_ab(runner: ModelRunner, token: int, position: int, table: list[int], page: int,
                          steps: int = 128, rounds: int = 2) -> dict | None:
-    """decode_synchronous and decode_overlapped with the decode graph's LM head and greedy pick launched eagerly
-    after the replay (``eager``) and replayed from its head graph (``graph``, cuda_graphs.py), in turns, ``rounds``
-    times: per way the median step of each loop and the median host time in runner.forward (ms; the first 16 steps
-    of each loop left out). None without a head graph at batch 1. The tokens are the same either way
-    (``same_tokens``)."""
+    """The decode graph's LM head and greedy pick launched eagerly after the replay (``eager``) against replayed
+    from its head graph (``graph``, cuda_graphs.py), by _decode_loops_ab. None without a head graph at batch 1."""
     graphs = getattr(runner, "decode_graphs", None)
     if graphs is None or graphs.bucket_for(1) not in getattr(graphs, "head_graphs", {}):
         return None
-    was, out, tokens = graphs.use_head_graphs, {}, set()
-    series = {(way, part): [] for way in ("eager", "graph") for part in ("sync", "forward", "overlapped")}
-    try:
-        for _ in range(rounds):
-            for way in ("eager", "graph"):
-                graphs.use_head_graphs = way == "graph"
-                forward: list[float] = []
-                ids, times = decode_synchronous(runner, token, position, table, page, steps, forward)
-                series[way, "sync"] += times[16:]
-                series[way, "forward"] += forward[16:]
-                again, times = decode_overlapped(runner, token, position, table, page, steps)
-                series[way, "overlapped"] += times[16:]
-                tokens.update((tuple(ids), tuple(again)))
-    finally:
-        graphs.use_head_graphs = was
-    for (way, part), values in series.items():
-        out[f"{way}_{part}_ms"] = statistics.median(values) * 1e3
-    out["same_tokens"] = len(tokens) == 1
-    return out
+    return _decode_loops_ab(runner, token, position, table, page, steps, rounds, graphs, "use_head_graphs",
+                            {"eager": False, "graph": True})
 
 
 def decode_host_parts(runner: ModelRunner, token: int, position: int, table: list[int], page: int,
