@@ -53,6 +53,20 @@ def _page_of(table, start, last, PAGE: tl.constexpr):
 
 
 @jit
+def _tile_page(table, start, block_next, last, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, TABLE_AHEAD: tl.constexpr):
+    """(the pool block of the tile at key ``start``, the next tile's block): TABLE_AHEAD hands back ``block_next``
+    (looked up a tile earlier, before the loop for the first tile) and looks the next tile's up now, so the page is a
+    loop-carried register (DECODE_TABLE_AHEAD); else the tile's page is looked up in its own step and ``block_next``
+    passes through unused. The pipelined loops of this module and kernels/mla_decode_parts.py call it."""
+    if TABLE_AHEAD:
+        block = block_next
+        block_next = _page_of(table, start + BLOCK_N, last, PAGE)
+    else:
+        block = _page_of(table, start, last, PAGE)
+    return block, block_next
+
+
+@jit
 def _tile_in(cache_ptr, block, start, last, stride_cb, stride_cs, RANK: tl.constexpr, ROPE: tl.constexpr,
              RANK_PAD: tl.constexpr, ROPE_PAD: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
     """_tile's rows from pool block ``block`` (_page_of's, looked up by the caller)."""
@@ -231,11 +245,7 @@ def _mla_decode_kernel(q_lat_ptr, q_rope_ptr, cache_ptr, part_ptr, lse_ptr, bloc
         acc_t = tl.zeros([RANK_PAD, BLOCK_H], dtype=tl.float32)
         block_next = _page_of(table, first, last, PAGE)  # TABLE_AHEAD: the next tile's page, a tile ahead
         for start in tl.range(first, last, BLOCK_N, num_stages=STAGES):
-            if TABLE_AHEAD:
-                block = block_next
-                block_next = _page_of(table, start + BLOCK_N, last, PAGE)
-            else:
-                block = _page_of(table, start, last, PAGE)
+            block, block_next = _tile_page(table, start, block_next, last, PAGE, BLOCK_N, TABLE_AHEAD)
             latent, k_rope = _tile_in(cache_ptr, block, start, last, stride_cb, stride_cs, RANK, ROPE, RANK_PAD,
                                       ROPE_PAD, PAGE, BLOCK_N)
             latent, k_rope = _widened(latent, WIDE, BITS, ASM), _widened(k_rope, WIDE, BITS, ASM)
@@ -245,11 +255,7 @@ def _mla_decode_kernel(q_lat_ptr, q_rope_ptr, cache_ptr, part_ptr, lse_ptr, bloc
     else:  # Triton's pipeliner: cp.async copies into shared memory (TABLE_AHEAD: STAGES - 1 tiles ahead, else one)
         block_next = _page_of(table, first, last, PAGE)
         for start in tl.range(first, last, BLOCK_N, num_stages=STAGES):
-            if TABLE_AHEAD:
-                block = block_next
-                block_next = _page_of(table, start + BLOCK_N, last, PAGE)
-            else:
-                block = _page_of(table, start, last, PAGE)
+            block, block_next = _tile_page(table, start, block_next, last, PAGE, BLOCK_N, TABLE_AHEAD)
             latent, k_rope = _tile_in(cache_ptr, block, start, last, stride_cb, stride_cs, RANK, ROPE, RANK_PAD,
                                       ROPE_PAD, PAGE, BLOCK_N)
             latent, k_rope = _widened(latent, WIDE, BITS, ASM), _widened(k_rope, WIDE, BITS, ASM)

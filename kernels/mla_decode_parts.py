@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from kernels._triton import jit, pdl_prologue, tl, triton
-from kernels.mla_decode import _page_of, _bits_query_scale, _widened, decode_launch_arguments, split_program
+from kernels.mla_decode import _bits_query_scale, _page_of, _tile_page, _widened, decode_launch_arguments, split_program
 from kernels.mla_partials import store_split_output
 
 COLUMN_PARTS = (1, 2, 4, 8)  # 1: kernels/mla_decode.py's kernel itself
@@ -101,11 +101,8 @@ def _mla_decode_parts_kernel(q_lat_ptr, q_rope_ptr, cache_ptr, part_ptr, lse_ptr
     block_next = _page_of(table, first, last, PAGE)
     for start in tl.range(first, last, BLOCK_N, num_stages=STAGES):  # cp.async copies, STAGES tiles in flight
         key_ok = start + n < last
-        if TABLE_AHEAD:  # kernels/mla_decode.py DECODE_TABLE_AHEAD: the page looked up a tile ahead
-            block = block_next
-            block_next = _page_of(table, start + BLOCK_N, last, PAGE)
-        else:
-            block = _page_of(table, start, last, PAGE)  # one page's run of rows
+        # one page's run of rows (TABLE_AHEAD: kernels/mla_decode.py DECODE_TABLE_AHEAD, looked up a tile ahead)
+        block, block_next = _tile_page(table, start, block_next, last, PAGE, BLOCK_N, TABLE_AHEAD)
         rows = (cache_ptr + block * stride_cb + (start % PAGE) * stride_cs + n * stride_cs)[:, None]  # (BLOCK_N, 1)
         k_rope = _widened(tl.load(rows + RANK + p[None, :], mask=key_ok[:, None] & (p < ROPE)[None, :], other=0.0),
                           WIDE, BITS, ASM)
