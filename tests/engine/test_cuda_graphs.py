@@ -79,16 +79,24 @@ def prefill_then_decode_batches(num_seqs: int, prompt_lens: list[int], steps: in
     return prefill, decode
 
 
+def captured_runner(tmp_path, dtype: str, device: str, num_seqs: int, steps: int, **engine_limits):
+    """(runner, decode): a ModelRunner over config_only_engine(tmp_path, dtype, **engine_limits) with a 400-block
+    pool, num_seqs prompts of odd lengths (some cross a block soon) prefilled eagerly BEFORE its CUDA graphs are
+    captured (their K/V must survive capture and warm-up), and prefill_then_decode_batches' decode batches."""
+    runner = ModelRunner(config_only_engine(tmp_path, dtype, **engine_limits), device=device)
+    runner.allocate_kv_cache(400)
+    prompt_lens = [13 + 7 * i % 29 for i in range(num_seqs)]
+    prefill, decode = prefill_then_decode_batches(num_seqs, prompt_lens, steps=steps, page=16)
+    runner.forward(prefill)
+    runner.capture_cuda_graphs()
+    return runner, decode
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 @pytest.mark.parametrize("num_seqs", [1, 3, 8, 9, 24])
 def test_graph_decode_matches_eager_decode(tmp_path, num_seqs):
-    runner = ModelRunner(config_only_engine(tmp_path, "bfloat16"), device="cuda")
-    runner.allocate_kv_cache(400)
-    prompt_lens = [13 + 7 * i % 29 for i in range(num_seqs)]  # odd lengths; some cross a block soon
-    prefill, decode = prefill_then_decode_batches(num_seqs, prompt_lens, steps=6, page=16)
-    runner.forward(prefill)  # eager, before capture: its K/V must survive capture and warm-up
-    runner.capture_cuda_graphs()
+    runner, decode = captured_runner(tmp_path, "bfloat16", "cuda", num_seqs, steps=6)
     runner.warmup()
     graphs = runner.decode_graphs
     assert graphs is not None and graphs.bucket_for(num_seqs) >= num_seqs
@@ -143,12 +151,7 @@ def test_emulated_decode_graphs_read_each_step_and_give_the_eager_logits(tmp_pat
 
     monkeypatch.setenv(DECODE_ONE_COPY_ENV, "1" if one_copy else "0")
     emulate_cuda_graphs(monkeypatch)  # (buckets to 16 rows, 128 tokens: each bucket's "capture" runs the forward)
-    runner = ModelRunner(config_only_engine(tmp_path, "float32", max_batch_size=16, max_num_tokens=128), device="cpu")
-    runner.allocate_kv_cache(400)
-    prompt_lens = [13 + 7 * i % 29 for i in range(9)]
-    prefill, decode = prefill_then_decode_batches(9, prompt_lens, steps=4, page=16)
-    runner.forward(prefill)
-    runner.capture_cuda_graphs()
+    runner, decode = captured_runner(tmp_path, "float32", "cpu", 9, steps=4, max_batch_size=16, max_num_tokens=128)
     graphs = runner.decode_graphs
     assert graphs.separate_copies is not one_copy
     for step in range(4):
@@ -186,12 +189,8 @@ def test_emulated_head_graphs_give_the_eager_logits_and_greedy_ids(tmp_path, mon
     from engine.executor.cuda_graphs import HEAD_GRAPH_MAX_ROWS
 
     replays = emulate_cuda_graphs(monkeypatch)
-    runner = ModelRunner(config_only_engine(tmp_path, "float32", max_batch_size=16, max_num_tokens=128), device="cpu")
-    runner.allocate_kv_cache(400)
-    prompt_lens = [13 + 7 * i % 29 for i in range(num_seqs)]
-    prefill, decode = prefill_then_decode_batches(num_seqs, prompt_lens, steps=3, page=16)
-    runner.forward(prefill)
-    runner.capture_cuda_graphs()
+    runner, decode = captured_runner(tmp_path, "float32", "cpu", num_seqs, steps=3, max_batch_size=16,
+                                     max_num_tokens=128)
     graphs = runner.decode_graphs
     assert sorted(graphs.head_graphs) == [b for b in graphs.buckets if b <= HEAD_GRAPH_MAX_ROWS] == [1, 2, 4, 8]
     in_head = graphs.bucket_for(num_seqs) <= HEAD_GRAPH_MAX_ROWS
@@ -277,12 +276,7 @@ def test_head_graph_logits_and_greedy_ids_match_the_eager_head(tmp_path, num_seq
     from kernels.sampling import greedy_tokens
 
     # (max_batch_size 4: buckets 1, 2, 4 only, so the capture stays short; a 24-row engine's took > 22 s on the H200)
-    runner = ModelRunner(config_only_engine(tmp_path, "bfloat16", max_batch_size=4), device="cuda")
-    runner.allocate_kv_cache(400)
-    prompt_lens = [13 + 7 * i % 29 for i in range(num_seqs)]
-    prefill, decode = prefill_then_decode_batches(num_seqs, prompt_lens, steps=4, page=16)
-    runner.forward(prefill)
-    runner.capture_cuda_graphs()
+    runner, decode = captured_runner(tmp_path, "bfloat16", "cuda", num_seqs, steps=4, max_batch_size=4)
     graphs = runner.decode_graphs
     assert graphs.bucket_for(num_seqs) in graphs.head_graphs
     for step in range(4):
