@@ -30,13 +30,17 @@ def compile_for_sm90(kernel, pointers: dict, const: dict, *, warps: int, stages:
     """``kernel`` (a @triton.jit function) compiled for sm_90 as its launch would specialize it.
     ``pointers``: argument -> pointer type ("*bf16", "*fp8e4nv", ...); ``const``: constexpr values (names the
     kernel lacks are dropped); ``floats``: fp32 scalar arguments; every other argument is an i32, divisible by
-    16 where ``aligned_int(name)`` (Triton's launcher specializes such arguments; pointers always are)."""
+    16 where ``aligned_int(name)`` (Triton's launcher specializes such arguments; pointers always are); a constexpr
+    with a default that ``const`` does not name takes its default."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     names = kernel.arg_names
-    const = {name: value for name, value in const.items() if name in names}
+    # A constexpr left out of ``const`` takes its default, as a launch that leaves it out does (not an i32 argument:
+    # that compiles a kernel no launch runs, with the constexpr's branches as run-time ones).
+    defaults = {p.name: p.default for p in kernel.params if p.is_constexpr and p.has_default and p.name not in const}
+    const = {name: value for name, value in {**defaults, **const}.items() if name in names}
     signature = {name: pointers.get(name, "constexpr" if name in const else "fp32" if name in floats else "i32")
                  for name in names}
     aligned = [name for name in names
