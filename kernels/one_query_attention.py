@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from kernels._triton import dense, jit, num_sms, pdl_options, pdl_prologue, tl, triton
-from kernels.triton_attention import _merge_splits_kernel
+from kernels.triton_attention import _merge_splits_kernel, merge_splits_pad
 
 _LOG2E = 1.4426950408889634
 # decode_splits: split a launch's keys until its programs' key tiles (K and V of one step each) put
@@ -199,5 +199,5 @@ def one_query_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
         _merge_splits_kernel[(num_tokens, num_heads)](
             part_out, part_lse, out, lens, lens, ps, pt, ph, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, DIM_PAD=dim_pad, NUM_SPLITS=splits, BY_SEQUENCE=False, DYNAMIC_SPLITS=False,
-            num_warps=1, **pdl_options(q))
+            SPLITS_PAD=merge_splits_pad(splits), num_warps=1, **pdl_options(q))
     return out

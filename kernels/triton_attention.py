@@ -87,6 +87,7 @@ slot -1 so they write nothing.
 """
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -541,9 +542,11 @@ def _merge_splits_kernel(
     part_out_ptr, part_lse_ptr, out_ptr, cu_seqlens_q_ptr, active_splits_ptr,
     stride_ps, stride_pt, stride_ph, stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, DIM_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr, BY_SEQUENCE: tl.constexpr,
-    DYNAMIC_SPLITS: tl.constexpr, PDL: tl.constexpr,
+    DYNAMIC_SPLITS: tl.constexpr, PDL: tl.constexpr, SPLITS_PAD: tl.constexpr,
 ):
     """One program per (token, head): softmax-weighted sum of the splits' normalized outputs.
+    NUM_SPLITS may be any count (a policy of any split count: split_counts); SPLITS_PAD is it rounded up to a
+    power of two (merge_splits_pad; a tl.arange's length), and the padded splits get weight 0 and are never read.
     DYNAMIC_SPLITS: only the first min(active_splits_ptr[0], NUM_SPLITS) splits ran (the attention
     kernel's).
     BY_SEQUENCE (the decode rows of a mixed batch, whose partial results are rows by sequence): one
@@ -561,15 +564,18 @@ def _merge_splits_kernel(
         token = tl.program_id(0).to(tl.int64)
         part_row = token
     head = tl.program_id(1)
-    splits = tl.arange(0, NUM_SPLITS)
+    splits = tl.arange(0, SPLITS_PAD)
     dims = tl.arange(0, DIM_PAD)
     base = splits * stride_ps + part_row * stride_pt + head * stride_ph
-    if DYNAMIC_SPLITS:
-        lse = tl.load(part_lse_ptr + base // DIM_PAD, mask=splits < tl.load(active_splits_ptr), other=float("-inf"))
+    if DYNAMIC_SPLITS:  # (clamped: with a padded range a count past NUM_SPLITS would read past the partials)
+        ran = tl.minimum(tl.load(active_splits_ptr), NUM_SPLITS)
+        lse = tl.load(part_lse_ptr + base // DIM_PAD, mask=splits < ran, other=float("-inf"))
+    elif SPLITS_PAD > NUM_SPLITS:
+        lse = tl.load(part_lse_ptr + base // DIM_PAD, mask=splits < NUM_SPLITS, other=float("-inf"))
     else:
         lse = tl.load(part_lse_ptr + base // DIM_PAD)
     lse_max = tl.max(lse, 0)  # split 0 saw the first visible key, so this is finite
-    weights = tl.math.exp2(lse - lse_max)
+    weights = tl.math.exp2(lse - lse_max)  # 0 for the splits past the count (their lse -inf): never read below
     weights = weights / tl.sum(weights, 0)
     parts = tl.load(part_out_ptr + base[:, None] + dims[None, :], mask=weights[:, None] > 0, other=0.0)
     out = tl.sum(parts * weights[:, None], 0)
@@ -577,10 +583,15 @@ def _merge_splits_kernel(
              mask=dims < HEAD_DIM)
 
 
+def merge_splits_pad(num_splits: int) -> int:
+    """_merge_splits_kernel's SPLITS_PAD for ``num_splits`` key splits: the next power of two (itself for one)."""
+    return triton.next_power_of_2(num_splits)
+
+
 def _decode_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, num_sms: int, block_n: int,
                        resident_per_sm: int | None = None) -> int:
-    """Key splits of a decode launch: a power of two, at most MAX_DECODE_SPLITS, no split shorter than
-    2 key tiles. Until ``resident_per_sm`` is known (the tiling's programs one SM holds, known once it has
+    """Key splits of a decode launch: a power of two (any count up to the policy's most under a policy of any
+    count: split_counts), at most MAX_DECODE_SPLITS, no split shorter than 2 key tiles. Until ``resident_per_sm`` is known (the tiling's programs one SM holds, known once it has
     run: _DECODE_RESIDENT), and for batches of fewer programs than twice the SMs: enough programs to cover the GPU
     twice. Then (the policy of
     $TRITONLLM_DECODE_SPLIT_POLICY, SPLIT_POLICIES): 1 for a batch of the policy's unsplit waves or more (its last
@@ -609,8 +620,25 @@ def _decode_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, n
         return 1
     # A wave of fewer programs than this takes as long as one of this many (the policy's floor).
     floor = min(per_sm * num_sms, capacity) if per_sm else share * capacity
-    counts = [1 << i for i in range(most.bit_length())]  # 1, 2, 4, ... most
-    return min(counts, key=lambda splits: _decode_split_cost(programs, splits, capacity, max_context_len, floor))
+    return min(split_counts(most), key=lambda splits: _decode_split_cost(programs, splits, capacity, max_context_len,
+                                                                           floor))
+
+
+def split_counts(most: int) -> list[int]:
+    """The split counts the policy's cost chooses among, up to ``most`` (_most_decode_splits: a power of two):
+    1, 2, 4, ... most; under a policy of any count (ANY_COUNT_POLICIES) every count 1, 2, 3, ... up to
+    min(most, its most) instead, which its mid-size decode graphs capture (captured_splits)."""
+    any_most = ANY_COUNT_POLICIES.get(split_policy_name())
+    if any_most:
+        return list(range(1, min(most, any_most) + 1))
+    return [1 << i for i in range(most.bit_length())]
+
+
+def captured_splits() -> int:
+    """The key splits a decode graph of a mid-size bucket captures in its grid (its replays use up to this many,
+    _decode_config): DYNAMIC_SPLITS_CAPTURED, or a policy of any count's most (ANY_COUNT_POLICIES), so that its
+    replays can take each count its cost may pick."""
+    return ANY_COUNT_POLICIES.get(split_policy_name(), DYNAMIC_SPLITS_CAPTURED)
 
 
 def _most_decode_splits(keys: int, block_n: int) -> int:
@@ -640,7 +668,7 @@ def _decode_split_cost(programs: int, splits: int, capacity: int, keys: int,
     max(n, floor) programs' worth of HBM bytes (fewer keep too few reads in flight to use the bandwidth;
     ``floor``: the policy's, SPLIT_POLICIES; None: SATURATING_SHARE * capacity), each program 1 / splits of a
     whole range's bytes; every doubling of the splits adds SPLIT_COST_KEYS / keys (the merge, each program's start
-    and partials).
+    and partials): log2(splits) times that, which counts between powers of two (split_counts) take in between.
 
     On an H100 (2026-11-26, benchmarks/kernels/attention_kernel_bench.py --splits, FP8 pool, 64-key tiles
     over 2 warps and 5 stages: 4 programs an SM, 528 on the GPU) one split over 5,250 keys read
@@ -653,7 +681,7 @@ def _decode_split_cost(programs: int, splits: int, capacity: int, keys: int,
     total = programs * splits
     full_waves, rest = divmod(total, capacity)
     slots = full_waves * capacity + (max(rest, floor) if rest else 0)
-    return slots / splits * (1.0 + SPLIT_COST_KEYS / max(keys, 1) * (splits.bit_length() - 1))
+    return slots / splits * (1.0 + SPLIT_COST_KEYS / max(keys, 1) * math.log2(splits))
 
 
 # A partial wave of fewer programs than this share of the GPU's capacity takes as long as one of
@@ -678,22 +706,39 @@ UNSPLIT_WAVES = 4
 # compile varied (NUM_SPLITS), and a share of 0.65 kept 48 x 21,000 at 1 split with 4 (call 4: 792 us). 3.0-4.4
 # programs an SM with 2-3 unsplit waves pick within 3.5% of the fastest measured count in all six cases at either
 # residency (48 x 21,000: 4 splits with 4 an SM, 8 with 5).
+# "h200-any" (opt-in, issue 51): "h200"'s figures, its cost choosing among every count up to 8 (split_counts), not
+# only powers of two, and its mid-size decode graphs capturing 8 splits (captured_splits). Why: at 20000/2000's
+# plateau (~91 sequences x ~21k keys, 8 KV heads: 728 programs; the FP8 keys-major tiling 64 x 2 x 5, 4 programs an
+# SM, 528 at once) "h200" takes 2 splits, 1,456 programs in 3 waves the last 76% full (92% of the slots used), where
+# 5 splits are 3,640 programs in 6.89 waves (98.5%); at 85 and 100 sequences it takes 16, which a graph clamps to
+# DYNAMIC_SPLITS_CAPTURED (4), where "h200-any" takes 3 and 7 (tests/kernels/test_decode_split_waves.py). Not yet
+# measured on the GPU: benchmarks/engine/lanes/s32_c2/split51.sh.
 DECODE_SPLIT_POLICY_ENV = "TRITONLLM_DECODE_SPLIT_POLICY"
-SPLIT_POLICIES = {"h200": (0.0, 3.5, 3, True), "h100": (SATURATING_SHARE, 0.0, UNSPLIT_WAVES, False)}
+SPLIT_POLICIES = {"h200": (0.0, 3.5, 3, True), "h100": (SATURATING_SHARE, 0.0, UNSPLIT_WAVES, False),
+                  "h200-any": (0.0, 3.5, 3, True)}
+# The policies whose cost picks among every split count up to this many (not only powers of two).
+ANY_COUNT_POLICIES = {"h200-any": 8}
 DECODE_SPLIT_POLICY_DEFAULT = "h200"
+
+
+def split_policy_name() -> str:
+    """$TRITONLLM_DECODE_SPLIT_POLICY (read at every call; unset or empty: DECODE_SPLIT_POLICY_DEFAULT), a key of
+    SPLIT_POLICIES; anything else a clear error."""
+    chosen = os.environ.get(DECODE_SPLIT_POLICY_ENV, "").strip() or DECODE_SPLIT_POLICY_DEFAULT
+    if chosen not in SPLIT_POLICIES:
+        raise ValueError(f"${DECODE_SPLIT_POLICY_ENV}={chosen!r}: one of {', '.join(SPLIT_POLICIES)}")
+    return chosen
 
 
 def split_policy() -> tuple[float, float, int, bool]:
     """(saturating share, saturating programs an SM, unsplit waves, cost within one wave) of
     $TRITONLLM_DECODE_SPLIT_POLICY (SPLIT_POLICIES)."""
-    chosen = os.environ.get(DECODE_SPLIT_POLICY_ENV, "").strip() or DECODE_SPLIT_POLICY_DEFAULT
-    if chosen not in SPLIT_POLICIES:
-        raise ValueError(f"${DECODE_SPLIT_POLICY_ENV}={chosen!r}: one of {', '.join(SPLIT_POLICIES)}")
-    return SPLIT_POLICIES[chosen]
+    return SPLIT_POLICIES[split_policy_name()]
 
 # The key splits a decode graph of a mid-size batch captures in its grid (its replays use up to
 # this many): the most the cost above chose at 48-256 sequences on an H100. A replay that uses
-# fewer leaves the rest of the grid's programs to return at once.
+# fewer leaves the rest of the grid's programs to return at once. (A policy of any count captures
+# its own most: captured_splits.)
 DYNAMIC_SPLITS_CAPTURED = 4
 
 # Decode programs one SM holds, per (device index, tiling): read from the compiled kernel after a
@@ -775,7 +820,7 @@ def _decode_config(meta: AttentionMetadata, group: int, num_kv_heads: int, devic
             # (Small buckets, whose programs cover the GPU less than twice, keep their one count: reading it from
             # memory cost a batch-1 step 2-3%.)
             meta.decode_split_plan = (num_kv_heads, capacity, sms)
-            num_splits = min(_most_decode_splits(keys_read, 64), DYNAMIC_SPLITS_CAPTURED)
+            num_splits = min(_most_decode_splits(keys_read, 64), captured_splits())
     block_n, warps, stages, tma = tiling
     return block_m, block_n, warps, stages, num_splits, tma
 
@@ -965,7 +1010,7 @@ def paged_attention_triton(
 ) -> torch.Tensor:
     """q: (num_tokens, num_heads, head_dim), last dim contiguous -> out: (num_tokens, num_heads, head_dim).
 
-    ``num_splits`` overrides the decode rows' split count (a power of two; tests use it to force
+    ``num_splits`` overrides the decode rows' split count (any count; tests use it to force
     the split path at short contexts), in mixed batches too; prompt chunks never split. ``sliding_window``,
     ``logit_softcap``, ``sinks`` (num_heads,) and ``alibi_slopes`` (num_heads,) float32:
     kernels/attention.py (None: the layer has none).
@@ -1116,7 +1161,7 @@ def paged_attention_triton(
                 part_out, part_lse, out, cu, active_splits if dynamic else cu,
                 ps, pt, ph, out.stride(0), out.stride(1),
                 HEAD_DIM=head_dim, DIM_PAD=dim_pad, NUM_SPLITS=num_splits, BY_SEQUENCE=by_sequence,
-                DYNAMIC_SPLITS=dynamic, num_warps=1,
+                DYNAMIC_SPLITS=dynamic, SPLITS_PAD=merge_splits_pad(num_splits), num_warps=1,
                 **pdl_options(q),
             )
 
@@ -1193,7 +1238,7 @@ def _decode_keys_major(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Te
         _merge_splits_kernel[(num_seqs, num_heads)](
             part_out, part_lse, out, lens, active_splits if dynamic else lens, ps, pt, ph, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, DIM_PAD=dim_pad, NUM_SPLITS=num_splits, BY_SEQUENCE=False, DYNAMIC_SPLITS=dynamic,
-            num_warps=1, **pdl_options(q))
+            SPLITS_PAD=merge_splits_pad(num_splits), num_warps=1, **pdl_options(q))
 
 
 def _short_step_plan(meta: AttentionMetadata, num_tokens: int, group: int, num_kv_heads: int, head_dim: int,
