@@ -47,6 +47,17 @@ against the default kernel), ``--grid_no_standard`` runs only those,
 the K/V bytes read per second, their share of benchmarks/common.py copy_bandwidth (an eager 2 GiB copy, read +
 written bytes, measured first in the same process), and the decode config each variant launched.
 
+``--grid_more`` words for issue 51's split counts: ``splits=N`` any count (the merge pads a count that is not a power
+of two), ``policy=h200-any`` (kernels/triton_attention.py ANY_COUNT_POLICIES: the cost over every count 1..8), and
+``replay``: the case as a decode graph's replay runs it (meta.decode_splits set: the capture's grid of
+captured_splits() splits, the replay asking for decode_active_splits' count of them). Each --grid row also says how
+many of the launched tiling's programs an SM holds (recorded after its first launch), the programs with work and the
+waves they take (programs / (that x SMs)); --json FILE writes the rows.
+
+``--dry_run_cpu`` (under TRITON_INTERPRET=1, no GPU): the same runs on CPU tensors, each "timed" by one eager call's
+wall time (meaningless figures; no copy bandwidth, residency or CUDA graph): shakes out a lane's command line and its
+variants' plumbing with a tiny case before it goes to the GPU.
+
 ``--sweep_prefill BM:BN:WARPS:STAGES,...`` and ``--sweep_decode BN:WARPS:STAGES[:tma],...`` time the cases
 again with the prompt-chunk or decode-row tiling forced to each entry (kernels/triton_attention.py's
 ``_prefill_config`` / ``_decode_config`` replaced for the run), to choose those tables. To compare
@@ -55,6 +66,9 @@ against another commit, run this file with PYTHONPATH at that commit's tree (its
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import time
 
 import torch
 
@@ -80,6 +94,7 @@ PAGE_ORDER = "shuffled"  # or "in_order": --page_order
 POOL_LAYOUT = "token_major"  # or "head_major": --pool_layout
 POOL_LAYERS = 1  # --layers: the pool holds this many layers, and each timed call attends over every one in turn
 POOL_GIB = 0.0  # --pool_gib: the pool (all its layers, K and V) at least this large, the batch's pages spread over it
+DEVICE = "cuda"  # "cpu" with --dry_run_cpu (Triton's interpreter)
 
 
 def pool_num_blocks(needed: int, layers: int, pool_gib: float, itemsize: int) -> int:
@@ -123,29 +138,29 @@ def build_case(batch: list[tuple[int, int]], pool_dtype: torch.dtype, seed: int 
     served pool's first-in-first-out free list mostly leaves a prompt's pages)."""
     from kernels.attention_metadata import AttentionMetadata
 
-    gen = torch.Generator(device="cuda").manual_seed(seed)
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
     pages = [-(-(c + n) // PAGE) for c, n in batch]
     itemsize = torch.empty((), dtype=pool_dtype).element_size()
     num_blocks = pool_num_blocks(sum(pages), POOL_LAYERS, POOL_GIB, itemsize)
     order = page_ids(sum(pages), num_blocks, PAGE_ORDER, gen)
     width = max(pages)
-    tables = torch.zeros(len(batch), width, dtype=torch.int32, device="cuda")
+    tables = torch.zeros(len(batch), width, dtype=torch.int32, device=DEVICE)
     start = 0
     for i, count in enumerate(pages):
         tables[i, :count] = order[start:start + count].int()
         start += count
-    k_cache, v_cache = layered_pool(num_blocks, POOL_LAYERS, pool_dtype, POOL_LAYOUT, "cuda", gen)
+    k_cache, v_cache = layered_pool(num_blocks, POOL_LAYERS, pool_dtype, POOL_LAYOUT, DEVICE, gen)
     q_lens = [n for _, n in batch]
     contexts = [c + n for c, n in batch]
     cu = [0]
     for n in q_lens:
         cu.append(cu[-1] + n)
-    q = torch.randn(cu[-1], NUM_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
+    q = torch.randn(cu[-1], NUM_HEADS, HEAD_DIM, device=DEVICE, dtype=torch.bfloat16, generator=gen)
     meta = AttentionMetadata(
-        slot_mapping=torch.full((cu[-1],), -1, dtype=torch.int64, device="cuda"),
+        slot_mapping=torch.full((cu[-1],), -1, dtype=torch.int64, device=DEVICE),
         block_tables=tables,
-        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device="cuda"),
-        context_lens=torch.tensor(contexts, dtype=torch.int32, device="cuda"),
+        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=DEVICE),
+        context_lens=torch.tensor(contexts, dtype=torch.int32, device=DEVICE),
         max_seqlen_q=max(q_lens), max_context_len=max(contexts), is_decode_only=all(n == 1 for n in q_lens),
         cu_seqlens_q_host=cu, context_lens_host=contexts,
     )
@@ -175,6 +190,10 @@ def time_us(fn, calls: int = 10, layers: int = 1) -> float:
     calls, replayed 3 times after a warm-up replay), per layer where a call attends over ``layers`` layers
     (attention_call; one call a graph then: 32 layers of a long-context batch are tens of ms)."""
     calls = calls if layers == 1 else 1
+    if DEVICE == "cpu":  # --dry_run_cpu: one eager call's wall time (the interpreter's; nothing to learn from it)
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e6 / layers
     return graph_time_ms(fn, repeat=calls) * 1000.0 / layers
 
 
@@ -206,9 +225,9 @@ def rotary_append_inputs(q: torch.Tensor, meta) -> tuple:
     positions = (meta.context_lens - 1).long()
     pages = meta.block_tables.gather(1, (positions // PAGE).unsqueeze(1)).squeeze(1).long()
     meta.slot_mapping = pages * PAGE + positions % PAGE
-    k = torch.randn(q.shape[0], NUM_KV_HEADS, HEAD_DIM, device="cuda", dtype=q.dtype)
+    k = torch.randn(q.shape[0], NUM_KV_HEADS, HEAD_DIM, device=DEVICE, dtype=q.dtype)
     v = torch.randn_like(k)
-    cos_sin = build_cos_sin_cache(meta.max_context_len + 1, HEAD_DIM, 500000.0, device="cuda")
+    cos_sin = build_cos_sin_cache(meta.max_context_len + 1, HEAD_DIM, 500000.0, device=DEVICE)
     return k, v, positions, cos_sin
 
 
@@ -255,39 +274,41 @@ def copy_tb_s() -> float:
     on an H200 where the eager one read 4.22.)"""
     from benchmarks.common import copy_bandwidth
 
-    return copy_bandwidth("cuda") / 1e12
+    return copy_bandwidth(DEVICE) / 1e12  # 0.0 on the CPU
 
 
-def grid_variants(pool: str, name: str, widenings: list[str]) -> list[tuple[str, dict, int | None, bool, tuple | None]]:
-    """(label, environment, forced splits, rotary_append, forced decode tiling) of one grid case: an FP8 pool in each
-    of ``widenings`` (FP8_WIDENINGS' keys), the served form with Triton's widening, the default one and "v" where
-    among ``widenings``, and at long contexts and few sequences forced key splits."""
+def grid_variants(pool: str, name: str,
+                  widenings: list[str]) -> list[tuple[str, dict, int | None, bool, tuple | None, bool]]:
+    """(label, environment, forced splits, rotary_append, forced decode tiling, graph replay) of one grid case: an FP8
+    pool in each of ``widenings`` (FP8_WIDENINGS' keys), the served form with Triton's widening, the default one and
+    "v" where among ``widenings``, and at long contexts and few sequences forced key splits."""
     if pool != "fp8":
-        return [("default", {}, None, False, None)]
+        return [("default", {}, None, False, None, False)]
     from kernels import triton_attention
 
     env = triton_attention.FP8_WIDEN_ENV
     default = triton_attention.FP8_WIDEN_DEFAULT
-    variants = [(f"widen {w}", {env: w}, None, False, None) for w in widenings]
-    variants += [(f"widen {w} +rotary append", {env: w}, None, True, None)
+    variants = [(f"widen {w}", {env: w}, None, False, None, False) for w in widenings]
+    variants += [(f"widen {w} +rotary append", {env: w}, None, True, None, False)
                  for w in dict.fromkeys(("0", default, *(w for w in widenings if w == "v")))]
     batch = case_batch(name)
     if batch[0][0] + 1 >= GRID_SPLIT_CONTEXT and len(batch) <= GRID_SPLIT_BATCH:
-        variants += [(f"widen {default}, {n} splits", {env: default}, n, False, None) for n in GRID_SPLITS]
+        variants += [(f"widen {default}, {n} splits", {env: default}, n, False, None, False) for n in GRID_SPLITS]
     return variants
 
 
-def parsed_variant(spec: str) -> tuple[str, dict, int | None, bool, tuple | None]:
+def parsed_variant(spec: str) -> tuple[str, dict, int | None, bool, tuple | None, bool]:
     """A --grid_more variant: space-separated words, ``bits=W`` ($TRITONLLM_ATTN_FP8_BITS), ``tma=all|0``
-    ($TRITONLLM_DECODE_TMA), ``tile=BN:WARPS:STAGES[:tma]`` (the decode tiling forced), ``splits=N`` (forced),
-    ``policy=h200|h100`` ($TRITONLLM_DECODE_SPLIT_POLICY), ``rotary`` (the served form), ``km`` or ``km=1`` (decode
+    ($TRITONLLM_DECODE_TMA), ``tile=BN:WARPS:STAGES[:tma]`` (the decode tiling forced), ``splits=N`` (forced, any
+    count >= 1), ``policy=h200|h100|h200-any`` ($TRITONLLM_DECODE_SPLIT_POLICY: a key of SPLIT_POLICIES), ``replay``
+    (as a decode graph's replay: run_grid), ``rotary`` (the served form), ``km`` or ``km=1`` (decode
     by the keys-major kernel, kernels/keys_major_decode.py, wherever it runs: $TRITONLLM_DECODE_KEYS_MAJOR=1, with
     the same config and splits), ``km=0`` (the default kernel always), ``km=auto``, ``default`` (nothing forced).
     A variant without a km word takes the served choice ("auto": keys-major on FP8 pools in the 64-key 2-warp
     tiling and for 16-bit pools' split launches) whatever the environment says."""
     from kernels import keys_major_decode, triton_attention
 
-    env, splits, rotary, tiling = {keys_major_decode.DECODE_KEYS_MAJOR_ENV: "auto"}, None, False, None
+    env, splits, rotary, tiling, replay = {keys_major_decode.DECODE_KEYS_MAJOR_ENV: "auto"}, None, False, None, False
     for word in spec.split():
         key, _, value = word.partition("=")
         if key == "bits":
@@ -299,22 +320,30 @@ def parsed_variant(spec: str) -> tuple[str, dict, int | None, bool, tuple | None
             tiling = (int(bn), int(warps), int(stages), tma == ["tma"])
         elif key == "splits":
             splits = int(value)
+            if splits < 1:
+                raise ValueError(f"--grid_more word {word!r}: a split count >= 1")
         elif key == "rotary":
             rotary = True
+        elif key == "replay":
+            replay = True
         elif key == "policy":
+            if value not in triton_attention.SPLIT_POLICIES:
+                raise ValueError(f"--grid_more word {word!r}: one of {', '.join(triton_attention.SPLIT_POLICIES)}")
             env[triton_attention.DECODE_SPLIT_POLICY_ENV] = value
         elif key == "km" and value in ("", *keys_major_decode.DECODE_KEYS_MAJOR_MODES):
             env[keys_major_decode.DECODE_KEYS_MAJOR_ENV] = value or "1"
         elif word != "default":
-            raise ValueError(f"--grid_more word {word!r}: bits=, tma=, tile=, splits=, policy=, rotary, "
+            raise ValueError(f"--grid_more word {word!r}: bits=, tma=, tile=, splits=, policy=, replay, rotary, "
                              f"km[=0|1|auto] or default")
-    return spec, env, splits, rotary, tiling
+    return spec, env, splits, rotary, tiling, replay
 
 
 def run_grid(pools: list[str], copy: float, widenings: list[str], cases: list[str], more: list[str],
              standard: bool = True) -> list[dict]:
     """One row per (case, pool, variant) of --grid (``standard``: grid_variants'; then ``more``'s); each case's pool
-    built once for its variants. The config column ends in "km" where the keys-major kernel ran."""
+    built once for its variants. The config column ends in "km" where the keys-major kernel ran; a replay's names
+    the grid's splits and the replay's ("8 splits, replay 5"). Each row also holds the launched tiling's programs an
+    SM (``resident``), the programs with work and their waves (wave_columns)."""
     from benchmarks.common import environment_set
     from kernels.keys_major_decode import keys_major_decode_chosen
 
@@ -329,7 +358,7 @@ def run_grid(pools: list[str], copy: float, widenings: list[str], cases: list[st
                 continue
             q, k_cache, v_cache, meta = build_case(batch, pool_dtype)
             _, kv_bytes = work(batch, k_cache.element_size())
-            for label, env, splits, rotary, tiling in variants:
+            for label, env, splits, rotary, tiling, replay in variants:
                 new_kv = rotary_append_inputs(q, meta) if rotary else None
                 call = attention_call(q, k_cache, v_cache, meta, new_kv)
                 chosen = []  # the decode config each launch took (the last: the timed graph's)
@@ -339,23 +368,89 @@ def run_grid(pools: list[str], copy: float, widenings: list[str], cases: list[st
                     chosen.append(config if splits is None else config[:4] + (splits,) + config[5:])
                     return chosen[-1]
 
-                with environment_set(env), forced("_decode_config", config_of):
-                    us = time_us(call, layers=k_cache.shape[0])
-                    tiling_run = (*chosen[-1][1:4], chosen[-1][5:6] == (True,))
-                    ran_km = meta.is_decode_only and keys_major_decode_chosen(
-                        NUM_HEADS // NUM_KV_HEADS, plain_layer=True, kv_itemsize=k_cache.element_size(),
-                        fp32_queries=q.dtype == torch.float32, tiling=tiling_run, splits=chosen[-1][4])
+                try:
+                    with environment_set(env), forced("_decode_config", config_of):
+                        active = graph_replay_splits(call, meta, len(batch)) if replay else None
+                        us = time_us(call, layers=k_cache.shape[0])
+                        tiling_run = (*chosen[-1][1:4], chosen[-1][5:6] == (True,))
+                        ran_km = meta.is_decode_only and keys_major_decode_chosen(
+                            NUM_HEADS // NUM_KV_HEADS, plain_layer=True, kv_itemsize=k_cache.element_size(),
+                            fp32_queries=q.dtype == torch.float32, tiling=tiling_run, splits=chosen[-1][4])
+                        resident = launched_residency(chosen[-1], q, k_cache.element_size(), ran_km)
+                finally:  # the next variant's calls are eager ones again
+                    meta.decode_splits = meta.decode_split_plan = None
                 tb_s = kv_bytes / us / 1e6
                 rows.append({"case": name, "pool": pool, "tiling": label, "us": round(us, 1),
                              "kv_tb_s": round(tb_s, 2), "pct_copy": round(100 * tb_s / copy, 1) if copy else 0.0})
                 block_m, block_n, warps, stages, used_splits = chosen[-1][:5]
+                working = used_splits if active is None else min(active, used_splits)
+                replayed = "" if active is None else f", replay {active}"
                 rows[-1]["config"] = f"{block_n}x{warps}x{stages}{' tma' if chosen[-1][5:6] == (True,) else ''} " \
-                                     f"{used_splits} splits{' km' if ran_km else ''}"
+                                     f"{used_splits} splits{replayed}{' km' if ran_km else ''}"
+                rows[-1].update(splits=working, **wave_columns(len(batch), working, resident, q.device))
+                waves = "?" if resident is None else f"{rows[-1]['waves']} waves, {percent(rows[-1]['slot_use'])} " \
+                                                     "of their slots"
                 print(f"{name} | {pool} | {label} | {us:.1f} us | {tb_s:.2f} TB/s | {rows[-1]['pct_copy']}% | "
-                      f"{rows[-1]['config']}", flush=True)
+                      f"{rows[-1]['config']} | {resident or '?'}/SM, {rows[-1]['programs']} programs, {waves}",
+                      flush=True)
             del q, k_cache, v_cache, meta
             torch.cuda.empty_cache()
     return rows
+
+
+def graph_replay_splits(call, meta, num_seqs: int) -> int | None:
+    """Sets the case up as a decode graph's replay runs it (engine/executor/cuda_graphs.py): meta.decode_splits holds
+    MAX_DECODE_SPLITS (what the warm-ups and the capture see), two eager calls record the tiling's residency and then,
+    for a mid-size batch, the capture's split plan and grid (kernels/triton_attention.py _decode_config:
+    captured_splits() splits), and the replay's count (decode_active_splits for this batch and its longest context)
+    is written over it. Returns that count, or None where no plan was recorded (a batch outside the mid-size buckets,
+    or no residency: Triton's interpreter), whose graph holds one count: then the launch is the eager one's."""
+    from kernels.triton_attention import MAX_DECODE_SPLITS, decode_active_splits
+
+    meta.decode_splits = torch.full((1,), MAX_DECODE_SPLITS, dtype=torch.int32, device=meta.context_lens.device)
+    meta.decode_split_plan = None
+    call()
+    call()
+    if meta.decode_split_plan is None:
+        meta.decode_splits = None
+        return None
+    active = decode_active_splits(meta.decode_split_plan, num_seqs, meta.max_context_len)
+    meta.decode_splits.fill_(active)
+    return active
+
+
+def launched_residency(config: tuple, q: torch.Tensor, kv_itemsize: int, keys_major: bool) -> int | None:
+    """Programs an SM of the decode tiling ``config`` launched (kernels/triton_attention.py _DECODE_RESIDENT, recorded
+    by its first launch under the key the kernel that ran it uses); None where not recorded (the interpreter)."""
+    from kernels import triton_attention as ta
+
+    block_m, block_n, warps, stages = config[:4]
+    tiling = (block_n, warps, stages, len(config) > 5 and bool(config[5]))
+    fp16_math = kv_itemsize == 1 and q.dtype != torch.float32
+    widening = ta.fp8_widening(block_n) if fp16_math else (False, ta.V_BY_TRITON)
+    key = ta._decode_tiling_key(q.device, block_m, tiling, ta.attention_dim_pad(HEAD_DIM), kv_itemsize, widening,
+                                keys_major)
+    return ta._DECODE_RESIDENT.get(key)
+
+
+def wave_columns(num_seqs: int, splits: int, resident: int | None, device) -> dict:
+    """``programs`` with work (sequences x KV heads x splits); with ``resident`` programs an SM (None: unknown) on the
+    device's SMs: ``waves`` (programs / the programs the GPU holds at once) and ``slot_use`` (programs / the slots of
+    the whole waves they take: the share of the GPU's time a program holds each slot, if all run equally long)."""
+    from kernels._triton import num_sms
+
+    programs = num_seqs * NUM_KV_HEADS * splits
+    if not resident:
+        return {"programs": programs, "resident": None, "waves": None, "slot_use": None}
+    capacity = resident * num_sms(device)
+    waves = programs / capacity
+    return {"programs": programs, "resident": resident, "waves": round(waves, 2),
+            "slot_use": round(programs / (-(-programs // capacity) * capacity), 3)}
+
+
+def percent(share: float | None) -> str:
+    """A share as "98.5%", or "?" where unknown."""
+    return "?" if share is None else f"{100 * share:.1f}%"
 
 
 def forced(attr: str, config_of):
@@ -403,17 +498,26 @@ def main() -> None:
     parser.add_argument("--grid_cases", default="", help="comma list of 'decode BxC' cases for --grid (its own: all)")
     parser.add_argument("--grid_more", default="",
                         help="';'-separated extra --grid variants, each words of bits=W tma=all|0 "
-                             "tile=BN:WARPS:STAGES[:tma] splits=N policy=h200|h100 rotary km[=0|1|auto] default "
-                             "(parsed_variant)")
+                             "tile=BN:WARPS:STAGES[:tma] splits=N policy=h200|h100|h200-any replay rotary "
+                             "km[=0|1|auto] default (parsed_variant)")
     parser.add_argument("--grid_no_standard", action="store_true", help="--grid: only the --grid_more variants")
     parser.add_argument("--markdown", default=None, help="append the table to this file")
+    parser.add_argument("--json", default=None, help="--grid: write its rows to this file (a JSON list)")
+    parser.add_argument("--dry_run_cpu", action="store_true",
+                        help="run on CPU tensors under TRITON_INTERPRET=1, each call timed once eagerly (figures "
+                             "meaningless): a tiny case checks a command line before it goes to the GPU")
     args = parser.parse_args()
-    global PAGE_ORDER, POOL_LAYOUT, POOL_LAYERS, POOL_GIB
+    global PAGE_ORDER, POOL_LAYOUT, POOL_LAYERS, POOL_GIB, DEVICE
     PAGE_ORDER, POOL_LAYOUT, POOL_LAYERS, POOL_GIB = args.page_order, args.pool_layout, args.layers, args.pool_gib
+    if args.dry_run_cpu:
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            parser.error("--dry_run_cpu runs the kernels under Triton's interpreter: set TRITON_INTERPRET=1")
+        DEVICE = "cpu"
     print(f"pool: {POOL_LAYOUT}, {POOL_LAYERS} layer(s), at least {POOL_GIB:g} GiB, pages {PAGE_ORDER}", flush=True)
     if args.grid:
         copy = copy_tb_s()
-        print(f"{torch.cuda.get_device_name()}: device-to-device copy of 2 GiB {copy:.2f} TB/s (read + written, "
+        device_name = torch.cuda.get_device_name() if DEVICE == "cuda" else "CPU (dry run)"
+        print(f"{device_name}: device-to-device copy of 2 GiB {copy:.2f} TB/s (read + written, "
               "benchmarks/common.py copy_bandwidth)", flush=True)
         from kernels import triton_attention
 
@@ -422,13 +526,18 @@ def main() -> None:
         more = [spec for spec in args.grid_more.split(";") if spec.strip()]
         rows = run_grid(args.pool.split(","), copy, widenings, cases, more, standard=not args.grid_no_standard)
         table = [f"| case | pool | variant | us / layer | K/V TB/s | % of copy ({copy:.2f} TB/s) | keys x warps x "
-                 "stages, splits |", "|---|---|---|---:|---:|---:|---|"]
+                 "stages, splits | programs an SM | programs | waves | slot use |",
+                 "|---|---|---|---:|---:|---:|---|---:|---:|---:|---:|"]
         table += [f"| {r['case']} | {r['pool']} | {r['tiling']} | {r['us']:,} | {r['kv_tb_s']} | {r['pct_copy']} | "
-                  f"{r['config']} |" for r in rows]
+                  f"{r['config']} | {r['resident'] or '?'} | {r['programs']:,} | {r['waves'] or '?'} | "
+                  f"{percent(r['slot_use'])} |" for r in rows]
         print("decode programs an SM holds, by tiling:", getattr(triton_attention, "_DECODE_RESIDENT", "?"))
         if args.markdown:
             with open(args.markdown, "a") as f:
                 f.write("\n".join(table) + "\n")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"copy_tb_s": copy, "rows": rows}, f, indent=1)
         return
     cases = [c for c in args.cases.split(",") if c]
     rows = []

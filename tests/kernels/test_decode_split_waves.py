@@ -188,3 +188,22 @@ def test_a_graph_replay_takes_any_count_within_any_grid(device, monkeypatch, ker
     ref = paged_attention_ref(q, k_cache, v_cache, meta, scale)
     assert torch.isfinite(out).all()
     assert relative_error(out, ref) < TOLERANCE[torch.bfloat16], relative_error(out, ref)
+
+
+def test_the_bench_takes_any_split_count_the_any_policy_and_replays():
+    """benchmarks/kernels/attention_kernel_bench.py --grid_more words of the split lane (s32_c2/split51.sh): splits=N
+    for any N >= 1, policy=h200-any (a policy it does not know fails at parse time, not mid-run), replay; and the
+    rows' wave columns: 91 x 8 x 5 = 3,640 programs at 4 an SM on 132 SMs are 6.89 waves, 98.5% of their slots."""
+    from benchmarks.kernels import attention_kernel_bench as bench
+
+    for n in range(1, 9):
+        assert bench.parsed_variant(f"splits={n}")[2] == n
+    label, env, splits, rotary, tiling, replay = bench.parsed_variant("policy=h200-any replay rotary")
+    assert env[POLICY] == "h200-any" and splits is None and rotary and replay and tiling is None
+    assert bench.parsed_variant("tile=64:2:4 splits=5")[2:5] == (5, False, (64, 2, 4, False))
+    for bad in ("policy=h300", "splits=0", "splits=x", "replays"):
+        with pytest.raises(ValueError):
+            bench.parsed_variant(bad)
+    assert bench.wave_columns(91, 5, 4, "cpu") == {"programs": 3640, "resident": 4, "waves": 6.89, "slot_use": 0.985}
+    assert bench.wave_columns(91, 2, 4, "cpu") == {"programs": 1456, "resident": 4, "waves": 2.76, "slot_use": 0.919}
+    assert bench.wave_columns(91, 2, None, "cpu")["waves"] is None
