@@ -8,12 +8,16 @@ the default decode kernel and the keys-major one (kernels/keys_major_decode.py),
 CPU under TRITON_INTERPRET=1, or CUDA."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from kernels.attention import KV_FP8_DTYPE, paged_attention_ref
 from kernels.attention_metadata import AttentionMetadata
 from kernel_testing import TOLERANCE, relative_error
+from sm90_compile import AOT_SM90, compile_for_sm90, registers, resource_usage_or_skip, stack_bytes, \
+    strides_but_block_table
 from test_kernel_attention import make_batch
 
 triton_attention = pytest.importorskip("kernels.triton_attention")
@@ -207,3 +211,30 @@ def test_the_bench_takes_any_split_count_the_any_policy_and_replays():
     assert bench.wave_columns(91, 5, 4, "cpu") == {"programs": 3640, "resident": 4, "waves": 6.89, "slot_use": 0.985}
     assert bench.wave_columns(91, 2, 4, "cpu") == {"programs": 1456, "resident": 4, "waves": 2.76, "slot_use": 0.919}
     assert bench.wave_columns(91, 2, None, "cpu")["waves"] is None
+
+
+@AOT_SM90
+@pytest.mark.parametrize("splits,dynamic", [(5, False), (7, True), (8, True), (4, False)])
+def test_the_padded_merge_and_a_5_split_keys_major_launch_compile_for_sm90(splits, dynamic, tmp_path):
+    """The merge of ``splits`` partials (its range padded to a power of two: SPLITS_PAD) and, beside it, the FP8
+    keys-major decode kernel at 5 splits (a dynamic grid of them too) compile for sm_90 and spill nothing."""
+    merge_pointers = {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": "*bf16",
+                      "cu_seqlens_q_ptr": "*i32", "active_splits_ptr": "*i32"}
+    const = dict(HEAD_DIM=128, DIM_PAD=128, NUM_SPLITS=splits, BY_SEQUENCE=False, DYNAMIC_SPLITS=dynamic, PDL=False,
+                 SPLITS_PAD=triton_attention.merge_splits_pad(splits))
+    merge = compile_for_sm90(triton_attention._merge_splits_kernel, merge_pointers, const, warps=1)
+    usage = resource_usage_or_skip(merge, Path(tmp_path))
+    assert stack_bytes(usage) == 0 and "LOCAL:0" in usage, usage
+    k_bits, v_widen = triton_attention.fp8_widening(64)
+    pointers = {name: "*bf16" for name in ("q_ptr", "out_ptr", "k_new_ptr", "v_new_ptr")}
+    pointers.update({name: "*fp8e4nv" for name in ("k_cache_ptr", "v_cache_ptr")})
+    pointers.update({name: "*fp32" for name in ("part_out_ptr", "part_lse_ptr", "cos_sin_ptr")})
+    pointers.update({name: "*i32" for name in ("block_tables_ptr", "context_lens_ptr", "active_splits_ptr")})
+    pointers.update(positions_ptr="*i64", slot_ptr="*i64")
+    const = dict(GROUP=4, G_PAD=keys_major.keys_major_columns(4), HEAD_DIM=128, DIM_PAD=128, PAGE_SIZE=32,
+                 BLOCK_N=64, NUM_SPLITS=5, PRECISION="tf32", FP16_MATH=True, ROTARY_APPEND=False, ROTATE=False,
+                 DYNAMIC_SPLITS=dynamic, PDL=False, K_BITS=k_bits, V_WIDEN=v_widen, ASM=True)
+    compiled = compile_for_sm90(keys_major._keys_major_decode_kernel, pointers, const, warps=2, stages=5,
+                                floats=("qk_scale",), aligned_int=strides_but_block_table)
+    usage = resource_usage_or_skip(compiled, Path(tmp_path))
+    assert stack_bytes(usage) == 0 and "LOCAL:0" in usage and registers(usage) <= 255, usage
