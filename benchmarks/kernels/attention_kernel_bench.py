@@ -279,18 +279,49 @@ def prefill_config_text(config: tuple | None) -> str:
     return "-" if config is None else "x".join(str(v) for v in config[:4])
 
 
+class launched_prefill_configs:
+    """Context manager: appends to ``seen`` (launch's, config) for each config kernels.triton_attention._prefill_config
+    (or what a sweep forced in its place) returns; launch's: the call passed a device (a prompt-chunk launch's; the
+    other calls count a tile map's tokens, whose BLOCK_M is the same). launched_config() picks the launch's."""
+
+    def __init__(self, seen: list):
+        self.seen = seen
+
+    def __enter__(self):
+        from kernels import triton_attention
+
+        self.chosen = chosen = triton_attention._prefill_config
+
+        def recording(*args, **kwargs):
+            config = chosen(*args, **kwargs)
+            self.seen.append((len(args) > 3 or kwargs.get("device") is not None, config))
+            return config
+
+        triton_attention._prefill_config = recording
+
+    def __exit__(self, *exc):
+        from kernels import triton_attention
+
+        triton_attention._prefill_config = self.chosen
+
+
+def launched_config(seen: list) -> tuple | None:
+    """The config of the last launch launched_prefill_configs saw: the last call that passed a device, else (kernels
+    whose _prefill_config takes none) the last call; None where there was none."""
+    for by_launch in (True, False):
+        configs = [config for launch, config in seen if launch or not by_launch]
+        if configs:
+            return configs[-1]
+    return None
+
+
 def run_case(name: str, pool: str, tiling: str = "default", rotary_append: bool = False, check: bool = False) -> dict:
     """One timed case; "config": the prompt-chunk tiling (BMxBNxWxS) its launches took, "-" for decode-only cases;
     with ``check``, "check": checked()'s verdict."""
     batch = case_batch(name)
     pool_dtype = torch.float8_e4m3fn if pool == "fp8" else half_dtype()
     seen = []
-
-    def recorded(config):
-        seen.append(config)
-        return config
-
-    with forced("_prefill_config", recorded):
+    with launched_prefill_configs(seen):
         q, k_cache, v_cache, meta = build_case(batch, pool_dtype)
         new_kv = rotary_append_inputs(q, meta) if rotary_append and meta.is_decode_only else None
         if new_kv is not None:
@@ -304,7 +335,7 @@ def run_case(name: str, pool: str, tiling: str = "default", rotary_append: bool 
         torch.cuda.empty_cache()
     row = {"case": name, "pool": pool, "tiling": tiling, "us": round(us, 1),
            "tflops": round(flops / us / 1e6, 1), "kv_tb_s": round(kv_bytes / us / 1e6, 2),
-           "config": prefill_config_text(seen[-1] if seen and any(n > 1 for _, n in batch) else None)}
+           "config": prefill_config_text(launched_config(seen) if any(n > 1 for _, n in batch) else None)}
     if verdict is not None:
         row["check"] = verdict
     return row
