@@ -831,9 +831,13 @@ FP8_SHORT_CONTEXT_BATCH = 768
 FP8_TMA_BATCH = 384
 
 
-def _prefill_config(group: int, dim_pad: int, kv_itemsize: int) -> tuple[int, int, int, int, int]:
+def _prefill_config(group: int, dim_pad: int, kv_itemsize: int, device: torch.device | None = None,
+                    max_context_len: int = 0) -> tuple[int, int, int, int, int]:
     """(BLOCK_M rows, BLOCK_N keys, warps, stages, 1) of prompt chunks (BLOCK_M // group tokens of
-    every head of a group a tile), never split.
+    every head of a group a tile), never split. With ``device`` (a prompt-chunk launch's) an sm_90 GPU and
+    ``max_context_len`` of at least PREFILL_SM90_MIN_KEYS, heads up to 128 wide: PREFILL_SM90_TILINGS' keys,
+    warps and stages for the pool, where it has an entry (BLOCK_M never changes by device: the tile maps'
+    tokens a tile, prefill_tokens_per_tile, are counted without one).
 
     H100, Llama-8B heads (benchmarks/kernels/attention_kernel_bench.py, 2026-11-26): an FP8 pool takes
     128 x 128 tiles over 8 warps, 2 stages: four 2,048-token prompts 574 -> 502 us a layer and an
@@ -845,8 +849,35 @@ def _prefill_config(group: int, dim_pad: int, kv_itemsize: int) -> tuple[int, in
     if dim_pad > 128:
         return block_m, 32, 8, 2, 1
     if kv_itemsize == 1:
-        return max(block_m, 128), 128, 8, 2, 1
-    return block_m, 64, 4, 2, 1
+        block_m = max(block_m, 128)
+        config = block_m, 128, 8, 2, 1
+    else:
+        config = block_m, 64, 4, 2, 1
+    sm90 = PREFILL_SM90_TILINGS.get(kv_itemsize)
+    if sm90 is not None and device is not None and max_context_len >= PREFILL_SM90_MIN_KEYS and _is_sm90(device):
+        return (block_m, *sm90, 1)
+    return config
+
+
+# Prompt chunks on an sm_90 GPU (H100 / H200), by the pool's bytes a value: (BLOCK_N keys, warps, stages) in place of
+# _prefill_config's, for launches whose meta.max_context_len is at least PREFILL_SM90_MIN_KEYS (a prefill CUDA
+# graph's is the engine's max_seq_len: engine/executor/prefill_graphs.py; an eager step's, its longest context).
+# Filled from benchmarks/engine/lanes/s32_c2/fa51.sh (attention_kernel_bench.py --cases prompt20k --sweep_prefill,
+# issue 51): an entry goes in only for a tiling that beat the default by >= 5% at the 8,192-token chunks over 16k and
+# 20k keys without losing at 8,192 over 8,192, the last 3,616 of a 20k prompt or 4 x 2,048.
+PREFILL_SM90_TILINGS: dict[int, tuple[int, int, int]] = {}
+PREFILL_SM90_MIN_KEYS = 8192
+_SM90_DEVICES: dict[int, bool] = {}  # device index -> compute capability is exactly 9.0
+
+
+def _is_sm90(device: torch.device) -> bool:
+    """``device`` is a CUDA GPU of compute capability 9.0 (read once per device)."""
+    if device.type != "cuda":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM90_DEVICES:
+        _SM90_DEVICES[index] = torch.cuda.get_device_capability(index) == (9, 0)
+    return _SM90_DEVICES[index]
 
 
 def _short_step_config(group: int, dim_pad: int, kv_itemsize: int) -> tuple[int, int, int, int]:
@@ -1144,7 +1175,7 @@ def paged_attention_triton(
     # token) decode tiles in a second launch. One prefill tiling for all would spend a 64-row tile's
     # dots and softmax on each decode row's 1-8 rows: on an H100 the ~480 decode rows of a 2048/128
     # step (2k-token contexts) took longer than its four 2,048-token prompts.
-    prefill_config = _prefill_config(group, dim_pad, kv_itemsize)
+    prefill_config = _prefill_config(group, dim_pad, kv_itemsize, q.device, meta.max_context_len)
     grid, splits, one_launch = _short_step_plan(meta, num_tokens, group, num_kv_heads, head_dim, kv_itemsize,
                                                 q.device, sliding_window, num_splits)
     tile_map = meta.tile_seq is not None
