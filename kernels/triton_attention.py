@@ -179,6 +179,7 @@ def _attend_keys(
     MASKED: tl.constexpr, TMA: tl.constexpr, HAS_ALIBI: tl.constexpr,
     tree_ptr, tree_rows, prefix_len, stride_tm, HAS_TREE: tl.constexpr, q_last,
     tree_words, TREE_AS_BITS: tl.constexpr, K_BITS: tl.constexpr, V_WIDEN: tl.constexpr, ASM: tl.constexpr,
+    FP8_QK: tl.constexpr,
 ):
     """The online softmax over keys [lo, hi) in tiles of BLOCK_N -> (m_i, l_i, acc). MASKED: some key
     of a tile may lie at or past kv_hi, or be hidden from some row (causality, window); unmasked
@@ -218,8 +219,12 @@ def _attend_keys(
             k, v, k_valid = paged_kv_tile(k_cache_ptr, v_cache_ptr, block_row, kv_head, k_pos, kv_hi, stride_kb,
                                           stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, HEAD_DIM, DIM_PAD,
                                           PAGE_SIZE, BLOCK_N, MASKED)
-        k, v = widened_kv(k, v, q.dtype, K_BITS, V_WIDEN, ASM)
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        k_codes = k
+        k, v = widened_kv(k, v, tl.float16 if FP8_QK else q.dtype, K_BITS, V_WIDEN, ASM)
+        if FP8_QK:  # q is E4M3 as well (the kernel's FP8_QK): the pool's K codes go into the product as they are
+            scores = tl.dot(q, tl.trans(k_codes))
+        else:
+            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         if K_BITS:  # exact (above)
             scores = scores * bits_factor(tl.float16)
         if not FP16_MATH:  # (fp16 math scaled q instead)
@@ -308,6 +313,7 @@ def _paged_attention_kernel(
     K_BITS: tl.constexpr = False,  # with FP16_MATH: how E4M3 K and V widen (_attend_keys; FP8_WIDEN_ENV)
     V_WIDEN: tl.constexpr = 0,
     ASM: tl.constexpr = False,  # K_BITS / V_WIDEN by inline PTX (CUDA); False: the same values without (interpreter)
+    FP8_QK: tl.constexpr = False,  # with FP16_MATH: q rounded to E4M3 and Q K^T an FP8 product (PREFILL_FP8_QK_ENV)
 ):
     pdl_prologue(PDL)  # before the early returns too: every program must wait (kernels/_triton.py)
     TOKENS_PER_TILE: tl.constexpr = BLOCK_M // GROUP
@@ -407,6 +413,8 @@ def _paged_attention_kernel(
         # q carries qk_scale into fp16 (|q| shrinks ~8x for 128-wide heads) and saturates at fp16's
         # largest value instead of becoming inf: a query that saturates scores > 65504 * |k| already.
         q = tl.minimum(tl.maximum(q.to(tl.float32) * qk_scale, -65504.0), 65504.0).to(tl.float16)
+        if FP8_QK:  # that fp16 q rounded to E4M3 (saturated at its largest value) for an FP8 Q K^T
+            q = tl.minimum(tl.maximum(q.to(tl.float32), -448.0), 448.0).to(tl.float8e4nv)
 
     # Keys this tile may see: [kv_start, kv_end), kv_start 0 without a window (else the first row's
     # oldest visible key); this split takes one contiguous run of whole BLOCK_N tiles of it. Split 0
@@ -506,13 +514,13 @@ def _paged_attention_kernel(
         kv_hi, qk_scale, window, softcap_log2, alibi_log2, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
         stride_vh, HEAD_DIM, DIM_PAD, PAGE_SIZE, BLOCK_N, PRECISION, FP16_MATH, HAS_WINDOW, HAS_SOFTCAP, False, TMA,
         HAS_ALIBI, tree_ptr, tree_rows, prefix_len, stride_tm, False, q_last, tree_words, TREE_AS_BITS,
-        K_BITS, V_WIDEN, ASM)
+        K_BITS, V_WIDEN, ASM, FP8_QK)
     m_i, l_i, acc = _attend_keys(
         q, q_pos, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, k_desc, v_desc, block_row, kv_head, unmasked_end, kv_hi,
         kv_hi, qk_scale, window, softcap_log2, alibi_log2, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
         stride_vh, HEAD_DIM, DIM_PAD, PAGE_SIZE, BLOCK_N, PRECISION, FP16_MATH, HAS_WINDOW, HAS_SOFTCAP, True, False,
         HAS_ALIBI, tree_ptr, tree_rows, prefix_len, stride_tm, HAS_TREE, q_last, tree_words, TREE_AS_BITS,
-        K_BITS, V_WIDEN, ASM)
+        K_BITS, V_WIDEN, ASM, FP8_QK)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     if V_WIDEN == 1:  # V_BY_BITS: acc is at 2^-8 of its value; back exactly, then divided as otherwise
@@ -906,6 +914,11 @@ def _short_step_config(group: int, dim_pad: int, kv_itemsize: int) -> tuple[int,
 
 
 SHORT_STEP_TILING_ENV = "TRITONLLM_SHORT_STEP_TILING"
+# "1": prompt tiles over an FP8 pool (fp16 math) round their fp16 q (softmax scale in it) to E4M3 and take Q K^T as an
+# FP8 product of it and the pool's K codes (no K widening; Hopper's FP8 MMA, twice fp16's rate); P V stays fp16. An
+# opt-in A/B switch (issue 51's prompt side), read at every call: q loses precision (3 mantissa bits), so its
+# outputs differ from the fp16 path's (tests/kernels/test_prefill_fp8_qk.py bounds by how much).
+PREFILL_FP8_QK_ENV = "TRITONLLM_PREFILL_FP8_QK"
 # "0": the attention kernel reads a token tree's mask as bytes (meta.tree_mask), one load a (row, key) of
 # its masked tiles, even where the step's producer packed its bits (AttentionMetadata.tree_bits); else it
 # reads the bits: a few row-vector loads a tile. An A/B switch, read at every call. H200, Llama-8B shape,
@@ -1126,6 +1139,7 @@ def paged_attention_triton(
             BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=num_splits,
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 engines get fp32 dots
             FP16_MATH=fp16_math, K_BITS=k_bits, V_WIDEN=v_widen, ASM=q.is_cuda,
+            FP8_QK=fp16_math and not decode_tiles and os.environ.get(PREFILL_FP8_QK_ENV) == "1",
             ROTARY_APPEND=new_kv is not None and not append_rows,
             APPEND_ROWS=append_rows,
             ROTATE=rotate,
