@@ -180,6 +180,7 @@ def _attend_keys(
     MASKED: tl.constexpr, TMA: tl.constexpr, HAS_ALIBI: tl.constexpr,
     tree_ptr, tree_rows, prefix_len, stride_tm, HAS_TREE: tl.constexpr, q_last,
     tree_words, TREE_AS_BITS: tl.constexpr, K_BITS: tl.constexpr, V_WIDEN: tl.constexpr, ASM: tl.constexpr,
+    FP8_QK: tl.constexpr,
 ):
     """The online softmax over keys [lo, hi) in tiles of BLOCK_N -> (m_i, l_i, acc). MASKED: some key
     of a tile may lie at or past kv_hi, or be hidden from some row (causality, window); unmasked
@@ -219,8 +220,12 @@ def _attend_keys(
             k, v, k_valid = paged_kv_tile(k_cache_ptr, v_cache_ptr, block_row, kv_head, k_pos, kv_hi, stride_kb,
                                           stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, HEAD_DIM, DIM_PAD,
                                           PAGE_SIZE, BLOCK_N, MASKED)
-        k, v = widened_kv(k, v, q.dtype, K_BITS, V_WIDEN, ASM)
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        k_codes = k
+        k, v = widened_kv(k, v, tl.float16 if FP8_QK else q.dtype, K_BITS, V_WIDEN, ASM)
+        if FP8_QK:  # q is E4M3 as well (the kernel's FP8_QK): the pool's K codes go into the product as they are
+            scores = tl.dot(q, tl.trans(k_codes))
+        else:
+            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         if K_BITS:  # exact (above)
             scores = scores * bits_factor(tl.float16)
         if not FP16_MATH:  # (fp16 math scaled q instead)
@@ -309,6 +314,7 @@ def _paged_attention_kernel(
     K_BITS: tl.constexpr = False,  # with FP16_MATH: how E4M3 K and V widen (_attend_keys; FP8_WIDEN_ENV)
     V_WIDEN: tl.constexpr = 0,
     ASM: tl.constexpr = False,  # K_BITS / V_WIDEN by inline PTX (CUDA); False: the same values without (interpreter)
+    FP8_QK: tl.constexpr = False,  # with FP16_MATH: q rounded to E4M3 and Q K^T an FP8 product (PREFILL_FP8_QK_ENV)
 ):
     pdl_prologue(PDL)  # before the early returns too: every program must wait (kernels/_triton.py)
     TOKENS_PER_TILE: tl.constexpr = BLOCK_M // GROUP
@@ -408,6 +414,8 @@ def _paged_attention_kernel(
         # q carries qk_scale into fp16 (|q| shrinks ~8x for 128-wide heads) and saturates at fp16's
         # largest value instead of becoming inf: a query that saturates scores > 65504 * |k| already.
         q = tl.minimum(tl.maximum(q.to(tl.float32) * qk_scale, -65504.0), 65504.0).to(tl.float16)
+        if FP8_QK:  # that fp16 q rounded to E4M3 (saturated at its largest value) for an FP8 Q K^T
+            q = tl.minimum(tl.maximum(q.to(tl.float32), -448.0), 448.0).to(tl.float8e4nv)
 
     # Keys this tile may see: [kv_start, kv_end), kv_start 0 without a window (else the first row's
     # oldest visible key); this split takes one contiguous run of whole BLOCK_N tiles of it. Split 0
@@ -507,13 +515,13 @@ def _paged_attention_kernel(
         kv_hi, qk_scale, window, softcap_log2, alibi_log2, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
         stride_vh, HEAD_DIM, DIM_PAD, PAGE_SIZE, BLOCK_N, PRECISION, FP16_MATH, HAS_WINDOW, HAS_SOFTCAP, False, TMA,
         HAS_ALIBI, tree_ptr, tree_rows, prefix_len, stride_tm, False, q_last, tree_words, TREE_AS_BITS,
-        K_BITS, V_WIDEN, ASM)
+        K_BITS, V_WIDEN, ASM, FP8_QK)
     m_i, l_i, acc = _attend_keys(
         q, q_pos, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, k_desc, v_desc, block_row, kv_head, unmasked_end, kv_hi,
         kv_hi, qk_scale, window, softcap_log2, alibi_log2, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
         stride_vh, HEAD_DIM, DIM_PAD, PAGE_SIZE, BLOCK_N, PRECISION, FP16_MATH, HAS_WINDOW, HAS_SOFTCAP, True, False,
         HAS_ALIBI, tree_ptr, tree_rows, prefix_len, stride_tm, HAS_TREE, q_last, tree_words, TREE_AS_BITS,
-        K_BITS, V_WIDEN, ASM)
+        K_BITS, V_WIDEN, ASM, FP8_QK)
 
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     if V_WIDEN == 1:  # V_BY_BITS: acc is at 2^-8 of its value; back exactly, then divided as otherwise
@@ -876,9 +884,13 @@ FP8_SHORT_CONTEXT_BATCH = 768
 FP8_TMA_BATCH = 384
 
 
-def _prefill_config(group: int, dim_pad: int, kv_itemsize: int) -> tuple[int, int, int, int, int]:
+def _prefill_config(group: int, dim_pad: int, kv_itemsize: int, device: torch.device | None = None,
+                    max_context_len: int = 0) -> tuple[int, int, int, int, int]:
     """(BLOCK_M rows, BLOCK_N keys, warps, stages, 1) of prompt chunks (BLOCK_M // group tokens of
-    every head of a group a tile), never split.
+    every head of a group a tile), never split. With ``device`` (a prompt-chunk launch's) an sm_90 GPU and
+    ``max_context_len`` of at least PREFILL_SM90_MIN_KEYS, heads up to 128 wide: PREFILL_SM90_TILINGS' keys,
+    warps and stages for the pool, where it has an entry (BLOCK_M never changes by device: the tile maps'
+    tokens a tile, prefill_tokens_per_tile, are counted without one).
 
     H100, Llama-8B heads (benchmarks/kernels/attention_kernel_bench.py, 2026-11-26): an FP8 pool takes
     128 x 128 tiles over 8 warps, 2 stages: four 2,048-token prompts 574 -> 502 us a layer and an
@@ -890,8 +902,35 @@ def _prefill_config(group: int, dim_pad: int, kv_itemsize: int) -> tuple[int, in
     if dim_pad > 128:
         return block_m, 32, 8, 2, 1
     if kv_itemsize == 1:
-        return max(block_m, 128), 128, 8, 2, 1
-    return block_m, 64, 4, 2, 1
+        block_m = max(block_m, 128)
+        config = block_m, 128, 8, 2, 1
+    else:
+        config = block_m, 64, 4, 2, 1
+    sm90 = PREFILL_SM90_TILINGS.get(kv_itemsize)
+    if sm90 is not None and device is not None and max_context_len >= PREFILL_SM90_MIN_KEYS and _is_sm90(device):
+        return (block_m, *sm90, 1)
+    return config
+
+
+# Prompt chunks on an sm_90 GPU (H100 / H200), by the pool's bytes a value: (BLOCK_N keys, warps, stages) in place of
+# _prefill_config's, for launches whose meta.max_context_len is at least PREFILL_SM90_MIN_KEYS (a prefill CUDA
+# graph's is the engine's max_seq_len: engine/executor/prefill_graphs.py; an eager step's, its longest context).
+# Filled from benchmarks/engine/lanes/s32_c2/fa51.sh (attention_kernel_bench.py --cases prompt20k --sweep_prefill,
+# issue 51): an entry goes in only for a tiling that beat the default by >= 5% at the 8,192-token chunks over 16k and
+# 20k keys without losing at 8,192 over 8,192, the last 3,616 of a 20k prompt or 4 x 2,048.
+PREFILL_SM90_TILINGS: dict[int, tuple[int, int, int]] = {}
+PREFILL_SM90_MIN_KEYS = 8192
+_SM90_DEVICES: dict[int, bool] = {}  # device index -> compute capability is exactly 9.0
+
+
+def _is_sm90(device: torch.device) -> bool:
+    """``device`` is a CUDA GPU of compute capability 9.0 (read once per device)."""
+    if device.type != "cuda":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM90_DEVICES:
+        _SM90_DEVICES[index] = torch.cuda.get_device_capability(index) == (9, 0)
+    return _SM90_DEVICES[index]
 
 
 def _short_step_config(group: int, dim_pad: int, kv_itemsize: int) -> tuple[int, int, int, int]:
@@ -920,6 +959,11 @@ def _short_step_config(group: int, dim_pad: int, kv_itemsize: int) -> tuple[int,
 
 
 SHORT_STEP_TILING_ENV = "TRITONLLM_SHORT_STEP_TILING"
+# "1": prompt tiles over an FP8 pool (fp16 math) round their fp16 q (softmax scale in it) to E4M3 and take Q K^T as an
+# FP8 product of it and the pool's K codes (no K widening; Hopper's FP8 MMA, twice fp16's rate); P V stays fp16. An
+# opt-in A/B switch (issue 51's prompt side), read at every call: q loses precision (3 mantissa bits), so its
+# outputs differ from the fp16 path's (tests/kernels/test_prefill_fp8_qk.py bounds by how much).
+PREFILL_FP8_QK_ENV = "TRITONLLM_PREFILL_FP8_QK"
 # "0": the attention kernel reads a token tree's mask as bytes (meta.tree_mask), one load a (row, key) of
 # its masked tiles, even where the step's producer packed its bits (AttentionMetadata.tree_bits); else it
 # reads the bits: a few row-vector loads a tile. An A/B switch, read at every call. H200, Llama-8B shape,
@@ -1140,6 +1184,7 @@ def paged_attention_triton(
             BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=num_splits,
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 engines get fp32 dots
             FP16_MATH=fp16_math, K_BITS=k_bits, V_WIDEN=v_widen, ASM=q.is_cuda,
+            FP8_QK=fp16_math and not decode_tiles and os.environ.get(PREFILL_FP8_QK_ENV) == "1",
             ROTARY_APPEND=new_kv is not None and not append_rows,
             APPEND_ROWS=append_rows,
             ROTATE=rotate,
@@ -1189,7 +1234,7 @@ def paged_attention_triton(
     # token) decode tiles in a second launch. One prefill tiling for all would spend a 64-row tile's
     # dots and softmax on each decode row's 1-8 rows: on an H100 the ~480 decode rows of a 2048/128
     # step (2k-token contexts) took longer than its four 2,048-token prompts.
-    prefill_config = _prefill_config(group, dim_pad, kv_itemsize)
+    prefill_config = _prefill_config(group, dim_pad, kv_itemsize, q.device, meta.max_context_len)
     grid, splits, one_launch = _short_step_plan(meta, num_tokens, group, num_kv_heads, head_dim, kv_itemsize,
                                                 q.device, sliding_window, num_splits)
     tile_map = meta.tile_seq is not None

@@ -58,6 +58,13 @@ waves they take (programs / (that x SMs)); --json FILE writes the rows.
 wall time (meaningless figures; no copy bandwidth, residency or CUDA graph): shakes out a lane's command line and its
 variants' plumbing with a tiny case before it goes to the GPU.
 
+``--cases prompt20k`` (issue 51's prompt side of 20000/2000, PROMPT_CHUNKS_20K: chunks of 8,192 ending at contexts
+8,192 / 16,384 / 20,000 and the last 3,616 of a 20k prompt; not in the default list; any other as "chunk N over C"),
+``--sdpa_anchor`` (torch's flash / cuDNN attention at each one-chunk case, bf16 dense K/V: sdpa_anchor), ``--check``
+(each case's output against the torch reference where small enough), ``--pivot`` (one line per tiling, one column per
+case, the speed-up over the default), ``--device cpu`` (a dry run under TRITON_INTERPRET=1, tiny cases). Each row
+names the prompt-chunk tiling it ran (BMxBNxWxS).
+
 ``--sweep_prefill BM:BN:WARPS:STAGES,...`` and ``--sweep_decode BN:WARPS:STAGES[:tma],...`` time the cases
 again with the prompt-chunk or decode-row tiling forced to each entry (kernels/triton_attention.py's
 ``_prefill_config`` / ``_decode_config`` replaced for the run), to choose those tables. To compare
@@ -87,14 +94,27 @@ CASES: dict[str, list[tuple[int, int]]] = {
     "decode 264x2500": [(2499, 1)] * 264,  # 2048/2048's plateau
     "decode 1024x192": [(191, 1)] * 1024,
     "decode 48x21000": [(20999, 1)] * 48,  # 20000/2000's plateau
+    # 20000/2000's prompt side (issue 51): --max-num-tokens 8192 cuts a 20k prompt into chunks of 8,192, 8,192 and
+    # 3,616, each over every earlier key (full) and causal within itself; "over C": the chunk ends at context C.
+    "chunk 8192 over 8192": [(0, 8192)],
+    "chunk 8192 over 16384": [(8192, 8192)],
+    "chunk 8192 over 20000": [(11808, 8192)],  # = "chunk 8192 over 12k", named for 20000/2000
+    "chunk 3616 over 20000": [(16384, 3616)],  # the last chunk of a 20k prompt
 }
+PROMPT_CHUNKS_20K = ("chunk 8192 over 8192", "chunk 8192 over 16384", "chunk 8192 over 20000", "chunk 3616 over 20000")
 
 
 PAGE_ORDER = "shuffled"  # or "in_order": --page_order
 POOL_LAYOUT = "token_major"  # or "head_major": --pool_layout
 POOL_LAYERS = 1  # --layers: the pool holds this many layers, and each timed call attends over every one in turn
 POOL_GIB = 0.0  # --pool_gib: the pool (all its layers, K and V) at least this large, the batch's pages spread over it
-DEVICE = "cuda"  # "cpu" with --dry_run_cpu (Triton's interpreter)
+DEVICE = "cuda"  # --device cpu: a dry run under TRITON_INTERPRET=1 (tiny cases; wall-clock "times", checks that count)
+
+
+def half_dtype() -> torch.dtype:
+    """The queries' dtype and a "bf16" pool's: bfloat16, but float16 on the CPU (Triton's interpreter gets bf16
+    dots wrong, tests/kernels/kernel_testing.py; float16 takes the same path through the kernel)."""
+    return torch.float16 if DEVICE == "cpu" else torch.bfloat16
 
 
 def pool_num_blocks(needed: int, layers: int, pool_gib: float, itemsize: int) -> int:
@@ -155,7 +175,7 @@ def build_case(batch: list[tuple[int, int]], pool_dtype: torch.dtype, seed: int 
     cu = [0]
     for n in q_lens:
         cu.append(cu[-1] + n)
-    q = torch.randn(cu[-1], NUM_HEADS, HEAD_DIM, device=DEVICE, dtype=torch.bfloat16, generator=gen)
+    q = torch.randn(cu[-1], NUM_HEADS, HEAD_DIM, device=DEVICE, dtype=half_dtype(), generator=gen)
     meta = AttentionMetadata(
         slot_mapping=torch.full((cu[-1],), -1, dtype=torch.int64, device=DEVICE),
         block_tables=tables,
@@ -173,7 +193,7 @@ def build_case(batch: list[tuple[int, int]], pool_dtype: torch.dtype, seed: int 
         except TypeError:  # kernels before 2026-11-26 (one prefill tiling for every pool)
             per_tile = prefill_tokens_per_tile(NUM_HEADS // NUM_KV_HEADS)
         tile_seq, tile_m = tile_map(q_lens, per_tile, -(-cu[-1] // per_tile) + len(batch))
-        meta.tile_seq, meta.tile_m = torch.from_numpy(tile_seq).cuda(), torch.from_numpy(tile_m).cuda()
+        meta.tile_seq, meta.tile_m = torch.from_numpy(tile_seq).to(DEVICE), torch.from_numpy(tile_m).to(DEVICE)
     return q, k_cache, v_cache, meta
 
 
@@ -188,12 +208,15 @@ def work(batch: list[tuple[int, int]], kv_itemsize: int) -> tuple[float, float]:
 def time_us(fn, calls: int = 10, layers: int = 1) -> float:
     """Device microseconds of one fn() call (kernels/linear.py graph_time_ms: a CUDA graph of ``calls``
     calls, replayed 3 times after a warm-up replay), per layer where a call attends over ``layers`` layers
-    (attention_call; one call a graph then: 32 layers of a long-context batch are tens of ms)."""
-    calls = calls if layers == 1 else 1
-    if DEVICE == "cpu":  # --dry_run_cpu: one eager call's wall time (the interpreter's; nothing to learn from it)
+    (attention_call; one call a graph then: 32 layers of a long-context batch are tens of ms). On the CPU
+    (--device cpu, a dry run under the interpreter): the wall-clock time of one call, which means nothing."""
+    if DEVICE == "cpu":
+        import time
+
         start = time.perf_counter()
         fn()
         return (time.perf_counter() - start) * 1e6 / layers
+    calls = calls if layers == 1 else 1
     return graph_time_ms(fn, repeat=calls) * 1000.0 / layers
 
 
@@ -232,29 +255,217 @@ def rotary_append_inputs(q: torch.Tensor, meta) -> tuple:
 
 
 def case_batch(name: str) -> list[tuple[int, int]]:
-    """CASES[name], or for a name "decode BxC" not in it, B decode rows over C tokens of context each."""
+    """CASES[name], or for a name "decode BxC" not in it, B decode rows over C tokens of context each, or for
+    "chunk N over C" one prompt chunk of N new tokens ending at context C (C - N earlier keys)."""
     if name in CASES:
         return CASES[name]
-    kind, shape = name.split()
+    words = name.split()
+    if len(words) == 4 and words[0] == "chunk" and words[2] == "over":
+        new, context = int(words[1]), int(words[3])
+        assert 1 < new <= context, f"{name!r}: a chunk of at least 2 tokens within its context"
+        return [(context - new, new)]
+    kind, shape = words
     count, context = (int(n) for n in shape.split("x"))
     assert kind == "decode", f"unknown case {name!r}: a CASES key or 'decode BxC'"
     return [(context - 1, 1)] * count
 
 
-def run_case(name: str, pool: str, tiling: str = "default", rotary_append: bool = False) -> dict:
+# --check: a case's output is compared with the torch reference where its scores are at most this many (the reference
+# holds them in fp32: heads x new tokens x keys), else not checked ("-").
+CHECK_MAX_SCORES = 1 << 27
+
+
+def checked(q, k_cache, v_cache, meta, out, strict: bool = True) -> str:
+    """The last layer's output of a case against kernels/attention.py paged_attention_ref: "ok" (within the kernel
+    tests' tolerance for bf16 outputs), "FAIL (max err ...)", or "-" where the case is too large to check; not
+    ``strict`` (a variant that changes the math, --variant_env): "err E/M", its largest error over the reference's
+    largest value."""
+    from kernels.attention import paged_attention_ref
+
+    scores = sum((e - s) * c for _, s, e, c in meta.host_sequences()) * NUM_HEADS
+    if scores > CHECK_MAX_SCORES:
+        return "-"
+    ref = paged_attention_ref(q, k_cache[-1], v_cache[-1], meta, HEAD_DIM**-0.5)
+    err = (out.float() - ref.float()).abs().max().item()
+    if not strict:
+        return f"err {err:.2g}/{ref.float().abs().max().item():.2g}"
+    return "ok" if err <= 2e-2 + 2e-2 * ref.float().abs().max().item() else f"FAIL (max err {err:.3g})"
+
+
+def prefill_config_text(config: tuple | None) -> str:
+    """A prefill config (BLOCK_M, BLOCK_N, warps, stages, ...) as BMxBNxWxS, or "-" where none launched."""
+    return "-" if config is None else "x".join(str(v) for v in config[:4])
+
+
+class launched_prefill_configs:
+    """Context manager: appends to ``seen`` (launch's, config) for each config kernels.triton_attention._prefill_config
+    (or what a sweep forced in its place) returns; launch's: the call passed a device (a prompt-chunk launch's; the
+    other calls count a tile map's tokens, whose BLOCK_M is the same). launched_config() picks the launch's."""
+
+    def __init__(self, seen: list):
+        self.seen = seen
+
+    def __enter__(self):
+        from kernels import triton_attention
+
+        self.chosen = chosen = triton_attention._prefill_config
+
+        def recording(*args, **kwargs):
+            config = chosen(*args, **kwargs)
+            self.seen.append((len(args) > 3 or kwargs.get("device") is not None, config))
+            return config
+
+        triton_attention._prefill_config = recording
+
+    def __exit__(self, *exc):
+        from kernels import triton_attention
+
+        triton_attention._prefill_config = self.chosen
+
+
+def launched_config(seen: list) -> tuple | None:
+    """The config of the last launch launched_prefill_configs saw: the last call that passed a device, else (kernels
+    whose _prefill_config takes none) the last call; None where there was none."""
+    for by_launch in (True, False):
+        configs = [config for launch, config in seen if launch or not by_launch]
+        if configs:
+            return configs[-1]
+    return None
+
+
+def run_case(name: str, pool: str, tiling: str = "default", rotary_append: bool = False, check: bool = False,
+             strict: bool = True) -> dict:
+    """One timed case; "config": the prompt-chunk tiling (BMxBNxWxS) its launches took, "-" for decode-only cases;
+    with ``check``, "check": checked()'s verdict."""
     batch = case_batch(name)
-    pool_dtype = torch.float8_e4m3fn if pool == "fp8" else torch.bfloat16
-    q, k_cache, v_cache, meta = build_case(batch, pool_dtype)
-    scale = HEAD_DIM**-0.5
-    new_kv = rotary_append_inputs(q, meta) if rotary_append and meta.is_decode_only else None
-    if new_kv is not None:
-        tiling += " +rotary append"
-    us = time_us(attention_call(q, k_cache, v_cache, meta, new_kv), layers=k_cache.shape[0])
+    pool_dtype = torch.float8_e4m3fn if pool == "fp8" else half_dtype()
+    seen = []
+    with launched_prefill_configs(seen):
+        q, k_cache, v_cache, meta = build_case(batch, pool_dtype)
+        new_kv = rotary_append_inputs(q, meta) if rotary_append and meta.is_decode_only else None
+        if new_kv is not None:
+            tiling += " +rotary append"
+        call = attention_call(q, k_cache, v_cache, meta, new_kv)
+        us = time_us(call, layers=k_cache.shape[0])
+        verdict = checked(q, k_cache, v_cache, meta, call(), strict) if check and new_kv is None else None
     flops, kv_bytes = work(batch, k_cache.element_size())
     del q, k_cache, v_cache, meta
-    torch.cuda.empty_cache()
-    return {"case": name, "pool": pool, "tiling": tiling, "us": round(us, 1),
-            "tflops": round(flops / us / 1e6, 1), "kv_tb_s": round(kv_bytes / us / 1e6, 2)}
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+    row = {"case": name, "pool": pool, "tiling": tiling, "us": round(us, 1),
+           "tflops": round(flops / us / 1e6, 1), "kv_tb_s": round(kv_bytes / us / 1e6, 2),
+           "config": prefill_config_text(launched_config(seen) if any(n > 1 for _, n in batch) else None)}
+    if verdict is not None:
+        row["check"] = verdict
+    return row
+
+
+def sdpa_anchor(name: str) -> list[dict]:
+    """torch's own attention at a prompt-chunk case's shape, as this GPU's in-process anchor: bf16 q, k, v
+    contiguous (1, NUM_HEADS, len, HEAD_DIM) (K/V expanded to every query head; no pool, no pages), causal aligned
+    at the chunk's end. "sdpa flash lower-right": F.scaled_dot_product_attention with torch.nn.attention.bias
+    causal_lower_right under the flash backend alone (FlashAttention-2's kernel; it refuses rather than falls
+    back). "sdpa cudnn (causal + prefix)": the cuDNN backend's is_causal over the chunk's own keys plus a full
+    (unmasked) call over the earlier keys, the two times summed (the same pairs; no merge of the two). Rows as
+    run_case's, pool "bf16 dense"; a backend that fails gives a row with its error instead of a time."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.bias import causal_lower_right
+
+    batch = case_batch(name)
+    assert len(batch) == 1 and batch[0][1] > 1, f"{name!r}: the anchor takes one prompt chunk"
+    prefix, new = batch[0]
+    keys = prefix + new
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    q = torch.randn(1, NUM_HEADS, new, HEAD_DIM, device=DEVICE, dtype=torch.bfloat16, generator=gen)
+    k = torch.randn(1, NUM_HEADS, keys, HEAD_DIM, device=DEVICE, dtype=torch.bfloat16, generator=gen)
+    v = torch.randn_like(k)
+    k_own, v_own = k[:, :, prefix:].contiguous(), v[:, :, prefix:].contiguous()
+    k_old, v_old = k[:, :, :prefix].contiguous(), v[:, :, :prefix].contiguous()
+    flops, _ = work(batch, 2)
+    mask = causal_lower_right(new, keys)
+
+    def flash():
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    def cudnn_causal():
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            return F.scaled_dot_product_attention(q, k_own, v_own, is_causal=True)
+
+    def cudnn_prefix():
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            return F.scaled_dot_product_attention(q, k_old, v_old)
+
+    rows = []
+    for label, parts in (("sdpa flash lower-right", [flash]),
+                         ("sdpa cudnn (causal + prefix)", [cudnn_causal] + ([cudnn_prefix] if prefix else []))):
+        row = {"case": name, "pool": "bf16 dense", "tiling": label, "config": "-"}
+        try:
+            us = sum(time_us(part) for part in parts)
+            row.update(us=round(us, 1), tflops=round(flops / us / 1e6, 1), kv_tb_s=0.0)
+        except Exception as exc:  # a backend this torch / GPU lacks: say so, keep the other rows
+            row.update(us=float("nan"), tflops=float("nan"), kv_tb_s=0.0,
+                       error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}")
+        rows.append(row)
+    del q, k, v, k_own, v_own, k_old, v_old
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
+def sweep_prefill(pool: str, cases: list[str], entries: str, check: bool, suffix: str = "") -> list[dict]:
+    """The prompt-chunk cases with the prompt tiling forced to each BM:BN:WARPS:STAGES of ``entries`` (comma list),
+    labelled "prefill BM:BN:WARPS:STAGES" + suffix; a tiling that fails (shared memory, registers) is one error row."""
+    rows = []
+    for entry in filter(None, entries.split(",")):
+        bm, bn, warps, stages = map(int, entry.split(":"))
+        label = f"prefill {entry}{suffix}"
+        with forced("_prefill_config", lambda default: (bm, bn, warps, stages, 1)):
+            for name in cases:
+                if any(n > 1 for _, n in case_batch(name)):
+                    try:
+                        rows.append(run_case(name, pool, label, check=check, strict=not suffix))
+                    except Exception as exc:  # a tiling this GPU cannot run (shared memory, registers)
+                        rows.append({"case": name, "pool": pool, "tiling": label, "us": float("nan"),
+                                     "tflops": float("nan"), "kv_tb_s": 0.0, "config": entry.replace(":", "x"),
+                                     "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"})
+                        print(rows[-1], flush=True)
+                        break  # its other cases would fail alike
+                    print(rows[-1], flush=True)
+    return rows
+
+
+def pivot_table(rows: list[dict]) -> list[str]:
+    """Markdown: one line per (pool, tiling), one column per case: us / TFLOPS and, for a swept tiling, its
+    speed-up over the same pool's default row at that case (default us / its us; > 1 is faster). The default
+    rows name the tiling they took (BMxBNxWxS)."""
+    cases = list(dict.fromkeys(r["case"] for r in rows))
+    keys = list(dict.fromkeys((r["pool"], r["tiling"]) for r in rows))
+    cell = {(r["pool"], r["tiling"], r["case"]): r for r in rows}
+    lines = ["| pool | tiling | " + " | ".join(cases) + " |", "|---|---|" + "---:|" * len(cases)]
+    for pool, tiling in keys:
+        label = tiling
+        cells = []
+        for case in cases:
+            r = cell.get((pool, tiling, case))
+            if r is None:
+                cells.append("")
+                continue
+            if tiling == "default" and r.get("config", "-") != "-":
+                label = f"default {r['config']}"
+            if r.get("error"):
+                cells.append("error")
+                continue
+            text = f"{r['us']:,.0f} us {r['tflops']:.0f} TF"
+            base = cell.get((pool, "default", case))
+            if tiling != "default" and base is not None and not base.get("error") and r["us"] > 0:
+                text += f" ({base['us'] / r['us']:.2f}x)"
+            if r.get("check", "ok") not in ("ok", "-"):
+                text += " " + r["check"]
+            cells.append(text)
+        lines.append(f"| {pool} | {label} | " + " | ".join(cells) + " |")
+    return lines
 
 
 GRID_CONTEXTS = (20480, 8192, 2048)  # longest first: a run cut by its time limit keeps the cases that matter most
@@ -471,8 +682,9 @@ def forced(attr: str, config_of):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--pool", default="fp8,bf16")
-    parser.add_argument("--cases", default=",".join(CASES),
-                        help="comma list of case names (see CASES; 'decode BxC' for any other decode batch)")
+    parser.add_argument("--cases", default=",".join(c for c in CASES if c not in PROMPT_CHUNKS_20K),
+                        help="comma list of case names (see CASES; 'decode BxC' for any other decode batch, 'chunk N "
+                             "over C' for any one prompt chunk; 'prompt20k': PROMPT_CHUNKS_20K)")
     parser.add_argument("--sweep_prefill", default="", help="BM:BN:WARPS:STAGES,... for prompt chunks")
     parser.add_argument("--sweep_decode", default="",
                         help="BN:WARPS:STAGES[:tma],... for decode rows (:tma: whole tiles through TMA where they fit a page)")
@@ -501,18 +713,34 @@ def main() -> None:
                              "tile=BN:WARPS:STAGES[:tma] splits=N policy=h200|h100|h200-any replay rotary "
                              "km[=0|1|auto] default (parsed_variant)")
     parser.add_argument("--grid_no_standard", action="store_true", help="--grid: only the --grid_more variants")
+    parser.add_argument("--sdpa_anchor", action="store_true",
+                        help="also time torch's SDPA (flash lower-right causal; cuDNN causal + prefix) at each "
+                             "one-chunk case, bf16 dense K/V: what this GPU reaches (sdpa_anchor)")
+    parser.add_argument("--check", action="store_true",
+                        help="compare each case's output with the torch reference where it is small enough "
+                             "(CHECK_MAX_SCORES): every swept tiling computes the right thing")
+    parser.add_argument("--pivot", action="store_true",
+                        help="print the table as one line per (pool, tiling) and one column per case, with each swept "
+                             "tiling's speed-up over the default")
+    parser.add_argument("--json", default=None, help="write the rows to this file (--grid: with the copy bandwidth)")
+    parser.add_argument("--variant_env", default="",
+                        help="';'-separated NAME=VALUE[,NAME=VALUE] environments: the prompt-chunk cases again under "
+                             "each (default tiling and --sweep_prefill), labelled [NAME=VALUE], e.g. "
+                             "TRITONLLM_PREFILL_FP8_QK=1; --check reports their error instead of a verdict")
+    parser.add_argument("--variant_sweep", default="",
+                        help="BM:BN:WARPS:STAGES,... swept under each --variant_env (default: --sweep_prefill's)")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                        help="cpu: a dry run under TRITON_INTERPRET=1 (tiny cases: 'chunk N over C'; times mean nothing)")
     parser.add_argument("--markdown", default=None, help="append the table to this file")
-    parser.add_argument("--json", default=None, help="--grid: write its rows to this file (a JSON list)")
-    parser.add_argument("--dry_run_cpu", action="store_true",
-                        help="run on CPU tensors under TRITON_INTERPRET=1, each call timed once eagerly (figures "
-                             "meaningless): a tiny case checks a command line before it goes to the GPU")
+    parser.add_argument("--dry_run_cpu", action="store_true", help="--device cpu's other name (the split51 lane's)")
     args = parser.parse_args()
     global PAGE_ORDER, POOL_LAYOUT, POOL_LAYERS, POOL_GIB, DEVICE
     PAGE_ORDER, POOL_LAYOUT, POOL_LAYERS, POOL_GIB = args.page_order, args.pool_layout, args.layers, args.pool_gib
     if args.dry_run_cpu:
-        if os.environ.get("TRITON_INTERPRET") != "1":
-            parser.error("--dry_run_cpu runs the kernels under Triton's interpreter: set TRITON_INTERPRET=1")
-        DEVICE = "cpu"
+        args.device = "cpu"
+    if args.device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        parser.error("--device cpu (--dry_run_cpu) runs the kernels under Triton's interpreter: set TRITON_INTERPRET=1")
+    DEVICE = args.device
     print(f"pool: {POOL_LAYOUT}, {POOL_LAYERS} layer(s), at least {POOL_GIB:g} GiB, pages {PAGE_ORDER}", flush=True)
     if args.grid:
         copy = copy_tb_s()
@@ -540,21 +768,34 @@ def main() -> None:
                 json.dump({"copy_tb_s": copy, "rows": rows}, f, indent=1)
         return
     cases = [c for c in args.cases.split(",") if c]
+    cases = [name for c in cases for name in (PROMPT_CHUNKS_20K if c == "prompt20k" else (c,))]
     rows = []
+    if args.sdpa_anchor:
+        for name in cases:
+            batch = case_batch(name)
+            if len(batch) == 1 and batch[0][1] > 1:
+                for row in sdpa_anchor(name):
+                    rows.append(row)
+                    print(row, flush=True)
     for pool in args.pool.split(","):
         for name in cases:
-            rows.append(run_case(name, pool))
+            rows.append(run_case(name, pool, check=args.check))
             print(rows[-1], flush=True)
             if args.rotary_append and all(n == 1 for _, n in case_batch(name)):
                 rows.append(run_case(name, pool, rotary_append=True))
                 print(rows[-1], flush=True)
-        for entry in filter(None, args.sweep_prefill.split(",")):
-            bm, bn, warps, stages = map(int, entry.split(":"))
-            with forced("_prefill_config", lambda default: (bm, bn, warps, stages, 1)):
+        rows += sweep_prefill(pool, cases, args.sweep_prefill, args.check)
+        for spec in filter(None, args.variant_env.split(";")):
+            # the prompt-chunk cases again under the variant's environment: the default tiling, then the sweep's
+            from benchmarks.common import environment_set
+
+            env = dict(word.split("=", 1) for word in spec.split(","))
+            with environment_set(env):
                 for name in cases:
                     if any(n > 1 for _, n in case_batch(name)):
-                        rows.append(run_case(name, pool, f"prefill {entry}"))
+                        rows.append(run_case(name, pool, f"default [{spec}]", check=args.check, strict=False))
                         print(rows[-1], flush=True)
+                rows += sweep_prefill(pool, cases, args.variant_sweep or args.sweep_prefill, args.check, f" [{spec}]")
         for entry in filter(None, args.sweep_decode.split(",")):
             bn, warps, stages, *tma = entry.split(":")
             bn, warps, stages, tma = int(bn), int(warps), int(stages), tma == ["tma"]
@@ -570,10 +811,18 @@ def main() -> None:
                     if any(n == 1 for _, n in case_batch(name)):
                         rows.append(run_case(name, pool, f"{count} splits"))
                         print(rows[-1], flush=True)
-    table = ["| case | pool | tiling | us / layer | TFLOPS | K/V TB/s |", "|---|---|---|---:|---:|---:|"]
-    table += [f"| {r['case']} | {r['pool']} | {r['tiling']} | {r['us']:,} | {r['tflops']} | {r['kv_tb_s']} |"
-              for r in rows]
+    table = ["| case | pool | tiling | BMxBNxWxS | us / layer | TFLOPS | K/V TB/s | check |",
+             "|---|---|---|---|---:|---:|---:|---|"]
+    table += [f"| {r['case']} | {r['pool']} | {r['tiling']} | {r.get('config', '-')} | {r['us']:,} | {r['tflops']} | "
+              f"{r['kv_tb_s']} | {r.get('error') or r.get('check', '')} |" for r in rows]
+    if args.pivot:
+        table = pivot_table(rows)
     print("\n".join(table))
+    if args.json:
+        import json
+
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
     from kernels import triton_attention
 
     print("decode programs an SM holds, by tiling:", getattr(triton_attention, "_DECODE_RESIDENT", "?"))
