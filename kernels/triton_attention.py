@@ -714,19 +714,22 @@ UNSPLIT_WAVES = 4
 # compile varied (NUM_SPLITS), and a share of 0.65 kept 48 x 21,000 at 1 split with 4 (call 4: 792 us). 3.0-4.4
 # programs an SM with 2-3 unsplit waves pick within 3.5% of the fastest measured count in all six cases at either
 # residency (48 x 21,000: 4 splits with 4 an SM, 8 with 5).
-# "h200-any" (opt-in, issue 51): "h200"'s figures, its cost choosing among every count up to 8 (split_counts), not
+# "h200-any" (the default since 2026-12-02, issue 51): "h200"'s figures, its cost choosing among every count up to 8 (split_counts), not
 # only powers of two, and its mid-size decode graphs capturing 8 splits (captured_splits). Why: at 20000/2000's
 # plateau (~91 sequences x ~21k keys, 8 KV heads: 728 programs; the FP8 keys-major tiling 64 x 2 x 5, 4 programs an
 # SM, 528 at once) "h200" takes 2 splits, 1,456 programs in 3 waves the last 76% full (92% of the slots used), where
 # 5 splits are 3,640 programs in 6.89 waves (98.5%); at 85 and 100 sequences it takes 16, which a graph clamps to
-# DYNAMIC_SPLITS_CAPTURED (4), where "h200-any" takes 3 and 7 (tests/kernels/test_decode_split_waves.py). Not yet
-# measured on the GPU: benchmarks/engine/lanes/s32_c2/split51.sh.
+# DYNAMIC_SPLITS_CAPTURED (4), where "h200-any" takes 3 and 7 (tests/kernels/test_decode_split_waves.py). On
+# one H200 (2026-12-02, benchmarks/engine/lanes/s32_c2/split51.sh, FP8 head-major pool, us a layer, eager / as a
+# decode graph's replay): 91 x 21,000 "h200" 1,112 / 1,154 against "h200-any" 1,038 / 1,085 (5 splits, 88% of copy);
+# 85 x 21,000 1,013 / 1,145 against 982 / 1,029 (3); 100 x 21,000 1,188 / 1,331 against 1,168 / 1,221 (7);
+# 64 and 128 x 20,480 within 0.5% either way. So it is the default; "h200" keeps the powers of two.
 DECODE_SPLIT_POLICY_ENV = "TRITONLLM_DECODE_SPLIT_POLICY"
 SPLIT_POLICIES = {"h200": (0.0, 3.5, 3, True), "h100": (SATURATING_SHARE, 0.0, UNSPLIT_WAVES, False),
                   "h200-any": (0.0, 3.5, 3, True)}
 # The policies whose cost picks among every split count up to this many (not only powers of two).
 ANY_COUNT_POLICIES = {"h200-any": 8}
-DECODE_SPLIT_POLICY_DEFAULT = "h200"
+DECODE_SPLIT_POLICY_DEFAULT = "h200-any"
 
 
 def split_policy_name() -> str:

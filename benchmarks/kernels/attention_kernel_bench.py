@@ -819,8 +819,6 @@ def main() -> None:
         table = pivot_table(rows)
     print("\n".join(table))
     if args.json:
-        import json
-
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
     from kernels import triton_attention

@@ -486,7 +486,7 @@ def test_decode_splits_fill_whole_waves(monkeypatch):
 
 
 def test_decode_splits_by_the_h200_policy_where_measured_fastest(monkeypatch):
-    """The H200's policy (the default: kernels/triton_attention.py SPLIT_POLICIES) on its measured cases: 4 or 5
+    """The H200's powers-of-two policy ("h200", the default until "h200-any": kernels/triton_attention.py SPLIT_POLICIES) on its measured cases: 4 or 5
     programs of the FP8 pool's 64-key tiling an SM (its recorded residency varied between compiles), 132 SMs,
     Llama-8B's 8 KV heads. Each count is the fastest measured or within 3.5% of it (48 x 21,000: 4 splits 614 us,
     8 635, 1 785), at either residency; the H100's policy took 48 x 21,000 to 1 split and, at 5 an SM,
@@ -497,7 +497,7 @@ def test_decode_splits_by_the_h200_policy_where_measured_fastest(monkeypatch):
     def splits(seqs, keys, resident):
         return _decode_num_splits(seqs, 8, keys, 132, 64, resident)
 
-    monkeypatch.delenv(DECODE_SPLIT_POLICY_ENV, raising=False)
+    monkeypatch.setenv(DECODE_SPLIT_POLICY_ENV, "h200")
     for resident in (4, 5):
         assert splits(8, 20480, resident) == 8 and splits(64, 20480, resident) == 1
         assert splits(256, 20480, resident) == splits(256, 8192, resident) == splits(256, 2048, resident) == 1
@@ -534,9 +534,11 @@ def test_decode_graphs_of_mid_size_buckets_take_their_splits_per_replay(monkeypa
         splits = _decode_config(meta, 4, 8, device, None, None, 128, 1)[4]
         return meta.decode_split_plan, splits
 
-    monkeypatch.delenv(DECODE_SPLIT_POLICY_ENV, raising=False)
+    monkeypatch.setenv(DECODE_SPLIT_POLICY_ENV, "h200")
     assert captured(48) == ((8, 660, 132), DYNAMIC_SPLITS_CAPTURED)
     assert captured(8) == (None, 8)  # 64 programs: the covering rule's one count
+    monkeypatch.delenv(DECODE_SPLIT_POLICY_ENV, raising=False)  # the default, "h200-any": any count up to 8
+    assert captured(48) == ((8, 660, 132), 8) and captured(8) == (None, 8)
     monkeypatch.setenv(DECODE_SPLIT_POLICY_ENV, "h100")
     assert captured(48) == (None, 1)
     assert captured(96)[0] == (8, 660, 132)  # 768 programs: past one wave

@@ -198,7 +198,7 @@ def test_a_keys_major_graph_capture_plans_its_replays_by_its_own_residency(monke
 
     monkeypatch.setattr(triton_attention, "num_sms", lambda device: 132)
     monkeypatch.delenv(triton_attention.FP8_WIDEN_ENV, raising=False)
-    monkeypatch.delenv(triton_attention.DECODE_SPLIT_POLICY_ENV, raising=False)
+    monkeypatch.setenv(triton_attention.DECODE_SPLIT_POLICY_ENV, "h200")  # DYNAMIC_SPLITS_CAPTURED's policy
     monkeypatch.setattr(triton_attention, "_DECODE_RESIDENT", {})
     device = torch.device("cpu")
     tiling = triton_attention._decode_tiling(48, 16, False, 1, False)
