@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from kernels.attention import KV_FP8_DTYPE, paged_attention_ref
+from kernels.attention import paged_attention_ref
 from kernels.attention_metadata import AttentionMetadata
 from kernel_testing import TOLERANCE, relative_error
 from sm90_compile import AOT_SM90, compile_for_sm90, registers, resource_usage_or_skip, stack_bytes, \
     strides_but_block_table
-from test_kernel_attention import make_batch
+from test_keys_major_decode import decode_case as keys_major_decode_case
 
 triton_attention = pytest.importorskip("kernels.triton_attention")
 keys_major = pytest.importorskip("kernels.keys_major_decode")
@@ -135,24 +135,14 @@ def test_h200_any_graph_captures_8_splits_and_replays_take_the_cost_count(monkey
         assert [triton_attention.decode_active_splits(plan, n, 21000) for n in (91, 85, 100)] == replays
 
 
-def activation_dtype(device: str) -> torch.dtype:
-    """bfloat16 on CUDA; float16 under the interpreter, whose bfloat16 dots are wrong (kernel_testing)."""
-    return torch.bfloat16 if device == "cuda" else torch.float16
-
-
 # Contexts of 1 key, a page, 5 tiles of 64 keys (so 6 and 7 splits leave empty ones) and 11 tiles.
 BATCH = [(0, 1), (15, 1), (298, 1), (700, 1)]
 HEADS = (8, 2, 64)  # a group of 4, as Llama-8B's
 
 
 def decode_case(device: str, pool: str, seed: int = 0):
-    num_heads, num_kv_heads, head_dim = HEADS
-    dtype = activation_dtype(device)
-    _, _, k_cache, v_cache, meta = make_batch(BATCH, num_kv_heads, head_dim, 16, dtype, device, seed=seed)
-    if pool == "fp8":
-        k_cache, v_cache = (c.float().clamp(-448, 448).to(KV_FP8_DTYPE) for c in (k_cache, v_cache))
-    q = torch.randn(len(BATCH), num_heads, head_dim, generator=torch.Generator().manual_seed(seed + 1))
-    return q.to(dtype).to(device), k_cache, v_cache, meta
+    """test_keys_major_decode's case over this file's BATCH and HEADS."""
+    return keys_major_decode_case(device, HEADS, pool, seed=seed, batch=BATCH)
 
 
 @pytest.mark.gpu

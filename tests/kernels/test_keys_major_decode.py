@@ -33,15 +33,16 @@ def activation_dtype(device: str) -> torch.dtype:
     return torch.bfloat16 if device == "cuda" else torch.float16
 
 
-def decode_case(device: str, heads: tuple, pool: str, seed: int = 0):
-    """(q, k_cache, v_cache, meta) of BATCH: a 16-bit pool of q's dtype, or an FP8 one (random values as E4M3 codes,
-    scale 1) read with fp16 math."""
+def decode_case(device: str, heads: tuple, pool: str, seed: int = 0, batch: list | None = None):
+    """(q, k_cache, v_cache, meta) of ``batch`` (BATCH unless given; (cached, new) tokens a sequence): a 16-bit pool
+    of q's dtype, or an FP8 one (random values as E4M3 codes, scale 1) read with fp16 math."""
+    batch = BATCH if batch is None else batch
     num_heads, num_kv_heads, head_dim = heads
     dtype = activation_dtype(device)
-    _, _, k_cache, v_cache, meta = make_batch(BATCH, num_kv_heads, head_dim, 16, dtype, device, seed=seed)
+    _, _, k_cache, v_cache, meta = make_batch(batch, num_kv_heads, head_dim, 16, dtype, device, seed=seed)
     if pool == "fp8":
         k_cache, v_cache = (c.float().clamp(-448, 448).to(KV_FP8_DTYPE) for c in (k_cache, v_cache))
-    q = torch.randn(len(BATCH), num_heads, head_dim, generator=torch.Generator().manual_seed(seed + 1))
+    q = torch.randn(len(batch), num_heads, head_dim, generator=torch.Generator().manual_seed(seed + 1))
     return q.to(dtype).to(device), k_cache, v_cache, meta
 
 
