@@ -35,6 +35,9 @@ class AttentionMetadata:
     # int32. The grid is then max_tiles programs per KV head, whatever the batch holds.
     tile_seq: torch.Tensor | None = None
     tile_m: torch.Tensor | None = None
+    # The new tokens a tile of that map covers, as its builder counted them (kernels/triton_attention.py
+    # prefill_tokens_per_tile on the launches' device); the kernel wrapper checks its tiles hold as many. None: unstated.
+    tile_tokens: int | None = None
     # LoRA (kernels/lora.py): which adapter slot each token uses, grouped by slot; None when no
     # token of the forward uses an adapter (the projections then skip LoRA entirely). It rides
     # here because every layer already receives this object.

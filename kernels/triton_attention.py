@@ -782,9 +782,13 @@ def fuses_new_kv(head_dim: int) -> bool:
     return head_dim == attention_dim_pad(head_dim)
 
 
-def prefill_tokens_per_tile(group: int, head_dim: int = 128, kv_itemsize: int = 2) -> int:
-    """New tokens of one sequence that one prefill program covers (the tile map's unit)."""
-    return _prefill_config(group, attention_dim_pad(head_dim), kv_itemsize)[0] // group
+def prefill_tokens_per_tile(group: int, head_dim: int = 128, kv_itemsize: int = 2,
+                            device: torch.device | None = None) -> int:
+    """New tokens of one sequence that one prefill program covers (the tile map's unit) on ``device``, the one the
+    launches will run on (None: CPU / the interpreter, the tiles of every GPU but sm_90's). Whoever builds a tile map
+    passes the device its launches get (q's): the rows differ by device (_prefill_config), and a map counted in
+    other rows than the kernel's runs the wrong tokens."""
+    return _prefill_config(group, attention_dim_pad(head_dim), kv_itemsize, device)[0] // group
 
 
 def _decode_config(meta: AttentionMetadata, group: int, num_kv_heads: int, device: torch.device,
@@ -887,42 +891,43 @@ FP8_SHORT_CONTEXT_BATCH = 768
 FP8_TMA_BATCH = 384
 
 
-def _prefill_config(group: int, dim_pad: int, kv_itemsize: int, device: torch.device | None = None,
-                    max_context_len: int = 0) -> tuple[int, int, int, int, int]:
+def _prefill_config(group: int, dim_pad: int, kv_itemsize: int,
+                    device: torch.device | None = None) -> tuple[int, int, int, int, int]:
     """(BLOCK_M rows, BLOCK_N keys, warps, stages, 1) of prompt chunks (BLOCK_M // group tokens of
-    every head of a group a tile), never split. With ``device`` (a prompt-chunk launch's) an sm_90 GPU and
-    ``max_context_len`` of at least PREFILL_SM90_MIN_KEYS, heads up to 128 wide: PREFILL_SM90_TILINGS' keys,
-    warps and stages for the pool, where it has an entry (BLOCK_M never changes by device: the tile maps'
-    tokens a tile, prefill_tokens_per_tile, are counted without one).
+    every head of a group a tile), never split. On ``device`` an sm_90 GPU: PREFILL_SM90_TILINGS' tiling
+    for the pool where it has one, heads up to 128 wide, groups of up to 64 query heads (the 64-row
+    default's), at every context length, so BLOCK_M depends on the device alone (and the model and pool):
+    the tile maps, prefill_tokens_per_tile, count in it with the same device. None: every other GPU's.
 
     H100, Llama-8B heads (benchmarks/kernels/attention_kernel_bench.py, 2026-11-26): an FP8 pool takes
     128 x 128 tiles over 8 warps, 2 stages: four 2,048-token prompts 574 -> 502 us a layer and an
     8,192-token chunk over a 12k prefix 7.5 -> 5.9 ms against 64 x 64 over 4 warps (its fp16 math
     has room for the larger tile; 128 x 64 over 4 warps, 3 stages, came second). A bf16 pool keeps
-    64 x 64 over 4 warps, 2 stages: no tiling of the sweep beat it on the 2k prompts. Heads of 256
+    64 x 64 over 4 warps, 2 stages off sm_90: no tiling of that sweep beat it on the 2k prompts. Heads of 256
     walk 32 keys at a time with 8 warps (a 64 x 256 fp32 accumulator over 4 warps would spill)."""
     block_m = 64 if group <= 64 else triton.next_power_of_2(group)
     if dim_pad > 128:
         return block_m, 32, 8, 2, 1
-    if kv_itemsize == 1:
-        block_m = max(block_m, 128)
-        config = block_m, 128, 8, 2, 1
-    else:
-        config = block_m, 64, 4, 2, 1
     sm90 = PREFILL_SM90_TILINGS.get(kv_itemsize)
-    if sm90 is not None and device is not None and max_context_len >= PREFILL_SM90_MIN_KEYS and _is_sm90(device):
-        return (block_m, *sm90, 1)
-    return config
+    if sm90 is not None and group <= 64 and device is not None and _is_sm90(device):
+        return (*sm90, 1)
+    if kv_itemsize == 1:
+        return max(block_m, 128), 128, 8, 2, 1
+    return block_m, 64, 4, 2, 1
 
 
-# Prompt chunks on an sm_90 GPU (H100 / H200), by the pool's bytes a value: (BLOCK_N keys, warps, stages) in place of
-# _prefill_config's, for launches whose meta.max_context_len is at least PREFILL_SM90_MIN_KEYS (a prefill CUDA
-# graph's is the engine's max_seq_len: engine/executor/prefill_graphs.py; an eager step's, its longest context).
-# Filled from benchmarks/engine/lanes/s32_c2/fa51.sh (attention_kernel_bench.py --cases prompt20k --sweep_prefill,
-# issue 51): an entry goes in only for a tiling that beat the default by >= 5% at the 8,192-token chunks over 16k and
-# 20k keys without losing at 8,192 over 8,192, the last 3,616 of a 20k prompt or 4 x 2,048.
-PREFILL_SM90_TILINGS: dict[int, tuple[int, int, int]] = {}
-PREFILL_SM90_MIN_KEYS = 8192
+# Prompt chunks on an sm_90 GPU (compute capability 9.0: H100 and H200, one SM architecture; the H200 differs in its
+# memory), by the pool's bytes a value: (BLOCK_M rows, BLOCK_N keys, warps, stages) in place of _prefill_config's, at
+# every context length (rows that went by the context would make a tile map's unit depend on the step).
+# bf16: H200, Llama-8B heads, one layer, paged pool with the served tile map, from CUDA graphs
+# (benchmarks/engine/lanes/s32_c2/fa51.sh, attention_kernel_bench.py --sweep_prefill, issue 51), us a layer, 64 x 64
+# over 4 warps, 2 stages -> 128 x 128 over 8 warps, 3 stages: an 8,192-token chunk over 8,192 keys 1,552 -> 1,379,
+# over 16,384 4,544 -> 3,908, over 20,000 5,931 -> 5,060; the last 3,616 of a 20k prompt 3,084 -> 2,612; four
+# 2,048-token prompts 458 -> 448; 1,024 over 2,048 96 -> 91. The other candidates (64:64:4:3, 64:128:4:2,
+# 128:64:8:2, 128:64:8:3) were 0.75-1.00x. Measured on the H200 only; the H100 shares the SM, and sm_90 choices here
+# go by capability (kernels/fp8_block.py, kernels/fused_moe_fp8.py). FP8 pools: no entry, the same sweep found
+# nothing faster than their default 128 x 128 x 8 x 2 (128:128:8:3 0.97x).
+PREFILL_SM90_TILINGS: dict[int, tuple[int, int, int, int]] = {2: (128, 128, 8, 3)}
 _SM90_DEVICES: dict[int, bool] = {}  # device index -> compute capability is exactly 9.0
 
 
@@ -936,11 +941,18 @@ def _is_sm90(device: torch.device) -> bool:
     return _SM90_DEVICES[index]
 
 
-def _short_step_config(group: int, dim_pad: int, kv_itemsize: int) -> tuple[int, int, int, int]:
+def _short_step_config(group: int, dim_pad: int, kv_itemsize: int,
+                       device: torch.device | None = None) -> tuple[int, int, int, int]:
     """(BLOCK_M rows, BLOCK_N keys, warps, stages) of a short step's split launch (a tree or chain verify
-    step: _short_step_splits): the prefill tile's (a CUDA graph's tile map counts in its rows), unless
+    step: _short_step_splits) on ``device``: the prefill tile's (a CUDA graph's tile map counts in its rows), unless
     $TRITONLLM_SHORT_STEP_TILING=short (read at every call): then bf16 / fp16 / fp32 pools with heads up
     to 128 wide walk 32 keys at a time over 8 warps, 3 stages.
+
+    sm_90's 128-row tiles of 16-bit pools (PREFILL_SM90_TILINGS, rows the device-less config does not have): the
+    rows stay the tile map's, the keys, warps and stages become 64 x 8 x 2, a thread's share of the 64 x 64 x 4 x 2
+    tiling these steps ran in before (same accumulator and score registers a thread; the prompt's 128 x 128 x 8 x 3
+    would double the scores' and take ~224 KB of shared memory, next to the split's spills below). Not measured
+    on its own; "short" (64 rows) does not apply to them.
 
     Why the switch: with the split, the tree mask and the in-launch rotary and KV write, the prefill
     tiling needs more than 255 registers a thread (Triton 3.9's ptxas for sm_90, Llama-8B heads: 255
@@ -954,7 +966,9 @@ def _short_step_config(group: int, dim_pad: int, kv_itemsize: int) -> tuple[int,
     (tests/kernels/test_tree_attention.py's "short" cases) or in the forced loop. (64 x 64 over 8 warps,
     decode's key tiles: 254 registers, no spill, not measured.) FP8 pools (128-row tiles) and heads of
     256 spill in every tiling tried and keep the prefill tiling."""
-    block_m, block_n, warps, stages, _ = _prefill_config(group, dim_pad, kv_itemsize)
+    block_m, block_n, warps, stages, _ = _prefill_config(group, dim_pad, kv_itemsize, device)
+    if block_m != _prefill_config(group, dim_pad, kv_itemsize)[0]:
+        return block_m, 64, 8, 2
     if (kv_itemsize != 1 and dim_pad <= 128 and block_m == 64
             and os.environ.get(SHORT_STEP_TILING_ENV) == "short"):
         return block_m, 32, 8, 3
@@ -1237,7 +1251,11 @@ def paged_attention_triton(
     # token) decode tiles in a second launch. One prefill tiling for all would spend a 64-row tile's
     # dots and softmax on each decode row's 1-8 rows: on an H100 the ~480 decode rows of a 2048/128
     # step (2k-token contexts) took longer than its four 2,048-token prompts.
-    prefill_config = _prefill_config(group, dim_pad, kv_itemsize, q.device, meta.max_context_len)
+    prefill_config = _prefill_config(group, dim_pad, kv_itemsize, q.device)
+    # A tile map names tiles of tile_tokens tokens; in tiles of other rows its programs would run other tokens.
+    assert meta.tile_seq is None or meta.tile_tokens in (None, prefill_config[0] // group), (
+        f"a tile map of {meta.tile_tokens}-token tiles for {prefill_config[0] // group}-token prompt tiles "
+        f"(prefill_tokens_per_tile without the launches' device?)")
     grid, splits, one_launch = _short_step_plan(meta, num_tokens, group, num_kv_heads, head_dim, kv_itemsize,
                                                 q.device, sliding_window, num_splits)
     tile_map = meta.tile_seq is not None
@@ -1245,7 +1263,7 @@ def paged_attention_triton(
     if splits > 1:
         # A short step (a tree or chain verify step, a small chunk): its keys split like a decode launch's,
         # then merged per token.
-        short_config = _short_step_config(group, dim_pad, kv_itemsize) + (splits,)
+        short_config = _short_step_config(group, dim_pad, kv_itemsize, q.device) + (splits,)
         if one_launch:
             # Few sequences can be in it: one launch over all, the one-token rows riding in prefill tiles.
             launch(short_config, grid, ALL_SEQS, tile_map=tile_map, decode_tiles=False)
@@ -1294,7 +1312,7 @@ def _short_step_plan(meta: AttentionMetadata, num_tokens: int, group: int, num_k
                      num_splits: int | None) -> tuple[tuple[int, int, int], int, bool]:
     """(grid before the split, key splits, one launch) of a mixed step's prefill-tile launch: splits > 1 for a
     short step (_short_step_splits, or ``num_splits`` forced); one launch: its one-token rows ride in it."""
-    tokens_per_tile = prefill_tokens_per_tile(group, head_dim, kv_itemsize)
+    tokens_per_tile = prefill_tokens_per_tile(group, head_dim, kv_itemsize, device)
     num_seqs = meta.num_seqs
     tiles = triton.cdiv(num_tokens, tokens_per_tile)  # the fewest tiles with work; the most (each sequence
     most_tiles = tiles + min(num_seqs, num_tokens)    # wastes at most one partial one, at most a sequence a token)
@@ -1323,7 +1341,7 @@ def short_step_appends(q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMe
     group = num_heads // num_kv_heads
     if meta.is_decode_only or not fuses_new_kv(head_dim) or num_tokens == 0:
         return False
-    if meta.max_seqlen_q > prefill_tokens_per_tile(group, head_dim, k_cache.element_size()):
+    if meta.max_seqlen_q > prefill_tokens_per_tile(group, head_dim, k_cache.element_size(), q.device):
         return False
     _, splits, one_launch = _short_step_plan(meta, num_tokens, group, num_kv_heads, head_dim,
                                              k_cache.element_size(), q.device, sliding_window, None)

@@ -188,12 +188,17 @@ def build_case(batch: list[tuple[int, int]], pool_dtype: torch.dtype, seed: int 
         from engine.executor.prefill_graphs import tile_map
         from kernels.triton_attention import prefill_tokens_per_tile
 
-        try:
-            per_tile = prefill_tokens_per_tile(NUM_HEADS // NUM_KV_HEADS, HEAD_DIM, k_cache.element_size())
-        except TypeError:  # kernels before 2026-11-26 (one prefill tiling for every pool)
-            per_tile = prefill_tokens_per_tile(NUM_HEADS // NUM_KV_HEADS)
+        try:  # in the rows of the launches' device (sm_90's bf16 tiles have their own: _prefill_config)
+            per_tile = prefill_tokens_per_tile(NUM_HEADS // NUM_KV_HEADS, HEAD_DIM, k_cache.element_size(),
+                                               k_cache.device)
+        except TypeError:  # kernels before 2026-12-02 (rows by pool only), or before 2026-11-26 (one tiling)
+            try:
+                per_tile = prefill_tokens_per_tile(NUM_HEADS // NUM_KV_HEADS, HEAD_DIM, k_cache.element_size())
+            except TypeError:
+                per_tile = prefill_tokens_per_tile(NUM_HEADS // NUM_KV_HEADS)
         tile_seq, tile_m = tile_map(q_lens, per_tile, -(-cu[-1] // per_tile) + len(batch))
         meta.tile_seq, meta.tile_m = torch.from_numpy(tile_seq).to(DEVICE), torch.from_numpy(tile_m).to(DEVICE)
+        meta.tile_tokens = per_tile  # (the launch checks its tiles hold as many)
     return q, k_cache, v_cache, meta
 
 
@@ -299,8 +304,8 @@ def prefill_config_text(config: tuple | None) -> str:
 
 class launched_prefill_configs:
     """Context manager: appends to ``seen`` (launch's, config) for each config kernels.triton_attention._prefill_config
-    (or what a sweep forced in its place) returns; launch's: the call passed a device (a prompt-chunk launch's; the
-    other calls count a tile map's tokens, whose BLOCK_M is the same). launched_config() picks the launch's."""
+    (or what a sweep forced in its place) returns; launch's: the call passed a device (a prompt-chunk launch's, or a
+    tile map's count on the same device, whose BLOCK_M is the same). launched_config() picks the launch's."""
 
     def __init__(self, seen: list):
         self.seen = seen

@@ -60,7 +60,7 @@ def make_step(tokens: int, context: int, max_seq_len: int, device: torch.device)
         depth[i] = depth[parents[i]] + 1
     positions = torch.tensor([context + d for d in depth], device=device)
     slots = torch.tensor([(1 + p // PAGE) * PAGE + p % PAGE for p in range(context, total)], device=device)
-    per_tile = prefill_tokens_per_tile(HEADS // KV_HEADS, HEAD_DIM)
+    per_tile = prefill_tokens_per_tile(HEADS // KV_HEADS, HEAD_DIM, 2, torch.device(device))  # the launches' rows
     tile_seq, tile_m = tile_map([tokens], per_tile, -(-tokens // per_tile) + 1)
     meta = AttentionMetadata(
         slot_mapping=slots, block_tables=table,
@@ -70,7 +70,7 @@ def make_step(tokens: int, context: int, max_seq_len: int, device: torch.device)
         tree_mask=tree_mask([tokens], [parents]).to(device) if tokens > 1 else None,
         tree_bits=pack_tree_mask(tree_mask([tokens], [parents])).to(device) if tokens > 1 else None,
         tile_seq=torch.from_numpy(tile_seq).to(device) if tokens > 1 else None,
-        tile_m=torch.from_numpy(tile_m).to(device) if tokens > 1 else None)
+        tile_m=torch.from_numpy(tile_m).to(device) if tokens > 1 else None, tile_tokens=per_tile)
     cos_sin = build_cos_sin_cache(max_seq_len + 64, HEAD_DIM, 500000.0, device=device)
     return q, (k, v, positions, cos_sin), k_cache, v_cache, meta
 

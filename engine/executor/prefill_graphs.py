@@ -201,7 +201,7 @@ class PrefillGraphs:
             slot_mapping=inputs.dev_i64[2], block_tables=self.dev_tables,
             cu_seqlens_q=inputs.dev_seq[0], context_lens=inputs.dev_seq[1, :self.max_seqs],
             max_seqlen_q=bucket, max_context_len=self.max_seq_len, is_decode_only=False,
-            tile_seq=inputs.dev_tiles[0], tile_m=inputs.dev_tiles[1],
+            tile_seq=inputs.dev_tiles[0], tile_m=inputs.dev_tiles[1], tile_tokens=self.tokens_per_tile,
             lora=self.lora_buffers.batch(bucket) if lora else None,  # this bucket's view: kernels/lora.py
         )
         if tree:  # int8 already, so the kernel wrapper's .to(torch.int8) is this buffer itself

@@ -393,7 +393,7 @@ class ModelRunner:
                 self.graph_model, self.kv_cache, tokens_per_block=self.tokens_per_block, max_seq_len=build.max_seq_len,
                 max_batch_size=build.max_batch_size, max_num_tokens=build.max_num_tokens,
                 tokens_per_tile=prefill_tokens_per_tile(cfg.num_heads // cfg.num_kv_heads, cfg.head_dim,
-                                                        self.kv_cache.element_size()),
+                                                        self.kv_cache.element_size(), self.kv_cache.device),
                 sampled_tokens=self.sampled_tokens, buckets=buckets, taps=self.layer_taps,
                 tree_width=self.tree_graph_width, lora_slots=0 if self.lora_pools is None else self.lora_pools.num_slots,
                 table=table_step_buffers(self.model, self.engine_config, build.max_num_tokens, self.dtype, self.device))

@@ -91,7 +91,7 @@ def emulate_cuda_graphs(monkeypatch) -> collections.Counter:
                 max_num_tokens=build.max_num_tokens, sampled_tokens=runner.sampled_tokens, buckets=buckets,
                 taps=runner.layer_taps, tree_width=runner.tree_graph_width,
                 tokens_per_tile=prefill_tokens_per_tile(cfg.num_heads // cfg.num_kv_heads, cfg.head_dim,
-                                                        runner.kv_cache.element_size()))
+                                                        runner.kv_cache.element_size(), runner.kv_cache.device))
             runner.prefill_graphs.capture()
 
     monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self, *args, **kwargs: self)

@@ -337,7 +337,7 @@ def test_mixed_batch_through_a_tile_map_with_padding_sequences(device, window, f
 
     padding_seqs = 3
     q_lens = [new for _, new in MIXED_BATCH] + [0] * padding_seqs
-    per_tile = prefill_tokens_per_tile(num_heads // num_kv_heads, head_dim, k_cache.element_size())
+    per_tile = prefill_tokens_per_tile(num_heads // num_kv_heads, head_dim, k_cache.element_size(), k_cache.device)
     tile_seq, tile_m = tile_map(q_lens, per_tile, 64)
     cu = meta.cu_seqlens_q_host + [meta.cu_seqlens_q_host[-1]] * padding_seqs
     table = meta.block_tables
@@ -348,6 +348,7 @@ def test_mixed_batch_through_a_tile_map_with_padding_sequences(device, window, f
         context_lens=torch.tensor(meta.context_lens_host + [0] * padding_seqs, dtype=torch.int32, device=device),
         max_seqlen_q=k.shape[0], max_context_len=4096, is_decode_only=False,
         tile_seq=torch.from_numpy(tile_seq).to(device), tile_m=torch.from_numpy(tile_m).to(device),
+        tile_tokens=per_tile,
     )
     out = paged_attention_triton(q, k_cache, v_cache, graph_meta, scale, sliding_window=window)
     assert relative_error(out, ref) < TOLERANCE[dtype]

@@ -123,7 +123,7 @@ def test_short_tree_step_splits_its_keys_and_matches_reference(tile_map_form, on
     meta.tree_mask = tree_mask([n for _, n in cases], parents).to(DEVICE)
     q = torch.randn(20, num_heads, head_dim, generator=torch.Generator().manual_seed(6)).to(dtype).to(DEVICE)
     want = paged_attention_ref(q, k_cache, v_cache, meta, head_dim ** -0.5)
-    per_tile = prefill_tokens_per_tile(num_heads // num_kv_heads, head_dim)
+    per_tile = prefill_tokens_per_tile(num_heads // num_kv_heads, head_dim, k_cache.element_size(), k_cache.device)
     if tile_map_form:
         tile_seq, tile_m = tile_map([16, 1, 3, 0], per_tile, 6)
         cu = meta.cu_seqlens_q_host + [20]
@@ -134,7 +134,8 @@ def test_short_tree_step_splits_its_keys_and_matches_reference(tile_map_form, on
             context_lens=torch.tensor(meta.context_lens_host + [0], dtype=torch.int32, device=DEVICE),
             max_seqlen_q=20, max_context_len=2048, is_decode_only=False, tree_mask=meta.tree_mask,
             tree_bits=pack_tree_mask(meta.tree_mask),
-            tile_seq=torch.from_numpy(tile_seq).to(DEVICE), tile_m=torch.from_numpy(tile_m).to(DEVICE))
+            tile_seq=torch.from_numpy(tile_seq).to(DEVICE), tile_m=torch.from_numpy(tile_m).to(DEVICE),
+            tile_tokens=per_tile)
     assert _short_step_splits(3 * num_kv_heads, 3 * num_kv_heads, 20, meta.max_context_len, 64, 132) >= 2
     got = paged_attention_triton(q, k_cache, v_cache, meta, head_dim ** -0.5)
     assert relative_error(got, want) < TOLERANCE[dtype]
@@ -165,7 +166,7 @@ def test_short_tree_step_rotating_and_appending_in_the_launch_equals_the_two_ker
     ``tiling`` short: the opt-in 32-key tiles over 8 warps (_short_step_config)."""
     use_short_step_tiling(tiling, monkeypatch)
     from kernels.rotary import build_cos_sin_cache, rotary_and_write_kv_ref
-    from kernels.triton_attention import short_step_appends
+    from kernels.triton_attention import prefill_tokens_per_tile, short_step_appends
 
     num_heads, num_kv_heads, head_dim = 8, 2, 32
     cases = [(300, 16), (200, 1), (100, 3)]
@@ -193,5 +194,6 @@ def test_short_tree_step_rotating_and_appending_in_the_launch_equals_the_two_ker
     got = paged_attention_triton(q, k_cache, v_cache, meta, head_dim ** -0.5, new_kv=(k, v, positions, cos_sin))
     assert relative_error(got, want) < TOLERANCE[dtype]
     assert relative_error(k_cache, k_ref) < TOLERANCE[dtype] and torch.equal(v_cache, v_ref)
-    meta.max_seqlen_q = 17  # a sequence of two tiles: another tile's program would read keys this one writes
+    # a sequence of two tiles (16 tokens a tile, 32 on sm_90): another tile's program would read keys this one writes
+    meta.max_seqlen_q = prefill_tokens_per_tile(num_heads // num_kv_heads, head_dim, 2, q.device) + 1
     assert not short_step_appends(q, k_cache, meta)

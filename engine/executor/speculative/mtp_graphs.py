@@ -66,7 +66,7 @@ class MtpGraphs:
             self.step, kv_cache, tokens_per_block=page, max_seq_len=max_seq_len, max_batch_size=max_batch_size,
             max_num_tokens=max_num_tokens, buckets=buckets,
             tokens_per_tile=prefill_tokens_per_tile(cfg.num_heads // cfg.num_kv_heads, cfg.head_dim,
-                                                    kv_cache.element_size())) if buckets else None
+                                                    kv_cache.element_size(), kv_cache.device)) if buckets else None
 
     @torch.inference_mode()
     def capture(self) -> None:
