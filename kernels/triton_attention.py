@@ -924,7 +924,8 @@ def _prefill_config(group: int, dim_pad: int, kv_itemsize: int,
 # over 4 warps, 2 stages -> 128 x 128 over 8 warps, 3 stages: an 8,192-token chunk over 8,192 keys 1,552 -> 1,379,
 # over 16,384 4,544 -> 3,908, over 20,000 5,931 -> 5,060; the last 3,616 of a 20k prompt 3,084 -> 2,612; four
 # 2,048-token prompts 458 -> 448; 1,024 over 2,048 96 -> 91. The other candidates (64:64:4:3, 64:128:4:2,
-# 128:64:8:2, 128:64:8:3) were 0.75-1.00x. Measured on the H200 only; the H100 shares the SM, and sm_90 choices here
+# 128:64:8:2, 128:64:8:3) were 0.75-1.00x. As the served default (lanes/s33_c1/pf51.sh, the same day, another lease):
+# 1.11 / 1.17 / 1.17 / 1.19 / 1.03 / 1.06x over 64 x 64 x 4 x 2 at those six cases, its GPU tests 61 passed. Measured on the H200 only; the H100 shares the SM, and sm_90 choices here
 # go by capability (kernels/fp8_block.py, kernels/fused_moe_fp8.py). FP8 pools: no entry, the same sweep found
 # nothing faster than their default 128 x 128 x 8 x 2 (128:128:8:3 0.97x).
 PREFILL_SM90_TILINGS: dict[int, tuple[int, int, int, int]] = {2: (128, 128, 8, 3)}
