@@ -170,32 +170,40 @@ def pool_rounded(x: torch.Tensor) -> torch.Tensor:
     return x.float().clamp(-KV_FP8_MAX, KV_FP8_MAX).to(KV_FP8_DTYPE).float()
 
 
-def fp8_query(query: torch.Tensor, scaling: float) -> torch.Tensor:
+def fp8_query(query: torch.Tensor, scaling: float, row_scaled: bool = False) -> torch.Tensor:
     """q as the prompt kernel's FP8_QK rounds it (kernels/triton_attention.py, FP16_MATH): the float32 q times
     qk_scale (softmax scale * log2(e), a float32 scalar) saturated to +-65504, to fp16 (nearest), saturated
     to +-448, to E4M3 (nearest, ties to even). Returns those E4M3 values as float32, any shape: the kernel's
-    base-2 scores are these . the pool's K codes (scale 1), so natural-log scores are that times ln 2."""
+    base-2 scores are these . the pool's K codes (scale 1), so natural-log scores are that times ln 2.
+    ``row_scaled`` (not the kernel; a diagnostic): each query row (last dim) is first multiplied by the power of
+    two that brings its largest value into [224, 448], and divided back after, so small components keep E4M3's
+    3 mantissa bits instead of falling into its subnormals (< 2^-6): what a per-row q scale would recover."""
     qk_scale = torch.tensor(scaling * LOG2E, dtype=torch.float32)
-    q16 = (query.float() * qk_scale).clamp(-FP16_MAX, FP16_MAX).to(torch.float16)
-    return q16.float().clamp(-KV_FP8_MAX, KV_FP8_MAX).to(KV_FP8_DTYPE).float()
+    q16 = (query.float() * qk_scale).clamp(-FP16_MAX, FP16_MAX).to(torch.float16).float()
+    if not row_scaled:
+        return q16.clamp(-KV_FP8_MAX, KV_FP8_MAX).to(KV_FP8_DTYPE).float()
+    peak = q16.abs().amax(dim=-1, keepdim=True).clamp(min=2.0**-24)
+    power = torch.exp2(torch.floor(torch.log2(KV_FP8_MAX / peak)))
+    return (q16 * power).clamp(-KV_FP8_MAX, KV_FP8_MAX).to(KV_FP8_DTYPE).float() / power
 
 
-def rounded_attention(base, round_kv: bool, round_q: bool):
+def rounded_attention(base, round_kv: bool, round_q: bool | str):
     """A transformers attention function: ``base``'s (the model's own, e.g. sdpa) on q/k/v rounded as the
     engine would see them. query (batch, heads, n, head_dim) and key/value (batch, kv_heads, n, head_dim),
     after rotary, before GQA's repeat: where the engine's pool write and kernel read them. ``round_kv``: K and
     V through an FP8 pool (pool_rounded); ``round_q``: q as FP8_QK rounds it, with the scale it carries
-    taken back out through ``scaling`` = ln 2 (q8 . k * ln 2: the kernel's base-2 q8 . k8, in base e)."""
+    taken back out through ``scaling`` = ln 2 (q8 . k * ln 2: the kernel's base-2 q8 . k8, in base e);
+    "row_scaled": fp8_query's diagnostic per-row power-of-two scale."""
     def attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
         if round_kv:
             key, value = pool_rounded(key), pool_rounded(value)
         if round_q:
-            query, scaling = fp8_query(query, scaling), math.log(2.0)
+            query, scaling = fp8_query(query, scaling, round_q == "row_scaled"), math.log(2.0)
         return base(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     return attention
 
 
-def set_attention(model, base_name: str, round_kv: bool, round_q: bool) -> None:
+def set_attention(model, base_name: str, round_kv: bool, round_q: bool | str) -> None:
     """Route every layer's attention through rounded_attention (or back to ``base_name`` when nothing rounds)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
@@ -210,12 +218,15 @@ def set_attention(model, base_name: str, round_kv: bool, round_q: bool) -> None:
 
 
 def attention_rows() -> dict[str, tuple]:
-    """Row name -> (Linear policy as in rows(), round K/V through an FP8 pool, round q as FP8_QK does)."""
+    """Row name -> (Linear policy as in rows(), round K/V through an FP8 pool, round q as FP8_QK does
+    ("row_scaled": with fp8_query's diagnostic per-row scale))."""
     plain = lambda layer, kind: (False, False)  # noqa: E731
     w8a8 = lambda layer, kind: (True, True)  # noqa: E731
     return {"FP8 KV": (plain, True, False),
             "FP8 KV + FP8 Q K^T": (plain, True, True),
             "FP8 Q K^T alone (float32 K/V)": (plain, False, True),
+            "FP8 KV + FP8 Q K^T, q rows scaled (not the kernel)": (plain, True, "row_scaled"),
+            "FP8 Q K^T alone, q rows scaled (not the kernel)": (plain, False, "row_scaled"),
             "W8A8 + FP8 KV": (w8a8, True, False),
             "W8A8 + FP8 KV + FP8 Q K^T": (w8a8, True, True)}
 

@@ -79,3 +79,15 @@ def test_the_attention_rows_route_through_the_wrapper_and_back():
     assert config._attn_implementation == acc.ROUNDED_ATTENTION
     acc.set_attention(model, "sdpa", False, False)
     assert config._attn_implementation == "sdpa"
+
+
+def test_row_scaled_queries_differ_only_where_the_plain_rounding_is_subnormal():
+    torch.manual_seed(2)
+    scaling = 64**-0.5
+    q = torch.randn(1, 2, 8, 64) * 0.3  # scaled: ~0.05, many below E4M3's normals (2^-6)
+    plain, scaled = acc.fp8_query(q, scaling), acc.fp8_query(q, scaling, row_scaled=True)
+    exact = (q * torch.tensor(scaling * acc.LOG2E, dtype=torch.float32)).half().float()
+    normal = exact.abs() >= 2.0**-6
+    assert torch.equal(plain[normal], scaled[normal])  # a power of two moves no normal value's rounding
+    assert not torch.equal(plain, scaled)
+    assert (scaled - exact).abs().sum() < (plain - exact).abs().sum()
