@@ -27,7 +27,8 @@ The attention rows ("FP8 KV ...", "... FP8 Q K^T ...") round what an FP8 KV pool
 saturated at +-448, nearest E4M3), and q as the kernel rounds it (kernels/triton_attention.py, FP16_MATH and
 FP8_QK: q * softmax scale * log2(e) saturated to fp16's range, to fp16, saturated at +-448, to E4M3; the base-2
 scores are q8 . k8). Everything else stays float32. Teacher-forced, every token is a prompt token: the switch's
-case. ``--repeat N`` evaluates the text N times over (``--tokens`` then defaults to 500 N) for longer contexts.
+case. ``--repeat N`` evaluates the text N times over (``--tokens`` then defaults to 500 N) for longer contexts;
+``--text PATH`` another text (a long one, e.g. docs/INTERFACES.md with ``--tokens 2000``, is not repeated).
 """
 from __future__ import annotations
 
@@ -64,8 +65,8 @@ def smollm2_gguf() -> str:
     return os.path.join(folder, sorted(f for f in os.listdir(folder) if f.endswith(".gguf"))[0])
 
 
-def eval_text() -> str:
-    with open(EVAL_TEXT) as f:
+def eval_text(path: str = EVAL_TEXT) -> str:
+    with open(path) as f:
         return f.read().rstrip("\n")
 
 
@@ -329,6 +330,8 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--tokens", type=int, default=None,
                    help="first N tokens of the text (default 500 per --repeat; the test uses 500)")
+    p.add_argument("--text", default=EVAL_TEXT,
+                   help="evaluate on this file instead (e.g. docs/INTERFACES.md for a long text that is not repeated)")
     p.add_argument("--repeat", type=int, default=1,
                    help="the text this many times over, blank-line separated (longer prompts for the attention "
                         "rows; from the second copy on the model can copy, so per-token figures get easier)")
@@ -345,7 +348,7 @@ def main(argv: list[str] | None = None) -> None:
     model, tokenizer = load_gguf(smollm2_gguf())
     model.eval()
     base_attention = model.config._attn_implementation
-    ids = tokenizer("\n\n".join([eval_text()] * args.repeat))["input_ids"][: args.tokens or 500 * args.repeat]
+    ids = tokenizer("\n\n".join([eval_text(args.text)] * args.repeat))["input_ids"][: args.tokens or 500 * args.repeat]
     table, attention = rows(model.config.num_hidden_layers), attention_rows()
     wanted = [name.strip() for name in args.rows.split(";") if name.strip()] or list(table) + list(attention)
     unknown = [name for name in wanted if name not in table and name not in attention]
