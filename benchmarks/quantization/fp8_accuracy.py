@@ -3,8 +3,8 @@ teacher-forced over tests/engine/data/fp8_eval_text.txt (the text of tests/engin
 for float32, weight-only FP8, activation-only FP8, W8A8 (the engine's CPU path), and W8A8 with
 projection kinds or layers kept in float32. Figures: benchmarks/results/quantization.md, "FP8 accuracy on CPU".
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/quantization/fp8_accuracy.py [--rows "name;name"] [--jitters 4] [--repeat N] \
-        [--engine-check] [--gptq-tokens 8192]
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/quantization/fp8_accuracy.py [--rows "name;name"] [--jitters 4] \
+        [--repeat N] [--text PATH] [--engine-check] [--gptq-tokens 8192]
 
 CPU only: about 15 s per row after the ~20 s model load (5 minutes with both options). The FP8 rows
 are emulated on the transformers model (``LlamaForCausalLM`` from the embedded GGUF, float32) by

@@ -25,7 +25,8 @@ def test_query_rounding_is_the_kernels_fp16_then_e4m3_round_trip():
     assert torch.equal(got, expected)
     assert torch.equal(got.to(E4M3).float(), got)  # on the E4M3 grid
     assert got.abs().max().item() == 448.0  # saturated, not NaN (E4M3 has no infinity)
-    normal = (scaled.abs() >= 2.0**-6) & (scaled.abs() <= 448.0)  # E4M3's normal range: within half a step (2^-4) of the value
+    # E4M3's normal range: within half a step (2^-4) of the value
+    normal = (scaled.abs() >= 2.0**-6) & (scaled.abs() <= 448.0)
     assert normal.any() and ((got - scaled).abs() <= scaled.abs() * 2.0**-4)[normal].all()
     # away from fp16's double rounding (rare ties), the same as rounding straight from float32
     assert (got == scaled.clamp(-448, 448).to(E4M3).float()).float().mean().item() > 0.99
