@@ -4,7 +4,7 @@ for float32, weight-only FP8, activation-only FP8, W8A8 (the engine's CPU path),
 projection kinds or layers kept in float32. Figures: benchmarks/results/quantization.md, "FP8 accuracy on CPU".
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/quantization/fp8_accuracy.py [--rows "name;name"] [--jitters 4] \
-        [--engine-check] [--gptq-tokens 8192]
+        [--repeat N] [--text PATH] [--engine-check] [--gptq-tokens 8192]
 
 CPU only: about 15 s per row after the ~20 s model load (5 minutes with both options). The FP8 rows
 are emulated on the transformers model (``LlamaForCausalLM`` from the embedded GGUF, float32) by
@@ -20,6 +20,15 @@ inputs moved by that much, and KL (smooth, no near-tie flips) is printed beside 
 fall in the emulation's jittered range, not on its exact tokens (another summation order).
 ``--gptq-tokens N`` adds GPTQ-rounded weights calibrated on N tokens of the README (an experiment;
 the engine does not do this).
+
+The attention rows ("FP8 KV ...", "... FP8 Q K^T ...") round what an FP8 KV pool and the prompt kernel's
+``TRITONLLM_PREFILL_FP8_QK=1`` see, after rotary, through a custom transformers attention function
+(``rounded_attention``): K and V as the pool stores them (kernels/paged_kv_math.py cache_value: scale 1,
+saturated at +-448, nearest E4M3), and q as the kernel rounds it (kernels/triton_attention.py, FP16_MATH and
+FP8_QK: q * softmax scale * log2(e) saturated to fp16's range, to fp16, saturated at +-448, to E4M3; the base-2
+scores are q8 . k8). Everything else stays float32. Teacher-forced, every token is a prompt token: the switch's
+case. ``--repeat N`` evaluates the text N times over (``--tokens`` then defaults to 500 N) for longer contexts;
+``--text PATH`` another text (a long one, e.g. docs/INTERFACES.md with ``--tokens 2000``, is not repeated).
 """
 from __future__ import annotations
 
@@ -39,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: en
 from benchmarks.common import REPO_ROOT  # noqa: E402
 
 from engine.build import load_gguf  # noqa: E402
+from kernels.attention import KV_FP8_DTYPE, KV_FP8_MAX  # noqa: E402
 from kernels.fp8 import (FP8_DTYPE, FP8_MAX, MIN_SCALE, dequantize_rows, quantize_rows,  # noqa: E402
                          quantize_weight)
 
@@ -55,8 +65,8 @@ def smollm2_gguf() -> str:
     return os.path.join(folder, sorted(f for f in os.listdir(folder) if f.endswith(".gguf"))[0])
 
 
-def eval_text() -> str:
-    with open(EVAL_TEXT) as f:
+def eval_text(path: str = EVAL_TEXT) -> str:
+    with open(path) as f:
         return f.read().rstrip("\n")
 
 
@@ -146,6 +156,80 @@ def gptq_weights(model, tokenizer, tokens: int) -> dict:
     hessians = calibration_hessians(model, tokenizer(text)["input_ids"][:tokens])
     return {(index, name): gptq_round(model.model.layers[index].get_submodule(name).weight, hessian)
             for (index, name), hessian in hessians.items()}
+
+
+# ---- the attention side: an FP8 KV pool and the prompt kernel's FP8 Q K^T (TRITONLLM_PREFILL_FP8_QK) ----
+
+LOG2E = 1.4426950408889634  # kernels/triton_attention.py _LOG2E: the kernel's scores are base 2
+FP16_MAX = 65504.0
+ROUNDED_ATTENTION = "fp8_rounded_attention"  # the name the custom attention function is registered under
+
+
+def pool_rounded(x: torch.Tensor) -> torch.Tensor:
+    """K or V as an FP8 pool holds them, read back (kernels/paged_kv_math.py cache_value): scale 1, saturated
+    at +-448, nearest E4M3 (ties to even), widened exactly. Any shape; float32 out."""
+    return x.float().clamp(-KV_FP8_MAX, KV_FP8_MAX).to(KV_FP8_DTYPE).float()
+
+
+def fp8_query(query: torch.Tensor, scaling: float, row_scaled: bool = False) -> torch.Tensor:
+    """q as the prompt kernel's FP8_QK rounds it (kernels/triton_attention.py, FP16_MATH): the float32 q times
+    qk_scale (softmax scale * log2(e), a float32 scalar) saturated to +-65504, to fp16 (nearest), saturated
+    to +-448, to E4M3 (nearest, ties to even). Returns those E4M3 values as float32, any shape: the kernel's
+    base-2 scores are these . the pool's K codes (scale 1), so natural-log scores are that times ln 2.
+    ``row_scaled`` (not the kernel; a diagnostic): each query row (last dim) is first multiplied by the power of
+    two that brings its largest value into [224, 448], and divided back after, so small components keep E4M3's
+    3 mantissa bits instead of falling into its subnormals (< 2^-6): what a per-row q scale would recover."""
+    qk_scale = torch.tensor(scaling * LOG2E, dtype=torch.float32)
+    q16 = (query.float() * qk_scale).clamp(-FP16_MAX, FP16_MAX).to(torch.float16).float()
+    if not row_scaled:
+        return q16.clamp(-KV_FP8_MAX, KV_FP8_MAX).to(KV_FP8_DTYPE).float()
+    peak = q16.abs().amax(dim=-1, keepdim=True).clamp(min=2.0**-24)
+    power = torch.exp2(torch.floor(torch.log2(KV_FP8_MAX / peak)))
+    return (q16 * power).clamp(-KV_FP8_MAX, KV_FP8_MAX).to(KV_FP8_DTYPE).float() / power
+
+
+def rounded_attention(base, round_kv: bool, round_q: bool | str):
+    """A transformers attention function: ``base``'s (the model's own, e.g. sdpa) on q/k/v rounded as the
+    engine would see them. query (batch, heads, n, head_dim) and key/value (batch, kv_heads, n, head_dim),
+    after rotary, before GQA's repeat: where the engine's pool write and kernel read them. ``round_kv``: K and
+    V through an FP8 pool (pool_rounded); ``round_q``: q as FP8_QK rounds it, with the scale it carries
+    taken back out through ``scaling`` = ln 2 (q8 . k * ln 2: the kernel's base-2 q8 . k8, in base e);
+    "row_scaled": fp8_query's diagnostic per-row power-of-two scale."""
+    def attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+        if round_kv:
+            key, value = pool_rounded(key), pool_rounded(value)
+        if round_q:
+            query, scaling = fp8_query(query, scaling, round_q == "row_scaled"), math.log(2.0)
+        return base(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    return attention
+
+
+def set_attention(model, base_name: str, round_kv: bool, round_q: bool | str) -> None:
+    """Route every layer's attention through rounded_attention (or back to ``base_name`` when nothing rounds)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    if not (round_kv or round_q):
+        model.config._attn_implementation = base_name
+        return
+    AttentionInterface.register(ROUNDED_ATTENTION,
+                                rounded_attention(ALL_ATTENTION_FUNCTIONS[base_name], round_kv, round_q))
+    AttentionMaskInterface.register(ROUNDED_ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS[base_name])
+    model.config._attn_implementation = ROUNDED_ATTENTION
+
+
+def attention_rows() -> dict[str, tuple]:
+    """Row name -> (Linear policy as in rows(), round K/V through an FP8 pool, round q as FP8_QK does
+    ("row_scaled": with fp8_query's diagnostic per-row scale))."""
+    plain = lambda layer, kind: (False, False)  # noqa: E731
+    w8a8 = lambda layer, kind: (True, True)  # noqa: E731
+    return {"FP8 KV": (plain, True, False),
+            "FP8 KV + FP8 Q K^T": (plain, True, True),
+            "FP8 Q K^T alone (float32 K/V)": (plain, False, True),
+            "FP8 KV + FP8 Q K^T, q rows scaled (not the kernel)": (plain, True, "row_scaled"),
+            "FP8 Q K^T alone, q rows scaled (not the kernel)": (plain, False, "row_scaled"),
+            "W8A8 + FP8 KV": (w8a8, True, False),
+            "W8A8 + FP8 KV + FP8 Q K^T": (w8a8, True, True)}
 
 
 def forward_logits(model, ids: list[int], jitter_seed: int | None = None) -> torch.Tensor:
@@ -244,8 +328,15 @@ def print_row(name: str, m: dict) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--tokens", type=int, default=500, help="first N tokens of the text (the test uses 500)")
-    p.add_argument("--rows", default="", help="semicolon-separated row names to run (default: all)")
+    p.add_argument("--tokens", type=int, default=None,
+                   help="first N tokens of the text (default 500 per --repeat; the test uses 500)")
+    p.add_argument("--text", default=EVAL_TEXT,
+                   help="evaluate on this file instead (e.g. docs/INTERFACES.md for a long text that is not repeated)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="the text this many times over, blank-line separated (longer prompts for the attention "
+                        "rows; from the second copy on the model can copy, so per-token figures get easier)")
+    p.add_argument("--rows", default="", help="semicolon-separated row names to run (default: all, the "
+                                              "attention rows included)")
     p.add_argument("--jitters", type=int, default=4, help="runs with float32-rounding-sized input changes")
     p.add_argument("--engine-check", action="store_true", help="also run the engines engine.build writes")
     p.add_argument("--gptq-tokens", type=int, default=0,
@@ -256,17 +347,24 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(0)
     model, tokenizer = load_gguf(smollm2_gguf())
     model.eval()
-    ids = tokenizer(eval_text())["input_ids"][: args.tokens]
-    table = rows(model.config.num_hidden_layers)
-    wanted = [name.strip() for name in args.rows.split(";") if name.strip()] or list(table)
+    base_attention = model.config._attn_implementation
+    ids = tokenizer("\n\n".join([eval_text(args.text)] * args.repeat))["input_ids"][: args.tokens or 500 * args.repeat]
+    table, attention = rows(model.config.num_hidden_layers), attention_rows()
+    wanted = [name.strip() for name in args.rows.split(";") if name.strip()] or list(table) + list(attention)
+    unknown = [name for name in wanted if name not in table and name not in attention]
+    if unknown:
+        p.error(f"unknown rows {unknown}; known: {list(table) + list(attention)}")
     reference = forward_logits(model, ids)
     print(f"SmolLM2-135M, {len(ids)} tokens teacher-forced: greedy next-token agreement with float32, "
           f"its range over {args.jitters} runs whose inputs moved by 1e-6 (float32 rounding), perplexity, "
           "mean KL(float32 || variant) of the next-token distributions\n")
     print("| variant | agreement | agreement, jittered runs | perplexity | KL |\n|---|---|---|---|---|")
     for name in wanted:
-        apply_policy(model, table[name])
+        policy, round_kv, round_q = attention[name] if name in attention else (table[name], False, False)
+        apply_policy(model, policy)
+        set_attention(model, base_attention, round_kv, round_q)
         print_row(name, measure(model, ids, reference, args.jitters))
+    set_attention(model, base_attention, False, False)
     if args.gptq_tokens:
         rounded = gptq_weights(model, tokenizer, args.gptq_tokens)
         for name, activations in ((f"W8A8, GPTQ weights ({args.gptq_tokens} README tokens)", True),
