@@ -18,7 +18,7 @@ from kernels.attention_metadata import AttentionMetadata
 from kernel_testing import TOLERANCE, relative_error
 from sm90_compile import AOT_SM90, compile_for_sm90, registers, resource_usage_or_skip, stack_bytes, \
     strides_but_block_table
-from test_keys_major_decode import decode_case as keys_major_decode_case
+from test_keys_major_decode import decode_case as keys_major_decode_case, fp8_pool_kernel_pointers
 
 triton_attention = pytest.importorskip("kernels.triton_attention")
 keys_major = pytest.importorskip("kernels.keys_major_decode")
@@ -215,11 +215,7 @@ def test_the_padded_merge_and_a_5_split_keys_major_launch_compile_for_sm90(split
     usage = resource_usage_or_skip(merge, Path(tmp_path))
     assert stack_bytes(usage) == 0 and "LOCAL:0" in usage, usage
     k_bits, v_widen = triton_attention.fp8_widening(64)
-    pointers = {name: "*bf16" for name in ("q_ptr", "out_ptr", "k_new_ptr", "v_new_ptr")}
-    pointers.update({name: "*fp8e4nv" for name in ("k_cache_ptr", "v_cache_ptr")})
-    pointers.update({name: "*fp32" for name in ("part_out_ptr", "part_lse_ptr", "cos_sin_ptr")})
-    pointers.update({name: "*i32" for name in ("block_tables_ptr", "context_lens_ptr", "active_splits_ptr")})
-    pointers.update(positions_ptr="*i64", slot_ptr="*i64")
+    pointers = fp8_pool_kernel_pointers()
     const = dict(GROUP=4, G_PAD=keys_major.keys_major_columns(4), HEAD_DIM=128, DIM_PAD=128, PAGE_SIZE=32,
                  BLOCK_N=64, NUM_SPLITS=5, PRECISION="tf32", FP16_MATH=True, ROTARY_APPEND=False, ROTATE=False,
                  DYNAMIC_SPLITS=dynamic, PDL=False, K_BITS=k_bits, V_WIDEN=v_widen, ASM=True)

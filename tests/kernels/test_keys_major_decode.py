@@ -314,6 +314,17 @@ def test_the_switch_is_auto_by_default_and_refuses_other_values(monkeypatch):
     assert keys_major.keys_major_columns(12) == 16
 
 
+def fp8_pool_kernel_pointers() -> dict[str, str]:
+    """The keys-major decode kernel's pointer arguments over an FP8 pool with bf16 queries, as compile_for_sm90 takes
+    them (sm90_compile)."""
+    pointers = {name: "*bf16" for name in ("q_ptr", "out_ptr", "k_new_ptr", "v_new_ptr")}
+    pointers.update({name: "*fp8e4nv" for name in ("k_cache_ptr", "v_cache_ptr")})
+    pointers.update({name: "*fp32" for name in ("part_out_ptr", "part_lse_ptr", "cos_sin_ptr")})
+    pointers.update({name: "*i32" for name in ("block_tables_ptr", "context_lens_ptr", "active_splits_ptr")})
+    pointers.update(positions_ptr="*i64", slot_ptr="*i64")
+    return pointers
+
+
 @AOT_SM90
 @pytest.mark.parametrize("tiling", [(64, 4, 3), (64, 2, 5), (32, 1, 3)])
 @pytest.mark.parametrize("rotary", [False, True])
@@ -322,11 +333,7 @@ def test_keys_major_decode_compiles_for_sm90(tiling, rotary, tmp_path, capsys):
     and 64 keys over 4 warps (a warpgroup MMA's 64 rows): compiles, spills nothing; the registers printed."""
     block_n, warps, stages = tiling
     k_bits, v_widen = triton_attention.fp8_widening(block_n)
-    pointers = {name: "*bf16" for name in ("q_ptr", "out_ptr", "k_new_ptr", "v_new_ptr")}
-    pointers.update({name: "*fp8e4nv" for name in ("k_cache_ptr", "v_cache_ptr")})
-    pointers.update({name: "*fp32" for name in ("part_out_ptr", "part_lse_ptr", "cos_sin_ptr")})
-    pointers.update({name: "*i32" for name in ("block_tables_ptr", "context_lens_ptr", "active_splits_ptr")})
-    pointers.update(positions_ptr="*i64", slot_ptr="*i64")
+    pointers = fp8_pool_kernel_pointers()
     const = dict(GROUP=4, G_PAD=keys_major.keys_major_columns(4), HEAD_DIM=128, DIM_PAD=128, PAGE_SIZE=32,
                  BLOCK_N=block_n, NUM_SPLITS=4, PRECISION="tf32", FP16_MATH=True, ROTARY_APPEND=rotary,
                  ROTATE=rotary, DYNAMIC_SPLITS=False, PDL=False, K_BITS=k_bits, V_WIDEN=v_widen, ASM=True)
