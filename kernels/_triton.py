@@ -62,7 +62,7 @@ PDL_ENV = "TRITONLLM_PDL"  # "0": never launch with PDL
 # machines and 3-4% slower on two others (2026-11-25), so it is timed, not assumed.
 PDL_ALLOWED = os.environ.get(PDL_ENV, "1") != "0"
 _pdl_enabled = PDL_ALLOWED
-_HOPPER_DEVICES: dict[int, bool] = {}  # device index -> compute capability >= 9.0
+_CAPABILITIES: dict[int, tuple[int, int]] = {}  # device index -> its compute capability (device_capability)
 
 
 @jit
@@ -94,17 +94,21 @@ def weight_prefetch(kind: str, pdl: bool) -> bool:
     return kind in os.environ.get(WEIGHT_PREFETCH_ENV, WEIGHT_PREFETCH_DEFAULT).strip().split(",")
 
 
-def hopper_or_later(t) -> bool:
-    """``t`` is on a GPU of compute capability >= 9.0 (grid dependency control, the tensor-memory
-    accelerator); read once per device."""
-    if not t.is_cuda:
-        return False
-    index = t.device.index if t.device.index is not None else 0
-    if index not in _HOPPER_DEVICES:
+def device_capability(index: int) -> tuple[int, int]:
+    """The compute capability of CUDA device ``index``, read once per device (launch paths ask it every call)."""
+    if index not in _CAPABILITIES:
         import torch
 
-        _HOPPER_DEVICES[index] = torch.cuda.get_device_capability(index)[0] >= 9
-    return _HOPPER_DEVICES[index]
+        _CAPABILITIES[index] = tuple(torch.cuda.get_device_capability(index))
+    return _CAPABILITIES[index]
+
+
+def hopper_or_later(t) -> bool:
+    """``t`` is on a GPU of compute capability >= 9.0 (grid dependency control, the tensor-memory
+    accelerator)."""
+    if not t.is_cuda:
+        return False
+    return device_capability(t.device.index if t.device.index is not None else 0)[0] >= 9
 
 
 def pdl_supported(t) -> bool:

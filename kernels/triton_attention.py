@@ -92,8 +92,8 @@ import os
 
 import torch
 
-from kernels._triton import (TensorDescriptor, dense, hopper_or_later, jit, num_sms, pdl_options, pdl_prologue,
-                             power_of_2_floor, resident_programs, tl, triton)
+from kernels._triton import (TensorDescriptor, dense, device_capability, hopper_or_later, jit, num_sms, pdl_options,
+                             pdl_prologue, power_of_2_floor, resident_programs, tl, triton)
 from kernels.attention_metadata import AttentionMetadata
 from kernels.e4m3_bits import bits_factor
 from kernels.keys_major_decode import keys_major_decode, keys_major_decode_chosen, keys_major_own_residency
@@ -599,9 +599,9 @@ def merge_splits_pad(num_splits: int) -> int:
 def _decode_num_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, num_sms: int, block_n: int,
                        resident_per_sm: int | None = None) -> int:
     """Key splits of a decode launch: a power of two (any count up to the policy's most under a policy of any
-    count: split_counts), at most MAX_DECODE_SPLITS, no split shorter than 2 key tiles. Until ``resident_per_sm`` is known (the tiling's programs one SM holds, known once it has
-    run: _DECODE_RESIDENT), and for batches of fewer programs than twice the SMs: enough programs to cover the GPU
-    twice. Then (the policy of
+    count: split_counts), at most MAX_DECODE_SPLITS, no split shorter than 2 key tiles. Until ``resident_per_sm``
+    is known (the tiling's programs one SM holds, known once it has run: _DECODE_RESIDENT), and for batches of
+    fewer programs than twice the SMs: enough programs to cover the GPU twice. Then (the policy of
     $TRITONLLM_DECODE_SPLIT_POLICY, SPLIT_POLICIES): 1 for a batch of the policy's unsplit waves or more (its last
     partial wave is a small share of the time, and so many sequences in one pool have short contexts, which
     splits only slow down); else the count of least _decode_split_cost, within one wave too ("h200"; "h100":
@@ -714,16 +714,16 @@ UNSPLIT_WAVES = 4
 # compile varied (NUM_SPLITS), and a share of 0.65 kept 48 x 21,000 at 1 split with 4 (call 4: 792 us). 3.0-4.4
 # programs an SM with 2-3 unsplit waves pick within 3.5% of the fastest measured count in all six cases at either
 # residency (48 x 21,000: 4 splits with 4 an SM, 8 with 5).
-# "h200-any" (the default since 2026-12-02, issue 51): "h200"'s figures, its cost choosing among every count up to 8 (split_counts), not
-# only powers of two, and its mid-size decode graphs capturing 8 splits (captured_splits). Why: at 20000/2000's
-# plateau (~91 sequences x ~21k keys, 8 KV heads: 728 programs; the FP8 keys-major tiling 64 x 2 x 5, 4 programs an
-# SM, 528 at once) "h200" takes 2 splits, 1,456 programs in 3 waves the last 76% full (92% of the slots used), where
-# 5 splits are 3,640 programs in 6.89 waves (98.5%); at 85 and 100 sequences it takes 16, which a graph clamps to
-# DYNAMIC_SPLITS_CAPTURED (4), where "h200-any" takes 3 and 7 (tests/kernels/test_decode_split_waves.py). On
+# "h200-any" (the default since 2026-12-02, issue 51): "h200"'s figures, its cost choosing among every count up to 8
+# (split_counts), not only powers of two, and its mid-size decode graphs capturing 8 splits (captured_splits). Why: at
+# 20000/2000's plateau (~91 sequences x ~21k keys, 8 KV heads: 728 programs; the FP8 keys-major tiling 64 x 2 x 5, 4
+# programs an SM, 528 at once) "h200" takes 2 splits, 1,456 programs in 3 waves the last 76% full (92% of the slots
+# used), where 5 splits are 3,640 programs in 6.89 waves (98.5%); at 85 and 100 sequences it takes 16, which a graph
+# clamps to DYNAMIC_SPLITS_CAPTURED (4), where "h200-any" takes 3 and 7 (tests/kernels/test_decode_split_waves.py). On
 # one H200 (2026-12-02, benchmarks/engine/lanes/s32_c2/split51.sh, FP8 head-major pool, us a layer, eager / as a
 # decode graph's replay): 91 x 21,000 "h200" 1,112 / 1,154 against "h200-any" 1,038 / 1,085 (5 splits, 88% of copy);
-# 85 x 21,000 1,013 / 1,145 against 982 / 1,029 (3); 100 x 21,000 1,188 / 1,331 against 1,168 / 1,221 (7);
-# 64 and 128 x 20,480 within 0.5% either way. So it is the default; "h200" keeps the powers of two.
+# 85 x 21,000 1,013 / 1,145 against 982 / 1,029 (3); 100 x 21,000 1,188 / 1,331 against 1,168 / 1,221 (7); 64 and 128
+# x 20,480 within 0.5% either way. So it is the default; "h200" keeps the powers of two.
 DECODE_SPLIT_POLICY_ENV = "TRITONLLM_DECODE_SPLIT_POLICY"
 SPLIT_POLICIES = {"h200": (0.0, 3.5, 3, True), "h100": (SATURATING_SHARE, 0.0, UNSPLIT_WAVES, False),
                   "h200-any": (0.0, 3.5, 3, True)}
@@ -908,8 +908,8 @@ def _prefill_config(group: int, dim_pad: int, kv_itemsize: int,
     block_m = 64 if group <= 64 else triton.next_power_of_2(group)
     if dim_pad > 128:
         return block_m, 32, 8, 2, 1
-    sm90 = PREFILL_SM90_TILINGS.get(kv_itemsize)
-    if sm90 is not None and group <= 64 and device is not None and _is_sm90(device):
+    sm90 = _sm90_prefill_tiling(group, dim_pad, kv_itemsize, device)
+    if sm90 is not None:
         return (*sm90, 1)
     if kv_itemsize == 1:
         return max(block_m, 128), 128, 8, 2, 1
@@ -918,28 +918,35 @@ def _prefill_config(group: int, dim_pad: int, kv_itemsize: int,
 
 # Prompt chunks on an sm_90 GPU (compute capability 9.0: H100 and H200, one SM architecture; the H200 differs in its
 # memory), by the pool's bytes a value: (BLOCK_M rows, BLOCK_N keys, warps, stages) in place of _prefill_config's, at
-# every context length (rows that went by the context would make a tile map's unit depend on the step).
-# bf16: H200, Llama-8B heads, one layer, paged pool with the served tile map, from CUDA graphs
+# every context length (rows that went by the context would make a tile map's unit depend on the step). bf16: H200,
+# Llama-8B heads, one layer, paged pool with the served tile map, from CUDA graphs
 # (benchmarks/engine/lanes/s32_c2/fa51.sh, attention_kernel_bench.py --sweep_prefill, issue 51), us a layer, 64 x 64
 # over 4 warps, 2 stages -> 128 x 128 over 8 warps, 3 stages: an 8,192-token chunk over 8,192 keys 1,552 -> 1,379,
 # over 16,384 4,544 -> 3,908, over 20,000 5,931 -> 5,060; the last 3,616 of a 20k prompt 3,084 -> 2,612; four
-# 2,048-token prompts 458 -> 448; 1,024 over 2,048 96 -> 91. The other candidates (64:64:4:3, 64:128:4:2,
-# 128:64:8:2, 128:64:8:3) were 0.75-1.00x. As the served default (lanes/s33_c1/pf51.sh, the same day, another lease):
-# 1.11 / 1.17 / 1.17 / 1.19 / 1.03 / 1.06x over 64 x 64 x 4 x 2 at those six cases, its GPU tests 61 passed. Measured on the H200 only; the H100 shares the SM, and sm_90 choices here
-# go by capability (kernels/fp8_block.py, kernels/fused_moe_fp8.py). FP8 pools: no entry, the same sweep found
-# nothing faster than their default 128 x 128 x 8 x 2 (128:128:8:3 0.97x).
+# 2,048-token prompts 458 -> 448; 1,024 over 2,048 96 -> 91. The other candidates (64:64:4:3, 64:128:4:2, 128:64:8:2,
+# 128:64:8:3) were 0.75-1.00x. As the served default (lanes/s33_c1/pf51.sh, the same day, another lease): 1.11 / 1.17
+# / 1.17 / 1.19 / 1.03 / 1.06x over 64 x 64 x 4 x 2 at those six cases, its GPU tests 61 passed. Measured on the H200
+# only; the H100 shares the SM, and sm_90 choices here go by capability (kernels/fp8_block.py,
+# kernels/fused_moe_fp8.py). FP8 pools: no entry, the same sweep found nothing faster than their default 128 x 128 x 8
+# x 2 (128:128:8:3 0.97x).
 PREFILL_SM90_TILINGS: dict[int, tuple[int, int, int, int]] = {2: (128, 128, 8, 3)}
-_SM90_DEVICES: dict[int, bool] = {}  # device index -> compute capability is exactly 9.0
+
+
+def _sm90_prefill_tiling(group: int, dim_pad: int, kv_itemsize: int,
+                         device: torch.device | None) -> tuple[int, int, int, int] | None:
+    """PREFILL_SM90_TILINGS' tiling where it replaces _prefill_config's: on an sm_90 ``device``, a pool it has an
+    entry for, heads up to 128 wide, groups of up to 64 query heads (the 64-row default's); else None."""
+    sm90 = PREFILL_SM90_TILINGS.get(kv_itemsize)
+    if sm90 is None or group > 64 or dim_pad > 128 or device is None or not _is_sm90(device):
+        return None
+    return sm90
 
 
 def _is_sm90(device: torch.device) -> bool:
-    """``device`` is a CUDA GPU of compute capability 9.0 (read once per device)."""
+    """``device`` is a CUDA GPU of compute capability 9.0."""
     if device.type != "cuda":
         return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SM90_DEVICES:
-        _SM90_DEVICES[index] = torch.cuda.get_device_capability(index) == (9, 0)
-    return _SM90_DEVICES[index]
+    return device_capability(device.index if device.index is not None else torch.cuda.current_device()) == (9, 0)
 
 
 def _short_step_config(group: int, dim_pad: int, kv_itemsize: int,
@@ -968,7 +975,7 @@ def _short_step_config(group: int, dim_pad: int, kv_itemsize: int,
     decode's key tiles: 254 registers, no spill, not measured.) FP8 pools (128-row tiles) and heads of
     256 spill in every tiling tried and keep the prefill tiling."""
     block_m, block_n, warps, stages, _ = _prefill_config(group, dim_pad, kv_itemsize, device)
-    if block_m != _prefill_config(group, dim_pad, kv_itemsize)[0]:
+    if _sm90_prefill_tiling(group, dim_pad, kv_itemsize, device) is not None:
         return block_m, 64, 8, 2
     if (kv_itemsize != 1 and dim_pad <= 128 and block_m == 64
             and os.environ.get(SHORT_STEP_TILING_ENV) == "short"):

@@ -487,8 +487,8 @@ def test_decode_splits_fill_whole_waves(monkeypatch):
 
 
 def test_decode_splits_by_the_h200_policy_where_measured_fastest(monkeypatch):
-    """The H200's powers-of-two policy ("h200", the default until "h200-any": kernels/triton_attention.py SPLIT_POLICIES) on its measured cases: 4 or 5
-    programs of the FP8 pool's 64-key tiling an SM (its recorded residency varied between compiles), 132 SMs,
+    """The H200's powers-of-two policy ("h200", the default until "h200-any": kernels/triton_attention.py
+    SPLIT_POLICIES) on its measured cases: 4 or 5 programs of the FP8 pool's 64-key tiling an SM (its recorded residency varied between compiles), 132 SMs,
     Llama-8B's 8 KV heads. Each count is the fastest measured or within 3.5% of it (48 x 21,000: 4 splits 614 us,
     8 635, 1 785), at either residency; the H100's policy took 48 x 21,000 to 1 split and, at 5 an SM,
     256 x 20,480 / 8,192 to 8 (3,283 / 1,380 us against ~3,170 / ~1,250 with 1)."""

@@ -11,6 +11,7 @@ from kernel_testing import TOLERANCE, relative_error, triton_device
 from test_kernel_attention import make_batch
 
 from benchmarks.kernels import attention_kernel_bench as bench
+import kernels._triton
 from kernels import triton_attention as ta
 
 CUDA = torch.device("cuda", 0)
@@ -18,8 +19,9 @@ DEVICE = triton_device()
 
 
 def fake_capability(monkeypatch, capability: tuple[int, int]) -> None:
-    """CUDA device 0 reads as ``capability`` through the lookup _is_sm90 makes (its cache emptied)."""
-    monkeypatch.setattr(ta, "_SM90_DEVICES", {})
+    """CUDA device 0 reads as ``capability`` through the lookup _is_sm90 makes (kernels/_triton.py
+    device_capability, its cache emptied)."""
+    monkeypatch.setattr(kernels._triton, "_CAPABILITIES", {})
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: capability)
 
 
