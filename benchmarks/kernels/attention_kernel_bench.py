@@ -216,8 +216,6 @@ def time_us(fn, calls: int = 10, layers: int = 1) -> float:
     (attention_call; one call a graph then: 32 layers of a long-context batch are tens of ms). On the CPU
     (--device cpu, a dry run under the interpreter): the wall-clock time of one call, which means nothing."""
     if DEVICE == "cpu":
-        import time
-
         start = time.perf_counter()
         fn()
         return (time.perf_counter() - start) * 1e6 / layers
@@ -411,12 +409,17 @@ def sdpa_anchor(name: str) -> list[dict]:
             row.update(us=round(us, 1), tflops=round(flops / us / 1e6, 1), kv_tb_s=0.0)
         except Exception as exc:  # a backend this torch / GPU lacks: say so, keep the other rows
             row.update(us=float("nan"), tflops=float("nan"), kv_tb_s=0.0,
-                       error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}")
+                       error=error_text(exc))
         rows.append(row)
     del q, k, v, k_own, v_own, k_old, v_old
     if DEVICE == "cuda":
         torch.cuda.empty_cache()
     return rows
+
+
+def error_text(exc: Exception) -> str:
+    """A failed row's "error": the exception's type and the first line of its message (at most 160 characters)."""
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
 
 
 def sweep_prefill(pool: str, cases: list[str], entries: str, check: bool, suffix: str = "") -> list[dict]:
@@ -434,7 +437,7 @@ def sweep_prefill(pool: str, cases: list[str], entries: str, check: bool, suffix
                     except Exception as exc:  # a tiling this GPU cannot run (shared memory, registers)
                         rows.append({"case": name, "pool": pool, "tiling": label, "us": float("nan"),
                                      "tflops": float("nan"), "kv_tb_s": 0.0, "config": entry.replace(":", "x"),
-                                     "error": f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"})
+                                     "error": error_text(exc)})
                         print(rows[-1], flush=True)
                         break  # its other cases would fail alike
                     print(rows[-1], flush=True)

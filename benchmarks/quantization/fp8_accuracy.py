@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the checkout: en
 from benchmarks.common import REPO_ROOT  # noqa: E402
 
 from engine.build import load_gguf  # noqa: E402
-from kernels.attention import KV_FP8_DTYPE, KV_FP8_MAX  # noqa: E402
+from kernels.attention import KV_FP8_DTYPE, KV_FP8_MAX, to_cache_dtype  # noqa: E402
 from kernels.fp8 import (FP8_DTYPE, FP8_MAX, MIN_SCALE, dequantize_rows, quantize_rows,  # noqa: E402
                          quantize_weight)
 
@@ -168,7 +168,7 @@ ROUNDED_ATTENTION = "fp8_rounded_attention"  # the name the custom attention fun
 def pool_rounded(x: torch.Tensor) -> torch.Tensor:
     """K or V as an FP8 pool holds them, read back (kernels/paged_kv_math.py cache_value): scale 1, saturated
     at +-448, nearest E4M3 (ties to even), widened exactly. Any shape; float32 out."""
-    return x.float().clamp(-KV_FP8_MAX, KV_FP8_MAX).to(KV_FP8_DTYPE).float()
+    return to_cache_dtype(x, KV_FP8_DTYPE).float()
 
 
 def fp8_query(query: torch.Tensor, scaling: float, row_scaled: bool = False) -> torch.Tensor:
@@ -182,10 +182,10 @@ def fp8_query(query: torch.Tensor, scaling: float, row_scaled: bool = False) -> 
     qk_scale = torch.tensor(scaling * LOG2E, dtype=torch.float32)
     q16 = (query.float() * qk_scale).clamp(-FP16_MAX, FP16_MAX).to(torch.float16).float()
     if not row_scaled:
-        return q16.clamp(-KV_FP8_MAX, KV_FP8_MAX).to(KV_FP8_DTYPE).float()
+        return to_cache_dtype(q16, KV_FP8_DTYPE).float()  # (the pool's saturating cast: the same E4M3 rounding)
     peak = q16.abs().amax(dim=-1, keepdim=True).clamp(min=2.0**-24)
     power = torch.exp2(torch.floor(torch.log2(KV_FP8_MAX / peak)))
-    return (q16 * power).clamp(-KV_FP8_MAX, KV_FP8_MAX).to(KV_FP8_DTYPE).float() / power
+    return to_cache_dtype(q16 * power, KV_FP8_DTYPE).float() / power
 
 
 def rounded_attention(base, round_kv: bool, round_q: bool | str):
