@@ -197,13 +197,18 @@ def test_attached_clients_share_one_engine_each_with_its_own_ids_and_one_that_le
         assert heard == [("stop", "user-7")]
 
         leaving = EngineProcess.attach(listen_path, timeout_s=30)
+        iteration_before = owner.get_latest_iteration_stats().iter  # the engine is idle: the owner's requests are done
         leaving.enqueue_request(Request(input_token_ids=[1, 2, 3], max_tokens=120, streaming=True))
-        deadline = time.monotonic() + 30
-        while owner.get_latest_iteration_stats().kv_cache_stats.used_num_blocks == 0:
-            assert time.monotonic() < deadline, "the attached client's request never ran"
-            time.sleep(0.02)
+        # Its first streamed tokens say it runs. (Not the owner's view of the pool: the stats reach clients every
+        # STATS_PERIOD_S, and on a GPU the tiny engine's 120 steps can all fit between two of them.)
+        assert leaving.await_responses(timeout=30), "the attached client's request never ran"
         leaving.shutdown()  # an attached client's shutdown leaves the engine running for the owner
-        while owner.get_latest_iteration_stats().kv_cache_stats.used_num_blocks != 0:
+        deadline = time.monotonic() + 30
+        while True:  # cancelled by the leave (or, on a fast GPU, finished before it): no blocks kept either way
+            stats = owner.get_latest_iteration_stats()
+            if stats.iter > iteration_before and stats.num_active_requests == 0 \
+                    and stats.kv_cache_stats.used_num_blocks == 0:
+                break
             assert time.monotonic() < deadline, "the leaving client's request kept its blocks"
             time.sleep(0.02)
         request_id = owner.enqueue_request(Request(input_token_ids=[1, 2], max_tokens=3))
