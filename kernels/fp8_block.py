@@ -39,7 +39,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from kernels._triton import dense, jit, num_sms, tl, triton, use_triton
+from kernels._triton import dense, device_capability, jit, num_sms, tl, triton, use_triton
 from kernels.e4m3_rows import e4m3_row_scale, to_e4m3
 from kernels.fp8 import FP8_DTYPE, FP8_MAX, MIN_SCALE
 from kernels.fp8_block_skinny import SCALE_BLOCK, fp8_block_skinny_triton, skinny_options, skinny_variant
@@ -243,7 +243,7 @@ def _cublas_block_scaled_device(index: int) -> bool:
     if not (hasattr(torch, "_scaled_mm") and torch.version.cuda):
         return False
     cuda = tuple(int(part) for part in torch.version.cuda.split(".")[:2])
-    return cuda >= (12, 9) and torch.cuda.get_device_capability(index) == (9, 0)
+    return cuda >= (12, 9) and device_capability(index) == (9, 0)
 
 
 def cublas_block_scaled_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -45,7 +45,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels._triton import jit, pdl_options, pdl_prologue, tl, use_triton
+from kernels._triton import device_capability, jit, pdl_options, pdl_prologue, tl, use_triton
 from kernels.activation import silu_and_mul
 from kernels.fp8 import FAST_ACCUM, FP8_DTYPE, dequantize_rows, quantize_rows, quantize_rows_triton
 from kernels.fp8_block import BLOCK, dequantize_blocks, dequantize_groups, quantize_groups, quantize_groups_triton
@@ -301,7 +301,7 @@ def scaled_grouped_mm_supported(x: torch.Tensor, gate_up: torch.Tensor, gate_up_
         return False
     _, two_inter, hidden = gate_up.shape
     index = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    return torch.cuda.get_device_capability(index) == (9, 0) and two_inter % 32 == 0 and hidden % 16 == 0
+    return device_capability(index) == (9, 0) and two_inter % 32 == 0 and hidden % 16 == 0
 
 
 def fused_moe_fp8_grouped_mm(x: torch.Tensor, gate_up: torch.Tensor, gate_up_scale: torch.Tensor,

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import dense, jit, tl, triton, use_triton
+from kernels._triton import dense, device_capability, jit, tl, triton, use_triton
 from kernels.moe_epilogue import PLAIN_SILU, ExpertEpilogue, expert_activation
 
 
@@ -41,7 +41,8 @@ def grouped_mm_supported(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Ten
         return False
     if any(size % 8 for size in (gate_up.shape[-1], gate_up.shape[-2], down.shape[-1], down.shape[-2])):
         return False
-    return not x.is_cuda or torch.cuda.get_device_capability(x.device) >= (9, 0)
+    return not x.is_cuda or device_capability(x.device.index if x.device.index is not None
+                                              else torch.cuda.current_device()) >= (9, 0)
 
 
 def expert_counts_and_ranks(flat_ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
