@@ -188,14 +188,8 @@ def build_case(batch: list[tuple[int, int]], pool_dtype: torch.dtype, seed: int 
         from engine.executor.prefill_graphs import tile_map
         from kernels.triton_attention import prefill_tokens_per_tile
 
-        try:  # in the rows of the launches' device (sm_90's bf16 tiles have their own: _prefill_config)
-            per_tile = prefill_tokens_per_tile(NUM_HEADS // NUM_KV_HEADS, HEAD_DIM, k_cache.element_size(),
-                                               k_cache.device)
-        except TypeError:  # kernels before 2026-12-02 (rows by pool only), or before 2026-11-26 (one tiling)
-            try:
-                per_tile = prefill_tokens_per_tile(NUM_HEADS // NUM_KV_HEADS, HEAD_DIM, k_cache.element_size())
-            except TypeError:
-                per_tile = prefill_tokens_per_tile(NUM_HEADS // NUM_KV_HEADS)
+        # in the rows of the launches' device (sm_90's bf16 tiles have their own: _prefill_config)
+        per_tile = prefill_tokens_per_tile(NUM_HEADS // NUM_KV_HEADS, HEAD_DIM, k_cache.element_size(), k_cache.device)
         tile_seq, tile_m = tile_map(q_lens, per_tile, -(-cu[-1] // per_tile) + len(batch))
         meta.tile_seq, meta.tile_m = torch.from_numpy(tile_seq).to(DEVICE), torch.from_numpy(tile_m).to(DEVICE)
         meta.tile_tokens = per_tile  # (the launch checks its tiles hold as many)
